@@ -1,0 +1,65 @@
+"""Validated, frozen configuration models.
+
+Configs are pydantic models so a typo or an out-of-range value fails at construction with a message
+naming the field, never later with a KeyError deep inside a forward pass.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from pic.errors import InvalidInputError
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class CompileOptions(_Frozen):
+    """How a chunk is prefilled; part of its cache id, so chunks compiled differently never mix.
+
+    Attributes:
+        add_bos: prefill the chunk after its own BOS token (kept in the cached KV and the linked
+            prompt). Ignored when the tokenizer has no BOS token.
+        num_extra_bos: extra leading BOS tokens prefilled before the chunk and dropped from the
+            cached KV afterwards (EPIC's LegoLink-0); the chunk keeps its compile-time context.
+    """
+
+    add_bos: bool = True
+    num_extra_bos: int = Field(default=0, ge=0, le=64)
+
+
+class PICConfig(_Frozen):
+    """Engine configuration.
+
+    Attributes:
+        block_size: tokens per KV block. Chunks are front-padded to whole blocks so that a chunk's
+            blocks hold the same content in every request.
+        add_bos: compile every chunk after its own BOS token (see ``CompileOptions``).
+        kv_pool_tokens: capacity of the paged KV pool in tokens (rounded up to whole blocks).
+            ``None`` sizes it to twice the model's context, at most 65536 tokens.
+        eos_token_ids: token ids that end a generation; ``None`` takes the model's generation
+            config (and the tokenizer's EOS).
+        default_policy: the recompute policy ``link`` uses when none is given.
+    """
+
+    block_size: int = Field(default=16, ge=1, le=4096)
+    add_bos: bool = True
+    kv_pool_tokens: int | None = Field(default=None, ge=1)
+    eos_token_ids: tuple[int, ...] | None = None
+    default_policy: str = "full"
+
+    def compile_options(self) -> CompileOptions:
+        """The compile options this engine uses before a policy adds its own needs."""
+        return CompileOptions(add_bos=self.add_bos)
+
+
+def validated(model: type[_Frozen], **values: object) -> _Frozen:
+    """Build ``model(**values)``, turning pydantic's error into an ``InvalidInputError``."""
+    try:
+        return model(**values)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc'])}={err.get('input')!r}: {err['msg']}" for err in exc.errors()
+        )
+        raise InvalidInputError(f"invalid {model.__name__}: {problems}") from None

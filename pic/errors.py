@@ -1,0 +1,47 @@
+"""Errors raised by pic.
+
+Every public failure is a :class:`PicError` whose message names the offending value. A failed call
+leaves every cached chunk intact: inputs are validated before any state changes.
+"""
+
+from __future__ import annotations
+
+
+class PicError(Exception):
+    """Base class of every error pic raises on purpose."""
+
+
+class InvalidInputError(PicError, ValueError):
+    """An argument has a value pic cannot use (empty document, bad token id, bad sampling option)."""
+
+
+class UnknownCacheIdError(PicError):
+    """A cache id that the engine's store does not hold."""
+
+
+class UnknownPolicyError(PicError):
+    """A policy spec that names no registered policy, or gives it a bad argument."""
+
+
+class CompileOptionsMismatchError(PicError):
+    """A chunk was compiled with other options than the linking policy needs."""
+
+
+class ContextLengthError(PicError):
+    """A chunk or a linked prompt is longer than the model's context."""
+
+
+class UnsupportedModelError(PicError):
+    """The model is not a supported rotary-embedding decoder."""
+
+
+class KVPoolExhaustedError(PicError):
+    """The KV pool has fewer free blocks than a request needs."""
+
+
+class NoEngineError(PicError):
+    """A module-level function was called before ``pic.load``."""
+
+
+class LinkedReleasedError(PicError):
+    """A ``Linked`` request was used after it was generated from or released."""
