@@ -1,0 +1,106 @@
+"""pic: position-independent KV caching for LLMs.
+
+Compile chunks once into KV stored without rotary embeddings; link any cached chunks, in any order,
+with a new query, recomputing only the tokens a policy picks::
+
+    import pic
+
+    pic.load()                                   # the embedded stories260K model, or any HF RoPE decoder
+    ids = pic.compile(["Tom had a red ball.", "Lily liked to sing."])
+    out = pic.link(ids[::-1], "One day,").generate(max_new_tokens=32)
+    print(out.text, out.ttft_s)
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+
+from pic import policies
+from pic.api import PIC
+from pic.config import CompileOptions, PICConfig
+from pic.errors import (
+    CompileOptionsMismatchError,
+    ContextLengthError,
+    InvalidInputError,
+    KVPoolExhaustedError,
+    LinkedReleasedError,
+    NoEngineError,
+    PicError,
+    UnknownCacheIdError,
+    UnknownPolicyError,
+    UnsupportedModelError,
+)
+from pic.link import FinishReason, Generation, GenerationStats, Linked, SamplingParams
+from pic.model.loading import EMBEDDED_MODEL
+
+__version__ = "0.1.0"
+
+_default_engine: PIC | None = None  # the one sanctioned global: set by `load`, used by compile/link
+
+
+def load(
+    name_or_path: str | os.PathLike = EMBEDDED_MODEL,
+    *,
+    device: str | torch.device | None = None,
+    dtype: str | torch.dtype | None = None,
+    config: PICConfig | None = None,
+) -> PIC:
+    """Build an engine (``PIC.from_pretrained``) and make it the default for ``pic.compile`` / ``pic.link``.
+
+    ``name_or_path`` defaults to the embedded stories260K model, so ``pic.load()`` works offline.
+    """
+    global _default_engine
+    _default_engine = PIC.from_pretrained(name_or_path, device=device, dtype=dtype, config=config)
+    return _default_engine
+
+
+def default_engine() -> PIC:
+    """The engine ``load`` made last.
+
+    Raises:
+        NoEngineError: ``load`` was not called.
+    """
+    if _default_engine is None:
+        raise NoEngineError("no default engine: call pic.load(...) first, or use a pic.PIC instance")
+    return _default_engine
+
+
+def compile(docs, *, policy: str | policies.Policy | None = None, progress: bool | None = None) -> list[str]:  # noqa: A001
+    """``default_engine().compile(...)``: see ``PIC.compile``."""
+    return default_engine().compile(docs, policy=policy, progress=progress)
+
+
+def link(cache_ids: Sequence[str], query, *, prefix="", policy: str | policies.Policy | None = None) -> Linked:
+    """``default_engine().link(...)``: see ``PIC.link``."""
+    return default_engine().link(cache_ids, query, prefix=prefix, policy=policy)
+
+
+__all__ = [
+    "EMBEDDED_MODEL",
+    "PIC",
+    "CompileOptions",
+    "CompileOptionsMismatchError",
+    "ContextLengthError",
+    "FinishReason",
+    "Generation",
+    "GenerationStats",
+    "InvalidInputError",
+    "KVPoolExhaustedError",
+    "Linked",
+    "LinkedReleasedError",
+    "NoEngineError",
+    "PICConfig",
+    "PicError",
+    "SamplingParams",
+    "UnknownCacheIdError",
+    "UnknownPolicyError",
+    "UnsupportedModelError",
+    "compile",
+    "default_engine",
+    "link",
+    "load",
+    "policies",
+]

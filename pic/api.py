@@ -1,0 +1,223 @@
+"""``PIC``: the engine. Owns the model runner, the KV pool and the chunk store; compiles and links."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+
+import torch
+from tqdm.auto import tqdm
+
+from pic.link import policies
+from pic.compile import TextOrTokens, chunk_id, encode, model_fingerprint, prefill_chunk
+from pic.config import CompileOptions, PICConfig
+from pic.errors import (
+    CompileOptionsMismatchError,
+    ContextLengthError,
+    InvalidInputError,
+    UnknownCacheIdError,
+)
+from pic.kv import ChunkKV, KVPool
+from pic.link import Linked, lay_out, recompute
+from pic.model import ModelRunner, ModelSpec
+from pic.model.loading import EMBEDDED_MODEL, load_pretrained, resolve_device, resolve_dtype
+from pic.store import MemoryStore
+
+# Compiling at least this many new chunks shows a progress bar (unless `progress` says otherwise).
+_PROGRESS_MIN_CHUNKS = 8
+
+
+class PIC:
+    """A position-independent KV cache over one Hugging Face RoPE decoder.
+
+    ``compile`` prefills documents once into NoPE KV keyed by content; ``link`` joins any cached
+    chunks, in any order, with a query, recomputing the tokens its policy picks.
+
+    Args:
+        model: a supported ``*ForCausalLM`` (Llama, Mistral, Qwen2, Qwen3 families), on its device.
+        tokenizer: its tokenizer.
+        config: engine options (``PICConfig``).
+
+    Raises:
+        UnsupportedModelError: the model has no rotary embeddings or an unsupported layer layout.
+    """
+
+    def __init__(self, model: torch.nn.Module, tokenizer: object, *, config: PICConfig | None = None) -> None:
+        self.config = config or PICConfig()
+        self.runner = ModelRunner(model)
+        self.tokenizer = tokenizer
+        self.fingerprint = model_fingerprint(model)
+        self.store = MemoryStore()
+        self.default_policy = policies.resolve(self.config.default_policy)
+        spec = self.runner.spec
+        pool_tokens = self.config.kv_pool_tokens or min(2 * spec.max_context, 65536)
+        self.pool = KVPool(
+            num_layers=spec.num_layers,
+            num_blocks=-(-pool_tokens // self.config.block_size),
+            block_size=self.config.block_size,
+            num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            dtype=spec.dtype,
+            device=spec.device,
+        )
+        bos = getattr(tokenizer, "bos_token_id", None)
+        self.bos_token_id: int | None = bos if self.config.add_bos else None
+        self.eos_token_ids = frozenset(self.config.eos_token_ids or _model_eos_ids(model, tokenizer))
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        name_or_path: str | os.PathLike = EMBEDDED_MODEL,
+        *,
+        device: str | torch.device | None = None,
+        dtype: str | torch.dtype | None = None,
+        config: PICConfig | None = None,
+    ) -> PIC:
+        """Load a model and tokenizer by Hub name or local path (default: the embedded stories260K)."""
+        device = resolve_device(device)
+        model, tokenizer = load_pretrained(name_or_path, device=device, dtype=resolve_dtype(dtype, device))
+        return cls(model, tokenizer, config=config)
+
+    @property
+    def spec(self) -> ModelSpec:
+        return self.runner.spec
+
+    def compile(
+        self,
+        docs: TextOrTokens | Sequence[TextOrTokens],
+        *,
+        policy: str | policies.Policy | None = None,
+        progress: bool | None = None,
+    ) -> list[str]:
+        """Prefill each document alone and cache its KV; returns one cache id per document.
+
+        Args:
+            docs: a string, a list of strings, or a list of token-id lists (content tokens: the
+                BOS is added per the compile options).
+            policy: the policy the chunks will be linked with, when it needs compile options
+                (LegoLink-0); default: the engine's default policy.
+            progress: show a progress bar (default: when compiling many new chunks).
+
+        Ids are content addresses: compiling a document that is already cached does no work.
+
+        Raises:
+            InvalidInputError: no documents, an empty document, a bad token id.
+            ContextLengthError: a document longer than the model's context.
+        """
+        options = self.compile_options(policy)
+        token_lists = self._documents(docs, options)
+        ids = [chunk_id(self.fingerprint, tokens, options) for tokens in token_lists]
+        todo = {cid: tokens for cid, tokens in zip(ids, token_lists) if not self.store.contains(cid)}
+        show = progress if progress is not None else len(todo) >= _PROGRESS_MIN_CHUNKS
+        for cid, tokens in tqdm(todo.items(), desc="pic compile", unit="chunk", disable=not show):
+            self.store.put(self._prefill(cid, tokens, options))
+        return ids
+
+    def link(
+        self,
+        cache_ids: Sequence[str],
+        query: TextOrTokens,
+        *,
+        prefix: TextOrTokens = "",
+        policy: str | policies.Policy | None = None,
+    ) -> Linked:
+        """Link cached chunks with a query (prompt: ``prefix + chunks + query``) and run the
+        recompute pass, so the first token's logits are ready on return.
+
+        Raises:
+            UnknownCacheIdError: an id the store does not hold.
+            CompileOptionsMismatchError: a chunk compiled with other options than ``policy`` needs.
+            InvalidInputError: an empty query, a bad token id.
+            ContextLengthError: the linked prompt is longer than the model's context.
+        """
+        start = time.perf_counter()
+        policy = self._policy(policy)
+        chunks = self._chunks(cache_ids, self.compile_options(policy), policy)
+        vocab = self.spec.vocab_size
+        query_ids = encode(self.tokenizer, query, what="query", vocab_size=vocab)
+        prefix_ids = encode(self.tokenizer, prefix, what="prefix", vocab_size=vocab)
+        if not query_ids:
+            raise InvalidInputError(f"query {query!r} has no tokens; link needs at least one query token")
+        if self.bos_token_id is not None and (prefix_ids or not chunks):  # the prompt starts with BOS
+            target = prefix_ids if prefix_ids else query_ids
+            target.insert(0, self.bos_token_id)
+        layout = lay_out(prefix=prefix_ids, chunks=chunks, query=query_ids, block_size=self.config.block_size)
+        self._check_length(layout.num_tokens, "linked prompt")
+        selected = policy.select(layout) | ~layout.cached
+        result = recompute(self.runner, self.pool, layout, chunks, selected)
+        if self.spec.device.type == "cuda":
+            torch.cuda.synchronize(self.spec.device)
+        return Linked(
+            runner=self.runner,
+            tokenizer=self.tokenizer,
+            layout=layout,
+            policy=policy,
+            recomputed=selected,
+            result=result,
+            link_s=time.perf_counter() - start,
+            eos_token_ids=self.eos_token_ids,
+        )
+
+    def compile_options(self, policy: str | policies.Policy | None = None) -> CompileOptions:
+        """The options chunks are compiled with for ``policy`` (they are part of the cache id)."""
+        options = self._policy(policy).compile_options(self.config.compile_options())
+        if self.bos_token_id is None:  # no BOS to add: normalise so ids do not depend on the flag
+            options = options.model_copy(update={"add_bos": False})
+        return options
+
+    def _policy(self, policy: str | policies.Policy | None) -> policies.Policy:
+        return self.default_policy if policy is None else policies.resolve(policy)
+
+    def _documents(self, docs: TextOrTokens | Sequence[TextOrTokens], options: CompileOptions) -> list[list[int]]:
+        """Validated content tokens of every document, before any work is done."""
+        if isinstance(docs, (str, torch.Tensor)):
+            docs = [docs]
+        if not isinstance(docs, Sequence) or len(docs) == 0:
+            raise InvalidInputError(f"docs is {docs!r}; expected a non-empty list of documents")
+        lists = []
+        for i, doc in enumerate(docs):
+            tokens = encode(self.tokenizer, doc, what=f"document {i}", vocab_size=self.spec.vocab_size)
+            if not tokens:
+                raise InvalidInputError(f"document {i} ({doc!r:.40}) has no tokens")
+            self._check_length(len(tokens) + options.add_bos + options.num_extra_bos, f"document {i}")
+            lists.append(tokens)
+        return lists
+
+    def _prefill(self, cache_id: str, tokens: list[int], options: CompileOptions) -> ChunkKV:
+        lead = [self.bos_token_id] * (options.add_bos + options.num_extra_bos) if self.bos_token_id is not None else []
+        k, v = prefill_chunk(self.runner, self.pool, lead + tokens, num_dropped=options.num_extra_bos)
+        kept = torch.tensor((lead + tokens)[options.num_extra_bos :], dtype=torch.long)
+        return ChunkKV(cache_id=cache_id, token_ids=kept, k=k, v=v, options=options)
+
+    def _chunks(self, cache_ids: Sequence[str], options: CompileOptions, policy: policies.Policy) -> list[ChunkKV]:
+        if isinstance(cache_ids, str):
+            cache_ids = [cache_ids]
+        chunks = []
+        for cid in cache_ids:
+            chunk = self.store.get(cid) if isinstance(cid, str) else None
+            if chunk is None:
+                raise UnknownCacheIdError(f"unknown cache id {cid!r}: compile its document first ({len(self.store)} chunks cached)")
+            if chunk.options != options:
+                raise CompileOptionsMismatchError(
+                    f"chunk {cid} was compiled with {chunk.options!r} but policy {policy.spec!r} needs {options!r}; "
+                    f"compile it with compile(docs, policy={policy.spec!r})"
+                )
+            chunks.append(chunk)
+        return chunks
+
+    def _check_length(self, num_tokens: int, what: str) -> None:
+        if num_tokens > self.spec.max_context:
+            raise ContextLengthError(
+                f"{what} has {num_tokens} tokens, more than the {self.spec.max_context}-token context of "
+                f"{self.spec.architecture}"
+            )
+
+
+def _model_eos_ids(model: torch.nn.Module, tokenizer: object) -> set[int]:
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is None:
+        return set()
+    return {eos} if isinstance(eos, int) else set(eos)

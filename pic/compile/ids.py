@@ -1,0 +1,48 @@
+"""Content addresses: a model fingerprint and the cache id of a chunk.
+
+A cache id is a hash of (model fingerprint, token ids, compile options), so the same text compiled
+by the same model on two machines gets the same id, and a chunk can never be linked by a model, or
+with options, other than the ones that produced its KV.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+
+import msgpack
+import torch
+from torch import nn
+
+from pic.config import CompileOptions
+
+# Bump when the meaning of cached KV changes, so old ids stop matching.
+KV_FORMAT_VERSION = 1
+# Elements sampled from each end of every parameter; enough to tell checkpoints apart without
+# hashing gigabytes of weights.
+_SAMPLE = 64
+_CONFIG_NOISE = {"_name_or_path", "transformers_version", "architectures", "dtype", "torch_dtype", "use_cache"}
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    flat = t.detach().flatten()
+    sample = torch.cat((flat[:_SAMPLE], flat[-_SAMPLE:])) if flat.numel() > 2 * _SAMPLE else flat
+    return sample.cpu().contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def model_fingerprint(model: nn.Module) -> str:
+    """A stable hex digest of a model's config, dtype and (a sample of) its weights."""
+    config = {k: v for k, v in model.config.to_dict().items() if k not in _CONFIG_NOISE}
+    h = hashlib.sha256()
+    h.update(json.dumps(config, sort_keys=True, default=str).encode())
+    for name, param in sorted(model.state_dict().items()):
+        h.update(f"{name}:{param.dtype}:{tuple(param.shape)}".encode())
+        h.update(_tensor_bytes(param))
+    return h.hexdigest()[:32]
+
+
+def chunk_id(fingerprint: str, token_ids: Sequence[int], options: CompileOptions) -> str:
+    """Cache id (32 hex chars) of ``token_ids`` compiled by the model ``fingerprint`` with ``options``."""
+    key = msgpack.packb([KV_FORMAT_VERSION, fingerprint, options.model_dump(), list(token_ids)])
+    return hashlib.sha256(key).hexdigest()[:32]

@@ -1,0 +1,39 @@
+"""Turning user input (text or token ids) into validated token-id lists."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from pic.errors import InvalidInputError
+
+TextOrTokens = str | Sequence[int] | torch.Tensor
+
+
+def encode(tokenizer, value: TextOrTokens, *, what: str, vocab_size: int) -> list[int]:
+    """Token ids of ``value``: text is tokenized without special tokens, ids are checked.
+
+    Args:
+        what: how to name the value in errors (``"document 3"``, ``"query"``).
+
+    Raises:
+        InvalidInputError: a value that is neither text nor a list of ints, or an id outside the vocab.
+    """
+    if isinstance(value, str):
+        return list(tokenizer(value, add_special_tokens=False)["input_ids"])
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 1 or value.dtype.is_floating_point:
+            raise InvalidInputError(f"{what} is a tensor of shape {tuple(value.shape)} and dtype {value.dtype}; expected 1-D token ids")
+        value = value.tolist()
+    if not isinstance(value, Sequence) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise InvalidInputError(f"{what} is {_short(value)}; expected a string or a list of token ids")
+    bad = [t for t in value if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidInputError(f"{what} has token id {bad[0]}, outside the vocabulary [0, {vocab_size})")
+    return list(value)
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

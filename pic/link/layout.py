@@ -1,0 +1,115 @@
+"""Laying a linked prompt out in blocks: segments, padding, positions and slots.
+
+The linked prompt is ``prefix + chunk_1 + ... + chunk_n + query``. Every segment but the query is
+*front-padded* to a whole number of blocks (MEPIC's canonical layout): a chunk then always fills the
+same block-relative slots, whatever precedes it, so its blocks can hold identical content in every
+request. The query starts on a block boundary and generation appends after it. Padding slots
+consume no positions: logical positions run ``0 .. T-1`` over the real tokens, exactly as in the
+unpadded prompt, and attention masks padding out.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pic.kv import ChunkKV
+
+
+class SegmentKind(enum.Enum):
+    PREFIX = "prefix"
+    CHUNK = "chunk"
+    QUERY = "query"
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A contiguous run of the linked prompt.
+
+    Attributes:
+        token_start: index of its first token in the linked prompt (= its first logical position).
+        num_tokens: real tokens in it.
+        slot_start: request slot of its first token (after its front padding).
+        num_padding: padding slots in front of it.
+        cache_id: the chunk's cache id (chunks only).
+    """
+
+    kind: SegmentKind
+    token_start: int
+    num_tokens: int
+    slot_start: int
+    num_padding: int
+    cache_id: str | None = None
+
+    @property
+    def tokens(self) -> slice:
+        """Its tokens' indices in the linked prompt."""
+        return slice(self.token_start, self.token_start + self.num_tokens)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A linked prompt laid out in a request's slots.
+
+    Attributes:
+        token_ids: ``[T]`` int64, the linked prompt without padding.
+        positions: ``[T]`` int64 logical positions (``0 .. T-1``).
+        slots: ``[T]`` int64 request slots of the tokens (padding skipped).
+        cached: ``[T]`` bool, True for chunk tokens, whose KV the store holds.
+        num_slots: slots the prompt spans, padding included.
+    """
+
+    block_size: int
+    segments: tuple[Segment, ...]
+    token_ids: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    cached: torch.Tensor
+    num_slots: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_ids.shape[0]
+
+    @property
+    def chunks(self) -> tuple[Segment, ...]:
+        return tuple(s for s in self.segments if s.kind is SegmentKind.CHUNK)
+
+    @property
+    def query(self) -> Segment:
+        return self.segments[-1]
+
+
+def lay_out(*, prefix: Sequence[int], chunks: Sequence[ChunkKV], query: Sequence[int], block_size: int) -> Layout:
+    """Place prefix, chunks and query in slots; see the module docstring for the rules."""
+    parts: list[tuple[SegmentKind, Sequence[int], str | None]] = []
+    if prefix:
+        parts.append((SegmentKind.PREFIX, prefix, None))
+    parts += [(SegmentKind.CHUNK, c.token_ids.tolist(), c.cache_id) for c in chunks]
+    parts.append((SegmentKind.QUERY, query, None))
+
+    segments, token_ids, slots = [], [], []
+    num_tokens = num_slots = 0
+    for kind, ids, cache_id in parts:
+        padding = 0 if kind is SegmentKind.QUERY else -len(ids) % block_size
+        slot_start = num_slots + padding
+        segments.append(Segment(kind, num_tokens, len(ids), slot_start, padding, cache_id))
+        token_ids += ids
+        slots += range(slot_start, slot_start + len(ids))
+        num_tokens += len(ids)
+        num_slots = slot_start + len(ids)
+    cached = torch.zeros(num_tokens, dtype=torch.bool)
+    for seg in segments:
+        cached[seg.tokens] = seg.kind is SegmentKind.CHUNK
+    return Layout(
+        block_size=block_size,
+        segments=tuple(segments),
+        token_ids=torch.tensor(token_ids, dtype=torch.long),
+        positions=torch.arange(num_tokens),
+        slots=torch.tensor(slots, dtype=torch.long),
+        cached=cached,
+        num_slots=num_slots,
+    )

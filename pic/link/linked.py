@@ -1,0 +1,134 @@
+"""``Linked``: a linked prompt whose KV is ready, holding its blocks until generated or released."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Generator, Iterator, Sequence
+
+import torch
+
+from pic.config import validated
+from pic.errors import LinkedReleasedError
+from pic.link.generate import DecodeContext, Generation, decode
+from pic.link.layout import Layout
+from pic.link.policies import Policy
+from pic.link.recompute import Recomputed
+from pic.link.sampling import SamplingParams
+from pic.model import ModelRunner
+
+
+class Linked:
+    """The result of ``link``: the recompute pass has run, so the first token's logits are ready.
+
+    Attributes:
+        input_ids: ``[T]`` int64 (CPU), the linked prompt without padding.
+        logits: ``[num_query_tokens, vocab_size]`` float32, next-token logits at every query
+            position; the last row predicts the first new token.
+        recomputed: ``[T]`` bool (CPU), the tokens the policy recomputed (prefix and query included).
+        num_recomputed: ``recomputed.sum()``.
+        layout: where every segment sits in the request's blocks.
+        policy: the policy that chose the recomputed tokens.
+        link_s: seconds ``link`` took.
+
+    The request's KV blocks are held until ``generate`` / ``stream`` finishes, ``release`` is
+    called, the ``with`` block exits, or the object is garbage-collected.
+    """
+
+    def __init__(
+        self,
+        *,
+        runner: ModelRunner,
+        tokenizer: object,
+        layout: Layout,
+        policy: Policy,
+        recomputed: torch.Tensor,
+        result: Recomputed,
+        link_s: float,
+        eos_token_ids: frozenset[int],
+    ) -> None:
+        self.input_ids = layout.token_ids
+        self.logits = result.logits
+        self.recomputed = recomputed
+        self.num_recomputed = int(recomputed.sum())
+        self.layout = layout
+        self.policy = policy
+        self.link_s = link_s
+        self._runner, self._tokenizer, self._eos = runner, tokenizer, eos_token_ids
+        self._req = result.req
+        self._started = False
+        self._finalizer = weakref.finalize(self, result.req.release)
+
+    def generate(
+        self,
+        max_new_tokens: int = 64,
+        *,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+    ) -> Generation:
+        """Generate (greedy unless ``temperature > 0``) and release the request. See ``SamplingParams``."""
+        steps = self._start(
+            max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop
+        )
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    def stream(
+        self,
+        max_new_tokens: int = 64,
+        *,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+    ) -> Iterator[str]:
+        """Like ``generate``, yielding text pieces as they are final; their concatenation is the text."""
+        return self._start(
+            max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop
+        )
+
+    def _start(self, **options: object) -> Generator[str, None, Generation]:
+        params = validated(SamplingParams, **options)
+        if self._started or not self._finalizer.alive:
+            raise LinkedReleasedError("this Linked request was already generated from or released; link it again")
+        self._started = True
+        return self._run(params)
+
+    def _run(self, params: SamplingParams) -> Generator[str, None, Generation]:
+        ctx = DecodeContext(
+            runner=self._runner,
+            tokenizer=self._tokenizer,
+            req=self._req,
+            first_logits=self.logits[-1],
+            num_prompt_tokens=self.input_ids.shape[0],
+            num_recomputed=self.num_recomputed,
+            link_s=self.link_s,
+            eos_token_ids=self._eos,
+            max_context=self._runner.spec.max_context,
+        )
+        try:
+            return (yield from decode(ctx, params))
+        finally:
+            self.release()
+
+    def release(self) -> None:
+        """Free the request's blocks now (idempotent)."""
+        self._finalizer()
+
+    def __enter__(self) -> Linked:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        return (
+            f"Linked(num_tokens={self.input_ids.shape[0]}, num_chunks={len(self.layout.chunks)}, "
+            f"num_recomputed={self.num_recomputed}, policy={self.policy.spec!r})"
+        )
