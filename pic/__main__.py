@@ -1,0 +1,5 @@
+import sys
+
+from pic.cli import main
+
+sys.exit(main())
