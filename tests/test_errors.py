@@ -1,0 +1,144 @@
+"""Bad input gets a PicError naming the value, and the store keeps every chunk it had."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+import pic
+from pic.config import CompileOptions
+from tests.conftest import make_engine
+from tests.models import tokenizer
+
+DOCS = ["Tom had a red ball.", "Lily liked to sing."]
+
+
+@pytest.fixture
+def engine() -> pic.PIC:
+    return make_engine("stories260K")
+
+
+def assert_store_intact(engine: pic.PIC, ids: list[str], *, linkable: list[str] | None = None) -> None:
+    """The store holds exactly ``ids``, no blocks leaked, and the (default-option) chunks still link."""
+    assert sorted(engine.store.ids()) == sorted(ids)
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks
+    assert engine.link(ids if linkable is None else linkable, "One day,").generate(max_new_tokens=4).token_ids
+
+
+def test_unknown_cache_id(engine):
+    ids = engine.compile(DOCS)
+    with pytest.raises(pic.UnknownCacheIdError, match="'deadbeef'"):
+        engine.link([ids[0], "deadbeef"], "One day,")
+    assert_store_intact(engine, ids)
+
+
+@pytest.mark.parametrize("docs, named", [([], r"\[\]"), ("", "document 0"), ([DOCS[0], ""], "document 1"), (["   "], "document 0")])
+def test_empty_documents(engine, docs, named):
+    ids = engine.compile(DOCS)
+    with pytest.raises(pic.InvalidInputError, match=named):
+        engine.compile(docs)
+    assert_store_intact(engine, ids)
+
+
+@pytest.mark.parametrize("bad, named", [([[1, 2, 99999]], "99999"), ([[1, 2.5]], "document 0"), ([7], "document 0")])
+def test_bad_token_ids(engine, bad, named):
+    ids = engine.compile(DOCS)
+    with pytest.raises(pic.InvalidInputError, match=named):
+        engine.compile(bad)
+    assert_store_intact(engine, ids)
+
+
+def test_empty_query(engine):
+    ids = engine.compile(DOCS)
+    with pytest.raises(pic.InvalidInputError, match="query"):
+        engine.link(ids, "")
+    assert_store_intact(engine, ids)
+
+
+def test_linked_prompt_longer_than_context(engine):
+    ids = engine.compile(DOCS)
+    long_doc = " ".join(["The dog ran to the park and played with a ball."] * 30)
+    (long_id,) = engine.compile(long_doc[: len(long_doc) // 2])
+    with pytest.raises(pic.ContextLengthError, match=r"linked prompt has \d+ tokens.*512-token context"):
+        engine.link([long_id, long_id, *ids], "One day,")
+    with pytest.raises(pic.ContextLengthError, match="document 0"):
+        engine.compile(long_doc * 2)
+    assert_store_intact(engine, [*ids, long_id])
+
+
+def test_non_rope_model_refused():
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=512))
+    with pytest.raises(pic.UnsupportedModelError, match="GPT2LMHeadModel.*'gpt2'.*no rotary"):
+        pic.PIC(gpt2, tokenizer())
+
+
+@pic.policies.register
+class NeedsExtraBos(pic.policies.Naive):
+    """A policy whose chunks need one extra leading BOS at compile time."""
+
+    name = "test-extra-bos"
+
+    def compile_options(self, base: CompileOptions) -> CompileOptions:
+        return base.model_copy(update={"num_extra_bos": 1})
+
+
+def test_chunk_compiled_with_other_options(engine):
+    ids = engine.compile(DOCS)
+    with pytest.raises(pic.CompileOptionsMismatchError, match=f"{ids[0]}.*test-extra-bos"):
+        engine.link(ids, "One day,", policy="test-extra-bos")
+    extra_ids = engine.compile(DOCS, policy="test-extra-bos")
+    assert set(extra_ids).isdisjoint(ids)  # the options are part of the id
+    assert engine.link(extra_ids, "One day,", policy="test-extra-bos").num_recomputed > 0
+    assert_store_intact(engine, ids + extra_ids, linkable=ids)
+
+
+@pytest.mark.parametrize(
+    "spec, named", [("nope", "'nope'"), ("naive:3", "'3'"), (42, "42")]
+)
+def test_unknown_policy(engine, spec, named):
+    ids = engine.compile(DOCS)
+    with pytest.raises(pic.UnknownPolicyError, match=named):
+        engine.link(ids, "One day,", policy=spec)
+    assert_store_intact(engine, ids)
+
+
+@pytest.mark.parametrize(
+    "options, named",
+    [({"temperature": -1.0}, "temperature=-1.0"), ({"top_p": 0.0}, "top_p=0.0"), ({"stop": [""]}, "stop"),
+     ({"max_new_tokens": -2}, "max_new_tokens=-2")],
+)
+def test_bad_sampling_options(engine, options, named):
+    linked = engine.link(engine.compile(DOCS), "One day,")
+    with pytest.raises(pic.InvalidInputError, match=named):
+        linked.generate(**options)
+    assert linked.generate(max_new_tokens=2).token_ids  # the request is still usable
+
+
+def test_generate_twice_is_an_error(engine):
+    linked = engine.link(engine.compile(DOCS), "One day,")
+    linked.generate(max_new_tokens=2)
+    with pytest.raises(pic.LinkedReleasedError):
+        linked.generate(max_new_tokens=2)
+
+
+def test_module_functions_need_an_engine(monkeypatch):
+    monkeypatch.setattr(pic, "_default_engine", None)
+    with pytest.raises(pic.NoEngineError, match="pic.load"):
+        pic.compile(DOCS)
+
+
+def test_bad_device_and_dtype():
+    with pytest.raises(pic.InvalidInputError, match="'float8'"):
+        pic.load(dtype="float8")
+    with pytest.raises(pic.InvalidInputError, match="'gpu0'"):
+        pic.load(device="gpu0")
+
+
+def test_pool_exhausted_frees_nothing_it_did_not_take():
+    engine = make_engine("stories260K", kv_pool_tokens=64, block_size=16)
+    ids = engine.compile(DOCS)
+    with pytest.raises(pic.KVPoolExhaustedError, match=r"need \d+ blocks of 16 tokens, 4 of 4 free"):
+        engine.link(ids * 4, "One day,")
+    assert engine.pool.num_free_blocks == 4
+    assert torch.is_tensor(engine.link(ids, "One day,").logits)

@@ -1,0 +1,92 @@
+"""Sampling, stop strings, EOS, context limit, streaming, and the request's lifetime."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+
+import pic
+from tests.conftest import make_engine
+
+DOCS = ["Tom had a big red ball. He liked to kick it.", "Lily loved to sing every morning."]
+QUERY = "One day, Tom and Lily"
+
+
+@pytest.fixture
+def engine() -> pic.PIC:
+    return make_engine("stories260K")
+
+
+def fresh(engine: pic.PIC, **kw) -> pic.Linked:
+    return engine.link(engine.compile(DOCS), QUERY, **kw)
+
+
+def test_stream_pieces_make_the_generated_text(engine):
+    out = fresh(engine).generate(max_new_tokens=40)
+    pieces = list(fresh(engine).stream(max_new_tokens=40))
+    assert len(pieces) > 5 and "".join(pieces) == out.text
+    assert out.text == engine.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+    assert out.stats.finish_reason is pic.FinishReason.LENGTH and len(out.token_ids) == 40
+
+
+def test_seeded_sampling_is_reproducible(engine):
+    runs = [fresh(engine).generate(max_new_tokens=24, temperature=1.0, seed=s).token_ids for s in (7, 7, 8)]
+    assert runs[0] == runs[1] != runs[2]
+
+
+def test_top_k_1_and_tiny_top_p_are_greedy(engine):
+    greedy = fresh(engine).generate(max_new_tokens=24).token_ids
+    assert fresh(engine).generate(max_new_tokens=24, temperature=1.5, top_k=1, seed=0).token_ids == greedy
+    assert fresh(engine).generate(max_new_tokens=24, temperature=1.5, top_p=1e-6, seed=0).token_ids == greedy
+
+
+def test_stop_string(engine):
+    text = fresh(engine).generate(max_new_tokens=40).text
+    stop = text[10:14]
+    out = fresh(engine).generate(max_new_tokens=40, stop=[stop, "never appears"])
+    assert out.text == text[: text.index(stop)]
+    assert out.stats.finish_reason is pic.FinishReason.STOP
+    assert "".join(fresh(engine).stream(max_new_tokens=40, stop=stop)) == out.text
+
+
+def test_eos_ends_generation():
+    first = fresh(make_engine("stories260K")).generate(max_new_tokens=3).token_ids[0]
+    out = fresh(make_engine("stories260K", eos_token_ids=(first,))).generate(max_new_tokens=10)
+    assert out.token_ids == [first] and out.text == ""
+    assert out.stats.finish_reason is pic.FinishReason.EOS
+
+
+def test_generation_stops_at_the_context(engine):
+    ids = engine.compile("The dog ran to the park and played with a ball all day long.")
+    linked = engine.link(ids * 20, QUERY, policy="naive")
+    assert linked.input_ids.shape[0] > 450
+    room = engine.spec.max_context - linked.input_ids.shape[0]
+    out = linked.generate(max_new_tokens=room + 50)
+    assert len(out.token_ids) == room and out.stats.finish_reason is pic.FinishReason.CONTEXT
+
+
+def test_stats(engine):
+    linked = fresh(engine, policy="naive")
+    out = linked.generate(max_new_tokens=8)
+    s = out.stats
+    assert s.num_prompt_tokens == linked.input_ids.shape[0] == s.num_recomputed_tokens + s.num_reused_tokens
+    assert s.num_recomputed_tokens == linked.num_recomputed == len(engine.tokenizer(QUERY, add_special_tokens=False).input_ids)
+    assert 0 < s.link_s <= s.ttft_s == out.ttft_s and s.decode_s > 0 and s.num_generated_tokens == 8
+
+
+def test_blocks_are_returned(engine):
+    free = engine.pool.num_free_blocks
+    fresh(engine).generate(max_new_tokens=40)  # decoding appended blocks; all are freed
+    assert engine.pool.num_free_blocks == free
+    with fresh(engine) as linked:
+        assert engine.pool.num_free_blocks < free
+    assert engine.pool.num_free_blocks == free
+    linked = fresh(engine)
+    del linked
+    gc.collect()
+    assert engine.pool.num_free_blocks == free
+    stream = fresh(engine).stream(max_new_tokens=40)
+    next(stream)
+    stream.close()  # abandoning a stream releases the request too
+    assert engine.pool.num_free_blocks == free
