@@ -1,7 +1,7 @@
 """Compile three documents once, then link them in two orders with different questions.
 
-    python examples/quickstart.py                      # the embedded stories260K model, CPU
-    python examples/quickstart.py Qwen/Qwen2.5-0.5B-Instruct
+python examples/quickstart.py                      # the embedded stories260K model, CPU
+python examples/quickstart.py Qwen/Qwen2.5-0.5B-Instruct
 """
 
 import sys

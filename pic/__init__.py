@@ -29,8 +29,8 @@ from pic.errors import (
     LinkedReleasedError,
     NoEngineError,
     PicError,
+    PolicyError,
     UnknownCacheIdError,
-    UnknownPolicyError,
     UnsupportedModelError,
 )
 from pic.link import FinishReason, Generation, GenerationStats, Linked, SamplingParams
@@ -96,7 +96,7 @@ __all__ = [
     "PicError",
     "SamplingParams",
     "UnknownCacheIdError",
-    "UnknownPolicyError",
+    "PolicyError",
     "UnsupportedModelError",
     "compile",
     "default_engine",

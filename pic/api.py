@@ -9,7 +9,6 @@ from collections.abc import Sequence
 import torch
 from tqdm.auto import tqdm
 
-from pic.link import policies
 from pic.compile import TextOrTokens, chunk_id, encode, model_fingerprint, prefill_chunk
 from pic.config import CompileOptions, PICConfig
 from pic.errors import (
@@ -19,7 +18,7 @@ from pic.errors import (
     UnknownCacheIdError,
 )
 from pic.kv import ChunkKV, KVPool
-from pic.link import Linked, lay_out, recompute
+from pic.link import Linked, lay_out, policies, recompute
 from pic.model import ModelRunner, ModelSpec
 from pic.model.loading import EMBEDDED_MODEL, load_pretrained, resolve_device, resolve_dtype
 from pic.store import MemoryStore
@@ -63,7 +62,8 @@ class PIC:
         )
         bos = getattr(tokenizer, "bos_token_id", None)
         self.bos_token_id: int | None = bos if self.config.add_bos else None
-        self.eos_token_ids = frozenset(self.config.eos_token_ids or _model_eos_ids(model, tokenizer))
+        eos = self.config.eos_token_ids
+        self.eos_token_ids = frozenset(_model_eos_ids(model, tokenizer) if eos is None else eos)
 
     @classmethod
     def from_pretrained(
@@ -108,7 +108,7 @@ class PIC:
         options = self.compile_options(policy)
         token_lists = self._documents(docs, options)
         ids = [chunk_id(self.fingerprint, tokens, options) for tokens in token_lists]
-        todo = {cid: tokens for cid, tokens in zip(ids, token_lists) if not self.store.contains(cid)}
+        todo = {cid: tokens for cid, tokens in zip(ids, token_lists, strict=True) if not self.store.contains(cid)}
         show = progress if progress is not None else len(todo) >= _PROGRESS_MIN_CHUNKS
         for cid, tokens in tqdm(todo.items(), desc="pic compile", unit="chunk", disable=not show):
             self.store.put(self._prefill(cid, tokens, options))
@@ -144,7 +144,7 @@ class PIC:
             target.insert(0, self.bos_token_id)
         layout = lay_out(prefix=prefix_ids, chunks=chunks, query=query_ids, block_size=self.config.block_size)
         self._check_length(layout.num_tokens, "linked prompt")
-        selected = policy.select(layout) | ~layout.cached
+        selected = policy.recompute_mask(layout)
         result = recompute(self.runner, self.pool, layout, chunks, selected)
         if self.spec.device.type == "cuda":
             torch.cuda.synchronize(self.spec.device)
@@ -197,7 +197,9 @@ class PIC:
         for cid in cache_ids:
             chunk = self.store.get(cid) if isinstance(cid, str) else None
             if chunk is None:
-                raise UnknownCacheIdError(f"unknown cache id {cid!r}: compile its document first ({len(self.store)} chunks cached)")
+                raise UnknownCacheIdError(
+                    f"unknown cache id {cid!r}: compile its document first ({len(self.store)} chunks cached)"
+                )
             if chunk.options != options:
                 raise CompileOptionsMismatchError(
                     f"chunk {cid} was compiled with {chunk.options!r} but policy {policy.spec!r} needs {options!r}; "

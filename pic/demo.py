@@ -19,17 +19,17 @@ QUERY = "One day, Tom and Lily found the little bird. They"
 _EMBEDDED_EOS = (1, 2)
 
 
-def run_demo(
-    model: str | os.PathLike = EMBEDDED_MODEL, *, device: str | None = None, max_new_tokens: int = 48
-) -> None:
+def run_demo(model: str | os.PathLike = EMBEDDED_MODEL, *, device: str | None = None, max_new_tokens: int = 48) -> None:
     """Print, per policy, the generation, TTFT and recomputed tokens for the stories in two orders."""
     embedded = os.path.abspath(model) == str(EMBEDDED_MODEL)
     config = PICConfig(eos_token_ids=_EMBEDDED_EOS if embedded else None)
     engine = PIC.from_pretrained(model, device=device, config=config)
     spec = engine.spec
-    print(f"model: {spec.architecture} ({'embedded stories260K' if embedded else model}) on {spec.device}, {spec.dtype}")
+    print(
+        f"model: {spec.architecture} ({'embedded stories260K' if embedded else model}) on {spec.device}, {spec.dtype}"
+    )
     ids = engine.compile(list(STORIES))
-    for story, cid in zip(STORIES, ids):
+    for story, cid in zip(STORIES, ids, strict=True):
         print(f"  compiled {cid[:12]}  {story}")
     print(f"query: {QUERY!r}\n")
     for order_name, order in (("stories 1,2,3", ids), ("stories 3,2,1", ids[::-1])):

@@ -19,8 +19,9 @@ class UnknownCacheIdError(PicError):
     """A cache id that the engine's store does not hold."""
 
 
-class UnknownPolicyError(PicError):
-    """A policy spec that names no registered policy, or gives it a bad argument."""
+class PolicyError(PicError):
+    """A policy spec that names no registered policy or gives it a bad argument, a policy class
+    registered under a taken name, or a policy whose selection is malformed."""
 
 
 class CompileOptionsMismatchError(PicError):

@@ -44,20 +44,29 @@ TINY_FAMILIES = {
         LlamaConfig(
             **_COMMON,
             rope_parameters={
-                "rope_type": "llama3", "rope_theta": 10000.0, "factor": 4.0, "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0, "original_max_position_embeddings": 128,
+                "rope_type": "llama3",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 128,
             },
         ),
     ),
     "mistral": (
         MistralForCausalLM,
-        MistralConfig(**_COMMON, sliding_window=24, rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}),
+        MistralConfig(
+            **_COMMON, sliding_window=24, rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}
+        ),
     ),
     "qwen2": (
         Qwen2ForCausalLM,
         # Sliding window on layers >= 1 only: per-layer windows.
         Qwen2Config(
-            **_COMMON, use_sliding_window=True, sliding_window=20, max_window_layers=1,
+            **_COMMON,
+            use_sliding_window=True,
+            sliding_window=20,
+            max_window_layers=1,
             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
         ),
     ),
@@ -66,7 +75,12 @@ TINY_FAMILIES = {
         Qwen3Config(
             **_COMMON,
             head_dim=32,
-            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128},
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 128,
+            },
         ),
     ),
 }

@@ -21,7 +21,10 @@ def test_module_level_api_uses_the_default_engine():
 def test_demo_runs_offline():
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     proc = subprocess.run(
-        [sys.executable, "-m", "pic", "demo", "--max-new-tokens", "24"], capture_output=True, text=True, env=env,
+        [sys.executable, "-m", "pic", "demo", "--max-new-tokens", "24"],
+        capture_output=True,
+        text=True,
+        env=env,
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr

@@ -33,7 +33,9 @@ def test_unknown_cache_id(engine):
     assert_store_intact(engine, ids)
 
 
-@pytest.mark.parametrize("docs, named", [([], r"\[\]"), ("", "document 0"), ([DOCS[0], ""], "document 1"), (["   "], "document 0")])
+@pytest.mark.parametrize(
+    "docs, named", [([], r"\[\]"), ("", "document 0"), ([DOCS[0], ""], "document 1"), (["   "], "document 0")]
+)
 def test_empty_documents(engine, docs, named):
     ids = engine.compile(DOCS)
     with pytest.raises(pic.InvalidInputError, match=named):
@@ -93,20 +95,22 @@ def test_chunk_compiled_with_other_options(engine):
     assert_store_intact(engine, ids + extra_ids, linkable=ids)
 
 
-@pytest.mark.parametrize(
-    "spec, named", [("nope", "'nope'"), ("naive:3", "'3'"), (42, "42")]
-)
+@pytest.mark.parametrize("spec, named", [("nope", "'nope'"), ("naive:3", "'3'"), (42, "42")])
 def test_unknown_policy(engine, spec, named):
     ids = engine.compile(DOCS)
-    with pytest.raises(pic.UnknownPolicyError, match=named):
+    with pytest.raises(pic.PolicyError, match=named):
         engine.link(ids, "One day,", policy=spec)
     assert_store_intact(engine, ids)
 
 
 @pytest.mark.parametrize(
     "options, named",
-    [({"temperature": -1.0}, "temperature=-1.0"), ({"top_p": 0.0}, "top_p=0.0"), ({"stop": [""]}, "stop"),
-     ({"max_new_tokens": -2}, "max_new_tokens=-2")],
+    [
+        ({"temperature": -1.0}, "temperature=-1.0"),
+        ({"top_p": 0.0}, "top_p=0.0"),
+        ({"stop": [""]}, "stop"),
+        ({"max_new_tokens": -2}, "max_new_tokens=-2"),
+    ],
 )
 def test_bad_sampling_options(engine, options, named):
     linked = engine.link(engine.compile(DOCS), "One day,")
@@ -142,3 +146,30 @@ def test_pool_exhausted_frees_nothing_it_did_not_take():
         engine.link(ids * 4, "One day,")
     assert engine.pool.num_free_blocks == 4
     assert torch.is_tensor(engine.link(ids, "One day,").logits)
+
+
+def test_malformed_policy_selection(engine):
+    class Sloppy(pic.policies.Naive):
+        name = "test-sloppy"
+
+        def select(self, layout):
+            return [True] * layout.num_tokens
+
+    ids = engine.compile(DOCS)
+    with pytest.raises(pic.PolicyError, match="'test-sloppy'.*bool tensor of shape"):
+        engine.link(ids, "One day,", policy=Sloppy())
+    assert_store_intact(engine, ids)
+
+
+def test_policy_name_clash():
+    class Impostor(pic.policies.Naive):
+        name = "full"
+
+    with pytest.raises(pic.PolicyError, match="'full' is already taken by FullRecompute"):
+        pic.policies.register(Impostor)
+
+
+def test_empty_eos_list_means_no_eos():
+    engine = make_engine("stories260K", eos_token_ids=())
+    assert engine.eos_token_ids == frozenset()
+    assert len(engine.link(engine.compile(DOCS), "One day,").generate(max_new_tokens=300).token_ids) == 300

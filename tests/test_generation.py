@@ -71,7 +71,11 @@ def test_stats(engine):
     out = linked.generate(max_new_tokens=8)
     s = out.stats
     assert s.num_prompt_tokens == linked.input_ids.shape[0] == s.num_recomputed_tokens + s.num_reused_tokens
-    assert s.num_recomputed_tokens == linked.num_recomputed == len(engine.tokenizer(QUERY, add_special_tokens=False).input_ids)
+    assert (
+        s.num_recomputed_tokens
+        == linked.num_recomputed
+        == len(engine.tokenizer(QUERY, add_special_tokens=False).input_ids)
+    )
     assert 0 < s.link_s <= s.ttft_s == out.ttft_s and s.decode_s > 0 and s.num_generated_tokens == 8
 
 

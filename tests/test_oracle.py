@@ -30,8 +30,11 @@ def hf_reference(family: str, input_ids: torch.Tensor, num_query: int) -> tuple[
     with torch.no_grad():
         logits = hf(input_ids[None]).logits[0, -num_query:]
         out = hf.generate(
-            input_ids[None], attention_mask=torch.ones_like(input_ids)[None], max_new_tokens=NUM_NEW,
-            do_sample=False, pad_token_id=2,
+            input_ids[None],
+            attention_mask=torch.ones_like(input_ids)[None],
+            max_new_tokens=NUM_NEW,
+            do_sample=False,
+            pad_token_id=2,
         )
     return logits, out[0, input_ids.shape[0] :].tolist()
 
@@ -84,7 +87,8 @@ def test_token_ids_linked_like_text():
     as_text = engine.link(engine.compile(list(DOCS)), QUERY, prefix=PREFIX)
     token_docs = [tok(d, add_special_tokens=False).input_ids for d in DOCS]
     as_ids = engine.link(
-        engine.compile(token_docs), tok(QUERY, add_special_tokens=False).input_ids,
+        engine.compile(token_docs),
+        tok(QUERY, add_special_tokens=False).input_ids,
         prefix=tok(PREFIX, add_special_tokens=False).input_ids,
     )
     assert torch.equal(as_text.input_ids, as_ids.input_ids)

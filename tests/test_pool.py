@@ -8,7 +8,15 @@ from pic.kv import KVPool, RequestKV
 
 
 def pool(num_blocks: int = 4, block_size: int = 4) -> KVPool:
-    return KVPool(num_layers=2, num_blocks=num_blocks, block_size=block_size, num_kv_heads=1, head_dim=2, dtype=torch.float32, device="cpu")
+    return KVPool(
+        num_layers=2,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        num_kv_heads=1,
+        head_dim=2,
+        dtype=torch.float32,
+        device="cpu",
+    )
 
 
 def test_allocate_and_free():

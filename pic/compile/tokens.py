@@ -24,7 +24,9 @@ def encode(tokenizer, value: TextOrTokens, *, what: str, vocab_size: int) -> lis
         return list(tokenizer(value, add_special_tokens=False)["input_ids"])
     if isinstance(value, torch.Tensor):
         if value.dim() != 1 or value.dtype.is_floating_point:
-            raise InvalidInputError(f"{what} is a tensor of shape {tuple(value.shape)} and dtype {value.dtype}; expected 1-D token ids")
+            raise InvalidInputError(
+                f"{what} is a tensor of shape {tuple(value.shape)} and dtype {value.dtype}; expected 1-D token ids"
+            )
         value = value.tolist()
     if not isinstance(value, Sequence) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         raise InvalidInputError(f"{what} is {_short(value)}; expected a string or a list of token ids")

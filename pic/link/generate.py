@@ -81,7 +81,10 @@ def _tokens(ctx: DecodeContext, params: SamplingParams) -> Iterator[int]:
         slot = torch.tensor([ctx.req.append_slot()], device=device)
         ids = torch.tensor([token], device=device)
         logits = ctx.runner.forward(
-            ctx.req, token_ids=ids, positions=torch.tensor([position], device=device), slots=slot,
+            ctx.req,
+            token_ids=ids,
+            positions=torch.tensor([position], device=device),
+            slots=slot,
             logits_rows=torch.zeros(1, dtype=torch.long, device=device),
         )[0]
         position += 1

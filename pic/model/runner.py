@@ -60,7 +60,9 @@ class ModelRunner:
             ``[M, vocab_size]`` float32 logits, or ``None`` when ``logits_rows`` is ``None``.
         """
         req.kv_positions[slots] = positions
-        plan = make_plan(block_table=req.block_table, q_positions=positions, kv_positions=req.kv_positions, rope=self.rope)
+        plan = make_plan(
+            block_table=req.block_table, q_positions=positions, kv_positions=req.kv_positions, rope=self.rope
+        )
         rows = req.physical(slots)
         hidden = self._embed(token_ids)  # [N, hidden_size]
         for index, layer in enumerate(self._layers):

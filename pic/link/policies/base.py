@@ -15,7 +15,7 @@ from typing import ClassVar
 import torch
 
 from pic.config import CompileOptions
-from pic.errors import UnknownPolicyError
+from pic.errors import PolicyError
 from pic.link.layout import Layout
 
 
@@ -37,11 +37,31 @@ class Policy(ABC):
         """The compile options chunks need for this policy, given the engine's ``base``."""
         return base
 
+    def recompute_mask(self, layout: Layout) -> torch.Tensor:
+        """``select``, checked, with every uncached token added: ``[layout.num_tokens]`` bool on CPU.
+
+        Raises:
+            PolicyError: ``select`` returned something else than a bool tensor of that shape.
+        """
+        chosen = self.select(layout)
+        if not (
+            isinstance(chosen, torch.Tensor) and chosen.dtype == torch.bool and chosen.shape == (layout.num_tokens,)
+        ):
+            got = (
+                f"{chosen.dtype} tensor of shape {tuple(chosen.shape)}"
+                if isinstance(chosen, torch.Tensor)
+                else repr(chosen)
+            )
+            raise PolicyError(
+                f"policy {self.spec!r}: select() must return a bool tensor of shape ({layout.num_tokens},), got {got}"
+            )
+        return chosen.cpu() | ~layout.cached
+
     @classmethod
     def from_spec(cls, arg: str | None) -> Policy:
         """Build from the part of a spec string after ``:`` (``None`` when absent)."""
         if arg is not None:
-            raise UnknownPolicyError(f"policy {cls.name!r} takes no argument, got {arg!r}")
+            raise PolicyError(f"policy {cls.name!r} takes no argument, got {arg!r}")
         return cls()
 
     @property

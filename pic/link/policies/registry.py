@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pic.errors import UnknownPolicyError
+from pic.errors import PolicyError
 from pic.link.policies.base import Policy
 from pic.link.policies.builtin import FullRecompute, Naive
 
@@ -13,13 +13,13 @@ def register(cls: type[Policy]) -> type[Policy]:
     """Register a policy class under ``cls.name`` (usable as a class decorator).
 
     Raises:
-        UnknownPolicyError: the class has no name, or the name belongs to another class.
+        PolicyError: the class has no name, or the name belongs to another class.
     """
     if not cls.name or ":" in cls.name:
-        raise UnknownPolicyError(f"policy class {cls.__name__} needs a `name` without ':', got {cls.name!r}")
+        raise PolicyError(f"policy class {cls.__name__} needs a `name` without ':', got {cls.name!r}")
     existing = _POLICIES.get(cls.name)
     if existing is not None and existing is not cls:
-        raise UnknownPolicyError(f"policy name {cls.name!r} is already taken by {existing.__name__}")
+        raise PolicyError(f"policy name {cls.name!r} is already taken by {existing.__name__}")
     _POLICIES[cls.name] = cls
     return cls
 
@@ -33,14 +33,14 @@ def resolve(policy: str | Policy) -> Policy:
     """A policy object from a ``Policy`` or a spec string ``"name"`` / ``"name:arg"``.
 
     Raises:
-        UnknownPolicyError: the name is not registered, or the policy rejects the argument.
+        PolicyError: the name is not registered, or the policy rejects the argument.
     """
     if isinstance(policy, Policy):
         return policy
     if not isinstance(policy, str):
-        raise UnknownPolicyError(f"policy must be a spec string or a pic.policies.Policy, got {policy!r}")
+        raise PolicyError(f"policy must be a spec string or a pic.policies.Policy, got {policy!r}")
     name, sep, arg = policy.partition(":")
     cls = _POLICIES.get(name.strip().lower())
     if cls is None:
-        raise UnknownPolicyError(f"unknown policy {policy!r}; registered: {', '.join(available())}")
+        raise PolicyError(f"unknown policy {policy!r}; registered: {', '.join(available())}")
     return cls.from_spec(arg.strip() if sep else None)
