@@ -15,6 +15,7 @@ from pic.errors import (
     CompileOptionsMismatchError,
     ContextLengthError,
     InvalidInputError,
+    PolicyError,
     UnknownCacheIdError,
 )
 from pic.kv import ChunkKV, KVPool
@@ -60,8 +61,7 @@ class PIC:
             dtype=spec.dtype,
             device=spec.device,
         )
-        bos = getattr(tokenizer, "bos_token_id", None)
-        self.bos_token_id: int | None = bos if self.config.add_bos else None
+        self.bos_token_id: int | None = getattr(tokenizer, "bos_token_id", None)
         eos = self.config.eos_token_ids
         self.eos_token_ids = frozenset(_model_eos_ids(model, tokenizer) if eos is None else eos)
 
@@ -139,7 +139,7 @@ class PIC:
         prefix_ids = encode(self.tokenizer, prefix, what="prefix", vocab_size=vocab)
         if not query_ids:
             raise InvalidInputError(f"query {query!r} has no tokens; link needs at least one query token")
-        if self.bos_token_id is not None and (prefix_ids or not chunks):  # the prompt starts with BOS
+        if self.config.add_bos and self.bos_token_id is not None and (prefix_ids or not chunks):  # BOS first
             target = prefix_ids if prefix_ids else query_ids
             target.insert(0, self.bos_token_id)
         layout = lay_out(prefix=prefix_ids, chunks=chunks, query=query_ids, block_size=self.config.block_size)
@@ -161,8 +161,11 @@ class PIC:
 
     def compile_options(self, policy: str | policies.Policy | None = None) -> CompileOptions:
         """The options chunks are compiled with for ``policy`` (they are part of the cache id)."""
-        options = self._policy(policy).compile_options(self.config.compile_options())
+        policy = self._policy(policy)
+        options = policy.compile_options(self.config.compile_options())
         if self.bos_token_id is None:  # no BOS to add: normalise so ids do not depend on the flag
+            if options.num_extra_bos:
+                raise PolicyError(f"policy {policy.spec!r} needs extra BOS tokens but the tokenizer has no BOS token")
             options = options.model_copy(update={"add_bos": False})
         return options
 
@@ -185,7 +188,7 @@ class PIC:
         return lists
 
     def _prefill(self, cache_id: str, tokens: list[int], options: CompileOptions) -> ChunkKV:
-        lead = [self.bos_token_id] * (options.add_bos + options.num_extra_bos) if self.bos_token_id is not None else []
+        lead = [self.bos_token_id] * (options.add_bos + options.num_extra_bos)  # empty when there is no BOS
         k, v = prefill_chunk(self.runner, self.pool, lead + tokens, num_dropped=options.num_extra_bos)
         kept = torch.tensor((lead + tokens)[options.num_extra_bos :], dtype=torch.long)
         return ChunkKV(cache_id=cache_id, token_ids=kept, k=k, v=v, options=options)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
@@ -83,3 +85,15 @@ def test_many_documents_show_progress(capsys):
     docs = [f"Tom had {n} red balls." for n in range(10)]
     assert len(set(make_engine("stories260K").compile(docs))) == 10
     assert "pic compile: 100%" in capsys.readouterr().err
+
+
+def test_tokenizer_without_bos():
+    """Qwen-style tokenizers have no BOS: chunks get none, and extra-BOS policies are refused."""
+    no_bos = copy.deepcopy(tokenizer())
+    no_bos.bos_token = None  # as a Qwen tokenizer reports it
+    engine = pic.PIC(tiny_model("qwen2"), no_bos)
+    assert engine.compile_options() == pic.CompileOptions(add_bos=False)
+    (cid,) = engine.compile(DOCS[0])
+    assert engine.store.get(cid).token_ids.tolist() == tokenizer()(DOCS[0], add_special_tokens=False).input_ids
+    with pytest.raises(pic.PolicyError, match="'two-extra-bos' needs extra BOS tokens"):
+        engine.compile(DOCS[0], policy=_extra_bos_policy())
