@@ -31,7 +31,3 @@ class ChunkKV:
     @property
     def num_tokens(self) -> int:
         return self.token_ids.shape[0]
-
-    @property
-    def num_bytes(self) -> int:
-        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()

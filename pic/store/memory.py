@@ -20,15 +20,8 @@ class MemoryStore:
     def put(self, chunk: ChunkKV) -> None:
         self._chunks[chunk.cache_id] = chunk
 
-    def delete(self, cache_id: str) -> bool:
-        return self._chunks.pop(cache_id, None) is not None
-
     def ids(self) -> list[str]:
         return list(self._chunks)
 
     def __len__(self) -> int:
         return len(self._chunks)
-
-    @property
-    def num_bytes(self) -> int:
-        return sum(chunk.num_bytes for chunk in self._chunks.values())
