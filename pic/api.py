@@ -144,8 +144,7 @@ class PIC:
             target.insert(0, self.bos_token_id)
         layout = lay_out(prefix=prefix_ids, chunks=chunks, query=query_ids, block_size=self.config.block_size)
         self._check_length(layout.num_tokens, "linked prompt")
-        selected = policy.recompute_mask(layout)
-        result = recompute(self.runner, self.pool, layout, chunks, selected)
+        result = recompute(self.runner, self.pool, layout, chunks, policy)
         if self.spec.device.type == "cuda":
             torch.cuda.synchronize(self.spec.device)
         return Linked(
@@ -153,7 +152,6 @@ class PIC:
             tokenizer=self.tokenizer,
             layout=layout,
             policy=policy,
-            recomputed=selected,
             result=result,
             link_s=time.perf_counter() - start,
             eos_token_ids=self.eos_token_ids,

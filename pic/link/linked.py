@@ -5,8 +5,6 @@ from __future__ import annotations
 import weakref
 from collections.abc import Generator, Iterator, Sequence
 
-import torch
-
 from pic.config import validated
 from pic.errors import LinkedReleasedError
 from pic.link.generate import DecodeContext, Generation, decode
@@ -24,8 +22,11 @@ class Linked:
         input_ids: ``[T]`` int64 (CPU), the linked prompt without padding.
         logits: ``[num_query_tokens, vocab_size]`` float32, next-token logits at every query
             position; the last row predicts the first new token.
-        recomputed: ``[T]`` bool (CPU), the tokens the policy recomputed (prefix and query included).
+        recomputed: ``[T]`` bool (CPU), the tokens the policy recomputed through the last layer
+            (prefix and query included); for a static policy, through every layer.
         num_recomputed: ``recomputed.sum()``.
+        recomputed_by_layer: tokens recomputed in each layer, first layer first. A dynamic policy
+            (CacheBlend) recomputes more tokens in its early layers than ``num_recomputed``.
         layout: where every segment sits in the request's blocks.
         policy: the policy that chose the recomputed tokens.
         link_s: seconds ``link`` took.
@@ -41,15 +42,15 @@ class Linked:
         tokenizer: object,
         layout: Layout,
         policy: Policy,
-        recomputed: torch.Tensor,
         result: Recomputed,
         link_s: float,
         eos_token_ids: frozenset[int],
     ) -> None:
         self.input_ids = layout.token_ids
         self.logits = result.logits
-        self.recomputed = recomputed
-        self.num_recomputed = int(recomputed.sum())
+        self.recomputed = result.recomputed
+        self.num_recomputed = int(result.recomputed.sum())
+        self.recomputed_by_layer = result.recomputed_by_layer
         self.layout = layout
         self.policy = policy
         self.link_s = link_s

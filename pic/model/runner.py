@@ -9,12 +9,17 @@ computes exactly what transformers computes; the tests hold it to that.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
 from pic.attention import AttentionPlan, make_plan, paged_attention
 from pic.kv import KVPool, RequestKV
 from pic.model.spec import ModelSpec, inspect_model
+
+# (layer, alive [N'] int64, rows [N'] int64) -> None or keep [N'] bool; see ``ModelRunner.forward``.
+LayerHook = Callable[[int, torch.Tensor, torch.Tensor], "torch.Tensor | None"]
 
 
 class ModelRunner:
@@ -46,6 +51,7 @@ class ModelRunner:
         positions: torch.Tensor,
         slots: torch.Tensor,
         logits_rows: torch.Tensor | None = None,
+        after_layer: LayerHook | None = None,
     ) -> torch.Tensor | None:
         """Run ``N`` tokens of a request through every layer, writing their K (NoPE) and V.
 
@@ -55,21 +61,36 @@ class ModelRunner:
             positions: ``[N]`` int64 logical positions.
             slots: ``[N]`` int64 request slots the tokens' KV is written to.
             logits_rows: ``[M]`` int64 indices into the ``N`` tokens whose next-token logits to return.
+            after_layer: called after each layer with ``(layer, alive, rows)``: ``alive`` ``[N']``
+                int64 indices (into the ``N`` tokens) of the tokens that ran it, ``rows`` ``[N']``
+                their pool rows. It returns ``None`` or ``[N']`` bool: the tokens that go on to the
+                next layer. Dropped tokens keep whatever KV their slots hold in later layers; the
+                ``logits_rows`` tokens must not be dropped.
 
         Returns:
             ``[M, vocab_size]`` float32 logits, or ``None`` when ``logits_rows`` is ``None``.
         """
         req.kv_positions[slots] = positions
-        plan = make_plan(
-            block_table=req.block_table, q_positions=positions, kv_positions=req.kv_positions, rope=self.rope
-        )
+        plan = self._plan(req, positions)
         rows = req.physical(slots)
+        alive = torch.arange(token_ids.shape[0], device=token_ids.device)
         hidden = self._embed(token_ids)  # [N, hidden_size]
         for index, layer in enumerate(self._layers):
             hidden = self._layer(index, layer, hidden, req.pool, plan, rows)
+            keep = None if after_layer is None else after_layer(index, alive, rows)
+            if keep is not None and not bool(keep.all()):
+                hidden, positions, rows, alive = hidden[keep], positions[keep], rows[keep], alive[keep]
+                plan = self._plan(req, positions)
         if logits_rows is None:
             return None
-        return self._lm_head(self._norm(hidden[logits_rows])).float()
+        picked = torch.searchsorted(alive, logits_rows).clamp(max=alive.shape[0] - 1)
+        assert torch.equal(alive[picked], logits_rows), "a logits row was dropped from the pass"
+        return self._lm_head(self._norm(hidden[picked])).float()
+
+    def _plan(self, req: RequestKV, q_positions: torch.Tensor) -> AttentionPlan:
+        return make_plan(
+            block_table=req.block_table, q_positions=q_positions, kv_positions=req.kv_positions, rope=self.rope
+        )
 
     def _layer(
         self, index: int, layer: nn.Module, hidden: torch.Tensor, pool: KVPool, plan: AttentionPlan, rows: torch.Tensor
