@@ -47,7 +47,7 @@ class PICConfig(_Frozen):
     add_bos: bool = True
     kv_pool_tokens: int | None = Field(default=None, ge=1)
     eos_token_ids: tuple[int, ...] | None = None
-    default_policy: str = "full"
+    default_policy: str = "legolink:16"
 
     def compile_options(self) -> CompileOptions:
         """The compile options this engine uses before a policy adds its own needs."""

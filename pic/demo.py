@@ -7,6 +7,7 @@ import os
 from pic import policies
 from pic.api import PIC
 from pic.config import PICConfig
+from pic.link import Linked
 from pic.model.loading import EMBEDDED_MODEL
 
 STORIES = (
@@ -19,11 +20,17 @@ QUERY = "One day, Tom and Lily found the little bird. They"
 _EMBEDDED_EOS = (1, 2)
 
 
-def run_demo(model: str | os.PathLike = EMBEDDED_MODEL, *, device: str | None = None, max_new_tokens: int = 48) -> None:
+def run_demo(
+    model: str | os.PathLike = EMBEDDED_MODEL,
+    *,
+    device: str | None = None,
+    dtype: str | None = None,
+    max_new_tokens: int = 48,
+) -> None:
     """Print, per policy, the generation, TTFT and recomputed tokens for the stories in two orders."""
     embedded = os.path.abspath(model) == str(EMBEDDED_MODEL)
     config = PICConfig(eos_token_ids=_EMBEDDED_EOS if embedded else None)
-    engine = PIC.from_pretrained(model, device=device, config=config)
+    engine = PIC.from_pretrained(model, device=device, dtype=dtype, config=config)
     spec = engine.spec
     print(
         f"model: {spec.architecture} ({'embedded stories260K' if embedded else model}) on {spec.device}, {spec.dtype}"
@@ -32,19 +39,28 @@ def run_demo(model: str | os.PathLike = EMBEDDED_MODEL, *, device: str | None = 
     for story, cid in zip(STORIES, ids, strict=True):
         print(f"  compiled {cid[:12]}  {story}")
     print(f"query: {QUERY!r}\n")
-    for order_name, order in (("stories 1,2,3", ids), ("stories 3,2,1", ids[::-1])):
+    for order_name, order in (("stories 1,2,3", [0, 1, 2]), ("stories 3,2,1", [2, 1, 0])):
         print(f"== linked {order_name} + query ==")
-        reference = engine.link(order, QUERY, policy="full").generate(max_new_tokens)
+        reference = engine.link([ids[i] for i in order], QUERY, policy="full").generate(max_new_tokens)
         for name in policies.available():
-            out = reference if name == "full" else engine.link(order, QUERY, policy=name).generate(max_new_tokens)
+            policy_ids = engine.compile(list(STORIES), policy=name)  # LegoLink-0 compiles its own way
+            linked = engine.link([policy_ids[i] for i in order], QUERY, policy=name)
+            out = linked.generate(max_new_tokens)
             same = _common_prefix(out.token_ids, reference.token_ids)
-            stats = out.stats
+            label = f"[{linked.policy.spec}]"
             print(
-                f"[{name:>5}] recomputed {stats.num_recomputed_tokens:3d}/{stats.num_prompt_tokens} tokens, "
-                f"TTFT {out.ttft_s * 1e3:6.1f} ms, first {same}/{len(reference.token_ids)} tokens equal Full Recompute"
+                f"{label:<18} recomputed {_recomputed(linked)}, TTFT {out.ttft_s * 1e3:6.1f} ms, "
+                f"first {same}/{len(reference.token_ids)} tokens equal Full Recompute"
             )
             print(f"        {out.text.strip()!r}")
         print()
+
+
+def _recomputed(linked: Linked) -> str:
+    """``"32/120 tokens"``, with the per-layer counts when they vary (CacheBlend)."""
+    by_layer = linked.recomputed_by_layer
+    per_layer = "" if len(set(by_layer)) == 1 else f" (by layer {','.join(map(str, by_layer))})"
+    return f"{linked.num_recomputed:3d}/{len(linked.input_ids)} tokens{per_layer}"
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -30,6 +30,6 @@ def test_demo_runs_offline():
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert sum(line.lstrip().startswith("[naive]") for line in lines) == 2
-    assert sum(line.lstrip().startswith("[ full]") for line in lines) == 2
+    assert sum(line.lstrip().startswith("[full]") for line in lines) == 2
     generations = [lines[i + 1].strip() for i, line in enumerate(lines) if line.lstrip().startswith("[")]
     assert all(len(g) > 20 and sum(c.isalpha() for c in g) > 10 for g in generations), generations

@@ -1,41 +1,72 @@
 """The recompute-policy protocol.
 
-A policy decides which tokens of a linked prompt are recomputed (run fresh through every layer,
+A policy decides which tokens of a linked prompt are recomputed (run fresh through the layers,
 attending to the whole request) and which keep their cached KV. Prefix and query tokens have no
-cached KV and are always recomputed; a policy only chooses among chunk tokens. A policy may also
-ask for compile options (LegoLink-0 compiles chunks with extra leading BOS tokens); chunks compiled
-otherwise are refused at link time instead of silently giving other results.
+cached KV and are always recomputed; a policy only chooses among chunk tokens.
+
+*Static* policies choose once, from the layout (``select``). *Dynamic* ones (CacheBlend) also
+implement ``after_layer``: after each layer of the recompute pass they may drop tokens, which then
+keep their cached KV in every later layer. A policy may ask for compile options (LegoLink-0 compiles
+chunks with extra leading BOS tokens); chunks compiled otherwise are refused at link time instead
+of silently giving other results.
+
+Policies are frozen pydantic models: their parameters are validated fields, and the spec string
+``"name:first_field,other_field=value"`` builds them (``"legolink:16"``, ``"cacheblend:0.3,check_layer=2"``).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from pic.config import CompileOptions
 from pic.errors import PolicyError
 from pic.link.layout import Layout
 
+if TYPE_CHECKING:
+    from pic.link.step import LayerStep
 
-class Policy(ABC):
-    """Subclass, implement ``select``, and ``pic.policies.register`` it under a name.
+
+class Policy(BaseModel, ABC):
+    """Subclass, implement ``select`` (and ``after_layer`` for a dynamic policy), declare parameters
+    as pydantic fields, and ``pic.policies.register`` it under a name.
 
     Attributes:
         name: the registered name, used in spec strings (``"name"`` or ``"name:arg"``).
     """
 
+    model_config = ConfigDict(frozen=True, extra="forbid")
     name: ClassVar[str] = ""
 
     @abstractmethod
     def select(self, layout: Layout) -> torch.Tensor:
-        """Chunk tokens to recompute: ``[layout.num_tokens]`` bool (True = recompute). Entries of
-        prefix and query tokens are ignored: those are always recomputed."""
+        """Tokens to recompute from the first layer on: ``[layout.num_tokens]`` bool (True =
+        recompute). Entries of prefix and query tokens are ignored: those are always recomputed."""
+
+    def after_layer(self, step: LayerStep) -> torch.Tensor | None:
+        """Dynamic policies: which of the tokens that just ran ``step.layer`` keep running.
+
+        Returns:
+            ``[step.num_tokens]`` bool (True = keep recomputing), or ``None`` to keep them all.
+            Dropped chunk tokens use their cached KV from the next layer on; prefix and query
+            tokens are never dropped.
+        """
+        return None
+
+    @property
+    def is_dynamic(self) -> bool:
+        """Whether the policy overrides ``after_layer``."""
+        return type(self).after_layer is not Policy.after_layer
 
     def compile_options(self, base: CompileOptions) -> CompileOptions:
         """The compile options chunks need for this policy, given the engine's ``base``."""
         return base
+
+    def check_model(self, *, num_layers: int) -> None:
+        """Raise ``PolicyError`` if the policy cannot run on a model with ``num_layers`` layers."""
 
     def recompute_mask(self, layout: Layout) -> torch.Tensor:
         """``select``, checked, with every uncached token added: ``[layout.num_tokens]`` bool on CPU.
@@ -43,31 +74,65 @@ class Policy(ABC):
         Raises:
             PolicyError: ``select`` returned something else than a bool tensor of that shape.
         """
-        chosen = self.select(layout)
-        if not (
-            isinstance(chosen, torch.Tensor) and chosen.dtype == torch.bool and chosen.shape == (layout.num_tokens,)
-        ):
-            got = (
-                f"{chosen.dtype} tensor of shape {tuple(chosen.shape)}"
-                if isinstance(chosen, torch.Tensor)
-                else repr(chosen)
-            )
-            raise PolicyError(
-                f"policy {self.spec!r}: select() must return a bool tensor of shape ({layout.num_tokens},), got {got}"
-            )
-        return chosen.cpu() | ~layout.cached
+        return self._checked(self.select(layout), layout.num_tokens, "select()").cpu() | ~layout.cached
+
+    def keep_mask(self, step: LayerStep) -> torch.Tensor | None:
+        """``after_layer``, checked, with the step's uncached tokens kept: ``[step.num_tokens]`` bool
+        on the step's device, or ``None`` when every token keeps running."""
+        chosen = self.after_layer(step)
+        if chosen is None:
+            return None
+        return self._checked(chosen, step.num_tokens, "after_layer()").to(step.tokens.device) | ~step.cached
+
+    def _checked(self, chosen: object, num_tokens: int, method: str) -> torch.Tensor:
+        if isinstance(chosen, torch.Tensor) and chosen.dtype == torch.bool and chosen.shape == (num_tokens,):
+            return chosen
+        got = (
+            f"{chosen.dtype} tensor of shape {tuple(chosen.shape)}"
+            if isinstance(chosen, torch.Tensor)
+            else repr(chosen)
+        )
+        raise PolicyError(
+            f"policy {self.spec!r}: {method} must return a bool tensor of shape ({num_tokens},), got {got}"
+        )
 
     @classmethod
     def from_spec(cls, arg: str | None) -> Policy:
-        """Build from the part of a spec string after ``:`` (``None`` when absent)."""
-        if arg is not None:
-            raise PolicyError(f"policy {cls.name!r} takes no argument, got {arg!r}")
-        return cls()
+        """Build from the part of a spec string after ``:`` (``None`` when absent): the value of the
+        first field, then ``field=value`` pairs, comma-separated.
+
+        Raises:
+            PolicyError: an argument the policy does not take, or a value its fields reject.
+        """
+        fields = list(cls.model_fields)
+        values: dict[str, str] = {}
+        for i, part in enumerate(arg.split(",") if arg else []):
+            key, eq, value = part.partition("=")
+            if not eq:
+                if i > 0 or not fields:
+                    raise PolicyError(f"policy {cls.name!r} does not take the argument {part!r} (fields: {fields})")
+                key, value = fields[0], key
+            values[key.strip()] = value.strip()
+        try:
+            return cls(**values)
+        except ValidationError as exc:
+            problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+            raise PolicyError(f"policy {cls.name!r}: bad argument {arg!r} ({problems})") from None
 
     @property
     def spec(self) -> str:
-        """The spec string that builds this policy."""
-        return self.name
+        """The spec string that builds this policy: the first field always, others when not default."""
+        parts = []
+        for i, (key, field) in enumerate(type(self).model_fields.items()):
+            value = getattr(self, key)
+            if i == 0:
+                parts.append(str(value))
+            elif value != field.default:
+                parts.append(f"{key}={value}")
+        return self.name + (":" + ",".join(parts) if parts else "")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.spec!r})"
+
+    def __str__(self) -> str:
+        return self.spec

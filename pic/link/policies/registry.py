@@ -5,8 +5,12 @@ from __future__ import annotations
 from pic.errors import PolicyError
 from pic.link.policies.base import Policy
 from pic.link.policies.builtin import FullRecompute, Naive
+from pic.link.policies.cacheblend import CacheBlend
+from pic.link.policies.heads import MEPIC, LegoLink, LegoLinkZero
 
-_POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (Naive, FullRecompute)}
+_POLICIES: dict[str, type[Policy]] = {
+    cls.name: cls for cls in (Naive, FullRecompute, LegoLink, LegoLinkZero, CacheBlend, MEPIC)
+}
 
 
 def register(cls: type[Policy]) -> type[Policy]:
