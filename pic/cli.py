@@ -10,24 +10,60 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pic", description="Position-independent KV caching for LLMs.")
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="compile a few stories, link them under each policy, generate")
-    demo.add_argument("--model", default=None, help="HF model name or path (default: the embedded stories260K)")
-    demo.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
+    _model_options(demo)
     demo.add_argument("--max-new-tokens", type=int, default=48)
+    evaluate = commands.add_parser("eval", help="evaluate recompute policies")
+    evaluations = evaluate.add_subparsers(dest="evaluation", required=True)
+    fidelity = evaluations.add_parser(
+        "fidelity", help="KL to Full Recompute, top-1 agreement, NLL, recomputed tokens and link time per policy"
+    )
+    _model_options(fidelity)
+    fidelity.add_argument(
+        "--workload", default=None, help='JSONL of {"chunks": [...], "query": ...} (default: sampled)'
+    )
+    fidelity.add_argument("--cases", type=int, default=30, help="cases to sample (default workload only)")
+    fidelity.add_argument("--seed", type=int, default=0, help="sampling seed (default workload only)")
+    fidelity.add_argument("--policies", default=None, help="policy specs separated by spaces (default: all families)")
+    fidelity.add_argument("--out", default="benchmarks/results", help="folder for <name>.json and <name>.png")
+    fidelity.add_argument("--name", default="fidelity", help="file name stem")
     return parser
+
+
+def _model_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="HF model name or path (default: the embedded stories260K)")
+    parser.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
+    parser.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: per device)")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from transformers.utils import logging as hf_logging
 
-    from pic.demo import run_demo
     from pic.errors import PicError
     from pic.model.loading import EMBEDDED_MODEL
 
     hf_logging.disable_progress_bar()
+    model = args.model or EMBEDDED_MODEL
     try:
         if args.command == "demo":
-            run_demo(args.model or EMBEDDED_MODEL, device=args.device, max_new_tokens=args.max_new_tokens)
+            from pic.demo import run_demo
+
+            run_demo(model, device=args.device, dtype=args.dtype, max_new_tokens=args.max_new_tokens)
+        elif args.command == "eval":
+            from pic.evaluation import DEFAULT_POLICIES
+            from pic.evaluation.command import run_fidelity
+
+            run_fidelity(
+                model=model,
+                device=args.device,
+                dtype=args.dtype,
+                workload=args.workload,
+                num_cases=args.cases,
+                seed=args.seed,
+                policies=args.policies.split() if args.policies else DEFAULT_POLICIES,
+                out_dir=args.out,
+                name=args.name,
+            )
     except PicError as exc:
         print(f"pic: error: {exc}", file=sys.stderr)
         return 1

@@ -46,3 +46,7 @@ class NoEngineError(PicError):
 
 class LinkedReleasedError(PicError):
     """A ``Linked`` request was used after it was generated from or released."""
+
+
+class MissingDependencyError(PicError, ImportError):
+    """An optional dependency a feature needs is not installed (the message names the extra)."""
