@@ -1,5 +1,7 @@
-"""``pic.policies``: recompute policies (re-exported from ``pic.link.policies``)."""
+"""``pic.policies``: recompute policies (re-exported from ``pic.link.policies``), and the layout
+types a policy reads."""
 
+from pic.link.layout import Layout, Segment, SegmentKind
 from pic.link.policies import (
     MEPIC,
     CacheBlend,
@@ -20,10 +22,13 @@ __all__ = [
     "CacheBlend",
     "FullRecompute",
     "LayerStep",
+    "Layout",
     "LegoLink",
     "LegoLinkZero",
     "Naive",
     "Policy",
+    "Segment",
+    "SegmentKind",
     "available",
     "chunk_heads",
     "register",
