@@ -25,6 +25,15 @@ from transformers import (
 
 import pic
 
+# A prompt used across the oracle and policy tests: chunks of different lengths, a prefix, a query.
+DOCS = (
+    "Tom had a big red ball. He liked to kick it in the park.",
+    "Lily loved to sing. Every morning she sang a happy song for her mom and dad, and they smiled.",
+    "The cat sat on the mat.",
+)
+QUERY = "One day, Tom and Lily went to"
+PREFIX = "Here are three short stories."
+
 _COMMON = dict(
     vocab_size=512,
     hidden_size=64,

@@ -11,15 +11,8 @@ import pytest
 import torch
 
 from tests.conftest import make_engine
-from tests.models import model
+from tests.models import DOCS, PREFIX, QUERY, model
 
-DOCS = (
-    "Tom had a big red ball. He liked to kick it in the park.",
-    "Lily loved to sing. Every morning she sang a happy song for her mom and dad, and they smiled.",
-    "The cat sat on the mat.",
-)
-QUERY = "One day, Tom and Lily went to"
-PREFIX = "Here are three short stories."
 NUM_NEW = 32
 TOL = 1e-4
 
