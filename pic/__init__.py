@@ -20,7 +20,7 @@ import torch
 
 from pic import policies
 from pic.api import PIC
-from pic.config import CompileOptions, PICConfig
+from pic.config import CompileOptions, PICConfig, StoreConfig
 from pic.errors import (
     CompileOptionsMismatchError,
     ContextLengthError,
@@ -31,6 +31,8 @@ from pic.errors import (
     NoEngineError,
     PicError,
     PolicyError,
+    StoreFullError,
+    StoreUnavailableError,
     UnknownCacheIdError,
     UnsupportedModelError,
 )
@@ -48,13 +50,15 @@ def load(
     device: str | torch.device | None = None,
     dtype: str | torch.dtype | None = None,
     config: PICConfig | None = None,
+    store: StoreConfig | None = None,
 ) -> PIC:
     """Build an engine (``PIC.from_pretrained``) and make it the default for ``pic.compile`` / ``pic.link``.
 
-    ``name_or_path`` defaults to the embedded stories260K model, so ``pic.load()`` works offline.
+    ``name_or_path`` defaults to the embedded stories260K model, so ``pic.load()`` works offline;
+    ``store`` says where chunks live (``StoreConfig``: device, CPU and Redis tiers).
     """
     global _default_engine
-    _default_engine = PIC.from_pretrained(name_or_path, device=device, dtype=dtype, config=config)
+    _default_engine = PIC.from_pretrained(name_or_path, device=device, dtype=dtype, config=config, store=store)
     return _default_engine
 
 
@@ -99,6 +103,9 @@ __all__ = [
     "SamplingParams",
     "UnknownCacheIdError",
     "PolicyError",
+    "StoreConfig",
+    "StoreFullError",
+    "StoreUnavailableError",
     "UnsupportedModelError",
     "compile",
     "default_engine",

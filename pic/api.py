@@ -10,19 +10,19 @@ import torch
 from tqdm.auto import tqdm
 
 from pic.compile import TextOrTokens, chunk_id, encode, model_fingerprint, prefill_chunk
-from pic.config import CompileOptions, PICConfig
+from pic.config import CompileOptions, PICConfig, StoreConfig
 from pic.errors import (
     CompileOptionsMismatchError,
     ContextLengthError,
     InvalidInputError,
     PolicyError,
-    UnknownCacheIdError,
 )
 from pic.kv import ChunkKV, KVPool
 from pic.link import Linked, lay_out, policies, recompute
 from pic.model import ModelRunner, ModelSpec
 from pic.model.loading import EMBEDDED_MODEL, load_pretrained, resolve_device, resolve_dtype
-from pic.store import MemoryStore
+from pic.store import TieredStore
+from pic.store.serde import Expected
 
 # Compiling at least this many new chunks shows a progress bar (unless `progress` says otherwise).
 _PROGRESS_MIN_CHUNKS = 8
@@ -38,19 +38,35 @@ class PIC:
         model: a supported ``*ForCausalLM`` (Llama, Mistral, Qwen2, Qwen3 families), on its device.
         tokenizer: its tokenizer.
         config: engine options (``PICConfig``).
+        store: where chunks live (``StoreConfig``; default: an unbounded device tier only).
 
     Raises:
         UnsupportedModelError: the model has no rotary embeddings or an unsupported layer layout.
     """
 
-    def __init__(self, model: torch.nn.Module, tokenizer: object, *, config: PICConfig | None = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: object,
+        *,
+        config: PICConfig | None = None,
+        store: StoreConfig | None = None,
+    ) -> None:
         self.config = config or PICConfig()
         self.runner = ModelRunner(model)
         self.tokenizer = tokenizer
         self.fingerprint = model_fingerprint(model)
-        self.store = MemoryStore()
         self.default_policy = policies.resolve(self.config.default_policy)
         spec = self.runner.spec
+        expected = Expected(
+            fingerprint=self.fingerprint,
+            num_layers=spec.num_layers,
+            num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            dtype=spec.dtype,
+            max_tokens=spec.max_context,
+        )
+        self.store = TieredStore.from_config(store or StoreConfig(), device=spec.device, expected=expected)
         pool_tokens = self.config.kv_pool_tokens or min(2 * spec.max_context, 65536)
         self.pool = KVPool(
             num_layers=spec.num_layers,
@@ -73,11 +89,12 @@ class PIC:
         device: str | torch.device | None = None,
         dtype: str | torch.dtype | None = None,
         config: PICConfig | None = None,
+        store: StoreConfig | None = None,
     ) -> PIC:
         """Load a model and tokenizer by Hub name or local path (default: the embedded stories260K)."""
         device = resolve_device(device)
         model, tokenizer = load_pretrained(name_or_path, device=device, dtype=resolve_dtype(dtype, device))
-        return cls(model, tokenizer, config=config)
+        return cls(model, tokenizer, config=config, store=store)
 
     @property
     def spec(self) -> ModelSpec:
@@ -104,6 +121,8 @@ class PIC:
         Raises:
             InvalidInputError: no documents, an empty document, a bad token id.
             ContextLengthError: a document longer than the model's context.
+            StoreUnavailableError: Redis failed (``StoreConfig.on_redis_error="raise"``).
+            StoreFullError: a chunk fits in no tier.
         """
         options = self.compile_options(policy)
         token_lists = self._documents(docs, options)
@@ -126,7 +145,8 @@ class PIC:
         recompute pass, so the first token's logits are ready on return.
 
         Raises:
-            UnknownCacheIdError: an id the store does not hold.
+            UnknownCacheIdError: an id no store tier holds.
+            StoreUnavailableError: Redis failed (``StoreConfig.on_redis_error="raise"``).
             CompileOptionsMismatchError: a chunk compiled with other options than ``policy`` needs.
             InvalidInputError: an empty query, a bad token id.
             ContextLengthError: the linked prompt is longer than the model's context.
@@ -196,11 +216,7 @@ class PIC:
             cache_ids = [cache_ids]
         chunks = []
         for cid in cache_ids:
-            chunk = self.store.get(cid) if isinstance(cid, str) else None
-            if chunk is None:
-                raise UnknownCacheIdError(
-                    f"unknown cache id {cid!r}: compile its document first ({len(self.store)} chunks cached)"
-                )
+            chunk = self.store.require(cid)
             if chunk.options != options:
                 raise CompileOptionsMismatchError(
                     f"chunk {cid} was compiled with {chunk.options!r} but policy {policy.spec!r} needs {options!r}; "

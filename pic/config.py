@@ -6,6 +6,8 @@ naming the field, never later with a KeyError deep inside a forward pass.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pic.errors import InvalidInputError
@@ -52,6 +54,37 @@ class PICConfig(_Frozen):
     def compile_options(self) -> CompileOptions:
         """The compile options this engine uses before a policy adds its own needs."""
         return CompileOptions(add_bos=self.add_bos)
+
+
+class StoreConfig(_Frozen):
+    """Where compiled chunks live: tiers from fastest to most shared.
+
+    Attributes:
+        device_bytes: capacity of the device tier (chunk KV on the engine's device); ``None``:
+            unbounded; ``0``: chunks are loaded from a lower tier for every link.
+        cpu_bytes: capacity of the CPU tier (page-locked when CUDA is available, so copies to the
+            GPU are asynchronous); ``0`` (default): no CPU tier; ``None``: unbounded.
+        redis_url: a Redis shared by a fleet of workers (``redis://``, ``rediss://`` or ``unix://``,
+            with a password as redis-py takes it); ``None``: no Redis tier.
+        namespace: prefix of every Redis key; keys also carry the model fingerprint, so two models
+            never read each other's chunks.
+        on_redis_error: ``"raise"``: an unreachable Redis is a ``StoreUnavailableError`` naming the
+            URL; ``"miss"``: it is logged and the chunk is looked for in the upper tiers only.
+        part_bytes: the KV payload is stored in parts of at most this many bytes (Redis refuses
+            values over 512 MiB).
+        redis_timeout_s: socket timeout of Redis calls.
+
+    The device and CPU tiers evict least-recently-used chunks that are not pinned; a chunk evicted
+    from one tier stays in the tiers below it.
+    """
+
+    device_bytes: int | None = Field(default=None, ge=0)
+    cpu_bytes: int | None = Field(default=0, ge=0)
+    redis_url: str | None = Field(default=None, pattern=r"^(redis|rediss|unix)://")
+    namespace: str = Field(default="pic", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    on_redis_error: Literal["raise", "miss"] = "raise"
+    part_bytes: int = Field(default=32 * 2**20, ge=1, le=512 * 2**20)
+    redis_timeout_s: float = Field(default=10.0, gt=0)
 
 
 def validated(model: type[_Frozen], **values: object) -> _Frozen:

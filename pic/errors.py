@@ -50,3 +50,11 @@ class LinkedReleasedError(PicError):
 
 class MissingDependencyError(PicError, ImportError):
     """An optional dependency a feature needs is not installed (the message names the extra)."""
+
+
+class StoreUnavailableError(PicError):
+    """A store tier (Redis) could not be reached or failed; the message names its URL."""
+
+
+class StoreFullError(PicError):
+    """A chunk fits in no tier of the store (every tier is full of pinned chunks or too small)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -31,3 +32,20 @@ class ChunkKV:
     @property
     def num_tokens(self) -> int:
         return self.token_ids.shape[0]
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes of K and V together (what a store tier's capacity counts)."""
+        return 2 * self.k.numel() * self.k.element_size()
+
+    def to(self, device: torch.device | str, *, pin: bool = False, non_blocking: bool = False) -> ChunkKV:
+        """This chunk with K and V on ``device`` (itself when already there; ``pin``: page-locked CPU
+        memory, for asynchronous copies to a GPU)."""
+        device = torch.device(device)
+        here = self.k.device
+        if here.type == device.type and device.index in (None, here.index) and (not pin or self.k.is_pinned()):
+            return self
+        k, v = (t.to(device, non_blocking=non_blocking) for t in (self.k, self.v))
+        if pin:
+            k, v = k.pin_memory(), v.pin_memory()
+        return dataclasses.replace(self, k=k, v=v)

@@ -1,5 +1,8 @@
-"""Where compiled chunks live."""
+"""Where compiled chunks live: device, CPU and Redis tiers behind a ``TieredStore``."""
 
-from pic.store.memory import MemoryStore
+from pic.store.lru import LruTier
+from pic.store.redis_tier import RedisTier
+from pic.store.tier import Tier, TierStats
+from pic.store.tiered import TieredStore
 
-__all__ = ["MemoryStore"]
+__all__ = ["LruTier", "RedisTier", "Tier", "TierStats", "TieredStore"]

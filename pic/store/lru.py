@@ -1,0 +1,101 @@
+"""In-process tiers (device, CPU): a byte-bounded LRU of chunks, with pinning."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+
+import torch
+
+from pic.kv import ChunkKV
+from pic.store.tier import TierStats
+
+
+class LruTier:
+    """Chunks in process memory on one device, least recently used evicted first.
+
+    Args:
+        name: ``"device"`` or ``"cpu"``.
+        device: where the chunks' K and V are kept.
+        capacity_bytes: bytes of K and V it may hold; ``None``: unbounded.
+        pin: keep CPU tensors page-locked (so copies to a GPU can be asynchronous).
+
+    Pinned chunks (``pin``) are never evicted. A chunk that does not fit even after evicting every
+    unpinned chunk is refused (``put`` returns ``False``) and nothing is evicted.
+    """
+
+    def __init__(
+        self, name: str, *, device: torch.device, capacity_bytes: int | None = None, pin: bool = False
+    ) -> None:
+        self.name, self.device, self.capacity_bytes, self._pin = name, device, capacity_bytes, pin
+        self._chunks: OrderedDict[str, ChunkKV] = OrderedDict()  # least recently used first
+        self._pinned: set[str] = set()
+        self._stats = TierStats(name=name, capacity_bytes=capacity_bytes)
+
+    def get(self, cache_id: str) -> ChunkKV | None:
+        chunk = self._chunks.get(cache_id)
+        if chunk is None:
+            self._stats.misses += 1
+            return None
+        self._chunks.move_to_end(cache_id)
+        self._stats.hits += 1
+        return chunk
+
+    def can_fit(self, num_bytes: int) -> bool:
+        """Whether ``num_bytes`` fit after evicting every unpinned chunk."""
+        if self.capacity_bytes is None:
+            return True
+        pinned = sum(self._chunks[c].num_bytes for c in self._pinned)
+        return pinned + num_bytes <= self.capacity_bytes
+
+    def put(self, chunk: ChunkKV) -> bool:
+        if chunk.cache_id in self._chunks:
+            self._chunks.move_to_end(chunk.cache_id)
+            return True
+        if not self.can_fit(chunk.num_bytes):
+            return False
+        self._evict_for(chunk.num_bytes)
+        self._chunks[chunk.cache_id] = chunk.to(self.device, pin=self._pin, non_blocking=True)
+        self._stats.num_bytes += chunk.num_bytes
+        return True
+
+    def _evict_for(self, num_bytes: int) -> None:
+        if self.capacity_bytes is None:
+            return
+        victims = (c for c in list(self._chunks) if c not in self._pinned)
+        while self._stats.num_bytes + num_bytes > self.capacity_bytes:
+            victim = next(victims)  # can_fit guarantees enough unpinned bytes
+            self._remove(victim)
+            self._stats.evictions += 1
+
+    def contains(self, cache_id: str) -> bool:
+        return cache_id in self._chunks
+
+    def delete(self, cache_id: str) -> bool:
+        if cache_id not in self._chunks:
+            return False
+        self._remove(cache_id)
+        return True
+
+    def _remove(self, cache_id: str) -> None:
+        self._stats.num_bytes -= self._chunks.pop(cache_id).num_bytes
+        self._pinned.discard(cache_id)
+
+    def pin(self, cache_id: str) -> bool:
+        """Never evict ``cache_id``; ``False`` if this tier does not hold it."""
+        if cache_id not in self._chunks:
+            return False
+        self._pinned.add(cache_id)
+        return True
+
+    def unpin(self, cache_id: str) -> None:
+        self._pinned.discard(cache_id)
+
+    def is_pinned(self, cache_id: str) -> bool:
+        return cache_id in self._pinned
+
+    def ids(self) -> list[str]:
+        return list(self._chunks)
+
+    def stats(self) -> TierStats:
+        return dataclasses.replace(self._stats, num_entries=len(self._chunks))

@@ -1,0 +1,162 @@
+"""The Redis tier: chunks shared by a fleet of workers, in the wire format of ``pic.store.serde``.
+
+Keys are ``{namespace}:{model fingerprint}:{cache id}:meta`` and ``...:part:{i}``, so two models never
+read each other's chunks. A damaged, foreign or unknown-format entry is logged, deleted and treated
+as a miss: it can cost a recompile, never a wrong answer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+from typing import Literal
+
+import redis
+
+from pic.errors import StoreUnavailableError
+from pic.kv import ChunkKV
+from pic.store import serde
+from pic.store.tier import TierStats
+
+log = logging.getLogger("pic.store")
+_DROP_BATCH = 64
+
+
+class RedisTier:
+    """A Redis (or Redis-compatible) server as a chunk tier.
+
+    Args:
+        url: ``redis://[[user]:password@]host:port/db``, ``rediss://...`` or ``unix:///path.sock``.
+        expected: what this engine's chunks look like (fingerprint, shape, dtype).
+        on_error: ``"raise"``: an unreachable server raises ``StoreUnavailableError`` naming the URL;
+            ``"miss"``: it is logged, counted and treated as a miss (``put`` then stores nothing).
+        pin: decode chunks into page-locked memory.
+    """
+
+    name = "redis"
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        expected: serde.Expected,
+        namespace: str = "pic",
+        part_bytes: int = 32 * 2**20,
+        on_error: Literal["raise", "miss"] = "raise",
+        timeout_s: float = 10.0,
+        pin: bool = False,
+    ) -> None:
+        self.url = _redact(url)
+        self._client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self._expected, self._part_bytes, self._on_error, self._pin = expected, part_bytes, on_error, pin
+        self._prefix = f"{namespace}:{expected.fingerprint}:"
+        self._stats = TierStats(name=self.name)
+        self.last_error: str | None = None  # why the latest call failed, for error messages upstream
+
+    def _key(self, cache_id: str, part: int | None = None) -> str:
+        return f"{self._prefix}{cache_id}:meta" if part is None else f"{self._prefix}{cache_id}:part:{part}"
+
+    def get(self, cache_id: str) -> ChunkKV | None:
+        with self._guard():
+            raw = self._client.get(self._key(cache_id))
+            if raw is None:
+                self._stats.misses += 1
+                return None
+            try:
+                meta = serde.parse_meta(raw, cache_id=cache_id, expected=self._expected)
+                parts = self._client.mget([self._key(cache_id, i) for i in range(meta.num_parts)])
+                chunk = serde.decode(meta, parts, pin=self._pin)
+            except serde.CorruptEntryError as exc:
+                log.warning("pic: dropping Redis entry %s at %s: %s", cache_id, self.url, exc)
+                self._stats.errors += 1
+                self._stats.misses += 1
+                self._drop(cache_id)
+                return None
+            self._stats.hits += 1
+            return chunk
+        return None  # the server failed and on_error == "miss"
+
+    def put(self, chunk: ChunkKV) -> bool:
+        encoded = serde.encode(chunk, fingerprint=self._expected.fingerprint, part_bytes=self._part_bytes)
+        with self._guard():
+            pipe = self._client.pipeline(transaction=False)
+            for i, part in enumerate(encoded.parts):
+                pipe.set(self._key(chunk.cache_id, i), part)
+            pipe.execute()
+            self._client.set(self._key(chunk.cache_id), encoded.meta)  # metadata last: parts are all there
+            return True
+        return False
+
+    def contains(self, cache_id: str) -> bool:
+        with self._guard():
+            return bool(self._client.exists(self._key(cache_id)))
+        return False
+
+    def delete(self, cache_id: str) -> bool:
+        with self._guard():
+            return self._drop(cache_id)
+        return False
+
+    def _drop(self, cache_id: str) -> bool:
+        """Delete the metadata first (readers stop seeing the entry), then parts 0, 1, ... until a
+        batch finds none (parts are written densely, so a damaged entry's count is not needed)."""
+        existed = bool(self._client.delete(self._key(cache_id)))
+        start = 0
+        while self._client.delete(*(self._key(cache_id, i) for i in range(start, start + _DROP_BATCH))):
+            start += _DROP_BATCH
+        return existed
+
+    def ids(self) -> list[str]:
+        with self._guard():
+            keys = self._client.scan_iter(match=_glob(self._prefix) + "*:meta", count=1000)
+            return sorted(k.decode()[len(self._prefix) : -len(":meta")] for k in keys)
+        return []
+
+    def stats(self) -> TierStats:
+        """This process's counters, with the entries and bytes found on the server (a scan)."""
+        stats = dataclasses.replace(self._stats)
+        with self._guard():
+            ids = self.ids()
+            for cache_id, raw in zip(ids, self._client.mget([self._key(c) for c in ids]) if ids else [], strict=True):
+                try:
+                    meta = serde.parse_meta(raw or b"", cache_id=cache_id, expected=self._expected)
+                except serde.CorruptEntryError:
+                    continue
+                stats.num_entries += 1
+                stats.num_bytes += 2 * meta.tensor_bytes
+        return stats
+
+    def _guard(self) -> _Guard:
+        return _Guard(self)
+
+
+class _Guard:
+    """Turns a Redis failure inside ``with`` into ``StoreUnavailableError`` or a logged, swallowed miss."""
+
+    def __init__(self, tier: RedisTier) -> None:
+        self._tier = tier
+
+    def __enter__(self) -> None:
+        self._tier.last_error = None
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        if exc is None or not isinstance(exc, redis.RedisError):
+            return False
+        tier = self._tier
+        tier.last_error = f"Redis at {tier.url} failed: {type(exc).__name__}: {exc}"
+        tier._stats.errors += 1
+        if tier._on_error == "raise":
+            raise StoreUnavailableError(tier.last_error) from exc
+        log.warning("pic: %s; serving from the upper tiers", tier.last_error)
+        return True
+
+
+def _redact(url: str) -> str:
+    """The URL without its password (``redis://user:***@host:6379/0``)."""
+    return re.sub(r"(?<=://)([^:@/]*):[^@/]*@", r"\1:***@", url)
+
+
+def _glob(text: str) -> str:
+    """``text`` with Redis glob characters escaped."""
+    return re.sub(r"([*?\[\]\\])", r"\\\1", text)

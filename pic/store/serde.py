@@ -1,0 +1,173 @@
+"""The wire format of a compiled chunk (msgpack metadata + raw KV parts; never pickle).
+
+An entry is one metadata record and ``num_parts`` payload parts. The payload is K's bytes then V's
+bytes, each cut into parts of at most ``part_bytes`` (Redis refuses values over 512 MiB, and a 4K-token
+chunk of a 7B model is 512 MiB). Writers store the parts first and the metadata last, so a reader
+never sees metadata whose parts were not all written.
+
+Nothing read is trusted: the metadata is size-bounded before unpacking and validated field by field
+against what this engine expects (format version, model fingerprint, cache id, dtype, shape), the
+cache id is recomputed from the token ids and options, every part's length is checked before the
+payload is allocated, and the payload's checksum (xxh3-128) must match. Any failure is a
+``CorruptEntryError``, which the Redis tier turns into a logged miss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import msgpack
+import numpy as np
+import torch
+import xxhash
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from pic.compile.ids import KV_FORMAT_VERSION, chunk_id
+from pic.config import CompileOptions
+from pic.kv import ChunkKV
+
+_MAX_META_BYTES = 16 * 2**20
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class CorruptEntryError(Exception):
+    """A stored entry that is missing, damaged, foreign or of an unknown format."""
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What this engine's chunks look like; an entry that disagrees is refused."""
+
+    fingerprint: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """A chunk ready to store: ``meta`` (msgpack) and the payload ``parts`` (views, no copies)."""
+
+    meta: bytes
+    parts: list[memoryview]
+
+
+class Meta(BaseModel):
+    """The metadata record, validated strictly (no coercion)."""
+
+    model_config = ConfigDict(strict=True, frozen=True, extra="forbid")
+    format: int
+    fingerprint: str
+    cache_id: str
+    dtype: str
+    shape: tuple[int, int, int, int]
+    options: CompileOptions
+    token_ids: tuple[int, ...]
+    checksum: str
+    part_bytes: int
+    num_parts: int
+
+    @property
+    def tensor_bytes(self) -> int:
+        """Bytes of K (and of V)."""
+        return int(np.prod(self.shape)) * _DTYPES[self.dtype].itemsize
+
+
+def encode(chunk: ChunkKV, *, fingerprint: str, part_bytes: int) -> Encoded:
+    """The wire form of ``chunk``: metadata and parts of at most ``part_bytes``."""
+    k, v = (t.detach().contiguous().cpu().view(torch.uint8).flatten().numpy() for t in (chunk.k, chunk.v))
+    parts = [*_cut(memoryview(k), part_bytes), *_cut(memoryview(v), part_bytes)]
+    meta = {
+        "format": KV_FORMAT_VERSION,
+        "fingerprint": fingerprint,
+        "cache_id": chunk.cache_id,
+        "dtype": str(chunk.k.dtype).removeprefix("torch."),
+        "shape": list(chunk.k.shape),
+        "options": chunk.options.model_dump(),
+        "token_ids": chunk.token_ids.tolist(),
+        "checksum": _checksum(parts),
+        "part_bytes": part_bytes,
+        "num_parts": len(parts),
+    }
+    return Encoded(meta=msgpack.packb(meta), parts=parts)
+
+
+def parse_meta(raw: bytes, *, cache_id: str, expected: Expected) -> Meta:
+    """Unpack and validate a metadata record for ``cache_id``.
+
+    Raises:
+        CorruptEntryError: oversized, not msgpack, malformed, or not this engine's chunk ``cache_id``.
+    """
+    if len(raw) > _MAX_META_BYTES:
+        raise CorruptEntryError(f"metadata of {len(raw)} bytes is larger than {_MAX_META_BYTES}")
+    limit = expected.max_tokens + 8
+    try:
+        fields = msgpack.unpackb(
+            raw, raw=False, use_list=False, max_str_len=1024, max_bin_len=0, max_array_len=limit, max_map_len=64
+        )
+        meta = Meta.model_validate(fields)
+    except ValidationError as exc:
+        raise CorruptEntryError(f"malformed metadata: {exc.errors()[0]['loc']}: {exc.errors()[0]['msg']}") from None
+    except Exception as exc:  # msgpack raises many types on garbage; none of them may escape
+        raise CorruptEntryError(f"metadata is not msgpack: {type(exc).__name__}") from None
+    _check_meta(meta, cache_id, expected)
+    return meta
+
+
+def _check_meta(meta: Meta, cache_id: str, expected: Expected) -> None:
+    if meta.format != KV_FORMAT_VERSION:
+        raise CorruptEntryError(f"unknown format version {meta.format} (this build reads {KV_FORMAT_VERSION})")
+    if meta.fingerprint != expected.fingerprint:
+        raise CorruptEntryError(f"written by another model (fingerprint {meta.fingerprint[:12]})")
+    content = meta.token_ids[int(meta.options.add_bos) :]  # the id hashes the tokens after the chunk's BOS
+    if meta.cache_id != cache_id or chunk_id(meta.fingerprint, content, meta.options) != cache_id:
+        raise CorruptEntryError(f"metadata does not belong to cache id {cache_id}")
+    shape = (expected.num_layers, len(meta.token_ids), expected.num_kv_heads, expected.head_dim)
+    if _DTYPES.get(meta.dtype) != expected.dtype or meta.shape != shape or not 0 < shape[1] <= expected.max_tokens:
+        raise CorruptEntryError(f"dtype {meta.dtype} and shape {meta.shape} disagree with {expected.dtype} {shape}")
+    if not 0 < meta.part_bytes <= 512 * 2**20 or meta.num_parts != 2 * -(-meta.tensor_bytes // meta.part_bytes):
+        raise CorruptEntryError(f"{meta.num_parts} parts of {meta.part_bytes} bytes do not fit the shape")
+
+
+def part_sizes(meta: Meta) -> list[int]:
+    """The exact length of every part, K's then V's."""
+    full, last = divmod(meta.tensor_bytes, meta.part_bytes)
+    one = [meta.part_bytes] * full + ([last] if last else [])
+    return one + one
+
+
+def decode(meta: Meta, parts: Sequence[bytes | None], *, pin: bool = False) -> ChunkKV:
+    """The chunk of a validated ``meta`` from its ``parts`` (CPU tensors; page-locked if ``pin``).
+
+    Raises:
+        CorruptEntryError: a missing or wrong-sized part (checked before allocating), a bad checksum.
+    """
+    sizes = part_sizes(meta)
+    got = [None if p is None else len(p) for p in parts]
+    if got != sizes:
+        raise CorruptEntryError(f"part sizes {got} differ from the expected {sizes}")
+    if _checksum(parts) != meta.checksum:
+        raise CorruptEntryError("payload checksum mismatch")
+    buffer = torch.empty(2 * meta.tensor_bytes, dtype=torch.uint8, pin_memory=pin)
+    flat, offset = buffer.numpy(), 0
+    for part in parts:
+        flat[offset : offset + len(part)] = np.frombuffer(part, dtype=np.uint8)
+        offset += len(part)
+    dtype, half = _DTYPES[meta.dtype], meta.tensor_bytes
+    k, v = (buffer[i * half : (i + 1) * half].view(dtype).view(meta.shape) for i in (0, 1))
+    token_ids = torch.tensor(meta.token_ids, dtype=torch.long)
+    return ChunkKV(cache_id=meta.cache_id, token_ids=token_ids, k=k, v=v, options=meta.options)
+
+
+def _cut(data: memoryview, size: int) -> list[memoryview]:
+    return [data[i : i + size] for i in range(0, len(data), size)]
+
+
+def _checksum(parts: Sequence[bytes | memoryview]) -> str:
+    h = xxhash.xxh3_128()
+    for part in parts:
+        h.update(part)
+    return h.hexdigest()
