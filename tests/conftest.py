@@ -4,6 +4,7 @@ import pytest
 
 import pic
 from tests.models import FAMILIES, model, tokenizer
+from tests.redis_server import RedisServer
 
 
 @pytest.fixture(params=FAMILIES)
@@ -18,3 +19,18 @@ def make_engine(family: str, **config) -> pic.PIC:
 @pytest.fixture
 def stories() -> pic.PIC:
     return make_engine("stories260K")
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    """A real redis-server for the whole session (function tests flush it through ``redis_url``)."""
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server) -> str:
+    redis_server.client().flushall()
+    return redis_server.url

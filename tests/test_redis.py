@@ -1,0 +1,183 @@
+"""The Redis tier against a real redis-server: sharing across processes, the wire format's defences,
+an unreachable or restarted server, URL forms and namespacing."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import msgpack
+import pytest
+
+import pic
+from tests.conftest import make_engine
+from tests.models import DOCS, QUERY, model, tokenizer
+from tests.redis_server import PASSWORD, RedisServer
+
+SMALL_PARTS = 4096  # several parts per chunk, so part handling is exercised
+
+
+def redis_engine(url: str, family: str = "stories260K", **store) -> pic.PIC:
+    """An engine whose chunks live only in Redis (an empty device tier that cannot hold any)."""
+    config = pic.StoreConfig(redis_url=url, device_bytes=0, part_bytes=SMALL_PARTS, **store)
+    return pic.PIC(model(family), tokenizer(), store=config)
+
+
+def generate(engine: pic.PIC, ids: list[str], policy: str = "legolink:16") -> list[int]:
+    return engine.link(ids[::-1], QUERY, policy=policy).generate(max_new_tokens=16).token_ids
+
+
+def test_round_trip_through_redis(redis_url):
+    engine = redis_engine(redis_url)
+    ids = engine.compile(list(DOCS))
+    assert all(engine.store.lookup(i) == ["redis"] for i in ids)
+    local = make_engine("stories260K")
+    assert local.compile(list(DOCS)) == ids  # same content, same ids
+    for policy in ("full", "legolink:16", "cacheblend:0.3"):
+        assert generate(engine, ids, policy) == generate(local, ids, policy)
+    redis_stats = engine.store.stats()[-1]
+    assert redis_stats.name == "redis" and redis_stats.num_entries == 3 and redis_stats.hits >= 9
+    assert redis_stats.num_bytes == sum(local.store.get(i).num_bytes for i in ids)
+
+
+_WORKER = """
+import json, sys, pic
+engine = pic.load(store=pic.StoreConfig(redis_url=sys.argv[1], part_bytes=4096))
+docs = json.loads(sys.argv[2])
+ids = engine.compile(docs) if sys.argv[3] == "compile" else json.loads(sys.argv[3])
+tiers = [engine.store.lookup(i) for i in ids]
+out = engine.link(ids[::-1], sys.argv[4], policy="legolink:16").generate(max_new_tokens=24)
+print(json.dumps({"ids": ids, "tokens": out.token_ids, "tiers": tiers}))
+"""
+
+
+def test_second_process_links_what_the_first_compiled(redis_url):
+    """Acceptance 2: one process compiles into Redis, a fresh one links the same ids from it."""
+
+    def worker(ids_or_compile: str) -> dict:
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        args = [sys.executable, "-c", _WORKER, redis_url, json.dumps(list(DOCS)), ids_or_compile, QUERY]
+        proc = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(proc.stdout.splitlines()[-1])
+
+    first = worker("compile")
+    assert all(t == ["device", "redis"] for t in first["tiers"])
+    second = worker(json.dumps(first["ids"]))
+    assert all(t == ["redis"] for t in second["tiers"])  # empty device tier: every chunk came from Redis
+    assert second["tokens"] == first["tokens"] and len(first["tokens"]) == 24
+
+
+def _meta_key(redis_server, engine, cache_id):
+    return f"pic:{engine.fingerprint}:{cache_id}:meta".encode()
+
+
+def _edit_meta(**changes):
+    def edit(client, meta_key):
+        meta = msgpack.unpackb(client.get(meta_key))
+        client.set(meta_key, msgpack.packb({**meta, **changes}))
+
+    return edit
+
+
+def _edit_part(index, change):
+    def edit(client, meta_key):
+        key = meta_key[: -len(b"meta")] + f"part:{index}".encode()
+        client.set(key, change(client.get(key)))
+
+    return edit
+
+
+FAULTS = {
+    "truncated part": _edit_part(1, lambda b: b[:-7]),
+    "flipped payload byte": _edit_part(2, lambda b: b[:100] + bytes([b[100] ^ 0x01]) + b[101:]),
+    "missing part": lambda client, key: client.delete(key[: -len(b"meta")] + b"part:0"),
+    "metadata of another model": _edit_meta(fingerprint="0" * 32),
+    "unknown format version": _edit_meta(format=99),
+    "shape disagrees": _edit_meta(shape=[5, 3, 4, 8]),
+    "tokens swapped": _edit_meta(token_ids=[1, 2, 3]),
+    "garbage metadata": lambda client, key: client.set(key, b"\xc1\x00garbage" * 10),
+    "huge array header": lambda client, key: client.set(key, b"\xdd\xff\xff\xff\xff"),
+}
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_corrupt_entry_is_a_logged_miss_and_is_deleted(redis_server, redis_url, fault, caplog):
+    writer = redis_engine(redis_url)
+    ids = writer.compile(list(DOCS))
+    local = make_engine("stories260K")
+    assert local.compile(list(DOCS)) == ids
+    expected = generate(local, ids)
+    client = redis_server.client()
+    FAULTS[fault](client, _meta_key(redis_server, writer, ids[1]))
+
+    reader = redis_engine(redis_url)
+    with caplog.at_level(logging.WARNING, logger="pic.store"):
+        with pytest.raises(pic.UnknownCacheIdError, match=ids[1]):
+            generate(reader, ids)
+    assert f"dropping Redis entry {ids[1]}" in caplog.text
+    assert client.keys(f"pic:*:{ids[1]}:*") == []  # meta and every part deleted
+    assert reader.store.stats()[-1].errors == 1
+    assert reader.compile(list(DOCS)) == ids  # recompiled into Redis, the others untouched
+    assert generate(reader, ids) == expected
+
+
+def test_unreachable_redis_raises_naming_the_url(tmp_path):
+    server = RedisServer(tmp_path)
+    server.start()
+    engine = pic.PIC(model("stories260K"), tokenizer(), store=pic.StoreConfig(redis_url=server.url))
+    ids = engine.compile(list(DOCS))
+    expected = generate(engine, ids)
+    server.stop()  # mid-run
+    assert generate(engine, ids) == expected  # device hits never touch Redis
+    fresh = redis_engine(server.url)
+    where = f"127.0.0.1:{server.port}"
+    with pytest.raises(pic.StoreUnavailableError, match=f"Redis at redis://:\\*\\*\\*@{where}/0 failed") as info:
+        generate(fresh, ids)
+    assert PASSWORD not in str(info.value)
+    with pytest.raises(pic.StoreUnavailableError, match=where):
+        fresh.compile("A new story.")
+
+    lenient = redis_engine(server.url, on_redis_error="miss")
+    with pytest.raises(pic.UnknownCacheIdError, match=f"in no tier \\(device, redis\\); Redis at .*{where}"):
+        generate(lenient, ids)
+    lenient.store = pic.PIC(model("stories260K"), tokenizer()).store  # without Redis: compile still works
+    assert len(lenient.compile(list(DOCS))) == 3
+
+    server.start()  # restarted, empty (no persistence)
+    assert fresh.compile(list(DOCS)) == ids
+    assert generate(fresh, ids) == expected
+    server.stop()
+
+
+def test_unix_socket_url_and_wrong_password(redis_server, redis_url):
+    engine = redis_engine(redis_server.unix_url)
+    ids = engine.compile(list(DOCS))
+    local = make_engine("stories260K")
+    assert local.compile(list(DOCS)) == ids
+    assert generate(engine, ids) == generate(local, ids)
+    wrong = redis_server.url.replace("s3cret", "wrong")
+    with pytest.raises(pic.StoreUnavailableError, match="AuthenticationError"):
+        redis_engine(wrong).compile(list(DOCS))
+
+
+def test_keys_are_namespaced_by_model(redis_server, redis_url):
+    stories = redis_engine(redis_url)
+    llama = redis_engine(redis_url, family="llama")
+    other_namespace = redis_engine(redis_url, namespace="team-b")
+    stories_ids, llama_ids = stories.compile(list(DOCS)), llama.compile(list(DOCS))
+    assert stories.store.tiers[-1].ids() == sorted(stories_ids)
+    assert llama.store.tiers[-1].ids() == sorted(llama_ids)
+    assert other_namespace.store.tiers[-1].ids() == []
+    keys = {k.decode() for k in redis_server.client().keys("*:meta")}
+    assert keys == {
+        f"pic:{e.fingerprint}:{i}:meta" for e, ids in ((stories, stories_ids), (llama, llama_ids)) for i in ids
+    }
+
+
+def test_bad_store_config():
+    with pytest.raises(pic.InvalidInputError, match="redis_url"):
+        pic.PIC(model("stories260K"), tokenizer(), store=pic.config.validated(pic.StoreConfig, redis_url="http://x"))
