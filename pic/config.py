@@ -71,7 +71,8 @@ class StoreConfig(_Frozen):
         on_redis_error: ``"raise"``: an unreachable Redis is a ``StoreUnavailableError`` naming the
             URL; ``"miss"``: it is logged and the chunk is looked for in the upper tiers only.
         part_bytes: the KV payload is stored in parts of at most this many bytes (Redis refuses
-            values over 512 MiB).
+            values over 512 MiB; redis-py reads 8 MiB values several times faster per byte than
+            values of hundreds of MiB, see ``benchmarks/store.py``).
         redis_timeout_s: socket timeout of Redis calls.
 
     The device and CPU tiers evict least-recently-used chunks that are not pinned; a chunk evicted
@@ -83,7 +84,7 @@ class StoreConfig(_Frozen):
     redis_url: str | None = Field(default=None, pattern=r"^(redis|rediss|unix)://")
     namespace: str = Field(default="pic", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     on_redis_error: Literal["raise", "miss"] = "raise"
-    part_bytes: int = Field(default=32 * 2**20, ge=1, le=512 * 2**20)
+    part_bytes: int = Field(default=8 * 2**20, ge=1, le=512 * 2**20)
     redis_timeout_s: float = Field(default=10.0, gt=0)
 
 

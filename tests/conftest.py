@@ -4,7 +4,7 @@ import pytest
 
 import pic
 from tests.models import FAMILIES, model, tokenizer
-from tests.redis_server import RedisServer
+from tests.redis_server import redis_server as new_redis_server
 
 
 @pytest.fixture(params=FAMILIES)
@@ -24,8 +24,7 @@ def stories() -> pic.PIC:
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory):
     """A real redis-server for the whole session (function tests flush it through ``redis_url``)."""
-    server = RedisServer(tmp_path_factory.mktemp("redis"))
-    server.start()
+    server = new_redis_server(tmp_path_factory.mktemp("redis")).start()
     yield server
     server.stop()
 

@@ -15,7 +15,8 @@ import pytest
 import pic
 from tests.conftest import make_engine
 from tests.models import DOCS, QUERY, model, tokenizer
-from tests.redis_server import PASSWORD, RedisServer
+from tests.redis_server import PASSWORD
+from tests.redis_server import redis_server as new_redis_server
 
 SMALL_PARTS = 4096  # several parts per chunk, so part handling is exercised
 
@@ -126,8 +127,7 @@ def test_corrupt_entry_is_a_logged_miss_and_is_deleted(redis_server, redis_url, 
 
 
 def test_unreachable_redis_raises_naming_the_url(tmp_path):
-    server = RedisServer(tmp_path)
-    server.start()
+    server = new_redis_server(tmp_path).start()
     engine = pic.PIC(model("stories260K"), tokenizer(), store=pic.StoreConfig(redis_url=server.url))
     ids = engine.compile(list(DOCS))
     expected = generate(engine, ids)

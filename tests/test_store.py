@@ -36,7 +36,12 @@ def test_lru_eviction_by_bytes_and_promotion():
     ids = engine.compile(docs(0, 6))
     assert where(engine, ids) == [[], [], ["cpu"], ["cpu"], ["device", "cpu"], ["device", "cpu"]]
     device, cpu = stats(engine)["device"], stats(engine)["cpu"]
-    assert (device.num_entries, device.num_bytes, device.evictions, device.capacity_bytes) == (2, 2 * size, 4, int(2.5 * size))
+    assert (device.num_entries, device.num_bytes, device.evictions, device.capacity_bytes) == (
+        2,
+        2 * size,
+        4,
+        int(2.5 * size),
+    )
     assert (cpu.num_entries, cpu.num_bytes, cpu.evictions) == (4, 4 * size, 2)
     with pytest.raises(pic.UnknownCacheIdError, match=f"{ids[0]}.*in no tier \\(device, cpu\\)"):
         engine.link(ids[:1], QUERY)
@@ -103,7 +108,9 @@ def test_expire_removes_everywhere():
 
 def test_chunk_that_fits_nowhere():
     engine, size = engine_with(device_chunks=0.5)
-    with pytest.raises(pic.StoreFullError, match=f"{size} bytes\\) fits in no tier: device 0 used of {size // 2} bytes"):
+    with pytest.raises(
+        pic.StoreFullError, match=f"{size} bytes\\) fits in no tier: device 0 used of {size // 2} bytes"
+    ):
         engine.compile(docs(0, 1))
 
 

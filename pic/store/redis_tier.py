@@ -42,14 +42,14 @@ class RedisTier:
         *,
         expected: serde.Expected,
         namespace: str = "pic",
-        part_bytes: int = 32 * 2**20,
+        part_bytes: int = 8 * 2**20,
         on_error: Literal["raise", "miss"] = "raise",
         timeout_s: float = 10.0,
         pin: bool = False,
     ) -> None:
         self.url = _redact(url)
         self._client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
-        self._expected, self._part_bytes, self._on_error, self._pin = expected, part_bytes, on_error, pin
+        self._expected, self.part_bytes, self._on_error, self._pin = expected, part_bytes, on_error, pin
         self._prefix = f"{namespace}:{expected.fingerprint}:"
         self._stats = TierStats(name=self.name)
         self.last_error: str | None = None  # why the latest call failed, for error messages upstream
@@ -65,7 +65,8 @@ class RedisTier:
                 return None
             try:
                 meta = serde.parse_meta(raw, cache_id=cache_id, expected=self._expected)
-                parts = self._client.mget([self._key(cache_id, i) for i in range(meta.num_parts)])
+                # one GET per part: redis-py reads a few MiB per reply far faster than one huge MGET reply
+                parts = [self._client.get(self._key(cache_id, i)) for i in range(meta.num_parts)]
                 chunk = serde.decode(meta, parts, pin=self._pin)
             except serde.CorruptEntryError as exc:
                 log.warning("pic: dropping Redis entry %s at %s: %s", cache_id, self.url, exc)
@@ -78,7 +79,7 @@ class RedisTier:
         return None  # the server failed and on_error == "miss"
 
     def put(self, chunk: ChunkKV) -> bool:
-        encoded = serde.encode(chunk, fingerprint=self._expected.fingerprint, part_bytes=self._part_bytes)
+        encoded = serde.encode(chunk, fingerprint=self._expected.fingerprint, part_bytes=self.part_bytes)
         with self._guard():
             pipe = self._client.pipeline(transaction=False)
             for i, part in enumerate(encoded.parts):
