@@ -126,7 +126,7 @@ def test_corrupt_entry_is_a_logged_miss_and_is_deleted(redis_server, redis_url, 
     assert generate(reader, ids) == expected
 
 
-def test_unreachable_redis_raises_naming_the_url(tmp_path):
+def test_unreachable_redis_raises_naming_the_url(tmp_path, caplog):
     server = new_redis_server(tmp_path).start()
     engine = pic.PIC(model("stories260K"), tokenizer(), store=pic.StoreConfig(redis_url=server.url))
     ids = engine.compile(list(DOCS))
@@ -141,11 +141,15 @@ def test_unreachable_redis_raises_naming_the_url(tmp_path):
     with pytest.raises(pic.StoreUnavailableError, match=where):
         fresh.compile("A new story.")
 
-    lenient = redis_engine(server.url, on_redis_error="miss")
+    lenient = pic.PIC(
+        model("stories260K"), tokenizer(), store=pic.StoreConfig(redis_url=server.url, on_redis_error="miss")
+    )
     with pytest.raises(pic.UnknownCacheIdError, match=f"in no tier \\(device, redis\\); Redis at .*{where}"):
         generate(lenient, ids)
-    lenient.store = pic.PIC(model("stories260K"), tokenizer()).store  # without Redis: compile still works
-    assert len(lenient.compile(list(DOCS))) == 3
+    with caplog.at_level(logging.WARNING, logger="pic.store"):
+        assert lenient.compile(list(DOCS)) == ids  # Redis down: logged, the chunks live in the device tier
+    assert "serving from the upper tiers" in caplog.text
+    assert generate(lenient, ids) == expected and lenient.store.lookup(ids[0]) == ["device"]
 
     server.start()  # restarted, empty (no persistence)
     assert fresh.compile(list(DOCS)) == ids
