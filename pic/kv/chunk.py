@@ -39,13 +39,19 @@ class ChunkKV:
         return 2 * self.k.numel() * self.k.element_size()
 
     def to(self, device: torch.device | str, *, pin: bool = False, non_blocking: bool = False) -> ChunkKV:
-        """This chunk with K and V on ``device`` (itself when already there; ``pin``: page-locked CPU
-        memory, for asynchronous copies to a GPU)."""
+        """This chunk with K and V on ``device`` (itself when already there).
+
+        Args:
+            pin: on the CPU, use page-locked memory, so later copies to a GPU can be asynchronous.
+            non_blocking: asynchronous copy to a GPU (from page-locked memory); copies to the CPU
+                are always synchronous, so the data is there when this returns.
+        """
         device = torch.device(device)
         here = self.k.device
         if here.type == device.type and device.index in (None, here.index) and (not pin or self.k.is_pinned()):
             return self
-        k, v = (t.to(device, non_blocking=non_blocking) for t in (self.k, self.v))
-        if pin:
-            k, v = k.pin_memory(), v.pin_memory()
+        if device.type == "cpu":
+            k, v = (torch.empty(t.shape, dtype=t.dtype, pin_memory=pin).copy_(t) for t in (self.k, self.v))
+        else:
+            k, v = (t.to(device, non_blocking=non_blocking) for t in (self.k, self.v))
         return dataclasses.replace(self, k=k, v=v)
