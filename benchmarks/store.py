@@ -97,7 +97,9 @@ def main() -> None:
     local = None if args.redis_url else LocalRedis().start()
     url = args.redis_url or local.url
     try:
-        expected = Expected(FINGERPRINT, LAYERS, KV_HEADS, HEAD_DIM, DTYPE, max_tokens=max(args.tokens))
+        expected = Expected(
+            FINGERPRINT, LAYERS, KV_HEADS, HEAD_DIM, DTYPE, max_tokens=max(args.tokens), vocab_size=32000
+        )
         part_bytes = StoreConfig().part_bytes
         tier = RedisTier(url, expected=expected, namespace="pic-bench", part_bytes=part_bytes, timeout_s=120)
         client = redis.Redis.from_url(url, socket_timeout=120)

@@ -65,6 +65,7 @@ class PIC:
             head_dim=spec.head_dim,
             dtype=spec.dtype,
             max_tokens=spec.max_context,
+            vocab_size=spec.vocab_size,
         )
         self.store = TieredStore.from_config(store or StoreConfig(), device=spec.device, expected=expected)
         pool_tokens = self.config.kv_pool_tokens or min(2 * spec.max_context, 65536)

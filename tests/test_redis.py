@@ -13,6 +13,7 @@ import msgpack
 import pytest
 
 import pic
+from pic.compile import chunk_id
 from tests.conftest import make_engine
 from tests.models import DOCS, QUERY, model, tokenizer
 from tests.redis_server import PASSWORD
@@ -124,6 +125,27 @@ def test_corrupt_entry_is_a_logged_miss_and_is_deleted(redis_server, redis_url, 
     assert reader.store.stats()[-1].errors == 1
     assert reader.compile(list(DOCS)) == ids  # recompiled into Redis, the others untouched
     assert generate(reader, ids) == expected
+
+
+def test_hostile_entry_with_a_matching_cache_id_is_refused(redis_server, redis_url, caplog):
+    """An entry forged to pass the cache-id check (token ids outside the vocabulary, hashed
+    correctly) is still refused before anything is allocated from it."""
+    engine = redis_engine(redis_url)
+    (real,) = engine.compile(DOCS[2])
+    client = redis_server.client()
+    meta = msgpack.unpackb(client.get(_meta_key(redis_server, engine, real)))
+    options = pic.CompileOptions(**meta["options"])
+    tokens = [meta["token_ids"][0]] + [2**63 - 1] * (len(meta["token_ids"]) - 1)
+    forged = chunk_id(engine.fingerprint, tokens[1:], options)
+    prefix = f"pic:{engine.fingerprint}:"
+    for i in range(meta["num_parts"]):
+        client.set(f"{prefix}{forged}:part:{i}", client.get(f"{prefix}{real}:part:{i}"))
+    client.set(f"{prefix}{forged}:meta", msgpack.packb({**meta, "cache_id": forged, "token_ids": tokens}))
+    with caplog.at_level(logging.WARNING, logger="pic.store"):
+        with pytest.raises(pic.UnknownCacheIdError, match=forged):
+            engine.link([forged], QUERY)
+    assert "outside the 512-token vocabulary" in caplog.text
+    assert client.keys(f"*{forged}*") == [] and engine.store.lookup(real) == ["redis"]
 
 
 def test_unreachable_redis_raises_naming_the_url(tmp_path, caplog):

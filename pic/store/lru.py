@@ -41,6 +41,10 @@ class LruTier:
         self._stats.hits += 1
         return chunk
 
+    def peek(self, cache_id: str) -> ChunkKV | None:
+        """The chunk without counting a hit or making it recently used."""
+        return self._chunks.get(cache_id)
+
     def can_fit(self, num_bytes: int) -> bool:
         """Whether ``num_bytes`` fit after evicting every unpinned chunk."""
         if self.capacity_bytes is None:

@@ -6,10 +6,10 @@ chunk of a 7B model is 512 MiB). Writers store the parts first and the metadata 
 never sees metadata whose parts were not all written.
 
 Nothing read is trusted: the metadata is size-bounded before unpacking and validated field by field
-against what this engine expects (format version, model fingerprint, cache id, dtype, shape), the
-cache id is recomputed from the token ids and options, every part's length is checked before the
-payload is allocated, and the payload's checksum (xxh3-128) must match. Any failure is a
-``CorruptEntryError``, which the Redis tier turns into a logged miss.
+against what this engine expects (format version, model fingerprint, cache id, dtype, shape); the
+token ids must lie in the vocabulary and hash, with the options, to the cache id; every part's length
+is checked before the payload is allocated; and the payload's checksum (xxh3-128) must match. Any
+failure is a ``CorruptEntryError``, which the Redis tier turns into a logged miss.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ class Expected:
     head_dim: int
     dtype: torch.dtype
     max_tokens: int
+    vocab_size: int
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,14 @@ def parse_meta(raw: bytes, *, cache_id: str, expected: Expected) -> Meta:
     limit = expected.max_tokens + 8
     try:
         fields = msgpack.unpackb(
-            raw, raw=False, use_list=False, max_str_len=1024, max_bin_len=0, max_array_len=limit, max_map_len=64
+            raw,
+            raw=False,
+            use_list=False,
+            max_str_len=1024,
+            max_bin_len=0,
+            max_ext_len=0,
+            max_array_len=limit,
+            max_map_len=64,
         )
         meta = Meta.model_validate(fields)
     except ValidationError as exc:
@@ -122,6 +130,8 @@ def _check_meta(meta: Meta, cache_id: str, expected: Expected) -> None:
         raise CorruptEntryError(f"unknown format version {meta.format} (this build reads {KV_FORMAT_VERSION})")
     if meta.fingerprint != expected.fingerprint:
         raise CorruptEntryError(f"written by another model (fingerprint {meta.fingerprint[:12]})")
+    if not all(0 <= t < expected.vocab_size for t in meta.token_ids):
+        raise CorruptEntryError(f"token ids outside the {expected.vocab_size}-token vocabulary")
     content = meta.token_ids[int(meta.options.add_bos) :]  # the id hashes the tokens after the chunk's BOS
     if meta.cache_id != cache_id or chunk_id(meta.fingerprint, content, meta.options) != cache_id:
         raise CorruptEntryError(f"metadata does not belong to cache id {cache_id}")

@@ -70,9 +70,11 @@ class TieredStore:
         for level, tier in enumerate(self.tiers):
             chunk = tier.get(cache_id)
             if chunk is not None:
-                for upper in reversed(self.tiers[:level]):
-                    if upper.put(chunk) and cache_id in self._pinned and isinstance(upper, LruTier):
-                        upper.pin(cache_id)
+                for upper in reversed(self.tiers[:level]):  # CPU before device: copy to the GPU from pinned memory
+                    if upper.put(chunk) and isinstance(upper, LruTier):
+                        chunk = upper.peek(cache_id)  # the copy nearest the device
+                        if cache_id in self._pinned:
+                            upper.pin(cache_id)
                 return chunk.to(self.device, non_blocking=True)
         return None
 
