@@ -58,6 +58,8 @@ def test_report_files(report, tmp_path):
     assert (tmp_path / "fidelity.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = report.table().splitlines()
     assert len(table) == 2 + len(report.scores) and table[3].startswith("| naive | ")
+    with pytest.raises(pic.PolicyError, match="'legolink:99'"):
+        report.score("legolink:99")
 
 
 def test_sampled_workload_shape_and_seed(engine):

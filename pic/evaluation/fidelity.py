@@ -51,19 +51,25 @@ class _Tally:
 
 
 def evaluate_fidelity(
-    engine: PIC,
+    engine: PIC | None = None,
     *,
     workload: Workload | None = None,
     policies: Sequence[str | Policy] = DEFAULT_POLICIES,
     seed: int = 0,
     progress: bool = False,
 ) -> FidelityReport:
-    """Compare policies with Full Recompute on a workload (default: ``sample_workload(engine, seed=seed)``).
+    """Compare policies with Full Recompute on a workload.
+
+    Args:
+        engine: the model to evaluate (default: the embedded stories260K, float32).
+        workload: the cases (default: ``sample_workload(engine, seed=seed)``).
+        policies: policy objects or spec strings; Full Recompute is always the reference row.
 
     Raises:
         PolicyError: an unknown policy spec.
         PicError: a case the engine rejects (too long, empty query, ...).
     """
+    engine = engine or PIC.from_pretrained(dtype="float32")
     workload = workload or sample_workload(engine, seed=seed)
     resolved = [resolve(p) for p in policies]
     full = FullRecompute()

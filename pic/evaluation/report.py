@@ -8,6 +8,8 @@ import math
 import os
 from dataclasses import dataclass
 
+from pic.errors import PolicyError
+
 
 @dataclass(frozen=True)
 class PolicyScore:
@@ -56,7 +58,7 @@ class FidelityReport:
         for s in self.scores:
             if s.policy == policy:
                 return s
-        raise KeyError(f"no score for policy {policy!r}; have {[s.policy for s in self.scores]}")
+        raise PolicyError(f"no score for policy {policy!r}; the report has {[s.policy for s in self.scores]}")
 
     def to_dict(self) -> dict[str, object]:
         """Plain JSON-able data; a measurement that does not exist (NaN) becomes ``None``."""
