@@ -57,7 +57,8 @@ def recompute(
         # a dynamic policy may drop any chunk token mid-pass, which then needs its cached KV there
         _copy_cached(req, layout, chunks, skip=None if policy.is_dynamic else selected)
         index = selected.nonzero().squeeze(1).to(device)  # [N] prompt indices of the tokens run
-        tracker = _PassTracker(req.pool, runner.spec.num_layers, layout, chunks, policy, index)
+        num_layers = runner.spec.num_layers
+        tracker = _PassTracker(req.pool, num_layers, layout, chunks, policy, index) if policy.is_dynamic else None
         num_query = layout.query.num_tokens
         logits = runner.forward(
             req,
@@ -70,9 +71,10 @@ def recompute(
     except BaseException:
         req.release()
         raise
+    tokens, counts = (tracker.tokens, tracker.counts) if tracker else (index, [index.shape[0]] * num_layers)
     recomputed = torch.zeros(layout.num_tokens, dtype=torch.bool)
-    recomputed[tracker.tokens.cpu()] = True
-    return Recomputed(req=req, logits=logits, recomputed=recomputed, recomputed_by_layer=tuple(tracker.counts))
+    recomputed[tokens.cpu()] = True
+    return Recomputed(req=req, logits=logits, recomputed=recomputed, recomputed_by_layer=tuple(counts))
 
 
 def _copy_cached(req: RequestKV, layout: Layout, chunks: Sequence[ChunkKV], *, skip: torch.Tensor | None) -> None:
@@ -87,8 +89,8 @@ def _copy_cached(req: RequestKV, layout: Layout, chunks: Sequence[ChunkKV], *, s
 
 
 class _PassTracker:
-    """The runner's ``after_layer`` hook: counts the tokens run per layer, asks a dynamic policy which
-    keep running, and remembers the tokens that ran the last layer."""
+    """The runner's ``after_layer`` hook for a dynamic policy: counts the tokens run per layer, asks the
+    policy which keep running, and remembers the tokens that ran the last layer."""
 
     def __init__(
         self,
@@ -113,8 +115,6 @@ class _PassTracker:
     def __call__(self, layer: int, alive: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
         self.tokens = self._index[alive]
         self.counts.append(self.tokens.shape[0])
-        if not self._policy.is_dynamic:
-            return None
         step = LayerStep(
             layer=layer,
             num_layers=self._num_layers,
