@@ -65,8 +65,10 @@ class RedisTier:
                 return None
             try:
                 meta = serde.parse_meta(raw, cache_id=cache_id, expected=self._expected)
-                # one GET per part: redis-py reads a few MiB per reply far faster than one huge MGET reply
-                parts = [self._client.get(self._key(cache_id, i)) for i in range(meta.num_parts)]
+                self._check_part_sizes(cache_id, meta)  # before reading (allocating) any of them
+                # one GET per part, decoded as it arrives: redis-py reads a few MiB per reply far faster
+                # than one huge MGET reply, and only one part is held at a time
+                parts = (self._client.get(self._key(cache_id, i)) for i in range(meta.num_parts))
                 chunk = serde.decode(meta, parts, pin=self._pin)
             except serde.CorruptEntryError as exc:
                 log.warning("pic: dropping Redis entry %s at %s: %s", cache_id, self.url, exc)
@@ -77,6 +79,14 @@ class RedisTier:
             self._stats.hits += 1
             return chunk
         return None  # the server failed and on_error == "miss"
+
+    def _check_part_sizes(self, cache_id: str, meta: serde.Meta) -> None:
+        pipe = self._client.pipeline(transaction=False)
+        for i in range(meta.num_parts):
+            pipe.strlen(self._key(cache_id, i))
+        found, expected = pipe.execute(), serde.part_sizes(meta)
+        if found != expected:
+            raise serde.CorruptEntryError(f"stored part sizes {found} differ from the expected {expected}")
 
     def put(self, chunk: ChunkKV) -> bool:
         encoded = serde.encode(chunk, fingerprint=self._expected.fingerprint, part_bytes=self.part_bytes)

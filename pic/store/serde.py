@@ -14,7 +14,7 @@ failure is a ``CorruptEntryError``, which the Redis tier turns into a logged mis
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import msgpack
@@ -149,23 +149,30 @@ def part_sizes(meta: Meta) -> list[int]:
     return one + one
 
 
-def decode(meta: Meta, parts: Sequence[bytes | None], *, pin: bool = False) -> ChunkKV:
+def decode(meta: Meta, parts: Iterable[bytes | None], *, pin: bool = False) -> ChunkKV:
     """The chunk of a validated ``meta`` from its ``parts`` (CPU tensors; page-locked if ``pin``).
 
+    ``parts`` may be a generator: each part is checked, hashed and copied as it arrives, so only one
+    part is held at a time. The payload's size is bounded by the validated shape.
+
     Raises:
-        CorruptEntryError: a missing or wrong-sized part (checked before allocating), a bad checksum.
+        CorruptEntryError: a missing or wrong-sized part (checked before it is copied), too many or
+            too few parts, a bad checksum.
     """
     sizes = part_sizes(meta)
-    got = [None if p is None else len(p) for p in parts]
-    if got != sizes:
-        raise CorruptEntryError(f"part sizes {got} differ from the expected {sizes}")
-    if _checksum(parts) != meta.checksum:
-        raise CorruptEntryError("payload checksum mismatch")
     buffer = torch.empty(2 * meta.tensor_bytes, dtype=torch.uint8, pin_memory=pin)
-    flat, offset = buffer.numpy(), 0
-    for part in parts:
-        flat[offset : offset + len(part)] = np.frombuffer(part, dtype=np.uint8)
-        offset += len(part)
+    flat, offset, h = buffer.numpy(), 0, xxhash.xxh3_128()
+    for i, part in enumerate(parts):
+        size = None if part is None else len(part)
+        if i >= len(sizes) or size != sizes[i]:
+            raise CorruptEntryError(f"part {i} has {size} bytes; expected {sizes[i] if i < len(sizes) else 'none'}")
+        h.update(part)
+        flat[offset : offset + size] = np.frombuffer(part, dtype=np.uint8)
+        offset += size
+    if offset != buffer.numel():
+        raise CorruptEntryError(f"parts hold {offset} of the {buffer.numel()} payload bytes")
+    if h.hexdigest() != meta.checksum:
+        raise CorruptEntryError("payload checksum mismatch")
     dtype, half = _DTYPES[meta.dtype], meta.tensor_bytes
     k, v = (buffer[i * half : (i + 1) * half].view(dtype).view(meta.shape) for i in (0, 1))
     token_ids = torch.tensor(meta.token_ids, dtype=torch.long)
