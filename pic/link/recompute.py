@@ -52,8 +52,8 @@ def recompute(
     device = runner.spec.device
     req = RequestKV(pool, layout.num_slots)
     try:
-        slots = layout.slots.to(device)
-        req.kv_positions[slots] = layout.positions.to(device)
+        slots, positions = layout.slots.to(device), layout.positions.to(device)
+        req.kv_positions[slots] = positions
         # a dynamic policy may drop any chunk token mid-pass, which then needs its cached KV there
         _copy_cached(req, layout, chunks, skip=None if policy.is_dynamic else selected)
         index = selected.nonzero().squeeze(1).to(device)  # [N] prompt indices of the tokens run
@@ -63,7 +63,7 @@ def recompute(
         logits = runner.forward(
             req,
             token_ids=layout.token_ids.to(device)[index],
-            positions=layout.positions.to(device)[index],
+            positions=positions[index],
             slots=slots[index],
             logits_rows=torch.arange(index.shape[0] - num_query, index.shape[0], device=device),
             after_layer=tracker,
@@ -101,14 +101,10 @@ class _PassTracker:
         policy: Policy,
         index: torch.Tensor,
     ) -> None:
-        self._pool, self._num_layers, self._layout, self._chunks, self._policy = (
-            pool,
-            num_layers,
-            layout,
-            chunks,
-            policy,
-        )
+        self._pool, self._num_layers, self._layout = pool, num_layers, layout
+        self._chunks, self._policy = chunks, policy
         self._index = index  # [N] prompt indices of the tokens the pass started with
+        self._cached = layout.cached.to(index.device)  # [T], moved to the device once per pass
         self.tokens = index  # prompt indices of the tokens that ran the latest layer
         self.counts: list[int] = []
 
@@ -120,6 +116,7 @@ class _PassTracker:
             num_layers=self._num_layers,
             layout=self._layout,
             tokens=self.tokens,
+            cached=self._cached[self.tokens],
             rows=rows,
             pool=self._pool,
             chunks=self._chunks,

@@ -29,12 +29,12 @@ class LayerStep:
         num_layers: int,
         layout: Layout,
         tokens: torch.Tensor,
+        cached: torch.Tensor,
         rows: torch.Tensor,
         pool: KVPool,
         chunks: Sequence[ChunkKV],
     ) -> None:
-        self.layer, self.num_layers, self.layout, self.tokens = layer, num_layers, layout, tokens
-        self.cached = layout.cached.to(tokens.device)[tokens]
+        self.layer, self.num_layers, self.layout, self.tokens, self.cached = layer, num_layers, layout, tokens, cached
         self._rows, self._pool, self._chunks = rows, pool, chunks
 
     @property
