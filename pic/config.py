@@ -1,20 +1,44 @@
 """Validated, frozen configuration models.
 
-Configs are pydantic models so a typo or an out-of-range value fails at construction with a message
-naming the field, never later with a KeyError deep inside a forward pass.
+Configs are pydantic models so a typo or an out-of-range value fails at construction with an
+``InvalidInputError`` (a ``PicError`` and a ``ValueError``) naming the field and the value, never later
+with a KeyError deep inside a forward pass. Numbers are strict: ``"10"`` is not an int, ``True`` is
+not a number, and infinities and NaN are refused.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import difflib
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from pic.errors import InvalidInputError
 
 
+def describe_validation_error(model: type[BaseModel], exc: ValidationError) -> str:
+    """``"field=value: problem; ..."``, suggesting the nearest field name for a misspelled one."""
+    problems = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"])
+        problem = f"{where}={err.get('input')!r}: {err['msg']}"
+        if err["type"] == "extra_forbidden":
+            near = difflib.get_close_matches(str(err["loc"][-1]), list(model.model_fields), n=1)
+            problem = f"unknown field {where!r}" + (f" (did you mean {near[0]!r}?)" if near else "")
+        problems.append(problem)
+    return "; ".join(problems)
+
+
 class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True, allow_inf_nan=False)
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise InvalidInputError(
+                f"invalid {type(self).__name__}: {describe_validation_error(type(self), exc)}"
+            ) from None
 
 
 class CompileOptions(_Frozen):
@@ -51,6 +75,18 @@ class PICConfig(_Frozen):
     eos_token_ids: tuple[int, ...] | None = None
     default_policy: str = "legolink:16"
 
+    @field_validator("eos_token_ids", mode="before")
+    @classmethod
+    def _eos_tuple(cls, value: object) -> object:
+        return tuple(value) if isinstance(value, (list, set, frozenset)) else value
+
+    @field_validator("eos_token_ids")
+    @classmethod
+    def _eos_nonnegative(cls, value: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        if value is not None and any(t < 0 for t in value):
+            raise ValueError("token ids are >= 0")
+        return value
+
     def compile_options(self) -> CompileOptions:
         """The compile options this engine uses before a policy adds its own needs."""
         return CompileOptions(add_bos=self.add_bos)
@@ -86,14 +122,3 @@ class StoreConfig(_Frozen):
     on_redis_error: Literal["raise", "miss"] = "raise"
     part_bytes: int = Field(default=8 * 2**20, ge=1, le=512 * 2**20)
     redis_timeout_s: float = Field(default=10.0, gt=0)
-
-
-def validated(model: type[_Frozen], **values: object) -> _Frozen:
-    """Build ``model(**values)``, turning pydantic's error into an ``InvalidInputError``."""
-    try:
-        return model(**values)
-    except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc'])}={err.get('input')!r}: {err['msg']}" for err in exc.errors()
-        )
-        raise InvalidInputError(f"invalid {model.__name__}: {problems}") from None

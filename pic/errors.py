@@ -19,7 +19,7 @@ class UnknownCacheIdError(PicError):
     """A cache id that the engine's store does not hold."""
 
 
-class PolicyError(PicError):
+class PolicyError(PicError, ValueError):
     """A policy spec that names no registered policy or gives it a bad argument, a policy class
     registered under a taken name, or a policy whose selection is malformed."""
 
@@ -30,6 +30,11 @@ class CompileOptionsMismatchError(PicError):
 
 class ContextLengthError(PicError):
     """A chunk or a linked prompt is longer than the model's context."""
+
+
+class ModelLoadError(PicError, OSError):
+    """A model or tokenizer could not be loaded (no such folder, not in the Hugging Face cache while
+    offline, not a causal LM); the message names the model."""
 
 
 class UnsupportedModelError(PicError):

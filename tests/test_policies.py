@@ -39,9 +39,9 @@ def test_spec_strings(spec, expected):
 @pytest.mark.parametrize(
     "spec, named",
     [
-        ("legolink:-1", "'legolink'.*'-1'.*greater than or equal to 0"),
+        ("legolink:-1", "'legolink'.*k=-1.*greater than or equal to 0.*spec argument '-1'"),
         ("legolink:many", "'many'"),
-        ("cacheblend:1.5", "'1.5'.*less than or equal to 1"),
+        ("cacheblend:1.5", "ratio=1.5.*less than or equal to 1.*'1.5'"),
         ("cacheblend:0.1,layer=2", "layer"),
         ("cacheblend:0.1,0.2", "'0.2'"),
         ("mepic:3", "'mepic' does not take the argument '3'"),

@@ -206,4 +206,4 @@ def test_keys_are_namespaced_by_model(redis_server, redis_url):
 
 def test_bad_store_config():
     with pytest.raises(pic.InvalidInputError, match="redis_url"):
-        pic.PIC(model("stories260K"), tokenizer(), store=pic.config.validated(pic.StoreConfig, redis_url="http://x"))
+        pic.PIC(model("stories260K"), tokenizer(), store=pic.StoreConfig(redis_url="http://x"))

@@ -11,12 +11,15 @@ from pic.config import _Frozen
 class SamplingParams(_Frozen):
     """Options of ``Linked.generate`` / ``Linked.stream``.
 
+    Numbers are validated strictly (``max_new_tokens="10"`` and ``temperature=float("inf")`` are
+    ``InvalidInputError``s).
+
     Attributes:
         max_new_tokens: most tokens to generate.
         temperature: 0 is greedy (argmax); otherwise logits are divided by it before sampling.
         top_p: nucleus sampling: keep the smallest set of tokens whose probability reaches ``top_p``.
         top_k: keep the ``top_k`` most likely tokens (0: all).
-        seed: seeds a private generator, so equal seeds give equal samples.
+        seed: seeds a private generator, so equal seeds give equal samples (``0 <= seed < 2**64``).
         stop: strings that end the generation; the text stops before the first one.
     """
 
@@ -24,7 +27,7 @@ class SamplingParams(_Frozen):
     temperature: float = Field(default=0.0, ge=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=0, lt=2**64)
     stop: tuple[str, ...] = ()
 
     @field_validator("stop", mode="before")
@@ -32,7 +35,9 @@ class SamplingParams(_Frozen):
     def _stop_tuple(cls, value: object) -> object:
         if value is None:
             return ()
-        return (value,) if isinstance(value, str) else value
+        if isinstance(value, str):
+            return (value,)
+        return tuple(value) if isinstance(value, (list, set, frozenset)) else value
 
     @field_validator("stop")
     @classmethod

@@ -17,12 +17,12 @@ Policies are frozen pydantic models: their parameters are validated fields, and 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 
-from pic.config import CompileOptions
+from pic.config import CompileOptions, describe_validation_error
 from pic.errors import PolicyError
 from pic.link.layout import Layout
 
@@ -38,8 +38,19 @@ class Policy(BaseModel, ABC):
         name: the registered name, used in spec strings (``"name"`` or ``"name:arg"``).
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True, allow_inf_nan=False)
     name: ClassVar[str] = ""
+
+    def __init__(self, **data: Any) -> None:
+        """Fields are validated strictly (``LegoLink(k="16")`` is refused; spec strings are parsed).
+
+        Raises:
+            PolicyError: a value a field rejects, or a field the policy does not have.
+        """
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise PolicyError(f"policy {self.name!r}: {describe_validation_error(type(self), exc)}") from None
 
     @abstractmethod
     def select(self, layout: Layout) -> torch.Tensor:
@@ -105,19 +116,26 @@ class Policy(BaseModel, ABC):
             PolicyError: an argument the policy does not take, or a value its fields reject.
         """
         fields = list(cls.model_fields)
-        values: dict[str, str] = {}
+        values: dict[str, object] = {}
         for i, part in enumerate(arg.split(",") if arg else []):
             key, eq, value = part.partition("=")
             if not eq:
                 if i > 0 or not fields:
                     raise PolicyError(f"policy {cls.name!r} does not take the argument {part!r} (fields: {fields})")
                 key, value = fields[0], key
-            values[key.strip()] = value.strip()
+            key = key.strip()
+            if key not in cls.model_fields:
+                raise PolicyError(f"policy {cls.name!r} has no field {key!r} (fields: {fields})")
+            try:  # spec values are text: parse them as the field's type, then validate strictly
+                values[key] = TypeAdapter(cls.model_fields[key].annotation).validate_python(value.strip(), strict=False)
+            except ValidationError as exc:
+                raise PolicyError(
+                    f"policy {cls.name!r}: bad argument {arg!r} ({key}={value.strip()!r}: {exc.errors()[0]['msg']})"
+                ) from None
         try:
             return cls(**values)
-        except ValidationError as exc:
-            problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-            raise PolicyError(f"policy {cls.name!r}: bad argument {arg!r} ({problems})") from None
+        except PolicyError as exc:
+            raise PolicyError(f"{exc} (in the spec argument {arg!r})") from None
 
     @property
     def spec(self) -> str:
