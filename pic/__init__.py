@@ -28,6 +28,7 @@ from pic.errors import (
     KVPoolExhaustedError,
     LinkedReleasedError,
     MissingDependencyError,
+    ModelLoadError,
     NoEngineError,
     PicError,
     PolicyError,
@@ -51,14 +52,21 @@ def load(
     dtype: str | torch.dtype | None = None,
     config: PICConfig | None = None,
     store: StoreConfig | None = None,
+    progress: bool = False,
 ) -> PIC:
     """Build an engine (``PIC.from_pretrained``) and make it the default for ``pic.compile`` / ``pic.link``.
 
     ``name_or_path`` defaults to the embedded stories260K model, so ``pic.load()`` works offline;
-    ``store`` says where chunks live (``StoreConfig``: device, CPU and Redis tiers).
+    ``store`` says where chunks live (``StoreConfig``: device, CPU and Redis tiers); ``progress``
+    shows transformers' weight-loading bar.
+
+    Raises:
+        ModelLoadError: no such model; InvalidInputError: a device this machine lacks, a bad dtype.
     """
     global _default_engine
-    _default_engine = PIC.from_pretrained(name_or_path, device=device, dtype=dtype, config=config, store=store)
+    _default_engine = PIC.from_pretrained(
+        name_or_path, device=device, dtype=dtype, config=config, store=store, progress=progress
+    )
     return _default_engine
 
 
@@ -74,7 +82,10 @@ def default_engine() -> PIC:
 
 
 def compile(docs, *, policy: str | policies.Policy | None = None, progress: bool | None = None) -> list[str]:  # noqa: A001
-    """``default_engine().compile(...)``: see ``PIC.compile``."""
+    """``default_engine().compile(...)``: prefill each document alone, once; one cache id per document.
+
+    ``progress`` shows a progress bar (default: when 8 or more chunks are new). See ``PIC.compile``.
+    """
     return default_engine().compile(docs, policy=policy, progress=progress)
 
 
@@ -97,6 +108,7 @@ __all__ = [
     "Linked",
     "LinkedReleasedError",
     "MissingDependencyError",
+    "ModelLoadError",
     "NoEngineError",
     "PICConfig",
     "PicError",

@@ -5,13 +5,19 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pic import __version__
+
+# Where `pic eval fidelity` writes unless told: a folder of the user's, never the repository's results.
+DEFAULT_EVAL_DIR = "pic-eval"
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pic", description="Position-independent KV caching for LLMs.")
+    parser.add_argument("--version", action="version", version=f"pic {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="compile a few stories, link them under each policy, generate")
     _model_options(demo)
-    demo.add_argument("--max-new-tokens", type=int, default=48)
+    demo.add_argument("--max-new-tokens", type=non_negative_int, default=48, help="tokens to generate (default 48)")
     evaluate = commands.add_parser("eval", help="evaluate recompute policies")
     evaluations = evaluate.add_subparsers(dest="evaluation", required=True)
     fidelity = evaluations.add_parser(
@@ -21,10 +27,12 @@ def _parser() -> argparse.ArgumentParser:
     fidelity.add_argument(
         "--workload", default=None, help='JSONL of {"chunks": [...], "query": ...} (default: sampled)'
     )
-    fidelity.add_argument("--cases", type=int, default=30, help="cases to sample (default workload only)")
-    fidelity.add_argument("--seed", type=int, default=0, help="sampling seed (default workload only)")
+    fidelity.add_argument("--cases", type=positive_int, default=30, help="cases to sample (default workload only)")
+    fidelity.add_argument("--seed", type=non_negative_int, default=0, help="sampling seed (default workload only)")
     fidelity.add_argument("--policies", default=None, help="policy specs separated by spaces (default: all families)")
-    fidelity.add_argument("--out", default="benchmarks/results", help="folder for <name>.json and <name>.png")
+    fidelity.add_argument(
+        "--out", default=DEFAULT_EVAL_DIR, help=f"folder for <name>.json and <name>.png (default: ./{DEFAULT_EVAL_DIR})"
+    )
     fidelity.add_argument("--name", default="fidelity", help="file name stem")
     return parser
 
@@ -35,14 +43,26 @@ def _model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: per device)")
 
 
+def non_negative_int(text: str) -> int:
+    """An int >= 0 (argparse type: a bad value is a usage error before any work)."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text} is negative")
+    return value
+
+
+def positive_int(text: str) -> int:
+    value = non_negative_int(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from transformers.utils import logging as hf_logging
-
     from pic.errors import PicError
     from pic.model.loading import EMBEDDED_MODEL
 
-    hf_logging.disable_progress_bar()
     model = args.model or EMBEDDED_MODEL
     try:
         if args.command == "demo":
@@ -67,4 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     except PicError as exc:
         print(f"pic: error: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("pic: interrupted", file=sys.stderr)
+        return 130
     return 0

@@ -6,8 +6,7 @@ import os
 
 from pic import policies
 from pic.api import PIC
-from pic.config import PICConfig
-from pic.link import Linked
+from pic.link import Linked, SamplingParams
 from pic.model.loading import EMBEDDED_MODEL
 
 STORIES = (
@@ -16,8 +15,6 @@ STORIES = (
     "A little bird fell from its nest. It was sad because it could not fly yet.",
 )
 QUERY = "One day, Tom and Lily found the little bird. They"
-# stories260K ends a story with BOS (id 1) rather than EOS (id 2).
-_EMBEDDED_EOS = (1, 2)
 
 
 def run_demo(
@@ -27,10 +24,14 @@ def run_demo(
     dtype: str | None = None,
     max_new_tokens: int = 48,
 ) -> None:
-    """Print, per policy, the generation, TTFT and recomputed tokens for the stories in two orders."""
+    """Print, per policy, the generation, TTFT and recomputed tokens for the stories in two orders.
+
+    Raises:
+        InvalidInputError: a bad ``max_new_tokens`` (before anything is loaded or printed).
+    """
+    SamplingParams(max_new_tokens=max_new_tokens)
     embedded = os.path.abspath(model) == str(EMBEDDED_MODEL)
-    config = PICConfig(eos_token_ids=_EMBEDDED_EOS if embedded else None)
-    engine = PIC.from_pretrained(model, device=device, dtype=dtype, config=config)
+    engine = PIC.from_pretrained(model, device=device, dtype=dtype)
     spec = engine.spec
     print(
         f"model: {spec.architecture} ({'embedded stories260K' if embedded else model}) on {spec.device}, {spec.dtype}"

@@ -37,6 +37,11 @@ class ModelSpec:
     dtype: torch.dtype
     device: torch.device
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V of one token over all layers (what a cached token costs)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
 
 def _architecture(model: nn.Module) -> str:
     archs = getattr(model.config, "architectures", None) or [type(model).__name__]
@@ -51,6 +56,20 @@ def _layer_window(config, attn: nn.Module) -> int | None:
     return getattr(config, "sliding_window", None)
 
 
+# Config fields through which transformers' model families declare rotary embeddings.
+_ROPE_CONFIG_FIELDS = ("rope_parameters", "rope_theta", "rope_scaling", "rotary_dim", "rotary_pct", "rotary_emb_base")
+
+
+def _has_rope(model: nn.Module) -> bool:
+    """Whether the model uses rotary position embeddings, whatever its layer layout (GPT-NeoX and GPT-J
+    keep them elsewhere than Llama does)."""
+    if getattr(model.config, "alibi", False):  # Falcon with ALiBi keeps rope fields it does not use
+        return False
+    if any(getattr(model.config, name, None) is not None for name in _ROPE_CONFIG_FIELDS):
+        return True
+    return any("rotary" in type(m).__name__.lower() for m in model.modules())
+
+
 def inspect_model(model: nn.Module) -> ModelSpec:
     """Check that pic can run ``model`` and read its shapes.
 
@@ -61,16 +80,17 @@ def inspect_model(model: nn.Module) -> ModelSpec:
     config = model.config
     model_type = getattr(config, "model_type", type(model).__name__)
     arch = _architecture(model)
-    inner = getattr(model, "model", None)
-    if inner is None or getattr(inner, "rotary_emb", None) is None:
+    supported = ", ".join(SUPPORTED_MODEL_TYPES)
+    if not _has_rope(model):
         raise UnsupportedModelError(
             f"{arch} (model_type {model_type!r}) has no rotary position embeddings; pic needs a RoPE "
-            f"decoder (supported families: {', '.join(SUPPORTED_MODEL_TYPES)})"
+            f"decoder (supported families: {supported})"
         )
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    inner = getattr(model, "model", None)
+    if model_type not in SUPPORTED_MODEL_TYPES or getattr(inner, "rotary_emb", None) is None:
         raise UnsupportedModelError(
             f"{arch} (model_type {model_type!r}) is a RoPE model whose layer layout pic does not run yet; "
-            f"supported families: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            f"supported families: {supported}"
         )
     layers = inner.layers
     attn = layers[0].self_attn
