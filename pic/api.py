@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 from tqdm.auto import tqdm
 
-from pic.compile import TextOrTokens, chunk_id, encode, model_fingerprint, prefill_chunk
+from pic.compile import TextOrTokens, chunk_id, encode, encode_documents, model_fingerprint, prefill_chunk
 from pic.config import CompileOptions, PICConfig, StoreConfig
 from pic.errors import (
     CompileOptionsMismatchError,
@@ -18,6 +19,7 @@ from pic.errors import (
     PolicyError,
 )
 from pic.kv import ChunkKV, KVPool
+from pic.kv.memory import check_fits
 from pic.link import Linked, lay_out, policies, recompute
 from pic.model import ModelRunner, ModelSpec
 from pic.model.loading import EMBEDDED_MODEL, load_pretrained, resolve_device, resolve_dtype
@@ -40,8 +42,13 @@ class PIC:
         config: engine options (``PICConfig``).
         store: where chunks live (``StoreConfig``; default: an unbounded device tier only).
 
+    Thread safety: ``compile``, ``link``, each decode step of ``Linked.generate`` / ``stream``,
+    ``release`` and every ``store`` call hold one engine lock, so threads may share an engine; their
+    calls run one at a time (streams in several threads interleave token by token), not in parallel.
+
     Raises:
         UnsupportedModelError: the model has no rotary embeddings or an unsupported layer layout.
+        InvalidInputError: a KV pool larger than the device's free memory.
     """
 
     def __init__(
@@ -67,17 +74,11 @@ class PIC:
             max_tokens=spec.max_context,
             vocab_size=spec.vocab_size,
         )
-        self.store = TieredStore.from_config(store or StoreConfig(), device=spec.device, expected=expected)
-        pool_tokens = self.config.kv_pool_tokens or min(2 * spec.max_context, 65536)
-        self.pool = KVPool(
-            num_layers=spec.num_layers,
-            num_blocks=-(-pool_tokens // self.config.block_size),
-            block_size=self.config.block_size,
-            num_kv_heads=spec.num_kv_heads,
-            head_dim=spec.head_dim,
-            dtype=spec.dtype,
-            device=spec.device,
+        self._lock = threading.RLock()
+        self.store = TieredStore.from_config(
+            store or StoreConfig(), device=spec.device, expected=expected, lock=self._lock
         )
+        self.pool = _kv_pool(spec, self.config)
         self.bos_token_id: int | None = getattr(tokenizer, "bos_token_id", None)
         eos = self.config.eos_token_ids
         self.eos_token_ids = frozenset(_model_eos_ids(model, tokenizer) if eos is None else eos)
@@ -91,10 +92,22 @@ class PIC:
         dtype: str | torch.dtype | None = None,
         config: PICConfig | None = None,
         store: StoreConfig | None = None,
+        progress: bool = False,
     ) -> PIC:
-        """Load a model and tokenizer by Hub name or local path (default: the embedded stories260K)."""
+        """Load a model and tokenizer by Hub name or local path (default: the embedded stories260K).
+
+        Args:
+            progress: show transformers' weight-loading progress bar.
+
+        Raises:
+            ModelLoadError: no such model (the message says where it looked).
+            InvalidInputError: a device this machine does not have, an unknown dtype, a bad config.
+            UnsupportedModelError: not a RoPE decoder of a supported family.
+        """
         device = resolve_device(device)
-        model, tokenizer = load_pretrained(name_or_path, device=device, dtype=resolve_dtype(dtype, device))
+        model, tokenizer = load_pretrained(
+            name_or_path, device=device, dtype=resolve_dtype(dtype, device), progress=progress
+        )
         return cls(model, tokenizer, config=config, store=store)
 
     @property
@@ -112,26 +125,36 @@ class PIC:
 
         Args:
             docs: a string, a list of strings, or a list of token-id lists (content tokens: the
-                BOS is added per the compile options).
+                BOS is added per the compile options). Bytes are refused: decode them first.
             policy: the policy the chunks will be linked with, when it needs compile options
                 (LegoLink-0); default: the engine's default policy.
-            progress: show a progress bar (default: when compiling many new chunks).
+            progress: show a progress bar (``None``, the default: when compiling 8 or more new chunks).
 
-        Ids are content addresses: compiling a document that is already cached does no work.
+        Ids are content addresses: compiling a document that is already cached does no work. Every id
+        returned is held by some store tier when ``compile`` returns: the call never evicts its own
+        chunks to make room for its other chunks.
 
         Raises:
-            InvalidInputError: no documents, an empty document, a bad token id.
-            ContextLengthError: a document longer than the model's context.
+            InvalidInputError: no documents, an empty document, a bad token id, bytes.
+            ContextLengthError: a document that leaves no room for a query in the model's context.
             StoreUnavailableError: Redis failed (``StoreConfig.on_redis_error="raise"``).
-            StoreFullError: a chunk fits in no tier.
+            StoreFullError: the new chunks do not fit in any tier together (checked before any work).
         """
         options = self.compile_options(policy)
-        token_lists = self._documents(docs, options)
+        token_lists = encode_documents(self.tokenizer, docs, vocab_size=self.spec.vocab_size)
+        for i, tokens in enumerate(token_lists):
+            self._check_document_length(len(tokens), options, f"document {i}")
         ids = [chunk_id(self.fingerprint, tokens, options) for tokens in token_lists]
-        todo = {cid: tokens for cid, tokens in zip(ids, token_lists, strict=True) if not self.store.contains(cid)}
-        show = progress if progress is not None else len(todo) >= _PROGRESS_MIN_CHUNKS
-        for cid, tokens in tqdm(todo.items(), desc="pic compile", unit="chunk", disable=not show):
-            self.store.put(self._prefill(cid, tokens, options))
+        with self._lock:
+            todo = {cid: tokens for cid, tokens in zip(ids, token_lists, strict=True) if not self.store.contains(cid)}
+            keep = frozenset(ids)
+            if todo:
+                num_tokens = sum(len(tokens) + options.add_bos for tokens in todo.values())
+                what = f"the {len(todo)} new chunks of this compile call"
+                self.store.check_room(num_tokens * self.spec.kv_bytes_per_token, keep=keep, what=what)
+            show = progress if progress is not None else len(todo) >= _PROGRESS_MIN_CHUNKS
+            for cid, tokens in tqdm(todo.items(), desc="pic compile", unit="chunk", disable=not show):
+                self.store.put(self._prefill(cid, tokens, options), keep=keep)
         return ids
 
     def link(
@@ -154,20 +177,22 @@ class PIC:
         """
         start = time.perf_counter()
         policy = self._policy(policy)
-        chunks = self._chunks(cache_ids, self.compile_options(policy), policy)
+        cache_ids = _cache_id_list(cache_ids)
         vocab = self.spec.vocab_size
         query_ids = encode(self.tokenizer, query, what="query", vocab_size=vocab)
         prefix_ids = encode(self.tokenizer, prefix, what="prefix", vocab_size=vocab)
         if not query_ids:
             raise InvalidInputError(f"query {query!r} has no tokens; link needs at least one query token")
-        if self.config.add_bos and self.bos_token_id is not None and (prefix_ids or not chunks):  # BOS first
-            target = prefix_ids if prefix_ids else query_ids
-            target.insert(0, self.bos_token_id)
-        layout = lay_out(prefix=prefix_ids, chunks=chunks, query=query_ids, block_size=self.config.block_size)
-        self._check_length(layout.num_tokens, "linked prompt")
-        result = recompute(self.runner, self.pool, layout, chunks, policy)
-        if self.spec.device.type == "cuda":
-            torch.cuda.synchronize(self.spec.device)
+        with self._lock:
+            chunks = self._chunks(cache_ids, self.compile_options(policy), policy)
+            if self.config.add_bos and self.bos_token_id is not None and (prefix_ids or not chunks):  # BOS first
+                target = prefix_ids if prefix_ids else query_ids
+                target.insert(0, self.bos_token_id)
+            layout = lay_out(prefix=prefix_ids, chunks=chunks, query=query_ids, block_size=self.config.block_size)
+            self._check_length(layout.num_tokens, "linked prompt")
+            result = recompute(self.runner, self.pool, layout, chunks, policy)
+            if self.spec.device.type == "cuda":
+                torch.cuda.synchronize(self.spec.device)
         return Linked(
             runner=self.runner,
             tokenizer=self.tokenizer,
@@ -176,6 +201,7 @@ class PIC:
             result=result,
             link_s=time.perf_counter() - start,
             eos_token_ids=self.eos_token_ids,
+            lock=self._lock,
         )
 
     def compile_options(self, policy: str | policies.Policy | None = None) -> CompileOptions:
@@ -191,20 +217,16 @@ class PIC:
     def _policy(self, policy: str | policies.Policy | None) -> policies.Policy:
         return self.default_policy if policy is None else policies.resolve(policy)
 
-    def _documents(self, docs: TextOrTokens | Sequence[TextOrTokens], options: CompileOptions) -> list[list[int]]:
-        """Validated content tokens of every document, before any work is done."""
-        if isinstance(docs, (str, torch.Tensor)):
-            docs = [docs]
-        if not isinstance(docs, Sequence) or len(docs) == 0:
-            raise InvalidInputError(f"docs is {docs!r}; expected a non-empty list of documents")
-        lists = []
-        for i, doc in enumerate(docs):
-            tokens = encode(self.tokenizer, doc, what=f"document {i}", vocab_size=self.spec.vocab_size)
-            if not tokens:
-                raise InvalidInputError(f"document {i} ({doc!r:.40}) has no tokens")
-            self._check_length(len(tokens) + options.add_bos + options.num_extra_bos, f"document {i}")
-            lists.append(tokens)
-        return lists
+    def _check_document_length(self, num_tokens: int, options: CompileOptions, what: str) -> None:
+        """A chunk is prefilled with its BOS tokens and linked with at least one query token."""
+        context = self.spec.max_context
+        most = context - options.add_bos - max(1, options.num_extra_bos)
+        if num_tokens > most:
+            raise ContextLengthError(
+                f"{what} has {num_tokens} tokens; at most {most} fit the {context}-token context of "
+                f"{self.spec.architecture} with its {options.add_bos + options.num_extra_bos} BOS tokens and "
+                f"at least one query token; split it into smaller chunks"
+            )
 
     def _prefill(self, cache_id: str, tokens: list[int], options: CompileOptions) -> ChunkKV:
         lead = [self.bos_token_id] * (options.add_bos + options.num_extra_bos)  # empty when there is no BOS
@@ -212,9 +234,7 @@ class PIC:
         kept = torch.tensor((lead + tokens)[options.num_extra_bos :], dtype=torch.long)
         return ChunkKV(cache_id=cache_id, token_ids=kept, k=k, v=v, options=options)
 
-    def _chunks(self, cache_ids: Sequence[str], options: CompileOptions, policy: policies.Policy) -> list[ChunkKV]:
-        if isinstance(cache_ids, str):
-            cache_ids = [cache_ids]
+    def _chunks(self, cache_ids: list[str], options: CompileOptions, policy: policies.Policy) -> list[ChunkKV]:
         chunks = []
         for cid in cache_ids:
             chunk = self.store.require(cid)
@@ -232,6 +252,41 @@ class PIC:
                 f"{what} has {num_tokens} tokens, more than the {self.spec.max_context}-token context of "
                 f"{self.spec.architecture}"
             )
+
+
+def _cache_id_list(cache_ids: object) -> list[str]:
+    """``cache_ids`` as a list of strings: one id, or an iterable of ids (as ``compile`` returns them).
+
+    Raises:
+        InvalidInputError: anything else (``None``, a number, a list holding a non-string).
+    """
+    if isinstance(cache_ids, str):
+        return [cache_ids]
+    ids = list(cache_ids) if isinstance(cache_ids, Iterable) and not isinstance(cache_ids, bytes) else None
+    if ids is None or not all(isinstance(cid, str) for cid in ids):
+        raise InvalidInputError(f"cache_ids is {cache_ids!r:.80}; expected a list of cache ids from compile()")
+    return ids
+
+
+def _kv_pool(spec: ModelSpec, config: PICConfig) -> KVPool:
+    """The paged KV pool, refused before allocation when it exceeds the device's free memory."""
+    num_tokens = config.kv_pool_tokens or min(2 * spec.max_context, 65536)
+    num_blocks = -(-num_tokens // config.block_size)
+    sized = f"PICConfig.kv_pool_tokens={config.kv_pool_tokens}" if config.kv_pool_tokens else "the default KV pool"
+    what = f"{sized} ({num_blocks} blocks of {config.block_size} tokens, {spec.kv_bytes_per_token} bytes per token)"
+    check_fits(num_blocks * config.block_size * spec.kv_bytes_per_token, spec.device, what=what)
+    try:
+        return KVPool(
+            num_layers=spec.num_layers,
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+            num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            dtype=spec.dtype,
+            device=spec.device,
+        )
+    except RuntimeError as exc:  # torch.OutOfMemoryError on CUDA, an allocator error on the CPU
+        raise InvalidInputError(f"allocating {what} on {spec.device} failed: {exc}") from None
 
 
 def _model_eos_ids(model: torch.nn.Module, tokenizer: object) -> set[int]:

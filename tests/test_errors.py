@@ -173,3 +173,123 @@ def test_empty_eos_list_means_no_eos():
     engine = make_engine("stories260K", eos_token_ids=())
     assert engine.eos_token_ids == frozenset()
     assert len(engine.link(engine.compile(DOCS), "One day,").generate(max_new_tokens=300).token_ids) == 300
+
+
+@pytest.mark.parametrize("bad", [[b"Tom"], b"Tom", [bytearray(b"Tom")], ["Tom", memoryview(b"x")]])
+def test_bytes_are_refused_not_read_as_token_ids(engine, bad):
+    ids = engine.compile(DOCS)
+    with pytest.raises(pic.InvalidInputError, match="is (bytes|bytearray|memoryview).*decode it first"):
+        engine.compile(bad)
+    with pytest.raises(pic.InvalidInputError, match="query is bytes"):
+        engine.link(ids, b"One day,")
+    assert_store_intact(engine, ids)
+
+
+@pytest.mark.parametrize("bad", [None, 42, [None], [b"abc"], [[1, 2]]])
+def test_cache_ids_of_the_wrong_type(engine, bad):
+    ids = engine.compile(DOCS)
+    with pytest.raises(pic.InvalidInputError, match="cache_ids is .*expected a list of cache ids"):
+        engine.link(bad, "One day,")
+    assert_store_intact(engine, ids)
+
+
+def test_documents_may_come_from_any_iterable(engine):
+    assert engine.compile(d for d in DOCS) == engine.compile(DOCS) == engine.compile(tuple(DOCS))
+
+
+def test_a_document_must_leave_room_for_a_query(engine):
+    """A chunk that fills the context with its BOS could be compiled but never linked: refused."""
+    context = engine.spec.max_context
+    with pytest.raises(pic.ContextLengthError, match=f"document 0 has {context - 1} tokens; at most {context - 2}"):
+        engine.compile([[300] * (context - 1)])
+    (cid,) = engine.compile([[300] * (context - 2)])
+    assert engine.link([cid], [301], policy="naive").input_ids.shape[0] == context
+    with pytest.raises(pic.ContextLengthError, match=f"at most {context - 4} fit"):  # 3 extra BOS + its own
+        engine.compile([[300] * (context - 3)], policy="legolink0")
+
+
+def test_unavailable_device():
+    with pytest.raises(pic.InvalidInputError, match="device 'cuda:99' is not available on this machine"):
+        pic.load(device="cuda:99")
+    if not torch.cuda.is_available():
+        with pytest.raises(pic.InvalidInputError, match="device 'cuda' is not available on this machine"):
+            pic.load(device="cuda")
+
+
+@pytest.mark.parametrize("name", ["/nonexistent/model", "./no-such-folder"])
+def test_missing_model_folder(name):
+    with pytest.raises(pic.ModelLoadError, match=f"cannot load model '{name}': no such folder") as caught:
+        pic.load(name)
+    assert isinstance(caught.value, OSError)
+
+
+def test_model_not_in_the_offline_cache(monkeypatch, tmp_path):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HOME", str(tmp_path))  # an empty cache
+    with pytest.raises(pic.ModelLoadError, match="cannot load model 'nobody/no-such-model'.*HF_HUB_OFFLINE"):
+        pic.load("nobody/no-such-model")
+
+
+@pytest.mark.parametrize(
+    "options, named",
+    [
+        ({"temperature": 1.0, "seed": 2**70}, "seed=1180591620717411303424"),
+        ({"temperature": 1.0, "seed": -1}, "seed=-1"),
+        ({"temperature": float("inf")}, "temperature=inf.*finite"),
+        ({"top_p": float("nan")}, "top_p=nan"),
+        ({"max_new_tokens": "10"}, "max_new_tokens='10'.*valid integer"),
+        ({"max_new_tokens": 10.0}, "max_new_tokens=10.0"),
+        ({"top_k": True}, "top_k=True"),
+        ({"stop": [1]}, "stop"),
+    ],
+)
+def test_sampling_options_are_strict(engine, options, named):
+    linked = engine.link(engine.compile(DOCS), "One day,")
+    with pytest.raises(pic.InvalidInputError, match=named):
+        linked.generate(**options)
+    assert linked.generate(max_new_tokens=2, temperature=1, seed=2**64 - 1).token_ids  # still usable
+
+
+@pytest.mark.parametrize(
+    "make, error, named",
+    [
+        (lambda: pic.PICConfig(block_size=0), pic.InvalidInputError, "block_size=0"),
+        (lambda: pic.PICConfig(blok_size=3), pic.InvalidInputError, "'blok_size' \\(did you mean 'block_size'\\?\\)"),
+        (lambda: pic.PICConfig(block_size="16"), pic.InvalidInputError, "block_size='16'"),
+        (lambda: pic.PICConfig(eos_token_ids=[-1]), pic.InvalidInputError, "eos_token_ids"),
+        (lambda: pic.StoreConfig(redis_url="http://x"), pic.InvalidInputError, "redis_url='http://x'"),
+        (lambda: pic.StoreConfig(redis_timeout_s=float("inf")), pic.InvalidInputError, "redis_timeout_s=inf"),
+        (lambda: pic.policies.LegoLink(k=-1), pic.PolicyError, "'legolink': k=-1"),
+        (lambda: pic.policies.LegoLink(k="16"), pic.PolicyError, "k='16'"),
+        (lambda: pic.policies.CacheBlend(ratio=2), pic.PolicyError, "ratio=2"),
+        (lambda: pic.policies.MEPIC(size=3), pic.PolicyError, "unknown field 'size'"),
+    ],
+)
+def test_config_and_policy_errors_are_pic_errors(make, error, named):
+    with pytest.raises(error, match=named) as caught:
+        make()
+    assert isinstance(caught.value, pic.PicError) and isinstance(caught.value, ValueError)
+
+
+def test_config_accepts_what_it_documents():
+    assert pic.PICConfig(eos_token_ids=[1, 2]).eos_token_ids == (1, 2)
+    assert pic.policies.CacheBlend(ratio=1).ratio == 1.0  # an int where a float is expected is fine
+    assert pic.policies.resolve("legolink:8") == pic.policies.LegoLink(k=8)  # spec strings are parsed
+
+
+def test_kv_pool_larger_than_memory():
+    named = r"kv_pool_tokens=1000000000000 \(62500000000 blocks .* needs 1.1 PiB but cpu has .* free"
+    with pytest.raises(pic.InvalidInputError, match=named):
+        make_engine("stories260K", kv_pool_tokens=10**12)
+
+
+def test_gpt_neox_is_named_a_rope_model_with_another_layout():
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    config = GPTNeoXConfig(
+        num_hidden_layers=1, hidden_size=16, num_attention_heads=2, intermediate_size=32, vocab_size=512
+    )
+    with pytest.raises(pic.UnsupportedModelError, match="'gpt_neox'.*is a RoPE model whose layer layout"):
+        pic.PIC(GPTNeoXForCausalLM(config), tokenizer())

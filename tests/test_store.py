@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 import pic
 from tests.models import QUERY, model, tokenizer
@@ -23,6 +24,11 @@ def engine_with(device_chunks: float | None, cpu_chunks: float | None = 0) -> tu
     return pic.PIC(model("stories260K"), tokenizer(), store=store), size
 
 
+def compile_each(engine: pic.PIC, documents: list[list[int]]) -> list[str]:
+    """Compile one document per call (a single call never evicts its own chunks)."""
+    return [engine.compile([doc])[0] for doc in documents]
+
+
 def where(engine: pic.PIC, ids: list[str]) -> list[list[str]]:
     return [engine.store.lookup(i) for i in ids]
 
@@ -33,7 +39,7 @@ def stats(engine: pic.PIC) -> dict[str, pic.store.TierStats]:
 
 def test_lru_eviction_by_bytes_and_promotion():
     engine, size = engine_with(device_chunks=2.5, cpu_chunks=4)
-    ids = engine.compile(docs(0, 6))
+    ids = compile_each(engine, docs(0, 6))
     assert where(engine, ids) == [[], [], ["cpu"], ["cpu"], ["device", "cpu"], ["device", "cpu"]]
     device, cpu = stats(engine)["device"], stats(engine)["cpu"]
     assert (device.num_entries, device.num_bytes, device.evictions, device.capacity_bytes) == (
@@ -64,7 +70,7 @@ def test_pinned_chunks_are_never_evicted():
     engine, _ = engine_with(device_chunks=2.5, cpu_chunks=3)
     (pinned,) = engine.compile(docs(0, 1))
     engine.store.pin(pinned)
-    others = engine.compile(docs(1, 5))
+    others = compile_each(engine, docs(1, 5))
     assert engine.store.lookup(pinned) == ["device", "cpu"]
     assert where(engine, others) == [[], [], [], ["cpu"], ["device", "cpu"]]
     assert stats(engine)["device"].evictions == 4 and stats(engine)["cpu"].evictions == 3
@@ -78,7 +84,7 @@ def test_pinned_chunks_are_never_evicted():
 
     engine.store.unpin(pinned)
     engine.store.unpin(second)
-    engine.compile(docs(8, 2))
+    compile_each(engine, docs(8, 2))
     assert engine.store.lookup(pinned) == []
     with pytest.raises(pic.UnknownCacheIdError, match="cannot pin unknown cache id 'nope'"):
         engine.store.pin("nope")
@@ -86,11 +92,11 @@ def test_pinned_chunks_are_never_evicted():
 
 def test_pin_survives_promotion():
     engine, _ = engine_with(device_chunks=1.5, cpu_chunks=None)
-    ids = engine.compile(docs(0, 3))
+    ids = compile_each(engine, docs(0, 3))
     assert where(engine, ids) == [["cpu"], ["cpu"], ["device", "cpu"]]
     engine.store.pin(ids[0])  # only in the CPU tier now
     engine.link(ids[:1], QUERY)  # promoted into the device tier, pinned there too
-    engine.compile(docs(3, 2))
+    compile_each(engine, docs(3, 2))
     assert engine.store.lookup(ids[0]) == ["device", "cpu"]
 
 
@@ -108,10 +114,33 @@ def test_expire_removes_everywhere():
 
 def test_chunk_that_fits_nowhere():
     engine, size = engine_with(device_chunks=0.5)
-    with pytest.raises(
-        pic.StoreFullError, match=f"{size} bytes\\) fits in no tier: device 0 used of {size // 2} bytes"
-    ):
+    with pytest.raises(pic.StoreFullError, match=f"1 new chunks .*\\({size} bytes\\).*device 0 used of {size // 2}"):
         engine.compile(docs(0, 1))
+    assert engine.store.ids() == []
+
+
+def test_compile_keeps_every_id_it_returns():
+    """A compile call never evicts its own chunks: one that cannot hold them all fails before any
+    work, and the chunks of earlier calls are evicted (least recently used first) to make room."""
+    engine, size = engine_with(device_chunks=3.5)
+    old = compile_each(engine, docs(0, 2))
+    with pytest.raises(pic.StoreFullError, match=f"the 4 new chunks of this compile call \\({4 * size} bytes\\)"):
+        engine.compile(docs(2, 4))
+    assert engine.store.ids() == sorted(old)  # nothing compiled, nothing evicted
+    ids = engine.compile(docs(0, 1) + docs(2, 2))  # one cached, two new: 3 fit
+    assert all(engine.store.contains(i) for i in ids) and not engine.store.contains(old[1])
+    with pytest.raises(pic.StoreFullError, match="the 2 new chunks"):  # 3 held by this call + 2 new > 3.5
+        engine.compile(docs(0, 1) + docs(2, 2) + docs(4, 2))
+    assert engine.link(ids, QUERY).generate(max_new_tokens=2).token_ids
+
+
+def test_compile_with_a_lower_tier_that_holds_everything():
+    engine, _ = engine_with(device_chunks=1.5, cpu_chunks=None)
+    ids = engine.compile(docs(0, 4))
+    assert where(engine, ids) == [["device", "cpu"], ["cpu"], ["cpu"], ["cpu"]]  # the first call's chunk stays
+    reference = pic.PIC(model("stories260K"), tokenizer())
+    expected = reference.link(reference.compile(docs(0, 4)), QUERY).logits
+    assert torch.equal(engine.link(ids, QUERY).logits, expected)
 
 
 @pytest.mark.parametrize(
@@ -127,4 +156,4 @@ def test_chunk_that_fits_nowhere():
 )
 def test_bad_store_config(values, named):
     with pytest.raises(pic.InvalidInputError, match=named):
-        pic.config.validated(pic.StoreConfig, **values)
+        pic.StoreConfig(**values)

@@ -2,6 +2,6 @@
 
 from pic.compile.ids import chunk_id, model_fingerprint
 from pic.compile.prefill import prefill_chunk
-from pic.compile.tokens import TextOrTokens, encode
+from pic.compile.tokens import TextOrTokens, encode, encode_documents
 
-__all__ = ["TextOrTokens", "chunk_id", "encode", "model_fingerprint", "prefill_chunk"]
+__all__ = ["TextOrTokens", "chunk_id", "encode", "encode_documents", "model_fingerprint", "prefill_chunk"]

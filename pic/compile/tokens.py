@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
@@ -18,8 +18,14 @@ def encode(tokenizer, value: TextOrTokens, *, what: str, vocab_size: int) -> lis
         what: how to name the value in errors (``"document 3"``, ``"query"``).
 
     Raises:
-        InvalidInputError: a value that is neither text nor a list of ints, or an id outside the vocab.
+        InvalidInputError: a value that is neither text nor a list of ints (bytes included: pic does
+            not guess their encoding), or an id outside the vocab.
     """
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        raise InvalidInputError(
+            f"{what} is {type(value).__name__} ({_short(bytes(value))}); pass text (decode it first, "
+            f"e.g. value.decode('utf-8')) or a list of token ids"
+        )
     if isinstance(value, str):
         return list(tokenizer(value, add_special_tokens=False)["input_ids"])
     if isinstance(value, torch.Tensor):
@@ -39,3 +45,25 @@ def encode(tokenizer, value: TextOrTokens, *, what: str, vocab_size: int) -> lis
 def _short(value: object) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def encode_documents(tokenizer, docs: object, *, vocab_size: int) -> list[list[int]]:
+    """Token ids of every document of ``docs``: one text, one tensor of ids, or an iterable of texts
+    or token-id lists (not one flat list of ints: that would be ambiguous).
+
+    Raises:
+        InvalidInputError: no documents, an empty or malformed document (named by index).
+    """
+    if isinstance(docs, (str, torch.Tensor, bytes, bytearray, memoryview)):
+        docs = [docs]
+    if isinstance(docs, Iterable) and not isinstance(docs, Mapping):
+        docs = list(docs)
+    if not isinstance(docs, list) or not docs:
+        raise InvalidInputError(f"docs is {_short(docs)}; expected a non-empty list of documents")
+    lists = []
+    for i, doc in enumerate(docs):
+        tokens = encode(tokenizer, doc, what=f"document {i}", vocab_size=vocab_size)
+        if not tokens:
+            raise InvalidInputError(f"document {i} ({_short(doc)}) has no tokens")
+        lists.append(tokens)
+    return lists

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
+from collections.abc import Collection
 
 import torch
 
@@ -20,8 +21,9 @@ class LruTier:
         capacity_bytes: bytes of K and V it may hold; ``None``: unbounded.
         pin: keep CPU tensors page-locked (so copies to a GPU can be asynchronous).
 
-    Pinned chunks (``pin``) are never evicted. A chunk that does not fit even after evicting every
-    unpinned chunk is refused (``put`` returns ``False``) and nothing is evicted.
+    Pinned chunks (``pin``) are never evicted, nor are the chunks a ``put`` is told to ``keep``. A chunk
+    that does not fit even after evicting every other chunk is refused (``put`` returns ``False``) and
+    nothing is evicted.
     """
 
     def __init__(
@@ -45,30 +47,32 @@ class LruTier:
         """The chunk without counting a hit or making it recently used."""
         return self._chunks.get(cache_id)
 
-    def can_fit(self, num_bytes: int) -> bool:
-        """Whether ``num_bytes`` fit after evicting every unpinned chunk."""
+    def can_fit(self, num_bytes: int, *, keep: Collection[str] = ()) -> bool:
+        """Whether ``num_bytes`` fit after evicting every chunk that is neither pinned nor in ``keep``."""
         if self.capacity_bytes is None:
             return True
-        pinned = sum(self._chunks[c].num_bytes for c in self._pinned)
-        return pinned + num_bytes <= self.capacity_bytes
+        held = self._pinned.union(c for c in keep if c in self._chunks)
+        return sum(self._chunks[c].num_bytes for c in held) + num_bytes <= self.capacity_bytes
 
-    def put(self, chunk: ChunkKV) -> bool:
+    def put(self, chunk: ChunkKV, *, keep: Collection[str] = ()) -> bool:
+        """Store ``chunk``, evicting least-recently-used chunks that are neither pinned nor in ``keep``
+        (the chunks a ``compile`` call returns); ``False`` when it cannot fit (nothing is evicted then)."""
         if chunk.cache_id in self._chunks:
             self._chunks.move_to_end(chunk.cache_id)
             return True
-        if not self.can_fit(chunk.num_bytes):
+        if not self.can_fit(chunk.num_bytes, keep=keep):
             return False
-        self._evict_for(chunk.num_bytes)
+        self._evict_for(chunk.num_bytes, keep=keep)
         self._chunks[chunk.cache_id] = chunk.to(self.device, pin=self._pin, non_blocking=True)
         self._stats.num_bytes += chunk.num_bytes
         return True
 
-    def _evict_for(self, num_bytes: int) -> None:
+    def _evict_for(self, num_bytes: int, *, keep: Collection[str]) -> None:
         if self.capacity_bytes is None:
             return
-        victims = (c for c in list(self._chunks) if c not in self._pinned)
+        victims = (c for c in list(self._chunks) if c not in self._pinned and c not in keep)
         while self._stats.num_bytes + num_bytes > self.capacity_bytes:
-            victim = next(victims)  # can_fit guarantees enough unpinned bytes
+            victim = next(victims)  # can_fit guarantees enough evictable bytes
             self._remove(victim)
             self._stats.evictions += 1
 

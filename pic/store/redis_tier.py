@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
+from collections.abc import Collection
 from typing import Literal
 
 import redis
@@ -88,7 +89,8 @@ class RedisTier:
         if found != expected:
             raise serde.CorruptEntryError(f"stored part sizes {found} differ from the expected {expected}")
 
-    def put(self, chunk: ChunkKV) -> bool:
+    def put(self, chunk: ChunkKV, *, keep: Collection[str] = ()) -> bool:
+        """Write ``chunk`` (``keep`` is for the bounded tiers: Redis evicts by its own policy)."""
         encoded = serde.encode(chunk, fingerprint=self._expected.fingerprint, part_bytes=self.part_bytes)
         with self._guard():
             pipe = self._client.pipeline(transaction=False)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -41,8 +42,9 @@ class Tier(Protocol):
     def get(self, cache_id: str) -> ChunkKV | None:
         """The chunk, or ``None`` (a miss)."""
 
-    def put(self, chunk: ChunkKV) -> bool:
-        """Store ``chunk``; ``False`` when it cannot fit (nothing is evicted then)."""
+    def put(self, chunk: ChunkKV, *, keep: Collection[str] = ()) -> bool:
+        """Store ``chunk`` without evicting the chunks in ``keep``; ``False`` when it cannot fit
+        (nothing is evicted then)."""
 
     def contains(self, cache_id: str) -> bool: ...
 
