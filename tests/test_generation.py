@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import gc
+import time
 
 import pytest
+import torch
 
 import pic
 from tests.conftest import make_engine
@@ -67,8 +69,11 @@ def test_generation_stops_at_the_context(engine):
 
 
 def test_stats(engine):
+    start = time.perf_counter()
     linked = fresh(engine, policy="naive")
+    linked_at = time.perf_counter()
     out = linked.generate(max_new_tokens=8)
+    end = time.perf_counter()
     s = out.stats
     assert s.num_prompt_tokens == linked.input_ids.shape[0] == s.num_recomputed_tokens + s.num_reused_tokens
     assert (
@@ -76,7 +81,10 @@ def test_stats(engine):
         == linked.num_recomputed
         == len(engine.tokenizer(QUERY, add_special_tokens=False).input_ids)
     )
-    assert 0 < s.link_s <= s.ttft_s == out.ttft_s and s.decode_s > 0 and s.num_generated_tokens == 8
+    # each timing lies inside the wall-clock interval of what it measures
+    assert s.link_s <= linked_at - start and s.link_s + s.decode_s <= end - start
+    assert s.link_s <= s.ttft_s == out.ttft_s <= s.link_s + (end - linked_at)
+    assert s.num_generated_tokens == 8
 
 
 def test_blocks_are_returned(engine):
@@ -94,3 +102,30 @@ def test_blocks_are_returned(engine):
     next(stream)
     stream.close()  # abandoning a stream releases the request too
     assert engine.pool.num_free_blocks == free
+
+
+def test_kv_pool_exhausted_mid_generation_keeps_the_tokens():
+    """Running out of blocks while decoding ends the generation with what it has, and says why."""
+    engine = make_engine("stories260K", kv_pool_tokens=64, block_size=16)
+    with fresh(engine) as probe:
+        room = engine.pool.num_blocks * 16 - probe.layout.num_slots  # free slots after the prompt
+    reference = fresh(make_engine("stories260K")).generate(max_new_tokens=room + 1).token_ids
+    out = fresh(engine).generate(max_new_tokens=100)
+    assert out.stats.finish_reason is pic.FinishReason.KV_POOL
+    assert out.token_ids == reference and len(out.token_ids) == room + 1  # the last one needed no slot
+    assert out.text == engine.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+    assert "".join(fresh(engine).stream(max_new_tokens=100)) == out.text  # the stream ends cleanly
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks
+
+
+def test_the_embedded_model_stops_at_the_end_of_a_story(stories):
+    """stories260K ends a story with BOS (id 1): its generation config lists it as an EOS token, so pic
+    and transformers' own generate both stop there."""
+    assert stories.eos_token_ids == {1, 2}
+    linked = stories.link([], "Once upon a time", policy="full")
+    out = linked.generate(max_new_tokens=400)
+    assert out.stats.finish_reason is pic.FinishReason.EOS and out.token_ids[-1] == 1
+    assert len(out.token_ids) < 400 and "Once upon a time" not in out.text  # no second story
+    with torch.no_grad():
+        hf = stories.runner.model.generate(linked.input_ids[None], max_new_tokens=400, do_sample=False)
+    assert hf[0, linked.input_ids.shape[0] :].tolist() == out.token_ids

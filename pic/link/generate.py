@@ -3,22 +3,30 @@
 from __future__ import annotations
 
 import enum
+import logging
+import threading
 import time
-from collections.abc import Generator, Iterator
+from collections.abc import Generator
 from dataclasses import dataclass
 
 import torch
 
+from pic.errors import KVPoolExhaustedError
 from pic.kv import RequestKV
 from pic.link.sampling import SamplingParams, sample
 from pic.model import ModelRunner
 
+log = logging.getLogger("pic")
+
 
 class FinishReason(str, enum.Enum):
+    """Why a generation ended."""
+
     EOS = "eos"  # the model produced an end-of-sequence token
     STOP = "stop"  # the text reached a stop string
     LENGTH = "length"  # max_new_tokens were generated
     CONTEXT = "context"  # the model's context is full
+    KV_POOL = "kv_pool"  # the KV pool had no free block for the next token (the tokens so far are kept)
 
 
 @dataclass(frozen=True)
@@ -63,10 +71,12 @@ class DecodeContext:
     link_s: float
     eos_token_ids: frozenset[int]
     max_context: int
+    lock: threading.RLock  # the engine's: held for each step that touches the pool
 
 
-def _tokens(ctx: DecodeContext, params: SamplingParams) -> Iterator[int]:
-    """Sampled tokens; each one is fed back before the next is sampled."""
+def _tokens(ctx: DecodeContext, params: SamplingParams) -> Generator[int, None, FinishReason | None]:
+    """Sampled tokens; each one is fed back before the next is sampled. Returns why it stopped early
+    (``CONTEXT``, ``KV_POOL``), or ``None`` when the caller's conditions (length, EOS) ended it."""
     device = ctx.runner.spec.device
     generator = None
     if params.seed is not None:
@@ -75,19 +85,25 @@ def _tokens(ctx: DecodeContext, params: SamplingParams) -> Iterator[int]:
     for step in range(params.max_new_tokens):
         token = sample(logits, params, generator)
         yield token
-        # Stop once prompt + generated tokens fill the model's context.
-        if step + 1 == params.max_new_tokens or token in ctx.eos_token_ids or position + 1 >= ctx.max_context:
-            return
-        slot = torch.tensor([ctx.req.append_slot()], device=device)
-        ids = torch.tensor([token], device=device)
-        logits = ctx.runner.forward(
-            ctx.req,
-            token_ids=ids,
-            positions=torch.tensor([position], device=device),
-            slots=slot,
-            logits_rows=torch.zeros(1, dtype=torch.long, device=device),
-        )[0]
+        if step + 1 == params.max_new_tokens or token in ctx.eos_token_ids:
+            return None
+        if position + 1 >= ctx.max_context:  # prompt + generated tokens fill the model's context
+            return FinishReason.CONTEXT
+        with ctx.lock:
+            try:
+                slot = torch.tensor([ctx.req.append_slot()], device=device)
+            except KVPoolExhaustedError as exc:
+                log.warning("pic: generation stopped after %d tokens: %s", step + 1, exc)
+                return FinishReason.KV_POOL
+            logits = ctx.runner.forward(
+                ctx.req,
+                token_ids=torch.tensor([token], device=device),
+                positions=torch.tensor([position], device=device),
+                slots=slot,
+                logits_rows=torch.zeros(1, dtype=torch.long, device=device),
+            )[0]
         position += 1
+    return None
 
 
 def decode(ctx: DecodeContext, params: SamplingParams) -> Generator[str, None, Generation]:
@@ -101,7 +117,13 @@ def decode(ctx: DecodeContext, params: SamplingParams) -> Generator[str, None, G
     text, num_emitted = "", 0
     finish = FinishReason.LENGTH
     hold = max((len(s) for s in params.stop), default=1) - 1
-    for token in _tokens(ctx, params):
+    tokens = _tokens(ctx, params)
+    while True:
+        try:
+            token = next(tokens)
+        except StopIteration as stopped:
+            finish = stopped.value or finish
+            break
         if not token_ids:
             first_at = time.perf_counter()
         token_ids.append(token)
@@ -117,9 +139,6 @@ def decode(ctx: DecodeContext, params: SamplingParams) -> Generator[str, None, G
         if final > num_emitted:
             yield text[num_emitted:final]
             num_emitted = final
-    else:
-        if len(token_ids) < params.max_new_tokens:  # _tokens stopped early without an EOS
-            finish = FinishReason.CONTEXT
     if len(text) > num_emitted:
         yield text[num_emitted:]
     ttft_s = ctx.link_s + (first_at - start)

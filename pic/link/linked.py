@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Generator, Iterator, Sequence
 
-from pic.config import validated
 from pic.errors import LinkedReleasedError
+from pic.kv import RequestKV
 from pic.link.generate import DecodeContext, Generation, decode
 from pic.link.layout import Layout
 from pic.link.policies import Policy
@@ -45,6 +46,7 @@ class Linked:
         result: Recomputed,
         link_s: float,
         eos_token_ids: frozenset[int],
+        lock: threading.RLock,
     ) -> None:
         self.input_ids = layout.token_ids
         self.logits = result.logits
@@ -54,10 +56,10 @@ class Linked:
         self.layout = layout
         self.policy = policy
         self.link_s = link_s
-        self._runner, self._tokenizer, self._eos = runner, tokenizer, eos_token_ids
+        self._runner, self._tokenizer, self._eos, self._lock = runner, tokenizer, eos_token_ids, lock
         self._req = result.req
         self._started = False
-        self._finalizer = weakref.finalize(self, result.req.release)
+        self._finalizer = weakref.finalize(self, _release, lock, result.req)
 
     def generate(
         self,
@@ -69,7 +71,16 @@ class Linked:
         seed: int | None = None,
         stop: str | Sequence[str] | None = None,
     ) -> Generation:
-        """Generate (greedy unless ``temperature > 0``) and release the request. See ``SamplingParams``."""
+        """Generate (greedy unless ``temperature > 0``) and release the request. See ``SamplingParams``.
+
+        Generation stops at ``max_new_tokens``, an EOS token, a stop string, the model's context, or
+        when the KV pool has no block left for the next token; the tokens generated so far are
+        returned in every case, and ``.stats.finish_reason`` says which it was.
+
+        Raises:
+            InvalidInputError: a bad sampling option (the request stays usable).
+            LinkedReleasedError: the request was already generated from or released.
+        """
         steps = self._start(
             max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop
         )
@@ -89,13 +100,16 @@ class Linked:
         seed: int | None = None,
         stop: str | Sequence[str] | None = None,
     ) -> Iterator[str]:
-        """Like ``generate``, yielding text pieces as they are final; their concatenation is the text."""
+        """Like ``generate``, yielding text pieces as they are final; their concatenation is the text.
+
+        The stream ends cleanly whatever stops it (``Generation.stats.finish_reason`` of ``generate``
+        says why); closing it early releases the request."""
         return self._start(
             max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop
         )
 
     def _start(self, **options: object) -> Generator[str, None, Generation]:
-        params = validated(SamplingParams, **options)
+        params = SamplingParams(**options)
         if self._started or not self._finalizer.alive:
             raise LinkedReleasedError("this Linked request was already generated from or released; link it again")
         self._started = True
@@ -112,6 +126,7 @@ class Linked:
             link_s=self.link_s,
             eos_token_ids=self._eos,
             max_context=self._runner.spec.max_context,
+            lock=self._lock,
         )
         try:
             return (yield from decode(ctx, params))
@@ -133,3 +148,9 @@ class Linked:
             f"Linked(num_tokens={self.input_ids.shape[0]}, num_chunks={len(self.layout.chunks)}, "
             f"num_recomputed={self.num_recomputed}, policy={self.policy.spec!r})"
         )
+
+
+def _release(lock: threading.RLock, req: RequestKV) -> None:
+    """The finalizer: free the request's blocks under the engine lock."""
+    with lock:
+        req.release()
