@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import os
 import statistics
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
 
 from pic.api import PIC
+from pic.errors import PicError
 from pic.evaluation.report import FidelityReport, PolicyScore
 from pic.evaluation.workload import Case, Workload, sample_workload
 from pic.link import Linked
@@ -36,18 +37,18 @@ DEFAULT_POLICIES = (
 )
 
 
-@dataclass
-class _Tally:
-    """Per-case measurements of one policy."""
+@dataclass(frozen=True)
+class _Measurement:
+    """One policy on one case."""
 
-    kl: list[float] = field(default_factory=list)
-    top1: list[float] = field(default_factory=list)
-    nll: list[float] = field(default_factory=list)
-    recomputed: list[int] = field(default_factory=list)
-    recomputed_first: list[int] = field(default_factory=list)
-    fraction: list[float] = field(default_factory=list)
-    fraction_last: list[float] = field(default_factory=list)
-    link_s: list[float] = field(default_factory=list)
+    kl: float
+    top1: float
+    nll: float | None  # None for a one-token query
+    recomputed: int
+    recomputed_first: int
+    fraction: float
+    fraction_last: float
+    link_s: float
 
 
 def evaluate_fidelity(
@@ -57,33 +58,62 @@ def evaluate_fidelity(
     policies: Sequence[str | Policy] = DEFAULT_POLICIES,
     seed: int = 0,
     progress: bool = False,
+    on_case: Callable[[FidelityReport], None] | None = None,
 ) -> FidelityReport:
     """Compare policies with Full Recompute on a workload.
 
     Args:
         engine: the model to evaluate (default: the embedded stories260K, float32).
         workload: the cases (default: ``sample_workload(engine, seed=seed)``).
-        policies: policy objects or spec strings; Full Recompute is always the reference row.
+        policies: policy objects or spec strings, checked before any work. Full Recompute is always
+            the reference row (listing it adds nothing); a policy listed twice is scored once.
+        progress: show progress bars (sampling the workload, then the cases).
+        on_case: called after every case with the report of the cases done so far (to save partial
+            results: a long evaluation that fails or is interrupted keeps what it measured).
 
     Raises:
-        PolicyError: an unknown policy spec.
-        PicError: a case the engine rejects (too long, empty query, ...).
+        PolicyError: an unknown policy spec, or one that cannot run on this model (before any work).
+        PicError: a case the engine rejects (too long, empty query, ...); the message names the case.
     """
     engine = engine or PIC.from_pretrained(dtype="float32")
-    workload = workload or sample_workload(engine, seed=seed)
-    resolved = [resolve(p) for p in policies]
+    resolved = checked_policies(engine, policies)
+    workload = workload or sample_workload(engine, seed=seed, progress=progress)
     full = FullRecompute()
-    tallies = {p.spec: _Tally() for p in [full, *resolved]}
-    for case in tqdm(workload.cases, desc="pic eval fidelity", unit="case", disable=not progress):
-        _link(engine, case, full).release()  # warm-up: the first link of a case pays one-off costs
-        with _link(engine, case, full) as reference:
-            ref_logp = reference.logits.log_softmax(-1)  # [Q, vocab]
-            query = reference.input_ids[reference.layout.query.tokens]
-            _score(tallies[full.spec], reference, ref_logp, query)
-            for policy in resolved:
-                with _link(engine, case, policy) as linked:
-                    _score(tallies[policy.spec], linked, ref_logp, query)
-    scores = [_summarize(spec, tally, tallies[full.spec]) for spec, tally in tallies.items()]
+    tallies: dict[str, list[_Measurement]] = {p.spec: [] for p in [full, *resolved]}
+    cases = tqdm(workload.cases, desc="pic eval fidelity", unit="case", disable=not progress)
+    for number, case in enumerate(cases):
+        try:
+            measured = _measure_case(engine, case, full, resolved)
+        except PicError as exc:
+            raise type(exc)(f"workload case {number}: {exc}") from exc
+        for spec, measurement in measured.items():  # a case counts for every policy or for none
+            tallies[spec].append(measurement)
+        if on_case is not None:
+            on_case(_report(engine, workload, tallies, num_cases=number + 1))
+    return _report(engine, workload, tallies, num_cases=len(workload.cases))
+
+
+def checked_policies(engine: PIC, policies: Sequence[str | Policy]) -> list[Policy]:
+    """``policies`` resolved, each checked against ``engine``'s model, Full Recompute and repeats dropped.
+
+    Raises:
+        PolicyError: an unknown spec, a bad argument, or a policy that cannot run on this model.
+    """
+    if isinstance(policies, (str, Policy)):
+        policies = [policies]
+    unique: dict[str, Policy] = {}
+    for policy in map(resolve, policies):
+        policy.check_model(num_layers=engine.spec.num_layers)
+        engine.compile_options(policy)  # e.g. LegoLink-0 needs a BOS token
+        if policy.spec != FullRecompute().spec:
+            unique.setdefault(policy.spec, policy)
+    return list(unique.values())
+
+
+def _report(
+    engine: PIC, workload: Workload, tallies: dict[str, list[_Measurement]], *, num_cases: int
+) -> FidelityReport:
+    full = tallies[FullRecompute().spec]
     spec = engine.spec
     return FidelityReport(
         model=spec.architecture,
@@ -91,7 +121,8 @@ def evaluate_fidelity(
         device=str(spec.device),
         dtype=str(spec.dtype).removeprefix("torch."),
         workload=workload.description,
-        scores=scores,
+        num_cases_evaluated=num_cases,
+        scores=[_summarize(policy, tally, full) for policy, tally in tallies.items()],
     )
 
 
@@ -100,35 +131,55 @@ def _link(engine: PIC, case: Case, policy: Policy) -> Linked:
     return engine.link(ids, case.query, policy=policy)
 
 
-def _score(tally: _Tally, linked: Linked, ref_logp: torch.Tensor, query: torch.Tensor) -> None:
+def _measure_case(engine: PIC, case: Case, full: Policy, policies: list[Policy]) -> dict[str, _Measurement]:
+    """One case under Full Recompute (the reference) and under every policy."""
+    _link(engine, case, full).release()  # warm-up: the first link of a case pays one-off costs
+    with _link(engine, case, full) as reference:
+        ref_logp = reference.logits.log_softmax(-1)  # [Q, vocab]
+        query = reference.input_ids[reference.layout.query.tokens]
+        measured = {full.spec: _measure(reference, ref_logp, query)}
+        for policy in policies:
+            with _link(engine, case, policy) as linked:
+                measured[policy.spec] = _measure(linked, ref_logp, query)
+    return measured
+
+
+def _measure(linked: Linked, ref_logp: torch.Tensor, query: torch.Tensor) -> _Measurement:
     logp = linked.logits.log_softmax(-1)  # [Q, vocab]
-    tally.kl.append(float((ref_logp.exp() * (ref_logp - logp)).sum(-1).mean()))
-    tally.top1.append(float((ref_logp.argmax(-1) == logp.argmax(-1)).float().mean()))
+    nll = None
     if query.shape[0] > 1:  # row i predicts query token i + 1
         targets = query[1:].to(logp.device)
-        tally.nll.append(float(-logp[:-1].gather(1, targets[:, None]).mean()))
+        nll = float(-logp[:-1].gather(1, targets[:, None]).mean())
     by_layer = linked.recomputed_by_layer
-    tally.recomputed.append(linked.num_recomputed)
-    tally.recomputed_first.append(by_layer[0])
     num_prompt = linked.input_ids.shape[0]
-    tally.fraction.append(sum(by_layer) / (len(by_layer) * num_prompt))
-    tally.fraction_last.append(by_layer[-1] / num_prompt)
-    tally.link_s.append(linked.link_s)
+    return _Measurement(
+        kl=float((ref_logp.exp() * (ref_logp - logp)).sum(-1).mean()),
+        top1=float((ref_logp.argmax(-1) == logp.argmax(-1)).float().mean()),
+        nll=nll,
+        recomputed=linked.num_recomputed,
+        recomputed_first=by_layer[0],
+        fraction=sum(by_layer) / (len(by_layer) * num_prompt),
+        fraction_last=by_layer[-1] / num_prompt,
+        link_s=linked.link_s,
+    )
 
 
-def _summarize(spec: str, tally: _Tally, full: _Tally) -> PolicyScore:
-    speedups = [f / p for f, p in zip(full.link_s, tally.link_s, strict=True)]
+def _summarize(spec: str, measured: list[_Measurement], full: list[_Measurement]) -> PolicyScore:
+    def mean(field: str) -> float:
+        return statistics.fmean(getattr(m, field) for m in measured)
+
+    nll = [m.nll for m in measured if m.nll is not None]
     return PolicyScore(
         policy=spec,
-        mean_kl=statistics.fmean(tally.kl),
-        top1_agreement=statistics.fmean(tally.top1),
-        continuation_nll=statistics.fmean(tally.nll) if tally.nll else float("nan"),
-        mean_recomputed=statistics.fmean(tally.recomputed),
-        mean_recomputed_first_layer=statistics.fmean(tally.recomputed_first),
-        recompute_fraction=statistics.fmean(tally.fraction),
-        recompute_fraction_last_layer=statistics.fmean(tally.fraction_last),
-        median_link_s=statistics.median(tally.link_s),
-        median_speedup_vs_full=statistics.median(speedups),
+        mean_kl=mean("kl"),
+        top1_agreement=mean("top1"),
+        continuation_nll=statistics.fmean(nll) if nll else float("nan"),
+        mean_recomputed=mean("recomputed"),
+        mean_recomputed_first_layer=mean("recomputed_first"),
+        recompute_fraction=mean("fraction"),
+        recompute_fraction_last_layer=mean("fraction_last"),
+        median_link_s=statistics.median(m.link_s for m in measured),
+        median_speedup_vs_full=statistics.median(f.link_s / m.link_s for f, m in zip(full, measured, strict=True)),
     )
 
 

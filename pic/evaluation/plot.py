@@ -49,7 +49,7 @@ def plot_fidelity(report: FidelityReport, path: str | os.PathLike) -> None:
         ax.grid(True, which="both", alpha=0.3)
     axes[0].set_ylabel("mean KL(Full Recompute || policy), nats")
     axes[0].legend(fontsize=8)
-    cases = report.workload.get("num_cases", "?")
+    cases = report.num_cases_evaluated
     fig.suptitle(f"{report.model_name}: fidelity vs recompute, {cases} cases ({report.device}, {report.dtype})")
     fig.tight_layout()
     fig.savefig(path)

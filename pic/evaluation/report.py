@@ -44,13 +44,18 @@ class PolicyScore:
 
 @dataclass(frozen=True)
 class FidelityReport:
-    """The result of ``evaluate_fidelity``; the first score is Full Recompute itself."""
+    """The result of ``evaluate_fidelity``; the first score is Full Recompute itself.
+
+    ``num_cases_evaluated`` is the number of the workload's cases the scores cover: all of them in a
+    finished report, fewer in the partial reports ``evaluate_fidelity(on_case=...)`` hands out.
+    """
 
     model: str
     model_name: str
     device: str
     dtype: str
     workload: dict[str, object]
+    num_cases_evaluated: int
     scores: list[PolicyScore]
 
     def score(self, policy: str) -> PolicyScore:

@@ -7,11 +7,11 @@ import os
 from dataclasses import dataclass
 
 import torch
-from pydantic import Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from tqdm.auto import tqdm
 
 from pic.api import PIC
 from pic.compile import TextOrTokens
-from pic.config import _Frozen
 from pic.errors import InvalidInputError
 
 # A workload file is read whole; refuse files that cannot be a reasonable workload.
@@ -34,7 +34,9 @@ class Workload:
     description: dict[str, object]
 
 
-class _CaseRecord(_Frozen):
+class _CaseRecord(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
     chunks: list[str | list[int]] = Field(min_length=1)
     query: str | list[int]
 
@@ -75,11 +77,13 @@ def sample_workload(
     chunk_tokens: tuple[int, int] = (80, 120),
     query_tokens: int = 20,
     seed: int = 0,
+    progress: bool = False,
 ) -> Workload:
     """Cases cut from the model's own text: each samples one passage from BOS (temperature 1, BOS and
     EOS suppressed), splits it into ``num_chunks`` chunks of uniformly drawn lengths in
     ``chunk_tokens`` (inclusive), and takes the next ``query_tokens`` tokens as the query, so the
     query continues the last chunk's text. Deterministic for a given model, seed and device.
+    ``progress`` shows a bar over the sampled tokens.
     """
     gen = torch.Generator().manual_seed(seed)
     low, high = chunk_tokens
@@ -89,7 +93,7 @@ def sample_workload(
             f"chunk_tokens={chunk_tokens}, query_tokens={query_tokens}"
         )
     lengths = torch.randint(low, high + 1, (num_cases, num_chunks), generator=gen)
-    texts = _sample_text(engine, num_cases, int(lengths.sum(1).max()) + query_tokens, gen)
+    texts = _sample_text(engine, num_cases, int(lengths.sum(1).max()) + query_tokens, gen, progress=progress)
     cases = []
     for row, text in zip(lengths.tolist(), texts, strict=True):
         bounds = [0, *torch.tensor(row).cumsum(0).tolist()]
@@ -107,7 +111,9 @@ def sample_workload(
 
 
 @torch.no_grad()
-def _sample_text(engine: PIC, num_texts: int, num_tokens: int, gen: torch.Generator) -> list[list[int]]:
+def _sample_text(
+    engine: PIC, num_texts: int, num_tokens: int, gen: torch.Generator, *, progress: bool
+) -> list[list[int]]:
     """``num_texts`` passages of ``num_tokens`` tokens sampled from BOS with the HF model's own cache."""
     model, device = engine.runner.model, engine.spec.device
     banned = [t for t in (engine.bos_token_id, *engine.eos_token_ids) if t is not None]
@@ -119,7 +125,7 @@ def _sample_text(engine: PIC, num_texts: int, num_tokens: int, gen: torch.Genera
     ids = torch.full((num_texts, 1), start, dtype=torch.long, device=device)
     out = model(ids, use_cache=True)
     tokens = []
-    for _ in range(num_tokens):
+    for _ in tqdm(range(num_tokens), desc=f"pic sample {num_texts} passages", unit="token", disable=not progress):
         logits = out.logits[:, -1].float().cpu()
         logits[:, banned] = float("-inf")
         step = torch.multinomial(logits.softmax(-1), 1, generator=gen)  # [num_texts, 1]
