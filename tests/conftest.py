@@ -1,10 +1,20 @@
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
 
 import pic
 from tests.models import FAMILIES, model, tokenizer
 from tests.redis_server import redis_server as new_redis_server
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """One torch thread unless OMP_NUM_THREADS says otherwise: the tests run tiny models, for which
+    more threads only add synchronisation, and on a busy 2-core machine two threads per process slow
+    the suite several times over (README, "CPU threads"). Subprocesses the tests start inherit it."""
+    torch.set_num_threads(int(os.environ.setdefault("OMP_NUM_THREADS", "1")))
 
 
 @pytest.fixture(params=FAMILIES)

@@ -17,5 +17,26 @@ def test_store_benchmark_writes_json(tmp_path):
     assert proc.returncode == 0, proc.stderr
     report = json.loads(out.read_text())
     assert [r["num_tokens"] for r in report["results"]] == [4, 40]
-    assert report["results"][1]["num_bytes"] == 40 * 128 * 1024  # 128 KiB per token
-    assert all(r["put_ratio_raw_over_tier"] > 0 and r["get_ratio_raw_over_tier"] > 0 for r in report["results"])
+    large = report["results"][1]
+    assert large["num_bytes"] == 40 * 128 * 1024  # 128 KiB per token
+    assert large["num_parts"] == 2  # K and V of 2.5 MiB each, in parts of at most 8 MiB
+    for r in report["results"]:  # the ratios are what the measured medians say
+        median = r["median_s"]
+        assert r["put_ratio_raw_over_tier"] == median["raw_set"] / median["tier_put"]
+        assert r["get_ratio_raw_over_tier"] == median["raw_get"] / median["tier_get"]
+
+
+def test_cpu_threads_benchmark_writes_json(tmp_path):
+    out = tmp_path / "threads.json"
+    args = [sys.executable, str(BENCHMARKS / "cpu_threads.py"), "--threads", "1", "2", "--reps", "1", "--tokens", "4"]
+    proc = subprocess.run([*args, "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    for condition in ("idle", "busy"):
+        result = report["conditions"][condition]
+        one, two = result["median_s"]["1"], result["median_s"]["2"]
+        assert (
+            result["ratio_over_1_thread"]["2"]["decode_s_per_token"]
+            == two["decode_s_per_token"] / one["decode_s_per_token"]
+        )
+        assert result["ratio_over_1_thread"]["1"] == {"link_s": 1.0, "decode_s_per_token": 1.0}
