@@ -60,9 +60,11 @@ def run_fidelity(
             done = latest[0].num_cases_evaluated
             _say(f"stopped after {done} of {len(cases.cases)} cases; their results are in {json_path}")
         raise
-    plot_fidelity(report, png_path)
+    _write_json(report, json_path)  # also when the workload had no cases to call on_case with
     print(report.table())
-    print(f"\nwrote {json_path} and {png_path}")
+    print(f"\nwrote {json_path}")
+    plot_fidelity(report, png_path)  # needs matplotlib (the eval extra); the table and JSON come first
+    print(f"wrote {png_path}")
     return report
 
 
