@@ -262,7 +262,7 @@ def _cache_id_list(cache_ids: object) -> list[str]:
     """
     if isinstance(cache_ids, str):
         return [cache_ids]
-    ids = list(cache_ids) if isinstance(cache_ids, Iterable) and not isinstance(cache_ids, bytes) else None
+    ids = list(cache_ids) if isinstance(cache_ids, Iterable) else None
     if ids is None or not all(isinstance(cid, str) for cid in ids):
         raise InvalidInputError(f"cache_ids is {cache_ids!r:.80}; expected a list of cache ids from compile()")
     return ids

@@ -29,6 +29,11 @@ def describe_validation_error(model: type[BaseModel], exc: ValidationError) -> s
     return "; ".join(problems)
 
 
+def as_tuple(value: object) -> object:
+    """A list or set given for a tuple field, as a tuple (strict mode accepts only tuples)."""
+    return tuple(value) if isinstance(value, (list, set, frozenset)) else value
+
+
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True, allow_inf_nan=False)
 
@@ -75,10 +80,7 @@ class PICConfig(_Frozen):
     eos_token_ids: tuple[int, ...] | None = None
     default_policy: str = "legolink:16"
 
-    @field_validator("eos_token_ids", mode="before")
-    @classmethod
-    def _eos_tuple(cls, value: object) -> object:
-        return tuple(value) if isinstance(value, (list, set, frozenset)) else value
+    _eos_tuple = field_validator("eos_token_ids", mode="before")(as_tuple)
 
     @field_validator("eos_token_ids")
     @classmethod

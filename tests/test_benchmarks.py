@@ -35,8 +35,4 @@ def test_cpu_threads_benchmark_writes_json(tmp_path):
     for condition in ("idle", "busy"):
         result = report["conditions"][condition]
         one, two = result["median_s"]["1"], result["median_s"]["2"]
-        assert (
-            result["ratio_over_1_thread"]["2"]["decode_s_per_token"]
-            == two["decode_s_per_token"] / one["decode_s_per_token"]
-        )
-        assert result["ratio_over_1_thread"]["1"] == {"link_s": 1.0, "decode_s_per_token": 1.0}
+        assert result["ratio_over_1_thread"]["2"] == {key: two[key] / one[key] for key in one}

@@ -60,8 +60,7 @@ def run_fidelity(
             done = latest[0].num_cases_evaluated
             _say(f"stopped after {done} of {len(cases.cases)} cases; their results are in {json_path}")
         raise
-    _write_json(report, json_path)  # also when the workload had no cases to call on_case with
-    print(report.table())
+    print(report.table())  # the JSON is the finished report: on_case wrote it after the last case
     print(f"\nwrote {json_path}")
     plot_fidelity(report, png_path)  # needs matplotlib (the eval extra); the table and JSON come first
     print(f"wrote {png_path}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from pydantic import Field, field_validator
 
-from pic.config import _Frozen
+from pic.config import _Frozen, as_tuple
 
 
 class SamplingParams(_Frozen):
@@ -35,9 +35,7 @@ class SamplingParams(_Frozen):
     def _stop_tuple(cls, value: object) -> object:
         if value is None:
             return ()
-        if isinstance(value, str):
-            return (value,)
-        return tuple(value) if isinstance(value, (list, set, frozenset)) else value
+        return (value,) if isinstance(value, str) else as_tuple(value)
 
     @field_validator("stop")
     @classmethod

@@ -31,8 +31,9 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     try:
         torch.empty(0, device=resolved)
     except (AssertionError, RuntimeError) as exc:  # torch asserts when it was built without CUDA
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise InvalidInputError(f"device {str(device)!r} is not available on this machine: {reason}") from None
+        raise InvalidInputError(
+            f"device {str(device)!r} is not available on this machine: {_first_line(exc)}"
+        ) from None
     return resolved
 
 
@@ -70,12 +71,16 @@ def load_pretrained(
             model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(name)
     except (OSError, ValueError, KeyError) as exc:  # what transformers raises for a missing or unknown model
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelLoadError(
-            f"cannot load model {name!r}: {reason} (give a local folder with config.json and weights, or a "
+            f"cannot load model {name!r}: {_first_line(exc)} (give a local folder with config.json and weights, or a "
             f"Hub name that is downloaded or reachable; offline, HF_HUB_OFFLINE=1 reads the Hugging Face cache)"
         ) from exc
     return model.to(device), tokenizer
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 @contextlib.contextmanager

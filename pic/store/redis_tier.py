@@ -101,6 +101,10 @@ class RedisTier:
             return True
         return False
 
+    def can_fit(self, num_bytes: int, *, keep: Collection[str] = ()) -> bool:
+        """Always: Redis bounds its memory with its own eviction policy, not by pic's accounting."""
+        return True
+
     def contains(self, cache_id: str) -> bool:
         with self._guard():
             return bool(self._client.exists(self._key(cache_id)))

@@ -46,6 +46,9 @@ class Tier(Protocol):
         """Store ``chunk`` without evicting the chunks in ``keep``; ``False`` when it cannot fit
         (nothing is evicted then)."""
 
+    def can_fit(self, num_bytes: int, *, keep: Collection[str] = ()) -> bool:
+        """Whether ``num_bytes`` more would fit without evicting pinned chunks or those in ``keep``."""
+
     def contains(self, cache_id: str) -> bool: ...
 
     def delete(self, cache_id: str) -> bool:

@@ -104,7 +104,7 @@ class TieredStore:
         Raises:
             StoreFullError: naming ``what``, the bytes and every tier's capacity.
         """
-        if any(not isinstance(t, LruTier) or t.can_fit(num_bytes, keep=keep) for t in self.tiers):
+        if any(t.can_fit(num_bytes, keep=keep) for t in self.tiers):
             return
         raise StoreFullError(
             f"{what} ({num_bytes} bytes) fit in no tier beside the pinned chunks and the others the call "
