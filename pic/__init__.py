@@ -37,6 +37,7 @@ from pic.errors import (
     UnknownCacheIdError,
     UnsupportedModelError,
 )
+from pic.kv import KVStats
 from pic.link import FinishReason, Generation, GenerationStats, Linked, SamplingParams
 from pic.model.loading import EMBEDDED_MODEL
 
@@ -105,6 +106,7 @@ __all__ = [
     "GenerationStats",
     "InvalidInputError",
     "KVPoolExhaustedError",
+    "KVStats",
     "Linked",
     "LinkedReleasedError",
     "MissingDependencyError",

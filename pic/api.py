@@ -8,9 +8,8 @@ import time
 from collections.abc import Iterable, Sequence
 
 import torch
-from tqdm.auto import tqdm
 
-from pic.compile import TextOrTokens, chunk_id, encode, encode_documents, model_fingerprint, prefill_chunk
+from pic.compile import TextOrTokens, chunk_id, compile_chunks, encode, encode_documents, model_fingerprint
 from pic.config import CompileOptions, PICConfig, StoreConfig
 from pic.errors import (
     CompileOptionsMismatchError,
@@ -18,12 +17,13 @@ from pic.errors import (
     InvalidInputError,
     PolicyError,
 )
-from pic.kv import ChunkKV, KVPool
-from pic.kv.memory import check_fits
+from pic.kv import ChunkInfo, ChunkKV, KVStats
+from pic.kv.memory import build_kv_pool
 from pic.link import Linked, lay_out, policies, recompute
 from pic.model import ModelRunner, ModelSpec
-from pic.model.loading import EMBEDDED_MODEL, load_pretrained, resolve_device, resolve_dtype
+from pic.model.loading import EMBEDDED_MODEL, load_pretrained, model_eos_ids, resolve_device, resolve_dtype
 from pic.store import TieredStore
+from pic.store.device import DeviceTier
 from pic.store.serde import Expected
 
 # Compiling at least this many new chunks shows a progress bar (unless `progress` says otherwise).
@@ -40,7 +40,7 @@ class PIC:
         model: a supported ``*ForCausalLM`` (Llama, Mistral, Qwen2, Qwen3 families), on its device.
         tokenizer: its tokenizer.
         config: engine options (``PICConfig``).
-        store: where chunks live (``StoreConfig``; default: an unbounded device tier only).
+        store: where chunks live besides the KV pool (``StoreConfig``: CPU and Redis tiers; default: none).
 
     Thread safety: ``compile``, ``link``, each decode step of ``Linked.generate`` / ``stream``,
     ``release`` and every ``store`` call hold one engine lock, so threads may share an engine; their
@@ -75,13 +75,12 @@ class PIC:
             vocab_size=spec.vocab_size,
         )
         self._lock = threading.RLock()
-        self.store = TieredStore.from_config(
-            store or StoreConfig(), device=spec.device, expected=expected, lock=self._lock
-        )
-        self.pool = _kv_pool(spec, self.config)
+        self.pool, self.kv_cache = build_kv_pool(spec, self.config)
+        device = DeviceTier(self.pool, self.kv_cache)
+        self.store = TieredStore.from_config(store or StoreConfig(), device=device, expected=expected, lock=self._lock)
         self.bos_token_id: int | None = getattr(tokenizer, "bos_token_id", None)
         eos = self.config.eos_token_ids
-        self.eos_token_ids = frozenset(_model_eos_ids(model, tokenizer) if eos is None else eos)
+        self.eos_token_ids = frozenset(model_eos_ids(model, tokenizer) if eos is None else eos)
 
     @classmethod
     def from_pretrained(
@@ -130,15 +129,18 @@ class PIC:
                 (LegoLink-0); default: the engine's default policy.
             progress: show a progress bar (``None``, the default: when compiling 8 or more new chunks).
 
-        Ids are content addresses: compiling a document that is already cached does no work. Every id
-        returned is held by some store tier when ``compile`` returns: the call never evicts its own
-        chunks to make room for its other chunks.
+        Ids are content addresses: compiling a document that is already cached does no work, and
+        compiling one whose chunk was evicted compiles it again. Each chunk is prefilled straight into
+        canonical blocks of the KV pool (resident: the device tier) and written through to the CPU
+        and Redis tiers. Every id returned is held by some tier when ``compile`` returns: the call
+        never evicts its own chunks to make room for its other chunks.
 
         Raises:
             InvalidInputError: no documents, an empty document, a bad token id, bytes.
             ContextLengthError: a document that leaves no room for a query in the model's context.
             StoreUnavailableError: Redis failed (``StoreConfig.on_redis_error="raise"``).
-            StoreFullError: the new chunks do not fit in any tier together (checked before any work).
+            KVPoolExhaustedError: the new chunks do not fit in the KV pool beside the chunks in use and,
+                where no lower tier can take them, beside each other (checked before any work).
         """
         options = self.compile_options(policy)
         token_lists = encode_documents(self.tokenizer, docs, vocab_size=self.spec.vocab_size)
@@ -147,14 +149,17 @@ class PIC:
         ids = [chunk_id(self.fingerprint, tokens, options) for tokens in token_lists]
         with self._lock:
             todo = {cid: tokens for cid, tokens in zip(ids, token_lists, strict=True) if not self.store.contains(cid)}
-            keep = frozenset(ids)
             if todo:
-                num_tokens = sum(len(tokens) + options.add_bos for tokens in todo.values())
-                what = f"the {len(todo)} new chunks of this compile call"
-                self.store.check_room(num_tokens * self.spec.kv_bytes_per_token, keep=keep, what=what)
-            show = progress if progress is not None else len(todo) >= _PROGRESS_MIN_CHUNKS
-            for cid, tokens in tqdm(todo.items(), desc="pic compile", unit="chunk", disable=not show):
-                self.store.put(self._prefill(cid, tokens, options), keep=keep)
+                show = progress if progress is not None else len(todo) >= _PROGRESS_MIN_CHUNKS
+                compile_chunks(
+                    self.runner,
+                    self.store,
+                    todo,
+                    options=options,
+                    bos_token_id=self.bos_token_id,
+                    keep=ids,
+                    progress=show,
+                )
         return ids
 
     def link(
@@ -174,6 +179,8 @@ class PIC:
             CompileOptionsMismatchError: a chunk compiled with other options than ``policy`` needs.
             InvalidInputError: an empty query, a bad token id.
             ContextLengthError: the linked prompt is longer than the model's context.
+            KVPoolExhaustedError: the KV pool cannot hold the request beside the live ones (nothing
+                is taken; the message gives the blocks needed and available).
         """
         start = time.perf_counter()
         policy = self._policy(policy)
@@ -190,7 +197,8 @@ class PIC:
                 target.insert(0, self.bos_token_id)
             layout = lay_out(prefix=prefix_ids, chunks=chunks, query=query_ids, block_size=self.config.block_size)
             self._check_length(layout.num_tokens, "linked prompt")
-            result = recompute(self.runner, self.pool, layout, chunks, policy)
+            share = self.config.share_chunk_blocks
+            result = recompute(self.runner, self.store, layout, chunks, policy, share=share)
             if self.spec.device.type == "cuda":
                 torch.cuda.synchronize(self.spec.device)
         return Linked(
@@ -203,6 +211,16 @@ class PIC:
             eos_token_ids=self.eos_token_ids,
             lock=self._lock,
         )
+
+    def kv_stats(self) -> KVStats:
+        """Blocks of the KV pool: free, used, resident chunk blocks, shared references, private, peak."""
+        with self._lock:
+            return self.pool.stats()
+
+    def reset_peak(self) -> None:
+        """Restart ``KVStats.peak_used_blocks`` from the blocks in use now."""
+        with self._lock:
+            self.pool.reset_peak()
 
     def compile_options(self, policy: str | policies.Policy | None = None) -> CompileOptions:
         """The options chunks are compiled with for ``policy`` (they are part of the cache id)."""
@@ -228,16 +246,13 @@ class PIC:
                 f"at least one query token; split it into smaller chunks"
             )
 
-    def _prefill(self, cache_id: str, tokens: list[int], options: CompileOptions) -> ChunkKV:
-        lead = [self.bos_token_id] * (options.add_bos + options.num_extra_bos)  # empty when there is no BOS
-        k, v = prefill_chunk(self.runner, self.pool, lead + tokens, num_dropped=options.num_extra_bos)
-        kept = torch.tensor((lead + tokens)[options.num_extra_bos :], dtype=torch.long)
-        return ChunkKV(cache_id=cache_id, token_ids=kept, k=k, v=v, options=options)
-
-    def _chunks(self, cache_ids: list[str], options: CompileOptions, policy: policies.Policy) -> list[ChunkKV]:
+    def _chunks(
+        self, cache_ids: list[str], options: CompileOptions, policy: policies.Policy
+    ) -> list[ChunkInfo | ChunkKV]:
+        """Each id resolved to its resident chunk, or to its KV in a lower tier (promoted at assembly)."""
         chunks = []
         for cid in cache_ids:
-            chunk = self.store.require(cid)
+            chunk = self.store.resolve(cid)
             if chunk.options != options:
                 raise CompileOptionsMismatchError(
                     f"chunk {cid} was compiled with {chunk.options!r} but policy {policy.spec!r} needs {options!r}; "
@@ -266,33 +281,3 @@ def _cache_id_list(cache_ids: object) -> list[str]:
     if ids is None or not all(isinstance(cid, str) for cid in ids):
         raise InvalidInputError(f"cache_ids is {cache_ids!r:.80}; expected a list of cache ids from compile()")
     return ids
-
-
-def _kv_pool(spec: ModelSpec, config: PICConfig) -> KVPool:
-    """The paged KV pool, refused before allocation when it exceeds the device's free memory."""
-    num_tokens = config.kv_pool_tokens or min(2 * spec.max_context, 65536)
-    num_blocks = -(-num_tokens // config.block_size)
-    sized = f"PICConfig.kv_pool_tokens={config.kv_pool_tokens}" if config.kv_pool_tokens else "the default KV pool"
-    what = f"{sized} ({num_blocks} blocks of {config.block_size} tokens, {spec.kv_bytes_per_token} bytes per token)"
-    check_fits(num_blocks * config.block_size * spec.kv_bytes_per_token, spec.device, what=what)
-    try:
-        return KVPool(
-            num_layers=spec.num_layers,
-            num_blocks=num_blocks,
-            block_size=config.block_size,
-            num_kv_heads=spec.num_kv_heads,
-            head_dim=spec.head_dim,
-            dtype=spec.dtype,
-            device=spec.device,
-        )
-    except RuntimeError as exc:  # torch.OutOfMemoryError on CUDA, an allocator error on the CPU
-        raise InvalidInputError(f"allocating {what} on {spec.device} failed: {exc}") from None
-
-
-def _model_eos_ids(model: torch.nn.Module, tokenizer: object) -> set[int]:
-    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if eos is None:
-        eos = getattr(tokenizer, "eos_token_id", None)
-    if eos is None:
-        return set()
-    return {eos} if isinstance(eos, int) else set(eos)

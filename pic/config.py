@@ -11,7 +11,7 @@ from __future__ import annotations
 import difflib
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pic.errors import InvalidInputError
 
@@ -21,7 +21,7 @@ def describe_validation_error(model: type[BaseModel], exc: ValidationError) -> s
     problems = []
     for err in exc.errors():
         where = ".".join(str(p) for p in err["loc"])
-        problem = f"{where}={err.get('input')!r}: {err['msg']}"
+        problem = f"{where}={err.get('input')!r}: {err['msg']}" if where else err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             near = difflib.get_close_matches(str(err["loc"][-1]), list(model.model_fields), n=1)
             problem = f"unknown field {where!r}" + (f" (did you mean {near[0]!r}?)" if near else "")
@@ -67,8 +67,16 @@ class PICConfig(_Frozen):
         block_size: tokens per KV block. Chunks are front-padded to whole blocks so that a chunk's
             blocks hold the same content in every request.
         add_bos: compile every chunk after its own BOS token (see ``CompileOptions``).
-        kv_pool_tokens: capacity of the paged KV pool in tokens (rounded up to whole blocks).
-            ``None`` sizes it to twice the model's context, at most 65536 tokens.
+        kv_pool_tokens: capacity of the paged KV pool in tokens (rounded up to whole blocks). The pool
+            holds the live requests' blocks and the resident compiled chunks (the store's device
+            tier): one budget. ``None``: on CUDA, ``kv_memory_fraction`` of the device's free memory
+            once the model is loaded; elsewhere 65536 tokens, at most a quarter of the available memory.
+        kv_memory_fraction: the share of the free CUDA memory the default pool takes (the rest is
+            left for activations); ignored when ``kv_pool_tokens`` is given or on the CPU.
+        share_chunk_blocks: map the clean blocks of a linked chunk into the request without copying
+            them (one physical copy serves every live request; only blocks holding recomputed tokens
+            are copied). ``False`` gives each request its own copy of all its chunk blocks, as the
+            EPIC and CacheBlend papers ran their baselines.
         eos_token_ids: token ids that end a generation; ``None`` takes the model's generation
             config (and the tokenizer's EOS).
         default_policy: the recompute policy ``link`` uses when none is given.
@@ -77,6 +85,8 @@ class PICConfig(_Frozen):
     block_size: int = Field(default=16, ge=1, le=4096)
     add_bos: bool = True
     kv_pool_tokens: int | None = Field(default=None, ge=1)
+    kv_memory_fraction: float = Field(default=0.8, gt=0, le=1)
+    share_chunk_blocks: bool = True
     eos_token_ids: tuple[int, ...] | None = None
     default_policy: str = "legolink:16"
 
@@ -98,8 +108,6 @@ class StoreConfig(_Frozen):
     """Where compiled chunks live: tiers from fastest to most shared.
 
     Attributes:
-        device_bytes: capacity of the device tier (chunk KV on the engine's device); ``None``:
-            unbounded; ``0``: chunks are loaded from a lower tier for every link.
         cpu_bytes: capacity of the CPU tier (page-locked when CUDA is available, so copies to the
             GPU are asynchronous); ``0`` (default): no CPU tier; ``None``: unbounded.
         redis_url: a Redis shared by a fleet of workers (``redis://``, ``rediss://`` or ``unix://``,
@@ -113,14 +121,25 @@ class StoreConfig(_Frozen):
             values of hundreds of MiB, see ``benchmarks/store.py``).
         redis_timeout_s: socket timeout of Redis calls.
 
-    The device and CPU tiers evict least-recently-used chunks that are not pinned; a chunk evicted
-    from one tier stays in the tiers below it.
+    The device tier is the KV pool itself (``PICConfig.kv_pool_tokens``): compiled chunks are resident
+    there as canonical blocks, evicted least recently used first when requests need the blocks. The CPU
+    tier evicts least-recently-used chunks that are not pinned; a chunk evicted from one tier stays
+    in the tiers below it. Without a lower tier, an evicted chunk is gone: ``compile`` it again.
     """
 
-    device_bytes: int | None = Field(default=None, ge=0)
     cpu_bytes: int | None = Field(default=0, ge=0)
     redis_url: str | None = Field(default=None, pattern=r"^(redis|rediss|unix)://")
     namespace: str = Field(default="pic", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     on_redis_error: Literal["raise", "miss"] = "raise"
     part_bytes: int = Field(default=8 * 2**20, ge=1, le=512 * 2**20)
     redis_timeout_s: float = Field(default=10.0, gt=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_device_bytes(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "device_bytes" in data:
+            raise ValueError(
+                f"device_bytes={data['device_bytes']!r} is gone: compiled chunks live in the KV pool, whose "
+                f"size is PICConfig.kv_pool_tokens"
+            )
+        return data

@@ -41,10 +41,6 @@ class UnsupportedModelError(PicError):
     """The model is not a supported rotary-embedding decoder."""
 
 
-class KVPoolExhaustedError(PicError):
-    """The KV pool has fewer free blocks than a request needs."""
-
-
 class NoEngineError(PicError):
     """A module-level function was called before ``pic.load``."""
 
@@ -62,4 +58,10 @@ class StoreUnavailableError(PicError):
 
 
 class StoreFullError(PicError):
-    """A chunk fits in no tier of the store (every tier is full of pinned chunks or too small)."""
+    """Compiled chunks have no room: the KV pool (the store's device tier) is full of blocks in use and
+    pinned chunks, and no lower tier can take them."""
+
+
+class KVPoolExhaustedError(StoreFullError):
+    """The KV pool has fewer free and evictable blocks than a request or a compile call needs; the
+    message gives both numbers. Nothing was taken."""

@@ -142,9 +142,12 @@ def test_bad_device_and_dtype():
 def test_pool_exhausted_frees_nothing_it_did_not_take():
     engine = make_engine("stories260K", kv_pool_tokens=64, block_size=16)
     ids = engine.compile(DOCS)
-    with pytest.raises(pic.KVPoolExhaustedError, match=r"need \d+ blocks of 16 tokens, 4 of 4 free"):
+    with pytest.raises(pic.KVPoolExhaustedError, match=r"needs \d+ blocks of 16 tokens but the pool has 4"):
         engine.link(ids * 4, "One day,")
-    assert engine.pool.num_free_blocks == 4
+    with pytest.raises(pic.KVPoolExhaustedError, match=r"needs 3 blocks of 16 tokens but 2 of 4 are free or evict"):
+        engine.link(ids, "One day,", policy="full")  # its own 2 chunk blocks are not available to it
+    assert engine.pool.num_free_blocks == 4 and engine.kv_stats().num_chunk_blocks == 2  # evictable, still there
+    assert [engine.store.lookup(i) for i in ids] == [["device"], ["device"]]
     assert torch.is_tensor(engine.link(ids, "One day,").logits)
 
 

@@ -23,23 +23,29 @@ SMALL_PARTS = 4096  # several parts per chunk, so part handling is exercised
 
 
 def redis_engine(url: str, family: str = "stories260K", **store) -> pic.PIC:
-    """An engine whose chunks live only in Redis (an empty device tier that cannot hold any)."""
-    config = pic.StoreConfig(redis_url=url, device_bytes=0, part_bytes=SMALL_PARTS, **store)
+    """An engine with a Redis tier below its KV pool, parts small enough that every chunk has several."""
+    config = pic.StoreConfig(redis_url=url, part_bytes=SMALL_PARTS, **store)
     return pic.PIC(model(family), tokenizer(), store=config)
 
 
-def generate(engine: pic.PIC, ids: list[str], policy: str = "legolink:16") -> list[int]:
+def generate(engine: pic.PIC, ids: list[str], policy: str = "legolink:16", *, from_redis: bool = False) -> list[int]:
+    """Greedy tokens of the reversed chunks and the query; ``from_redis``: forget the pool's resident
+    chunks first, so that every chunk is read from Redis and promoted into fresh blocks."""
+    if from_redis:
+        for cid in engine.store.device.ids():
+            engine.store.device.delete(cid)
     return engine.link(ids[::-1], QUERY, policy=policy).generate(max_new_tokens=16).token_ids
 
 
 def test_round_trip_through_redis(redis_url):
     engine = redis_engine(redis_url)
     ids = engine.compile(list(DOCS))
-    assert all(engine.store.lookup(i) == ["redis"] for i in ids)
+    assert all(engine.store.lookup(i) == ["device", "redis"] for i in ids)
     local = make_engine("stories260K")
     assert local.compile(list(DOCS)) == ids  # same content, same ids
     for policy in ("full", "legolink:16", "cacheblend:0.3"):
-        assert generate(engine, ids, policy) == generate(local, ids, policy)
+        assert generate(engine, ids, policy, from_redis=True) == generate(local, ids, policy)
+    assert all(engine.store.lookup(i) == ["device", "redis"] for i in ids)  # promoted into the pool
     redis_stats = engine.store.stats()[-1]
     assert redis_stats.name == "redis" and redis_stats.num_entries == 3 and redis_stats.hits >= 9
     assert redis_stats.num_bytes == sum(local.store.get(i).num_bytes for i in ids)
@@ -69,7 +75,7 @@ def test_second_process_links_what_the_first_compiled(redis_url):
     first = worker("compile")
     assert all(t == ["device", "redis"] for t in first["tiers"])
     second = worker(json.dumps(first["ids"]))
-    assert all(t == ["redis"] for t in second["tiers"])  # empty device tier: every chunk came from Redis
+    assert all(t == ["redis"] for t in second["tiers"])  # nothing resident in the new pool: read from Redis
     assert second["tokens"] == first["tokens"] and len(first["tokens"]) == 24
 
 
@@ -145,7 +151,7 @@ def test_hostile_entry_with_a_matching_cache_id_is_refused(redis_server, redis_u
         with pytest.raises(pic.UnknownCacheIdError, match=forged):
             engine.link([forged], QUERY)
     assert "outside the 512-token vocabulary" in caplog.text
-    assert client.keys(f"*{forged}*") == [] and engine.store.lookup(real) == ["redis"]
+    assert client.keys(f"*{forged}*") == [] and engine.store.lookup(real) == ["device", "redis"]
 
 
 def test_unreachable_redis_raises_naming_the_url(tmp_path, caplog):
@@ -184,7 +190,7 @@ def test_unix_socket_url_and_wrong_password(redis_server, redis_url):
     ids = engine.compile(list(DOCS))
     local = make_engine("stories260K")
     assert local.compile(list(DOCS)) == ids
-    assert generate(engine, ids) == generate(local, ids)
+    assert generate(engine, ids, from_redis=True) == generate(local, ids)
     wrong = redis_server.url.replace("s3cret", "wrong")
     with pytest.raises(pic.StoreUnavailableError, match="AuthenticationError"):
         redis_engine(wrong).compile(list(DOCS))

@@ -1,4 +1,5 @@
-"""The in-process tiers: LRU eviction by bytes, promotion, pinning, expiry, lookup and stats."""
+"""The device tier (chunks resident in the KV pool) and the CPU tier: eviction, promotion, pinning,
+expiry, lookup, stats; and sizing the pool."""
 
 from __future__ import annotations
 
@@ -6,22 +7,23 @@ import pytest
 import torch
 
 import pic
+import pic.kv.memory
 from tests.models import QUERY, model, tokenizer
 
-NUM_TOKENS = 20  # every test chunk: BOS + 20 tokens, so all have the same size
+NUM_TOKENS = 20  # every test chunk: BOS + 20 tokens = 21 tokens, 2 blocks of 16
+BLOCKS_PER_CHUNK = 2
 
 
 def docs(first: int, count: int) -> list[list[int]]:
     return [[100 + first + i] + list(range(200, 200 + NUM_TOKENS - 1)) for i in range(first, first + count)]
 
 
-def engine_with(device_chunks: float | None, cpu_chunks: float | None = 0) -> tuple[pic.PIC, int]:
-    """An engine whose tiers hold ``device_chunks`` and ``cpu_chunks`` test chunks; and a chunk's bytes."""
-    probe = pic.PIC(model("stories260K"), tokenizer())
-    size = probe.store.get(probe.compile(docs(0, 1))[0]).num_bytes
-    to_bytes = lambda n: None if n is None else int(n * size)  # noqa: E731
-    store = pic.StoreConfig(device_bytes=to_bytes(device_chunks), cpu_bytes=to_bytes(cpu_chunks))
-    return pic.PIC(model("stories260K"), tokenizer(), store=store), size
+def engine_with(pool_blocks: int, cpu_chunks: float | None = 0) -> pic.PIC:
+    """An engine whose pool has ``pool_blocks`` blocks of 16 and whose CPU tier holds ``cpu_chunks`` chunks."""
+    chunk_bytes = (NUM_TOKENS + 1) * pic.PIC(model("stories260K"), tokenizer()).spec.kv_bytes_per_token
+    store = pic.StoreConfig(cpu_bytes=None if cpu_chunks is None else int(cpu_chunks * chunk_bytes))
+    config = pic.PICConfig(kv_pool_tokens=16 * pool_blocks, block_size=16)
+    return pic.PIC(model("stories260K"), tokenizer(), config=config, store=store)
 
 
 def compile_each(engine: pic.PIC, documents: list[list[int]]) -> list[str]:
@@ -37,84 +39,105 @@ def stats(engine: pic.PIC) -> dict[str, pic.store.TierStats]:
     return {s.name: s for s in engine.store.stats()}
 
 
-def test_lru_eviction_by_bytes_and_promotion():
-    engine, size = engine_with(device_chunks=2.5, cpu_chunks=4)
-    ids = compile_each(engine, docs(0, 6))
-    assert where(engine, ids) == [[], [], ["cpu"], ["cpu"], ["device", "cpu"], ["device", "cpu"]]
-    device, cpu = stats(engine)["device"], stats(engine)["cpu"]
-    assert (device.num_entries, device.num_bytes, device.evictions, device.capacity_bytes) == (
-        2,
-        2 * size,
-        4,
-        int(2.5 * size),
-    )
-    assert (cpu.num_entries, cpu.num_bytes, cpu.evictions) == (4, 4 * size, 2)
-    with pytest.raises(pic.UnknownCacheIdError, match=f"{ids[0]}.*in no tier \\(device, cpu\\)"):
-        engine.link(ids[:1], QUERY)
-
+def reference_logits(ids_docs: list[list[int]], policy: str = "naive") -> torch.Tensor:
     reference = pic.PIC(model("stories260K"), tokenizer())
-    reference.compile(docs(0, 6))
-    linked = engine.link([ids[2], ids[5]], QUERY, policy="full")  # ids[2] comes up from the CPU tier
-    assert (linked.logits - reference.link([ids[2], ids[5]], QUERY, policy="full").logits).abs().max() == 0
-    assert where(engine, ids[2:]) == [["device", "cpu"], ["cpu"], ["cpu"], ["device", "cpu"]]  # ids[4] made room
-    after = stats(engine)
-    assert (after["device"].hits, after["device"].misses, after["cpu"].hits) == (1, 2, 1)  # + the failed link's miss
-    assert after["device"].evictions == 5 and after["cpu"].evictions == 2
+    return reference.link(reference.compile(ids_docs), QUERY, policy=policy).logits
 
-    engine.link([ids[5]], QUERY)  # a device hit makes ids[5] the most recently used
-    (new,) = engine.compile(docs(6, 1))
-    assert where(engine, [ids[2], ids[5], new]) == [["cpu"], ["device", "cpu"], ["device", "cpu"]]
+
+def test_pool_evicts_least_recently_used_chunks_whole_and_the_cpu_tier_keeps_them():
+    engine = engine_with(pool_blocks=6, cpu_chunks=None)
+    ids = compile_each(engine, docs(0, 5))
+    assert where(engine, ids) == [["cpu"], ["cpu"], ["device", "cpu"], ["device", "cpu"], ["device", "cpu"]]
+    device = stats(engine)["device"]
+    block_bytes = engine.kv_cache.bytes_per_block
+    assert (device.num_entries, device.num_bytes, device.evictions) == (3, 6 * block_bytes, 2)
+    assert device.capacity_bytes == 6 * block_bytes
+    kv = engine.kv_stats()
+    assert (kv.num_chunk_blocks, kv.num_free_blocks, kv.num_used_blocks, kv.num_evictable_blocks) == (6, 6, 0, 6)
+
+    # ids[0] comes up from the CPU tier into fresh blocks: the two least recently used chunks make room
+    with engine.link(ids[:1], QUERY, policy="naive") as linked:
+        assert torch.equal(linked.logits, reference_logits(docs(0, 1)))
+        assert where(engine, ids[:1]) == [["device", "cpu"]]
+        assert where(engine, ids[2:4]) == [["cpu"], ["cpu"]] and engine.store.lookup(ids[4]) == ["device", "cpu"]
+        assert engine.kv_stats().num_used_blocks == BLOCKS_PER_CHUNK + 1  # the chunk (shared) and the query block
+    after = stats(engine)
+    assert (after["device"].hits, after["device"].misses, after["cpu"].hits) == (0, 1, 1)
+    assert after["device"].evictions == 4 and engine.kv_stats().num_evicted_chunks == 4
+
+    engine.link(ids[4:], QUERY).release()  # a link makes ids[4] the most recently used; ids[0] is now the oldest
+    new = compile_each(engine, docs(5, 2))  # the first takes the 2 plain free blocks, the second evicts ids[0]
+    assert where(engine, [ids[0], ids[4], *new]) == [["cpu"], *[["device", "cpu"]] * 3]
+
+
+def test_a_chunk_in_use_is_never_evicted():
+    engine = engine_with(pool_blocks=6)
+    ids = compile_each(engine, docs(0, 2))
+    with engine.link(ids[:1], QUERY, policy="naive"):  # holds 2 chunk blocks + 1 query block
+        with pytest.raises(pic.KVPoolExhaustedError, match="needs 4 blocks of 16 tokens but 3 of 6"):
+            engine.compile(docs(2, 2))  # would need ids[0]'s blocks
+        before = engine.kv_stats()
+        (third,) = engine.compile(docs(2, 1))  # fits by evicting ids[1], not ids[0]
+        assert where(engine, [ids[0], ids[1], third]) == [["device"], [], ["device"]]
+        assert engine.kv_stats().num_evicted_chunks == before.num_evicted_chunks + 1
 
 
 def test_pinned_chunks_are_never_evicted():
-    engine, _ = engine_with(device_chunks=2.5, cpu_chunks=3)
+    engine = engine_with(pool_blocks=6, cpu_chunks=3)
     (pinned,) = engine.compile(docs(0, 1))
     engine.store.pin(pinned)
-    others = compile_each(engine, docs(1, 5))
+    others = compile_each(engine, docs(1, 4))
     assert engine.store.lookup(pinned) == ["device", "cpu"]
-    assert where(engine, others) == [[], [], [], ["cpu"], ["device", "cpu"]]
-    assert stats(engine)["device"].evictions == 4 and stats(engine)["cpu"].evictions == 3
+    assert where(engine, others) == [[], [], ["device", "cpu"], ["device", "cpu"]]
+    assert engine.kv_stats().num_used_blocks == BLOCKS_PER_CHUNK  # pinned blocks are not free
 
-    (second,) = engine.compile(docs(6, 1))
-    engine.store.pin(second)  # the device tier is now full of pinned chunks
-    (third,) = engine.compile(docs(7, 1))
-    assert engine.store.lookup(third) == ["cpu"]  # refused by the device tier, nothing pinned evicted
-    assert engine.link([third, pinned], QUERY).num_recomputed > 0  # linked straight from the CPU tier
-    assert engine.store.lookup(third) == ["cpu"] and engine.store.lookup(pinned) == ["device", "cpu"]
+    (second,) = engine.compile(docs(5, 1))
+    engine.store.pin(second)
+    engine.store.pin(others[-1])  # the pool is now full of pinned chunks
+    with pytest.raises(pic.KVPoolExhaustedError, match="0 of 6 are free or evictable"):
+        engine.compile(docs(6, 1))
+    with pytest.raises(pic.KVPoolExhaustedError):
+        engine.link([pinned], QUERY)  # even its query block has no room
+    assert engine.store.lookup(pinned) == ["device", "cpu"] and engine.kv_stats().num_used_blocks == 6
 
-    engine.store.unpin(pinned)
-    engine.store.unpin(second)
-    compile_each(engine, docs(8, 2))
-    assert engine.store.lookup(pinned) == []
-    with pytest.raises(pic.UnknownCacheIdError, match="cannot pin unknown cache id 'nope'"):
-        engine.store.pin("nope")
+    for cid in (pinned, second, others[-1]):
+        engine.store.unpin(cid)
+    compile_each(engine, docs(7, 3))
+    assert engine.store.lookup(pinned) == []  # evicted from the pool and the CPU tier once unpinned
 
 
 def test_pin_survives_promotion():
-    engine, _ = engine_with(device_chunks=1.5, cpu_chunks=None)
+    engine = engine_with(pool_blocks=4, cpu_chunks=None)
     ids = compile_each(engine, docs(0, 3))
-    assert where(engine, ids) == [["cpu"], ["cpu"], ["device", "cpu"]]
+    assert where(engine, ids) == [["cpu"], ["device", "cpu"], ["device", "cpu"]]
     engine.store.pin(ids[0])  # only in the CPU tier now
-    engine.link(ids[:1], QUERY)  # promoted into the device tier, pinned there too
+    engine.link(ids[:1], QUERY, policy="naive").release()  # promoted into the pool, pinned there too
     compile_each(engine, docs(3, 2))
     assert engine.store.lookup(ids[0]) == ["device", "cpu"]
 
 
-def test_expire_removes_everywhere():
-    engine, _ = engine_with(device_chunks=None, cpu_chunks=None)
+def test_expire_removes_everywhere_but_live_requests_keep_their_blocks():
+    engine = engine_with(pool_blocks=64, cpu_chunks=None)
     ids = engine.compile(docs(0, 2))
     engine.store.pin(ids[0])
+    linked = engine.link(ids, QUERY, policy="mepic")
     assert engine.store.expire(ids[0]) is True
     assert engine.store.lookup(ids[0]) == [] and engine.store.expire(ids[0]) is False
     assert engine.store.ids() == sorted(ids[1:])
     with pytest.raises(pic.UnknownCacheIdError):
         engine.link(ids, QUERY)
+    expected = reference_logits(docs(0, 2), "mepic")
+    assert torch.equal(linked.logits, expected) and linked.generate(max_new_tokens=4).token_ids  # still its blocks
+    kv = engine.kv_stats()
+    assert (kv.num_used_blocks, kv.num_private_blocks, kv.num_chunk_blocks) == (0, 0, BLOCKS_PER_CHUNK)
     assert engine.compile(docs(0, 1)) == ids[:1]  # compiles again
 
 
 def test_chunk_that_fits_nowhere():
-    engine, size = engine_with(device_chunks=0.5)
-    with pytest.raises(pic.StoreFullError, match=f"1 new chunks .*\\({size} bytes\\).*device 0 used of {size // 2}"):
+    engine = engine_with(pool_blocks=1)
+    with pytest.raises(
+        pic.StoreFullError, match="the 1 new chunks of this compile call needs 2 blocks .* the pool has 1 in all"
+    ):
         engine.compile(docs(0, 1))
     assert engine.store.ids() == []
 
@@ -122,31 +145,41 @@ def test_chunk_that_fits_nowhere():
 def test_compile_keeps_every_id_it_returns():
     """A compile call never evicts its own chunks: one that cannot hold them all fails before any
     work, and the chunks of earlier calls are evicted (least recently used first) to make room."""
-    engine, size = engine_with(device_chunks=3.5)
+    engine = engine_with(pool_blocks=7)
     old = compile_each(engine, docs(0, 2))
-    with pytest.raises(pic.StoreFullError, match=f"the 4 new chunks of this compile call \\({4 * size} bytes\\)"):
+    with pytest.raises(pic.KVPoolExhaustedError, match="the 4 new chunks of this compile call needs 8 blocks"):
         engine.compile(docs(2, 4))
     assert engine.store.ids() == sorted(old)  # nothing compiled, nothing evicted
-    ids = engine.compile(docs(0, 1) + docs(2, 2))  # one cached, two new: 3 fit
+    ids = engine.compile(docs(0, 1) + docs(2, 2))  # one cached, two new: 3 chunks fit
     assert all(engine.store.contains(i) for i in ids) and not engine.store.contains(old[1])
-    with pytest.raises(pic.StoreFullError, match="the 2 new chunks"):  # 3 held by this call + 2 new > 3.5
+    with pytest.raises(pic.KVPoolExhaustedError, match="the 2 new chunks"):  # 3 held by this call + 2 new > 7 blocks
         engine.compile(docs(0, 1) + docs(2, 2) + docs(4, 2))
-    assert engine.link(ids, QUERY).generate(max_new_tokens=2).token_ids
+    assert engine.link(ids, QUERY, policy="naive").generate(max_new_tokens=2).token_ids
 
 
 def test_compile_with_a_lower_tier_that_holds_everything():
-    engine, _ = engine_with(device_chunks=1.5, cpu_chunks=None)
+    """The pool only needs room for one chunk at a time when the CPU tier takes them all."""
+    engine = engine_with(pool_blocks=3, cpu_chunks=None)
     ids = engine.compile(docs(0, 4))
-    assert where(engine, ids) == [["device", "cpu"], ["cpu"], ["cpu"], ["cpu"]]  # the first call's chunk stays
-    reference = pic.PIC(model("stories260K"), tokenizer())
-    expected = reference.link(reference.compile(docs(0, 4)), QUERY).logits
-    assert torch.equal(engine.link(ids, QUERY).logits, expected)
+    assert where(engine, ids) == [["cpu"], ["cpu"], ["cpu"], ["device", "cpu"]]
+    logits = engine.link(ids[:1], QUERY, policy="naive").logits
+    assert torch.equal(logits, reference_logits(docs(0, 1)))
+
+
+def test_pool_sizing(monkeypatch):
+    sized = pic.kv.memory.pool_num_tokens
+    assert sized(kv_pool_tokens=100, bytes_per_token=10, device=torch.device("cpu"), memory_fraction=0.5)[0] == 100
+    monkeypatch.setattr(pic.kv.memory, "available_bytes", lambda device: 10 << 30)
+    tokens, how = sized(kv_pool_tokens=None, bytes_per_token=1 << 10, device=torch.device("cuda"), memory_fraction=0.5)
+    assert tokens == 5 << 20 and "0.5 of 10.0 GiB free on cuda" in how
+    cpu_tokens, _ = sized(kv_pool_tokens=None, bytes_per_token=1 << 20, device=torch.device("cpu"), memory_fraction=1)
+    assert cpu_tokens == min(pic.kv.memory.DEFAULT_CPU_POOL_TOKENS, (10 << 30) // 4 // (1 << 20))
 
 
 @pytest.mark.parametrize(
     "values, named",
     [
-        ({"device_bytes": -1}, "device_bytes=-1"),
+        ({"device_bytes": 1 << 30}, "device_bytes=1073741824 is gone: .* PICConfig.kv_pool_tokens"),
         ({"redis_url": "http://localhost"}, "redis_url='http://localhost'"),
         ({"on_redis_error": "ignore"}, "on_redis_error='ignore'"),
         ({"namespace": "a b"}, "namespace='a b'"),

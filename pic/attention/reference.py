@@ -27,7 +27,8 @@ def paged_attention(
         q: ``[N, num_q_heads, head_dim]``, NoPE queries (not yet rotated), model dtype.
         k_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, NoPE K of one layer.
         v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, V of one layer.
-        plan: the request's ``AttentionPlan``; masks by logical position (padding excluded).
+        plan: the request's ``AttentionPlan``; masks by logical position. Slots it marks unwritten
+            (``kv_positions == -1``) never reach the output, whatever they hold.
         scaling: softmax scale (the model's ``self_attn.scaling``, usually ``head_dim ** -0.5``).
         sliding_window: attend only to keys with position > query position - window.
 
@@ -35,8 +36,11 @@ def paged_attention(
         ``[N, num_q_heads, head_dim]`` in the dtype of ``q``. GQA: query head ``h`` reads KV head
         ``h // (num_q_heads // num_kv_heads)``.
     """
-    k = k_cache[plan.block_table].flatten(0, 1)  # [S, Hkv, D]
-    v = v_cache[plan.block_table].flatten(0, 1)  # [S, Hkv, D]
+    # Slots never written for this request (padding, stale KV of a freed block, NaN included) are
+    # zeroed, not just masked: a masked score still multiplies its V row (0 * NaN = NaN).
+    written = (plan.kv_positions >= 0)[:, None, None]  # [S, 1, 1]
+    k = k_cache[plan.block_table].flatten(0, 1).where(written, 0)  # [S, Hkv, D]
+    v = v_cache[plan.block_table].flatten(0, 1).where(written, 0)  # [S, Hkv, D]
     q = apply_rope(q, plan.q_cos, plan.q_sin).transpose(0, 1)  # [Hq, N, D]
     k = apply_rope(k, plan.k_cos, plan.k_sin).transpose(0, 1)  # [Hkv, S, D]
     v = v.transpose(0, 1)  # [Hkv, S, D]

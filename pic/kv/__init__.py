@@ -1,7 +1,9 @@
-"""Paged KV memory: the block pool, one request's block table, and compiled chunk KV."""
+"""Paged KV memory: the block pool (allocator, no tensors), the KV tensors, one request's block table,
+and compiled chunks."""
 
-from pic.kv.chunk import ChunkKV
-from pic.kv.pool import KVPool
+from pic.kv.block_pool import BlockPool, KVStats
+from pic.kv.cache import KVCache
+from pic.kv.chunk import ChunkInfo, ChunkKV
 from pic.kv.request import RequestKV
 
-__all__ = ["ChunkKV", "KVPool", "RequestKV"]
+__all__ = ["BlockPool", "ChunkInfo", "ChunkKV", "KVCache", "KVStats", "RequestKV"]

@@ -1,4 +1,4 @@
-"""A compiled chunk: its tokens and its per-layer NoPE K and V."""
+"""A compiled chunk: what it is (``ChunkInfo``), and its tokens with their per-layer NoPE K and V (``ChunkKV``)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,25 @@ from dataclasses import dataclass
 import torch
 
 from pic.config import CompileOptions
+
+
+@dataclass(frozen=True)
+class ChunkInfo:
+    """A compiled chunk without its KV: what the KV pool keeps beside a resident chunk's blocks.
+
+    Attributes:
+        cache_id: content address (model fingerprint, token ids, compile options).
+        token_ids: ``[L]`` int64 on CPU, the tokens the chunk contributes to a linked prompt.
+        options: the compile options it was prefilled with.
+    """
+
+    cache_id: str
+    token_ids: torch.Tensor
+    options: CompileOptions
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_ids.shape[0]
 
 
 @dataclass(frozen=True)
@@ -32,6 +51,10 @@ class ChunkKV:
     @property
     def num_tokens(self) -> int:
         return self.token_ids.shape[0]
+
+    @property
+    def info(self) -> ChunkInfo:
+        return ChunkInfo(cache_id=self.cache_id, token_ids=self.token_ids, options=self.options)
 
     @property
     def num_bytes(self) -> int:

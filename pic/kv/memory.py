@@ -1,12 +1,41 @@
-"""How much memory a device has free, so that an oversized KV pool is refused before it is allocated."""
+"""Sizing the KV pool from the device's free memory, and refusing one that does not fit before it is allocated."""
 
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
+from pic.config import PICConfig
 from pic.errors import InvalidInputError
+from pic.kv.block_pool import BlockPool
+from pic.kv.cache import KVCache
+
+if TYPE_CHECKING:
+    from pic.model.spec import ModelSpec
+
+# The CPU pool's default capacity in tokens, lowered to a quarter of the memory available.
+DEFAULT_CPU_POOL_TOKENS = 65536
+
+
+def pool_num_tokens(
+    *, kv_pool_tokens: int | None, bytes_per_token: int, device: torch.device, memory_fraction: float
+) -> tuple[int, str]:
+    """The KV pool's capacity in tokens, and how it was sized (for messages).
+
+    ``kv_pool_tokens`` when given; else, on CUDA, ``memory_fraction`` of the device's free memory (the
+    model's weights are loaded by then, as vLLM's ``gpu_memory_utilization`` budgets them); elsewhere
+    ``DEFAULT_CPU_POOL_TOKENS``, at most a quarter of the available memory.
+    """
+    if kv_pool_tokens is not None:
+        return kv_pool_tokens, f"PICConfig.kv_pool_tokens={kv_pool_tokens}"
+    free = available_bytes(device)
+    if device.type == "cuda" and free is not None:
+        tokens = int(free * memory_fraction) // bytes_per_token
+        return max(1, tokens), f"the default KV pool ({memory_fraction:g} of {format_bytes(free)} free on {device})"
+    tokens = DEFAULT_CPU_POOL_TOKENS if free is None else min(DEFAULT_CPU_POOL_TOKENS, free // 4 // bytes_per_token)
+    return max(1, tokens), "the default KV pool"
 
 
 def check_fits(num_bytes: int, device: torch.device, *, what: str) -> None:
@@ -54,3 +83,33 @@ def format_bytes(num_bytes: int) -> str:
             break
         value /= 1024
     return f"{value:.1f} {unit}"
+
+
+def build_kv_pool(spec: ModelSpec, config: PICConfig) -> tuple[BlockPool, KVCache]:
+    """The block pool and its KV tensors, refused before allocation when they exceed the device's free memory.
+
+    Raises:
+        InvalidInputError: the pool does not fit, naming its size and the memory free.
+    """
+    num_tokens, sized = pool_num_tokens(
+        kv_pool_tokens=config.kv_pool_tokens,
+        bytes_per_token=spec.kv_bytes_per_token,
+        device=spec.device,
+        memory_fraction=config.kv_memory_fraction,
+    )
+    num_blocks = -(-num_tokens // config.block_size)
+    what = f"{sized} ({num_blocks} blocks of {config.block_size} tokens, {spec.kv_bytes_per_token} bytes per token)"
+    check_fits(num_blocks * config.block_size * spec.kv_bytes_per_token, spec.device, what=what)
+    try:
+        cache = KVCache(
+            num_layers=spec.num_layers,
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+            num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            dtype=spec.dtype,
+            device=spec.device,
+        )
+    except RuntimeError as exc:  # torch.OutOfMemoryError on CUDA, an allocator error on the CPU
+        raise InvalidInputError(f"allocating {what} on {spec.device} failed: {exc}") from None
+    return BlockPool(num_blocks, block_size=config.block_size), cache

@@ -2,50 +2,83 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from pic.kv.pool import KVPool
+from pic.kv.block_pool import BlockPool
+from pic.kv.cache import KVCache
 
 
 class RequestKV:
-    """The blocks a request owns, in slot order, and what each slot holds.
+    """The blocks a request maps, in slot order, and what each slot holds.
 
     Slots are numbered ``0 .. num_blocks * block_size - 1`` within the request; ``physical(slots)``
-    maps them to rows of the pool's flattened K/V. ``kv_positions[s]`` is the logical position of
+    maps them to rows of the cache's flattened K/V. ``kv_positions[s]`` is the logical position of
     the token in slot ``s``, or ``-1`` for padding and slots not yet written (masked in attention).
+
+    The request owns one reference to every block of its table (a shared chunk block or a private
+    one) and, while it is being linked, ``held`` references to the canonical blocks of its chunks,
+    which a dynamic policy reads during the recompute pass; ``release_held`` drops those after it.
+
+    Args:
+        block_ids: the block table, one reference each already taken for this request.
+        num_slots: slots in use (written or padding); decoding appends after them.
+        held: references the request also owns, to chunk blocks it does not map.
     """
 
-    def __init__(self, pool: KVPool, num_slots: int) -> None:
-        self.pool = pool
-        self.blocks: list[int] = pool.allocate(self._blocks_for(num_slots))
-        device = pool.k.device
+    def __init__(
+        self, pool: BlockPool, cache: KVCache, block_ids: list[int], *, num_slots: int, held: Sequence[int] = ()
+    ) -> None:
+        assert len(block_ids) * cache.block_size >= num_slots, (len(block_ids), num_slots)
+        self.pool, self.cache = pool, cache
+        self.blocks: list[int] = list(block_ids)
+        device = cache.device
         self.block_table = torch.tensor(self.blocks, dtype=torch.long, device=device)  # [num_blocks]
-        self.kv_positions = torch.full((len(self.blocks) * pool.block_size,), -1, dtype=torch.long, device=device)
-        self.num_slots = num_slots  # slots in use (written or padding); decoding appends after them
+        self.kv_positions = torch.full((len(self.blocks) * cache.block_size,), -1, dtype=torch.long, device=device)
+        self.num_slots = num_slots
+        self._held = list(held)
         self._released = False
 
-    def _blocks_for(self, num_slots: int) -> int:
-        return -(-num_slots // self.pool.block_size)
+    @classmethod
+    def allocate(cls, pool: BlockPool, cache: KVCache, num_slots: int) -> RequestKV:
+        """A request of ``num_slots`` slots in fresh private blocks.
+
+        Raises:
+            KVPoolExhaustedError: the pool cannot hold it (nothing is taken).
+        """
+        return cls(pool, cache, pool.allocate(-(-num_slots // cache.block_size)), num_slots=num_slots)
 
     def physical(self, slots: torch.Tensor) -> torch.Tensor:
-        """Request slots ``[n]`` int64 -> rows of the pool's ``[num_blocks * block_size, ...]`` views."""
-        bs = self.pool.block_size
+        """Request slots ``[n]`` int64 -> rows of the cache's ``[num_blocks * block_size, ...]`` views."""
+        bs = self.cache.block_size
         return self.block_table[slots // bs] * bs + slots % bs
 
     def append_slot(self) -> int:
-        """Reserve the next slot (one more block when the last is full); returns its index."""
-        if self.num_slots == len(self.blocks) * self.pool.block_size:
+        """Reserve the next slot (one more private block when the last is full); returns its index.
+
+        Raises:
+            KVPoolExhaustedError: no block is free or evictable.
+        """
+        bs = self.cache.block_size
+        if self.num_slots == len(self.blocks) * bs:
             (block,) = self.pool.allocate(1)
             self.blocks.append(block)
             device = self.block_table.device
             self.block_table = torch.cat((self.block_table, torch.tensor([block], device=device)))
-            pad = torch.full((self.pool.block_size,), -1, dtype=torch.long, device=device)
-            self.kv_positions = torch.cat((self.kv_positions, pad))
+            self.kv_positions = torch.cat((self.kv_positions, torch.full((bs,), -1, dtype=torch.long, device=device)))
         self.num_slots += 1
         return self.num_slots - 1
 
+    def release_held(self) -> None:
+        """Drop the references to chunk blocks the request does not map (after the recompute pass)."""
+        held, self._held = self._held, []
+        self.pool.free(held)
+
     def release(self) -> None:
-        """Give the blocks back to the pool (idempotent)."""
+        """Drop every reference the request owns (idempotent): private blocks become free, shared
+        chunk blocks lose one reference and stay resident."""
         if not self._released:
             self._released = True
+            self.release_held()
             self.pool.free(self.blocks)

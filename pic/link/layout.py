@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pic.kv import ChunkKV
+from pic.kv import ChunkInfo, ChunkKV
 
 
 class SegmentKind(enum.Enum):
@@ -83,7 +83,9 @@ class Layout:
         return self.segments[-1]
 
 
-def lay_out(*, prefix: Sequence[int], chunks: Sequence[ChunkKV], query: Sequence[int], block_size: int) -> Layout:
+def lay_out(
+    *, prefix: Sequence[int], chunks: Sequence[ChunkInfo | ChunkKV], query: Sequence[int], block_size: int
+) -> Layout:
     """Place prefix, chunks and query in slots; see the module docstring for the rules."""
     parts: list[tuple[SegmentKind, Sequence[int], str | None]] = []
     if prefix:

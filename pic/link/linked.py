@@ -31,6 +31,10 @@ class Linked:
         layout: where every segment sits in the request's blocks.
         policy: the policy that chose the recomputed tokens.
         link_s: seconds ``link`` took.
+        num_shared_blocks: blocks of the request's table that alias a chunk's canonical block (no
+            copy: one physical copy serves every live request linking the chunk).
+        num_private_blocks: blocks the request owns: prefix, query, and copies of chunk blocks it
+            writes into (copy-on-write); decode blocks are added as it generates.
 
     The request's KV blocks are held until ``generate`` / ``stream`` finishes, ``release`` is
     called, the ``with`` block exits, or the object is garbage-collected.
@@ -56,6 +60,8 @@ class Linked:
         self.layout = layout
         self.policy = policy
         self.link_s = link_s
+        self.num_shared_blocks = result.num_shared_blocks
+        self.num_private_blocks = result.num_private_blocks
         self._runner, self._tokenizer, self._eos, self._lock = runner, tokenizer, eos_token_ids, lock
         self._req = result.req
         self._started = False
@@ -132,6 +138,11 @@ class Linked:
             return (yield from decode(ctx, params))
         finally:
             self.release()
+
+    @property
+    def block_ids(self) -> list[int]:
+        """The physical KV blocks of the request, in slot order (a copy of its block table)."""
+        return list(self._req.blocks)
 
     def release(self) -> None:
         """Free the request's blocks now (idempotent)."""

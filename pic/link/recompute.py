@@ -1,4 +1,5 @@
-"""The recompute pass: cached chunk KV in, selected tokens run fresh, first-token logits out."""
+"""The recompute pass: chunk blocks mapped (or copied where written), selected tokens run fresh,
+first-token logits out."""
 
 from __future__ import annotations
 
@@ -7,11 +8,13 @@ from dataclasses import dataclass
 
 import torch
 
-from pic.kv import ChunkKV, KVPool, RequestKV
+from pic.kv import ChunkInfo, ChunkKV, KVCache, RequestKV
+from pic.link.assemble import assemble
 from pic.link.layout import Layout
 from pic.link.policies import Policy
 from pic.link.step import LayerStep
 from pic.model import ModelRunner
+from pic.store import TieredStore
 
 
 @dataclass
@@ -24,41 +27,52 @@ class Recomputed:
         recomputed: ``[T]`` bool (CPU), the tokens that ran the last layer fresh (for a static
             policy: every layer).
         recomputed_by_layer: tokens run fresh in each layer, first layer first.
+        num_shared_blocks: block-table entries aliasing a chunk's canonical block (no copy).
+        num_private_blocks: blocks the request owns (prefix, query, copy-on-write chunk blocks).
     """
 
     req: RequestKV
     logits: torch.Tensor
     recomputed: torch.Tensor
     recomputed_by_layer: tuple[int, ...]
+    num_shared_blocks: int
+    num_private_blocks: int
 
 
 def recompute(
-    runner: ModelRunner, pool: KVPool, layout: Layout, chunks: Sequence[ChunkKV], policy: Policy
+    runner: ModelRunner,
+    store: TieredStore,
+    layout: Layout,
+    chunks: Sequence[ChunkInfo | ChunkKV],
+    policy: Policy,
+    *,
+    share: bool = True,
 ) -> Recomputed:
-    """Lay cached KV into a new request and run the tokens ``policy`` selects through the layers.
+    """Map the chunks' cached KV into a new request and run the tokens ``policy`` selects through the layers.
 
     Args:
         layout: the linked prompt's layout.
-        chunks: the chunks of ``layout.chunks``, in order.
+        chunks: what ``TieredStore.resolve`` returned for each chunk of ``layout.chunks``, in order.
         policy: chooses the tokens (``recompute_mask``), and for a dynamic policy drops some of
             them after a layer (``keep_mask``).
+        share: map clean chunk blocks without copying them (``PICConfig.share_chunk_blocks``).
+            A dynamic policy writes every chunk token in its early layers, so it always gets copies.
 
     Raises:
         PolicyError: the policy returned a malformed selection or cannot run on this model.
-        KVPoolExhaustedError: the pool cannot hold the request (nothing is allocated then).
+        KVPoolExhaustedError: the pool cannot hold the request (nothing is taken then).
     """
     policy.check_model(num_layers=runner.spec.num_layers)
     selected = policy.recompute_mask(layout)  # [T] bool, CPU
-    device = runner.spec.device
-    req = RequestKV(pool, layout.num_slots)
+    dirty = selected if share and not policy.is_dynamic else torch.ones_like(selected)
+    assembly = assemble(store, layout, chunks, dirty)
+    req, device = assembly.req, runner.spec.device
     try:
         slots, positions = layout.slots.to(device), layout.positions.to(device)
         req.kv_positions[slots] = positions
-        # a dynamic policy may drop any chunk token mid-pass, which then needs its cached KV there
-        _copy_cached(req, layout, chunks, skip=None if policy.is_dynamic else selected)
         index = selected.nonzero().squeeze(1).to(device)  # [N] prompt indices of the tokens run
         num_layers = runner.spec.num_layers
-        tracker = _PassTracker(req.pool, num_layers, layout, chunks, policy, index) if policy.is_dynamic else None
+        tracker = _PassTracker(req.cache, num_layers, layout, assembly.source_rows, policy, index)
         num_query = layout.query.num_tokens
         logits = runner.forward(
             req,
@@ -66,26 +80,23 @@ def recompute(
             positions=positions[index],
             slots=slots[index],
             logits_rows=torch.arange(index.shape[0] - num_query, index.shape[0], device=device),
-            after_layer=tracker,
+            after_layer=tracker if policy.is_dynamic else None,
         )
     except BaseException:
         req.release()
         raise
-    tokens, counts = (tracker.tokens, tracker.counts) if tracker else (index, [index.shape[0]] * num_layers)
+    req.release_held()  # the pass is over: canonical blocks the request copied are no longer read
+    tokens, counts = (tracker.tokens, tracker.counts) if policy.is_dynamic else (index, [index.shape[0]] * num_layers)
     recomputed = torch.zeros(layout.num_tokens, dtype=torch.bool)
     recomputed[tokens.cpu()] = True
-    return Recomputed(req=req, logits=logits, recomputed=recomputed, recomputed_by_layer=tuple(counts))
-
-
-def _copy_cached(req: RequestKV, layout: Layout, chunks: Sequence[ChunkKV], *, skip: torch.Tensor | None) -> None:
-    """Copy the chunks' KV (all layers) into the request's slots, except tokens marked in ``skip`` ``[T]``."""
-    pool, device = req.pool, req.block_table.device
-    for seg, chunk in zip(layout.chunks, chunks, strict=True):
-        keep = torch.ones(seg.num_tokens, dtype=torch.bool) if skip is None else ~skip[seg.tokens]
-        keep = keep.to(device)
-        rows = req.physical(layout.slots[seg.tokens].to(device)[keep])
-        pool.k_rows[:, rows] = chunk.k[:, keep]
-        pool.v_rows[:, rows] = chunk.v[:, keep]
+    return Recomputed(
+        req=req,
+        logits=logits,
+        recomputed=recomputed,
+        recomputed_by_layer=tuple(counts),
+        num_shared_blocks=assembly.num_shared_blocks,
+        num_private_blocks=assembly.num_private_blocks,
+    )
 
 
 class _PassTracker:
@@ -94,15 +105,15 @@ class _PassTracker:
 
     def __init__(
         self,
-        pool: KVPool,
+        cache: KVCache,
         num_layers: int,
         layout: Layout,
-        chunks: Sequence[ChunkKV],
+        source_rows: torch.Tensor,
         policy: Policy,
         index: torch.Tensor,
     ) -> None:
-        self._pool, self._num_layers, self._layout = pool, num_layers, layout
-        self._chunks, self._policy = chunks, policy
+        self._cache, self._num_layers, self._layout = cache, num_layers, layout
+        self._source_rows, self._policy = source_rows, policy
         self._index = index  # [N] prompt indices of the tokens the pass started with
         self._cached = layout.cached.to(index.device)  # [T], moved to the device once per pass
         self.tokens = index  # prompt indices of the tokens that ran the latest layer
@@ -118,7 +129,7 @@ class _PassTracker:
             tokens=self.tokens,
             cached=self._cached[self.tokens],
             rows=rows,
-            pool=self._pool,
-            chunks=self._chunks,
+            source_rows=self._source_rows[self.tokens],
+            cache=self._cache,
         )
         return self._policy.keep_mask(step)

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
-from pic.kv import ChunkKV, KVPool
+from pic.kv import KVCache
 from pic.link.layout import Layout
 
 
@@ -31,11 +29,11 @@ class LayerStep:
         tokens: torch.Tensor,
         cached: torch.Tensor,
         rows: torch.Tensor,
-        pool: KVPool,
-        chunks: Sequence[ChunkKV],
+        source_rows: torch.Tensor,
+        cache: KVCache,
     ) -> None:
         self.layer, self.num_layers, self.layout, self.tokens, self.cached = layer, num_layers, layout, tokens, cached
-        self._rows, self._pool, self._chunks = rows, pool, chunks
+        self._rows, self._source_rows, self._cache = rows, source_rows, cache
 
     @property
     def num_tokens(self) -> int:
@@ -43,15 +41,14 @@ class LayerStep:
 
     def fresh_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """K (before RoPE) and V the layer just computed: ``[N, num_kv_heads, head_dim]`` each."""
-        return self._pool.k_rows[self.layer, self._rows], self._pool.v_rows[self.layer, self._rows]
+        return self._cache.k_rows[self.layer, self._rows], self._cache.v_rows[self.layer, self._rows]
 
     def cached_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The chunks' cached K (before RoPE) and V at this layer: ``[N, num_kv_heads, head_dim]``
         each; zero for prefix and query tokens."""
         k, v = (torch.zeros_like(t) for t in self.fresh_kv())
-        for seg, chunk in zip(self.layout.chunks, self._chunks, strict=True):
-            inside = (self.tokens >= seg.token_start) & (self.tokens < seg.token_start + seg.num_tokens)
-            offsets = self.tokens[inside] - seg.token_start
-            k[inside] = chunk.k[self.layer, offsets]
-            v[inside] = chunk.v[self.layer, offsets]
+        inside = self._source_rows >= 0  # [N]
+        rows = self._source_rows[inside]  # canonical rows: the chunk's blocks as compiled
+        k[inside] = self._cache.k_rows[self.layer, rows]
+        v[inside] = self._cache.v_rows[self.layer, rows]
         return k, v

@@ -94,3 +94,13 @@ def _progress_bars(enabled: bool) -> Iterator[None]:
         yield
     finally:
         (hf_logging.enable_progress_bar if was else hf_logging.disable_progress_bar)()
+
+
+def model_eos_ids(model: torch.nn.Module, tokenizer: object) -> set[int]:
+    """The token ids that end a generation: the generation config's EOS, else the tokenizer's."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is None:
+        return set()
+    return {eos} if isinstance(eos, int) else set(eos)

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from pic.attention import AttentionPlan, make_plan, paged_attention
-from pic.kv import KVPool, RequestKV
+from pic.kv import KVCache, RequestKV
 from pic.model.spec import ModelSpec, inspect_model
 
 # (layer, alive [N'] int64, rows [N'] int64) -> None or keep [N'] bool; see ``ModelRunner.forward``.
@@ -63,7 +63,7 @@ class ModelRunner:
             logits_rows: ``[M]`` int64 indices into the ``N`` tokens whose next-token logits to return.
             after_layer: called after each layer with ``(layer, alive, rows)``: ``alive`` ``[N']``
                 int64 indices (into the ``N`` tokens) of the tokens that ran it, ``rows`` ``[N']``
-                their pool rows. It returns ``None`` or ``[N']`` bool: the tokens that go on to the
+                their cache rows. It returns ``None`` or ``[N']`` bool: the tokens that go on to the
                 next layer. Dropped tokens keep whatever KV their slots hold in later layers; the
                 ``logits_rows`` tokens must not be dropped.
 
@@ -76,7 +76,7 @@ class ModelRunner:
         alive = torch.arange(token_ids.shape[0], device=token_ids.device)
         hidden = self._embed(token_ids)  # [N, hidden_size]
         for index, layer in enumerate(self._layers):
-            hidden = self._layer(index, layer, hidden, req.pool, plan, rows)
+            hidden = self._layer(index, layer, hidden, req.cache, plan, rows)
             keep = None if after_layer is None else after_layer(index, alive, rows)
             if keep is not None and not bool(keep.all()):
                 hidden, positions, rows, alive = hidden[keep], positions[keep], rows[keep], alive[keep]
@@ -93,9 +93,15 @@ class ModelRunner:
         )
 
     def _layer(
-        self, index: int, layer: nn.Module, hidden: torch.Tensor, pool: KVPool, plan: AttentionPlan, rows: torch.Tensor
+        self,
+        index: int,
+        layer: nn.Module,
+        hidden: torch.Tensor,
+        cache: KVCache,
+        plan: AttentionPlan,
+        rows: torch.Tensor,
     ) -> torch.Tensor:
-        """One decoder layer; ``hidden`` ``[N, hidden_size]``, ``rows`` ``[N]`` pool rows to write."""
+        """One decoder layer; ``hidden`` ``[N, hidden_size]``, ``rows`` ``[N]`` cache rows to write."""
         attn = layer.self_attn
         num_tokens, head_dim = hidden.shape[0], self.spec.head_dim
         x = layer.input_layernorm(hidden)
@@ -104,10 +110,15 @@ class ModelRunner:
         v = attn.v_proj(x).view(num_tokens, -1, head_dim)  # [N, Hkv, D]
         if self.spec.has_qk_norm:
             q, k = attn.q_norm(q), attn.k_norm(k)
-        pool.k_rows[index, rows] = k
-        pool.v_rows[index, rows] = v
+        cache.k_rows[index, rows] = k
+        cache.v_rows[index, rows] = v
         out = paged_attention(
-            q, pool.k[index], pool.v[index], plan, scaling=attn.scaling, sliding_window=self.spec.sliding_windows[index]
+            q,
+            cache.k[index],
+            cache.v[index],
+            plan,
+            scaling=attn.scaling,
+            sliding_window=self.spec.sliding_windows[index],
         )
         hidden = hidden + attn.o_proj(out.reshape(num_tokens, -1))
         return hidden + layer.mlp(layer.post_attention_layernorm(hidden))

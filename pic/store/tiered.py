@@ -1,9 +1,11 @@
-"""``TieredStore``: device, CPU and Redis tiers behind one get / put.
+"""``TieredStore``: the device tier (chunks resident in the KV pool), then CPU and Redis tiers.
 
-Writes go through to every tier (a fleet shares what one worker compiles); reads go down the tiers
-and promote what they find into the tiers above, so the next link of the same chunk is a device hit.
-The device and CPU tiers are byte-bounded LRUs; evicting a chunk from one leaves it in the tiers
-below. Pinned chunks are never evicted.
+Writes go through to every tier (a fleet shares what one worker compiles): ``compile`` prefills a
+chunk straight into the pool and the store copies it down. Reads look in the pool first; a chunk found
+only in a lower tier comes back as a ``ChunkKV`` for the linker to promote into fresh blocks, and is
+promoted into the lower tiers above the one that had it (Redis -> CPU). The CPU tier is a byte-bounded
+LRU; the pool evicts unreferenced chunks when it needs blocks. A chunk evicted from one tier stays in
+the tiers below. Pinned chunks are never evicted.
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ from typing import TypeVar
 import torch
 
 from pic.config import StoreConfig
-from pic.errors import StoreFullError, UnknownCacheIdError
-from pic.kv import ChunkKV
+from pic.errors import UnknownCacheIdError
+from pic.kv import ChunkInfo, ChunkKV
 from pic.store import serde
+from pic.store.device import DeviceTier
 from pic.store.lru import LruTier
 from pic.store.redis_tier import RedisTier
 from pic.store.tier import Tier, TierStats
@@ -38,17 +41,17 @@ def _locked(method: _Method) -> _Method:
 
 
 class TieredStore:
-    """Chunks in tiers, fastest first; ``get`` returns them on ``device``.
+    """The device tier, then lower tiers, fastest first.
 
     Args:
-        tiers: fastest first (``LruTier`` device, ``LruTier`` CPU, ``RedisTier``), at least one.
-        device: the engine's device.
+        device: the KV pool's resident chunks.
+        lower: ``LruTier`` CPU and/or ``RedisTier``, fastest first (may be empty).
         lock: serializes every call (default: a lock of its own); the engine passes its own lock.
     """
 
-    def __init__(self, tiers: list[Tier], *, device: torch.device, lock: threading.RLock | None = None) -> None:
-        assert tiers, "a store needs at least one tier"
-        self.tiers, self.device = tiers, device
+    def __init__(self, device: DeviceTier, lower: list[Tier], *, lock: threading.RLock | None = None) -> None:
+        self.device, self.lower = device, lower
+        self.tiers: list[Tier | DeviceTier] = [device, *lower]
         self.lock = lock or threading.RLock()
         self._pinned: set[str] = set()
 
@@ -57,14 +60,14 @@ class TieredStore:
         cls,
         config: StoreConfig,
         *,
-        device: torch.device,
+        device: DeviceTier,
         expected: serde.Expected,
         lock: threading.RLock | None = None,
     ) -> TieredStore:
         pin = torch.cuda.is_available()
-        tiers: list[Tier] = [LruTier("device", device=device, capacity_bytes=config.device_bytes)]
+        lower: list[Tier] = []
         if config.cpu_bytes != 0:
-            tiers.append(LruTier("cpu", device=torch.device("cpu"), capacity_bytes=config.cpu_bytes, pin=pin))
+            lower.append(LruTier("cpu", device=torch.device("cpu"), capacity_bytes=config.cpu_bytes, pin=pin))
         if config.redis_url is not None:
             redis = RedisTier(
                 config.redis_url,
@@ -75,69 +78,89 @@ class TieredStore:
                 timeout_s=config.redis_timeout_s,
                 pin=pin,
             )
-            tiers.append(redis)
-        return cls(tiers, device=device, lock=lock)
+            lower.append(redis)
+        return cls(device, lower, lock=lock)
 
     @_locked
-    def put(self, chunk: ChunkKV, *, keep: Collection[str] = ()) -> None:
-        """Write ``chunk`` to every tier, lowest first (the shared copy exists before the local ones).
+    def add(self, info: ChunkInfo, block_ids: list[int], *, keep: Collection[str] = ()) -> bool:
+        """Make a chunk prefilled into ``block_ids`` resident and write it through to the lower tiers,
+        lowest first (the shared copy exists before the local ones).
 
         Args:
-            keep: cache ids the bounded tiers must not evict for it (the other chunks of a ``compile``
-                call, so that every id the call returns is still held somewhere).
+            keep: cache ids the lower tiers must not evict for it (the other chunks of a ``compile`` call).
+
+        Returns:
+            whether a lower tier holds it too (if not, the pool holds its only copy).
 
         Raises:
-            StoreFullError: no tier could take it.
             StoreUnavailableError: Redis failed (``on_redis_error="raise"``).
         """
-        stored = [tier.put(chunk, keep=keep) for tier in reversed(self.tiers)]
-        if not any(stored):
-            raise StoreFullError(
-                f"chunk {chunk.cache_id} ({chunk.num_bytes} bytes) fits in no tier: "
-                + ", ".join(_describe(t.stats()) for t in self.tiers)
-            )
+        self.device.add(info, block_ids)
+        if info.cache_id in self._pinned:
+            self.device.pin(info.cache_id)
+        if not self.lower:
+            return False
+        chunk = self.device.read(info.cache_id)
+        assert chunk is not None
+        return any([tier.put(chunk, keep=keep) for tier in reversed(self.lower)])
 
     @_locked
-    def check_room(self, num_bytes: int, *, keep: Collection[str] = (), what: str) -> None:
-        """Raise unless some tier can take ``num_bytes`` more without evicting pinned chunks or ``keep``.
+    def promote(self, chunk: ChunkKV) -> list[int]:
+        """Load a chunk that ``resolve`` found in a lower tier into fresh canonical blocks of the pool
+        (resident, pinned if it was pinned); returns its blocks, held once for the caller."""
+        blocks = self.device.promote(chunk)
+        if chunk.cache_id in self._pinned:
+            self.device.pin(chunk.cache_id)
+        return blocks
+
+    @_locked
+    def lower_can_fit(self, num_bytes: int, *, keep: Collection[str] = ()) -> bool:
+        """Whether a lower tier can take ``num_bytes`` more without evicting pinned chunks or ``keep``."""
+        return any(t.can_fit(num_bytes, keep=keep) for t in self.lower)
+
+    @_locked
+    def resolve(self, cache_id: str) -> ChunkInfo | ChunkKV:
+        """A resident chunk's ``ChunkInfo``, or the ``ChunkKV`` of a chunk only a lower tier holds (in
+        that tier's memory; the linker promotes it into the pool).
 
         Raises:
-            StoreFullError: naming ``what``, the bytes and every tier's capacity.
+            UnknownCacheIdError: no tier holds it; the message says where it looked and what failed.
+            StoreUnavailableError: Redis failed (``on_redis_error="raise"``).
         """
-        if any(t.can_fit(num_bytes, keep=keep) for t in self.tiers):
-            return
-        raise StoreFullError(
-            f"{what} ({num_bytes} bytes) fit in no tier beside the pinned chunks and the others the call "
-            f"returns: {', '.join(_describe(t.stats()) for t in self.tiers)}; raise StoreConfig.device_bytes "
-            f"or cpu_bytes, add a Redis tier, or compile fewer documents per call"
-        )
-
-    @_locked
-    def get(self, cache_id: str) -> ChunkKV | None:
-        """The chunk on the engine's device, promoted into every tier above the one that had it."""
-        for level, tier in enumerate(self.tiers):
-            chunk = tier.get(cache_id)
-            if chunk is not None:
-                for upper in reversed(self.tiers[:level]):  # CPU before device: copy to the GPU from pinned memory
-                    if upper.put(chunk) and isinstance(upper, LruTier):
-                        chunk = upper.peek(cache_id)  # the copy nearest the device
-                        if cache_id in self._pinned:
-                            upper.pin(cache_id)
-                return chunk.to(self.device, non_blocking=True)
-        return None
-
-    @_locked
-    def require(self, cache_id: str) -> ChunkKV:
-        """``get``, or an ``UnknownCacheIdError`` that says where it looked and what failed."""
-        chunk = self.get(cache_id) if isinstance(cache_id, str) else None
+        info = self.device.info(cache_id) if isinstance(cache_id, str) else None
+        if info is not None:
+            return info
+        chunk = self._get_lower(cache_id) if isinstance(cache_id, str) else None
         if chunk is not None:
             return chunk
-        failures = [t.last_error for t in self.tiers if getattr(t, "last_error", None)]
+        failures = [t.last_error for t in self.lower if getattr(t, "last_error", None)]
         raise UnknownCacheIdError(
             f"unknown cache id {cache_id!r}: in no tier ({', '.join(t.name for t in self.tiers)}); "
             + (f"{'; '.join(failures)}; " if failures else "")
-            + "compile its document first"
+            + "compile its document first (an evicted chunk compiles again)"
         )
+
+    def _get_lower(self, cache_id: str) -> ChunkKV | None:
+        """The chunk from the first lower tier that has it, promoted into the lower tiers above that one."""
+        for level, tier in enumerate(self.lower):
+            chunk = tier.get(cache_id)
+            if chunk is not None:
+                for upper in reversed(self.lower[:level]):
+                    if upper.put(chunk) and isinstance(upper, LruTier):
+                        chunk = upper.peek(cache_id) or chunk  # the copy nearest the device
+                        if cache_id in self._pinned:
+                            upper.pin(cache_id)
+                return chunk
+        return None
+
+    @_locked
+    def get(self, cache_id: str) -> ChunkKV | None:
+        """The chunk's KV from the fastest tier that holds it (a copy out of the pool for the device
+        tier), on the engine's device, without promoting it; ``None`` when no tier does."""
+        chunk = self.device.read(cache_id)
+        if chunk is None:
+            chunk = next((c for c in (t.get(cache_id) for t in self.lower) if c is not None), None)
+        return None if chunk is None else chunk.to(self.device.cache.device)
 
     @_locked
     def contains(self, cache_id: str) -> bool:
@@ -150,7 +173,7 @@ class TieredStore:
 
     @_locked
     def pin(self, cache_id: str) -> None:
-        """Never evict ``cache_id`` from the device and CPU tiers (also once promoted into them).
+        """Never evict ``cache_id`` from the pool and the CPU tier (also once promoted into them).
 
         Raises:
             UnknownCacheIdError: no tier holds it.
@@ -158,18 +181,22 @@ class TieredStore:
         if not self.contains(cache_id):
             raise UnknownCacheIdError(f"cannot pin unknown cache id {cache_id!r}")
         self._pinned.add(cache_id)
-        for tier in self._lru_tiers():
+        for tier in self._pinnable():
             tier.pin(cache_id)
 
     @_locked
     def unpin(self, cache_id: str) -> None:
         self._pinned.discard(cache_id)
-        for tier in self._lru_tiers():
+        for tier in self._pinnable():
             tier.unpin(cache_id)
+
+    def is_pinned(self, cache_id: str) -> bool:
+        return cache_id in self._pinned
 
     @_locked
     def expire(self, cache_id: str) -> bool:
-        """Remove ``cache_id`` from every tier (pinned or not); ``True`` if any held it."""
+        """Remove ``cache_id`` from every tier (pinned or not); ``True`` if any held it. Live requests
+        that link it keep its blocks until they are released."""
         self._pinned.discard(cache_id)
         return any([tier.delete(cache_id) for tier in self.tiers])
 
@@ -183,10 +210,5 @@ class TieredStore:
         """One snapshot per tier, fastest first."""
         return [tier.stats() for tier in self.tiers]
 
-    def _lru_tiers(self) -> list[LruTier]:
-        return [t for t in self.tiers if isinstance(t, LruTier)]
-
-
-def _describe(stats: TierStats) -> str:
-    capacity = "unbounded" if stats.capacity_bytes is None else f"{stats.capacity_bytes} bytes"
-    return f"{stats.name} {stats.num_bytes} used of {capacity}"
+    def _pinnable(self) -> list[DeviceTier | LruTier]:
+        return [self.device, *(t for t in self.lower if isinstance(t, LruTier))]

@@ -1,0 +1,68 @@
+"""Compiling a batch of new chunks into the pool, and through to the lower store tiers."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+from tqdm.auto import tqdm
+
+from pic.compile.prefill import prefill_blocks, prefill_chunk
+from pic.config import CompileOptions
+from pic.kv import ChunkInfo
+from pic.model import ModelRunner
+
+if TYPE_CHECKING:
+    from pic.store import TieredStore
+
+
+def compile_chunks(
+    runner: ModelRunner,
+    store: TieredStore,
+    todo: Mapping[str, list[int]],
+    *,
+    options: CompileOptions,
+    bos_token_id: int | None,
+    keep: Sequence[str],
+    progress: bool,
+) -> None:
+    """Prefill each new chunk into canonical blocks of the pool and write it through to the lower tiers.
+
+    Every id of the call (``keep``) is held by some tier when this returns: the call's resident
+    chunks are held in the pool while it runs, and a new chunk stays held too unless a lower tier
+    took it. Room is checked before any prefill.
+
+    Args:
+        todo: cache id -> content tokens of the chunks no tier holds.
+        keep: every cache id the ``compile`` call returns.
+
+    Raises:
+        KVPoolExhaustedError: the new chunks do not fit in the pool beside the chunks in use (nothing
+            is prefilled then).
+        StoreUnavailableError: Redis failed (``on_redis_error="raise"``).
+    """
+    pool, bs = store.device.pool, store.device.cache.block_size
+    num_lead_bos = options.add_bos + options.num_extra_bos if bos_token_id is not None else 0
+    sizes = [
+        prefill_blocks(len(t) + num_lead_bos, num_dropped=options.num_extra_bos, block_size=bs) for t in todo.values()
+    ]
+    num_bytes = sum(len(t) + options.add_bos for t in todo.values()) * runner.spec.kv_bytes_per_token
+    hold_new = not store.lower_can_fit(num_bytes, keep=keep)  # the pool keeps the only copy: hold them all
+    num_needed = (sum(c for c, _ in sizes) if hold_new else max(c for c, _ in sizes)) + max(lead for _, lead in sizes)
+    resident = [cid for cid in dict.fromkeys(keep) if store.device.contains(cid)]
+    pool.check_available(num_needed, holding=resident, what=f"the {len(todo)} new chunks of this compile call")
+    held = [b for cid in resident for b in pool.hold(cid)]
+    try:
+        for cid, tokens in tqdm(todo.items(), desc="pic compile", unit="chunk", disable=not progress):
+            lead = [bos_token_id] * num_lead_bos
+            blocks = prefill_chunk(runner, pool, store.device.cache, lead + tokens, num_dropped=options.num_extra_bos)
+            kept = torch.tensor((lead + tokens)[options.num_extra_bos :], dtype=torch.long)
+            info = ChunkInfo(cache_id=cid, token_ids=kept, options=options)
+            stored_below = store.add(info, blocks, keep=keep)
+            if hold_new or not stored_below:
+                held += blocks
+            else:
+                pool.free(blocks)
+    finally:
+        pool.free(held)

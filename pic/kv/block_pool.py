@@ -1,0 +1,253 @@
+"""The block pool: ref-counted KV blocks, resident chunks, lazy LRU eviction. Pure Python, no tensors.
+
+A compiled chunk lives in the pool as *canonical blocks* registered under its cache id. Requests map
+a chunk's clean blocks into their block tables (a reference each, no copy) and own private blocks for
+everything they write. A chunk no request references stays resident: its blocks wait at the back of
+the free queue, still holding its KV, and are only reused when plain free blocks run out, least
+recently used chunk first and a whole chunk at a time (a chunk missing one block is useless, so its
+other blocks are freed with it). Pinned chunks never enter the queue, so they are never evicted.
+
+The allocator decides *which* blocks; ``KVCache`` holds the KV tensors they index. Keeping them apart
+lets a scheduler plan admission without touching a tensor, and tests check the accounting alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from pic.errors import KVPoolExhaustedError
+from pic.kv.free_queue import Block, FreeBlockQueue
+
+
+@dataclass(frozen=True)
+class KVStats:
+    """A snapshot of the pool (``PIC.kv_stats()``).
+
+    Attributes:
+        num_blocks: blocks in the pool.
+        num_free_blocks: blocks a request can take now: never used, freed, or evictable chunk blocks.
+        num_used_blocks: ``num_blocks - num_free_blocks``: held by live requests or pinned chunks.
+        num_chunk_blocks: blocks of resident chunks (in use, pinned or evictable).
+        num_evictable_blocks: chunk blocks no request references (part of ``num_free_blocks``).
+        num_shared_block_refs: references of request block tables to chunk blocks.
+        num_private_blocks: blocks owned by requests (prefix, query, decode, copy-on-write blocks).
+        num_resident_chunks: chunks whose blocks are in the pool.
+        num_evicted_chunks: chunks evicted to make room, since the pool was built.
+        peak_used_blocks: the most ``num_used_blocks`` since the pool was built or ``reset_peak()``.
+    """
+
+    num_blocks: int
+    num_free_blocks: int
+    num_used_blocks: int
+    num_chunk_blocks: int
+    num_evictable_blocks: int
+    num_shared_block_refs: int
+    num_private_blocks: int
+    num_resident_chunks: int
+    num_evicted_chunks: int
+    peak_used_blocks: int
+
+
+class ResidentChunk:
+    """A chunk's canonical blocks, in order. ``num_refs`` is the sum of its blocks' ``ref_cnt``: the
+    chunk is evictable exactly when it is 0 and the chunk is not pinned. ``info`` is the caller's
+    description of the chunk (tokens, options), kept alongside."""
+
+    __slots__ = ("key", "blocks", "num_refs", "pinned", "info")
+
+    def __init__(self, key: str, blocks: list[Block], info: object) -> None:
+        self.key, self.blocks, self.info = key, blocks, info
+        self.num_refs = sum(b.ref_cnt for b in blocks)
+        self.pinned = False
+
+    @property
+    def block_ids(self) -> list[int]:
+        return [b.block_id for b in self.blocks]
+
+    @property
+    def is_evictable(self) -> bool:
+        return self.num_refs == 0 and not self.pinned
+
+
+class BlockPool:
+    """Hands out blocks, counts references, keeps chunks resident until their blocks are needed.
+
+    Args:
+        num_blocks: blocks in the pool.
+        block_size: tokens per block (for messages only: the allocator never looks at tokens).
+    """
+
+    def __init__(self, num_blocks: int, *, block_size: int) -> None:
+        assert num_blocks > 0, num_blocks
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.chunks: dict[str, ResidentChunk] = {}  # cache id -> resident chunk
+        self._peak_used = 0
+        self._num_evicted = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    def num_available(self, *, holding: Iterable[str] = ()) -> int:
+        """Blocks an ``allocate`` could take after the caller holds the resident chunks ``holding``
+        (holding an evictable chunk takes its blocks out of the free queue)."""
+        held = {key: self.chunks[key] for key in holding if key in self.chunks}
+        return len(self.free_queue) - sum(len(c.blocks) for c in held.values() if c.is_evictable)
+
+    def check_available(self, num_blocks: int, *, holding: Iterable[str] = (), what: str) -> None:
+        """Raise unless ``num_blocks`` more can be allocated once ``holding`` is held.
+
+        Raises:
+            KVPoolExhaustedError: naming ``what``, the blocks it needs and those available.
+        """
+        available = self.num_available(holding=holding)
+        if num_blocks > self.num_blocks:
+            raise KVPoolExhaustedError(
+                f"KV pool too small: {what} needs {num_blocks} blocks of {self.block_size} tokens but the pool has "
+                f"{self.num_blocks} in all; raise PICConfig.kv_pool_tokens to at least {num_blocks * self.block_size}"
+            )
+        if num_blocks > available:
+            raise KVPoolExhaustedError(
+                f"KV pool exhausted: {what} needs {num_blocks} blocks of {self.block_size} tokens but "
+                f"{available} of {self.num_blocks} are free or evictable ({self.num_blocks - len(self.free_queue)} "
+                f"held by live requests and pinned chunks); raise PICConfig.kv_pool_tokens, or generate from / "
+                f"release pending Linked requests"
+            )
+
+    def allocate(self, num_blocks: int) -> list[int]:
+        """Take ``num_blocks`` blocks (reference count 1 each), evicting least recently used
+        unreferenced chunks, whole, when no plain free block is left.
+
+        Raises:
+            KVPoolExhaustedError: fewer blocks are free or evictable; nothing is taken.
+        """
+        self.check_available(num_blocks, what="the request")
+        taken = []
+        for _ in range(num_blocks):
+            block = self.free_queue.popleft()
+            if block.chunk is not None:
+                self._evict(block.chunk)
+            block.ref_cnt = 1
+            taken.append(block.block_id)
+        self._note_used()
+        return taken
+
+    def free(self, block_ids: Iterable[int]) -> None:
+        """Drop one reference to each block. A private block with none left is free at once; a chunk
+        with none left becomes evictable, most recently used."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            assert block.ref_cnt > 0, f"{block} freed twice"
+            block.ref_cnt -= 1
+            chunk = block.chunk
+            if chunk is None:
+                if block.ref_cnt == 0:
+                    self.free_queue.appendleft(block)  # before every chunk block: reused first
+                continue
+            chunk.num_refs -= 1
+            if chunk.is_evictable:
+                for b in chunk.blocks:
+                    self.free_queue.append(b)
+
+    def incref(self, block_ids: Iterable[int]) -> None:
+        """One more reference to blocks of chunks the caller holds (mapping them into a block table)."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            assert block.chunk is not None and block.chunk.num_refs > 0, f"{block} is not a held chunk block"
+            block.ref_cnt += 1
+            block.chunk.num_refs += 1
+
+    def add_chunk(self, key: str, block_ids: list[int], info: object) -> None:
+        """Make freshly allocated blocks the resident chunk ``key``. The caller's reference to each
+        block becomes a hold on the chunk, released with ``free`` like any other."""
+        assert key not in self.chunks, f"chunk {key} is already resident"
+        blocks = [self.blocks[i] for i in block_ids]
+        assert all(b.chunk is None and b.ref_cnt == 1 for b in blocks), "add_chunk takes freshly allocated blocks"
+        chunk = ResidentChunk(key, blocks, info)
+        for block in blocks:
+            block.chunk = chunk
+        self.chunks[key] = chunk
+
+    def hold(self, key: str) -> list[int]:
+        """A reference to every block of the resident chunk ``key`` (taking it out of the free queue,
+        so nothing evicts it); returns its block ids. Release with ``free``."""
+        chunk = self.chunks[key]
+        if chunk.is_evictable:
+            for block in chunk.blocks:
+                self.free_queue.remove(block)
+        for block in chunk.blocks:
+            block.ref_cnt += 1
+        chunk.num_refs += len(chunk.blocks)
+        self._note_used()
+        return chunk.block_ids
+
+    def pin(self, key: str) -> bool:
+        """Never evict chunk ``key``; ``False`` if it is not resident."""
+        chunk = self.chunks.get(key)
+        if chunk is None:
+            return False
+        if chunk.is_evictable:
+            for block in chunk.blocks:
+                self.free_queue.remove(block)
+        chunk.pinned = True
+        self._note_used()
+        return True
+
+    def unpin(self, key: str) -> None:
+        chunk = self.chunks.get(key)
+        if chunk is not None and chunk.pinned:
+            chunk.pinned = False
+            if chunk.is_evictable:
+                for block in chunk.blocks:
+                    self.free_queue.append(block)
+
+    def drop(self, key: str) -> bool:
+        """Forget chunk ``key`` (expiry); ``True`` if it was resident. Requests mapping its blocks
+        keep them: they are freed when the last reference goes."""
+        chunk = self.chunks.pop(key, None)
+        if chunk is None:
+            return False
+        for block in chunk.blocks:
+            block.chunk = None
+            if block.is_queued:
+                self.free_queue.remove(block)
+            if block.ref_cnt == 0:
+                self.free_queue.appendleft(block)
+        return True
+
+    def _evict(self, chunk: ResidentChunk) -> None:
+        """Forget an evictable chunk; its blocks stay in the queue as plain free blocks."""
+        assert chunk.is_evictable, f"evicting chunk {chunk.key} that is in use or pinned"
+        del self.chunks[chunk.key]
+        for block in chunk.blocks:
+            block.chunk = None
+        self._num_evicted += 1
+
+    def _note_used(self) -> None:
+        self._peak_used = max(self._peak_used, self.num_blocks - len(self.free_queue))
+
+    def reset_peak(self) -> None:
+        """Start ``peak_used_blocks`` again from the blocks in use now."""
+        self._peak_used = self.num_blocks - len(self.free_queue)
+
+    def stats(self) -> KVStats:
+        """Counts of the pool now (O(blocks of resident chunks))."""
+        chunks = self.chunks.values()
+        num_used = self.num_blocks - len(self.free_queue)
+        num_chunk_blocks = sum(len(c.blocks) for c in chunks)
+        unqueued_chunk_blocks = sum(len(c.blocks) for c in chunks if not c.is_evictable)
+        return KVStats(
+            num_blocks=self.num_blocks,
+            num_free_blocks=len(self.free_queue),
+            num_used_blocks=num_used,
+            num_chunk_blocks=num_chunk_blocks,
+            num_evictable_blocks=num_chunk_blocks - unqueued_chunk_blocks,
+            num_shared_block_refs=sum(c.num_refs for c in chunks),
+            num_private_blocks=num_used - unqueued_chunk_blocks,
+            num_resident_chunks=len(self.chunks),
+            num_evicted_chunks=self._num_evicted,
+            peak_used_blocks=self._peak_used,
+        )

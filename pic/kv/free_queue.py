@@ -1,0 +1,100 @@
+"""Blocks and the O(1) free queue: an intrusive doubly-linked list (vLLM v1's ``FreeKVCacheBlockQueue``).
+
+A ``deque`` cannot remove an element from its middle in O(1); this list can, because every block
+carries its own ``prev`` / ``next`` links. That is what lazy eviction needs: an unreferenced chunk's
+blocks wait in the queue, still holding the chunk's KV, and a request that links the chunk takes them
+back out, wherever they are, before anyone overwrites them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pic.kv.block_pool import ResidentChunk
+
+
+class Block:
+    """One physical KV block's bookkeeping (the KV itself lives in ``KVCache``).
+
+    Attributes:
+        block_id: index into the KV tensors' block dimension.
+        ref_cnt: block tables that map it (a private block: 1; a shared chunk block: the number of
+            requests aliasing it, plus holds taken while a request is being assembled).
+        chunk: the resident chunk it belongs to, ``None`` for a private or free block.
+        prev, next: the free queue's links; both ``None`` when the block is not in the queue.
+    """
+
+    __slots__ = ("block_id", "ref_cnt", "chunk", "prev", "next")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.chunk: ResidentChunk | None = None
+        self.prev: Block | None = None
+        self.next: Block | None = None
+
+    @property
+    def is_queued(self) -> bool:
+        return self.prev is not None
+
+    def __repr__(self) -> str:
+        key = None if self.chunk is None else self.chunk.key
+        return f"Block({self.block_id}, ref_cnt={self.ref_cnt}, chunk={key!r})"
+
+
+class FreeBlockQueue:
+    """Blocks no request references, in the order they are handed out: ``popleft`` takes the front.
+
+    The pool keeps plain free blocks at the front and the blocks of evictable chunks behind them,
+    least recently used chunk first, so a chunk is evicted only when no plain free block is left.
+    Every operation is O(1).
+    """
+
+    def __init__(self, blocks: list[Block]) -> None:
+        self._head = Block(-1)  # sentinels: the list is never empty, so no operation special-cases an end
+        self._tail = Block(-1)
+        self._head.next, self._tail.prev = self._tail, self._head
+        self._len = 0
+        for block in blocks:
+            self.append(block)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def popleft(self) -> Block:
+        """Take the front block. The caller checks ``len`` first (an empty queue is a bug)."""
+        block = self._head.next
+        assert block is not self._tail and block is not None, "popleft from an empty free queue"
+        self.remove(block)
+        return block
+
+    def remove(self, block: Block) -> None:
+        """Unlink ``block`` from wherever it is."""
+        assert block.prev is not None and block.next is not None, f"{block} is not in the free queue"
+        block.prev.next, block.next.prev = block.next, block.prev
+        block.prev = block.next = None
+        self._len -= 1
+
+    def append(self, block: Block) -> None:
+        """Put ``block`` at the back (handed out last)."""
+        self._insert(block, after=self._tail.prev)
+
+    def appendleft(self, block: Block) -> None:
+        """Put ``block`` at the front (handed out next)."""
+        self._insert(block, after=self._head)
+
+    def _insert(self, block: Block, *, after: Block | None) -> None:
+        assert block.prev is None and after is not None and after.next is not None, f"{block} queued twice"
+        block.prev, block.next = after, after.next
+        after.next.prev = block
+        after.next = block
+        self._len += 1
+
+    def __iter__(self) -> Iterator[Block]:
+        """Front to back (for checks and tests; O(n))."""
+        block = self._head.next
+        while block is not self._tail and block is not None:
+            yield block
+            block = block.next

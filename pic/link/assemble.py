@@ -1,0 +1,146 @@
+"""Building a linked request's block table: shared chunk blocks, copy-on-write, admission.
+
+Every chunk segment of a layout covers whole blocks (front padding), block ``j`` of the segment
+holding exactly what block ``j`` of the chunk's canonical copy holds. A block the request writes
+nothing into is mapped as it is: the request's table names the chunk's physical block and takes a
+reference, no copy. A block holding a token the request recomputes is *dirty*: the request gets a
+private block with the canonical block's KV copied in, then the recompute pass overwrites the
+recomputed tokens' slots. Prefix and query blocks are private (nothing is cached for them), and
+so are decode blocks, appended later.
+
+Admission comes first: the private blocks plus the blocks of chunks promoted from a lower tier must
+fit in the free and evictable blocks, not counting the request's own resident chunks (which it is
+about to hold); otherwise ``KVPoolExhaustedError`` and nothing is taken.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pic.kv import ChunkInfo, ChunkKV, KVCache, RequestKV
+from pic.link.layout import Layout
+from pic.store import TieredStore
+
+
+@dataclass(frozen=True)
+class Assembly:
+    """A linked request's KV, ready for the recompute pass.
+
+    Attributes:
+        req: the request (block table, references; the caller releases it).
+        source_rows: ``[T]`` int64 on the cache's device: for each prompt token, the cache row of its
+            cached KV in the chunk's canonical blocks; ``-1`` for prefix and query tokens.
+        num_shared_blocks: table entries mapping a chunk's block without a copy.
+        num_private_blocks: table entries the request owns (copies included).
+        num_promoted: chunks loaded from a lower tier into the pool.
+    """
+
+    req: RequestKV
+    source_rows: torch.Tensor
+    num_shared_blocks: int
+    num_private_blocks: int
+    num_promoted: int
+
+
+def assemble(
+    store: TieredStore, layout: Layout, chunks: Sequence[ChunkInfo | ChunkKV], dirty: torch.Tensor
+) -> Assembly:
+    """Hold or promote the chunks, then build the block table (see the module docstring).
+
+    Args:
+        chunks: what ``TieredStore.resolve`` returned for each chunk segment of ``layout``, in order.
+        dirty: ``[T]`` bool (CPU), tokens whose KV the request writes: the blocks holding a dirty
+            chunk token are private copies. All True gives every request its own copy of everything.
+
+    Raises:
+        KVPoolExhaustedError: the pool cannot hold the request; nothing is taken.
+    """
+    pool, device = store.device.pool, store.device
+    bs = layout.block_size
+    num_blocks = -(-layout.num_slots // bs)
+    shared = _shared_blocks(layout, dirty)  # request block -> (chunk segment index, chunk block) when clean
+    to_promote = {c.cache_id: c for c in chunks if isinstance(c, ChunkKV) and not device.contains(c.cache_id)}
+    resident = {c.cache_id for c in chunks} - to_promote.keys()
+    num_private = num_blocks - len(shared)
+    num_promoted_blocks = sum(device.num_blocks_for(c.num_tokens) for c in to_promote.values())
+    what = f"a linked prompt of {layout.num_tokens} tokens ({num_private} private blocks"
+    what += f", {len(to_promote)} chunks promoted into {num_promoted_blocks} blocks)" if to_promote else ")"
+    pool.check_available(num_private + num_promoted_blocks, holding=resident, what=what)
+
+    held: dict[str, list[int]] = {}
+    private: list[int] = []
+    mapped: list[int] = []  # shared blocks referenced by the table
+    try:
+        for cid in resident:
+            held[cid] = pool.hold(cid)
+        for cid, chunk in to_promote.items():
+            held[cid] = store.promote(chunk)
+        private = pool.allocate(num_private)
+        canonical = [held[c.cache_id] for c in chunks]
+        table, copies = _table(num_blocks, shared, _chunk_blocks(layout), canonical, private)
+        mapped = [table[i] for i in shared]
+        pool.incref(mapped)
+        device.cache.copy_blocks([src for src, _ in copies], [dst for _, dst in copies])
+    except BaseException:
+        pool.free(mapped)
+        pool.free(private)
+        pool.free(b for blocks in held.values() for b in blocks)
+        raise
+    req = RequestKV(
+        pool, device.cache, table, num_slots=layout.num_slots, held=[b for blocks in held.values() for b in blocks]
+    )
+    return Assembly(
+        req=req,
+        source_rows=_source_rows(layout, canonical, device.cache),
+        num_shared_blocks=len(shared),
+        num_private_blocks=num_private,
+        num_promoted=len(to_promote),
+    )
+
+
+def _table(
+    num_blocks: int,
+    shared: dict[int, tuple[int, int]],
+    chunk_blocks: dict[int, tuple[int, int]],
+    canonical: list[list[int]],
+    private: list[int],
+) -> tuple[list[int], list[tuple[int, int]]]:
+    """The block table, and the (canonical, private) block pairs to copy for dirty chunk blocks."""
+    table, copies, fresh = [], [], iter(private)
+    for i in range(num_blocks):
+        if i in shared:
+            seg, j = shared[i]
+            table.append(canonical[seg][j])
+            continue
+        table.append(next(fresh))
+        if i in chunk_blocks:
+            seg, j = chunk_blocks[i]
+            copies.append((canonical[seg][j], table[-1]))
+    return table, copies
+
+
+def _chunk_blocks(layout: Layout) -> dict[int, tuple[int, int]]:
+    """Request block -> (chunk segment index, block index within the chunk), for every chunk block."""
+    bs = layout.block_size
+    blocks = {}
+    for index, seg in enumerate(layout.chunks):
+        first = (seg.slot_start - seg.num_padding) // bs
+        for j in range((seg.num_padding + seg.num_tokens) // bs):
+            blocks[first + j] = (index, j)
+    return blocks
+
+
+def _shared_blocks(layout: Layout, dirty: torch.Tensor) -> dict[int, tuple[int, int]]:
+    """The chunk blocks holding no dirty token (mapped as they are)."""
+    dirty_blocks = set((layout.slots[dirty & layout.cached] // layout.block_size).tolist())
+    return {i: where for i, where in _chunk_blocks(layout).items() if i not in dirty_blocks}
+
+
+def _source_rows(layout: Layout, canonical: list[list[int]], cache: KVCache) -> torch.Tensor:
+    rows = torch.full((layout.num_tokens,), -1, dtype=torch.long, device=cache.device)
+    for seg, blocks in zip(layout.chunks, canonical, strict=True):
+        rows[seg.tokens] = cache.rows(blocks, seg.num_tokens)
+    return rows
