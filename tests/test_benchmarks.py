@@ -36,3 +36,27 @@ def test_cpu_threads_benchmark_writes_json(tmp_path):
         result = report["conditions"][condition]
         one, two = result["median_s"]["1"], result["median_s"]["2"]
         assert result["ratio_over_1_thread"]["2"] == {key: two[key] / one[key] for key in one}
+
+
+def test_memory_benchmark_writes_json(tmp_path):
+    out = tmp_path / "memory.json"
+    args = [sys.executable, str(BENCHMARKS / "memory.py"), "--quick", "--out", str(out)]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    results = report["results"]
+    assert report["command"].endswith("memory.py --quick --out " + str(out))
+    assert list(results) == ["mepic", "legolink:16", "cacheblend:0.15", "mepic private"]
+    shared, private = results["mepic"], results["mepic private"]
+    for rows in results.values():
+        assert [r["n"] for r in rows] == [1, 2, 4]
+        for r in rows:
+            assert 0 < r["floor_blocks"] <= r["peak_blocks"] <= report["workload"]["pool_blocks"]
+            assert r["peak_over_floor"] == r["peak_blocks"] / r["floor_blocks"]
+    for s, p, blend in zip(shared, private, results["cacheblend:0.15"], strict=True):
+        assert s["peak_blocks"] == s["floor_blocks"]  # one copy of each chunk, nothing else
+        assert s["peak_blocks"] < p["peak_blocks"]
+        assert blend["peak_blocks"] == p["peak_blocks"]  # a dynamic policy copies every chunk block
+    ratios = [p["peak_blocks"] / s["peak_blocks"] for s, p in zip(shared, private, strict=True)]
+    assert report["private_over_mepic"] == ratios
+    assert (out.with_suffix(".png")).exists() or "matplotlib is not installed" in proc.stdout
