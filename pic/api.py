@@ -5,11 +5,19 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import torch
 
-from pic.compile import TextOrTokens, chunk_id, compile_chunks, encode, encode_documents, model_fingerprint
+from pic.compile import (
+    TextOrTokens,
+    cache_id_list,
+    chunk_id,
+    compile_chunks,
+    encode,
+    encode_documents,
+    model_fingerprint,
+)
 from pic.config import CompileOptions, PICConfig, StoreConfig
 from pic.errors import (
     CompileOptionsMismatchError,
@@ -184,7 +192,7 @@ class PIC:
         """
         start = time.perf_counter()
         policy = self._policy(policy)
-        cache_ids = _cache_id_list(cache_ids)
+        cache_ids = cache_id_list(cache_ids)
         vocab = self.spec.vocab_size
         query_ids = encode(self.tokenizer, query, what="query", vocab_size=vocab)
         prefix_ids = encode(self.tokenizer, prefix, what="prefix", vocab_size=vocab)
@@ -267,17 +275,3 @@ class PIC:
                 f"{what} has {num_tokens} tokens, more than the {self.spec.max_context}-token context of "
                 f"{self.spec.architecture}"
             )
-
-
-def _cache_id_list(cache_ids: object) -> list[str]:
-    """``cache_ids`` as a list of strings: one id, or an iterable of ids (as ``compile`` returns them).
-
-    Raises:
-        InvalidInputError: anything else (``None``, a number, a list holding a non-string).
-    """
-    if isinstance(cache_ids, str):
-        return [cache_ids]
-    ids = list(cache_ids) if isinstance(cache_ids, Iterable) else None
-    if ids is None or not all(isinstance(cid, str) for cid in ids):
-        raise InvalidInputError(f"cache_ids is {cache_ids!r:.80}; expected a list of cache ids from compile()")
-    return ids

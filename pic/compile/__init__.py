@@ -1,12 +1,13 @@
 """Compiling chunks: tokens, content addresses, and the prefill that produces their KV."""
 
 from pic.compile.compiler import compile_chunks
-from pic.compile.ids import chunk_id, model_fingerprint
+from pic.compile.ids import cache_id_list, chunk_id, model_fingerprint
 from pic.compile.prefill import prefill_chunk
 from pic.compile.tokens import TextOrTokens, encode, encode_documents
 
 __all__ = [
     "TextOrTokens",
+    "cache_id_list",
     "chunk_id",
     "compile_chunks",
     "encode",

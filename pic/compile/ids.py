@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import msgpack
 import torch
 from torch import nn
 
 from pic.config import CompileOptions
+from pic.errors import InvalidInputError
 
 # Bump when the meaning of cached KV changes, so old ids stop matching.
 KV_FORMAT_VERSION = 1
@@ -46,3 +47,17 @@ def chunk_id(fingerprint: str, token_ids: Sequence[int], options: CompileOptions
     """Cache id (32 hex chars) of ``token_ids`` compiled by the model ``fingerprint`` with ``options``."""
     key = msgpack.packb([KV_FORMAT_VERSION, fingerprint, options.model_dump(), list(token_ids)])
     return hashlib.sha256(key).hexdigest()[:32]
+
+
+def cache_id_list(cache_ids: object) -> list[str]:
+    """``cache_ids`` as a list of strings: one id, or an iterable of ids (as ``compile`` returns them).
+
+    Raises:
+        InvalidInputError: anything else (``None``, a number, a list holding a non-string).
+    """
+    if isinstance(cache_ids, str):
+        return [cache_ids]
+    ids = list(cache_ids) if isinstance(cache_ids, Iterable) else None
+    if ids is None or not all(isinstance(cid, str) for cid in ids):
+        raise InvalidInputError(f"cache_ids is {cache_ids!r:.80}; expected a list of cache ids from compile()")
+    return ids

@@ -63,7 +63,7 @@ def assemble(
     num_blocks = -(-layout.num_slots // bs)
     shared = _shared_blocks(layout, dirty)  # request block -> (chunk segment index, chunk block) when clean
     to_promote = {c.cache_id: c for c in chunks if isinstance(c, ChunkKV) and not device.contains(c.cache_id)}
-    resident = {c.cache_id for c in chunks} - to_promote.keys()
+    resident = [cid for cid in dict.fromkeys(c.cache_id for c in chunks) if cid not in to_promote]  # prompt order
     num_private = num_blocks - len(shared)
     num_promoted_blocks = sum(device.num_blocks_for(c.num_tokens) for c in to_promote.values())
     what = f"a linked prompt of {layout.num_tokens} tokens ({num_private} private blocks"
