@@ -28,6 +28,8 @@ class AttentionPlan:
             request; ``-1`` marks padding and unwritten slots, which are never attended to.
         q_cos, q_sin: ``[N, head_dim]`` rotary tables at ``q_positions``.
         k_cos, k_sin: ``[num_req_blocks * block_size, head_dim]`` rotary tables at the slot positions.
+        written: ``[num_req_blocks * block_size]`` bool, ``kv_positions >= 0``: the slots attention may
+            read at all (the others may hold stale KV of a reused block, NaN included).
     """
 
     block_table: torch.Tensor
@@ -37,6 +39,7 @@ class AttentionPlan:
     q_sin: torch.Tensor
     k_cos: torch.Tensor
     k_sin: torch.Tensor
+    written: torch.Tensor
     _masks: dict[int | None, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def mask(self, sliding_window: int | None) -> torch.Tensor:
@@ -45,7 +48,7 @@ class AttentionPlan:
         if sliding_window not in self._masks:
             q = self.q_positions[:, None]
             kv = self.kv_positions[None, :]
-            allowed = (kv >= 0) & (kv <= q)
+            allowed = self.written[None, :] & (kv <= q)
             if sliding_window is not None:
                 allowed &= kv > q - sliding_window
             self._masks[sliding_window] = allowed
@@ -67,4 +70,5 @@ def make_plan(
         q_sin=sin[:num_q],
         k_cos=cos[num_q:],
         k_sin=sin[num_q:],
+        written=kv_positions >= 0,
     )

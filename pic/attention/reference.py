@@ -38,7 +38,7 @@ def paged_attention(
     """
     # Slots never written for this request (padding, stale KV of a freed block, NaN included) are
     # zeroed, not just masked: a masked score still multiplies its V row (0 * NaN = NaN).
-    written = (plan.kv_positions >= 0)[:, None, None]  # [S, 1, 1]
+    written = plan.written[:, None, None]  # [S, 1, 1]
     k = k_cache[plan.block_table].flatten(0, 1).where(written, 0)  # [S, Hkv, D]
     v = v_cache[plan.block_table].flatten(0, 1).where(written, 0)  # [S, Hkv, D]
     q = apply_rope(q, plan.q_cos, plan.q_sin).transpose(0, 1)  # [Hq, N, D]

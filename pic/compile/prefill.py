@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from pic.kv import BlockPool, KVCache, RequestKV
+from pic.kv import BlockPool, KVCache, RequestKV, blocks_for
 from pic.model import ModelRunner
 
 
 def prefill_blocks(num_tokens: int, *, num_dropped: int, block_size: int) -> tuple[int, int]:
     """Blocks a chunk prefill takes: ``(canonical blocks kept, lead blocks freed afterwards)``."""
-    return -(-(num_tokens - num_dropped) // block_size), -(-num_dropped // block_size)
+    return blocks_for(num_tokens - num_dropped, block_size), blocks_for(num_dropped, block_size)
 
 
 def prefill_chunk(

@@ -91,6 +91,10 @@ class BlockPool:
     def num_free_blocks(self) -> int:
         return len(self.free_queue)
 
+    @property
+    def num_evicted_chunks(self) -> int:
+        return self._num_evicted
+
     def num_available(self, *, holding: Iterable[str] = ()) -> int:
         """Blocks an ``allocate`` could take after the caller holds the resident chunks ``holding``
         (holding an evictable chunk takes its blocks out of the free queue)."""
@@ -149,8 +153,7 @@ class BlockPool:
                 continue
             chunk.num_refs -= 1
             if chunk.is_evictable:
-                for b in chunk.blocks:
-                    self.free_queue.append(b)
+                self._enqueue(chunk)
 
     def incref(self, block_ids: Iterable[int]) -> None:
         """One more reference to blocks of chunks the caller holds (mapping them into a block table)."""
@@ -176,8 +179,7 @@ class BlockPool:
         so nothing evicts it); returns its block ids. Release with ``free``."""
         chunk = self.chunks[key]
         if chunk.is_evictable:
-            for block in chunk.blocks:
-                self.free_queue.remove(block)
+            self._dequeue(chunk)
         for block in chunk.blocks:
             block.ref_cnt += 1
         chunk.num_refs += len(chunk.blocks)
@@ -190,8 +192,7 @@ class BlockPool:
         if chunk is None:
             return False
         if chunk.is_evictable:
-            for block in chunk.blocks:
-                self.free_queue.remove(block)
+            self._dequeue(chunk)
         chunk.pinned = True
         self._note_used()
         return True
@@ -201,8 +202,7 @@ class BlockPool:
         if chunk is not None and chunk.pinned:
             chunk.pinned = False
             if chunk.is_evictable:
-                for block in chunk.blocks:
-                    self.free_queue.append(block)
+                self._enqueue(chunk)
 
     def drop(self, key: str) -> bool:
         """Forget chunk ``key`` (expiry); ``True`` if it was resident. Requests mapping its blocks
@@ -217,6 +217,16 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue.appendleft(block)
         return True
+
+    def _enqueue(self, chunk: ResidentChunk) -> None:
+        """A chunk just became evictable: its blocks go to the back, most recently used, together."""
+        for block in chunk.blocks:
+            self.free_queue.append(block)
+
+    def _dequeue(self, chunk: ResidentChunk) -> None:
+        """An evictable chunk is held or pinned: its blocks leave the queue, wherever they are."""
+        for block in chunk.blocks:
+            self.free_queue.remove(block)
 
     def _evict(self, chunk: ResidentChunk) -> None:
         """Forget an evictable chunk; its blocks stay in the queue as plain free blocks."""

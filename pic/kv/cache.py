@@ -5,6 +5,11 @@ from __future__ import annotations
 import torch
 
 
+def blocks_for(num_slots: int, block_size: int) -> int:
+    """Blocks that hold ``num_slots`` slots (rounded up)."""
+    return -(-num_slots // block_size)
+
+
 class KVCache:
     """Paged NoPE K and V of every layer.
 

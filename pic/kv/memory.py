@@ -10,7 +10,7 @@ import torch
 from pic.config import PICConfig
 from pic.errors import InvalidInputError
 from pic.kv.block_pool import BlockPool
-from pic.kv.cache import KVCache
+from pic.kv.cache import KVCache, blocks_for
 
 if TYPE_CHECKING:
     from pic.model.spec import ModelSpec
@@ -97,7 +97,7 @@ def build_kv_pool(spec: ModelSpec, config: PICConfig) -> tuple[BlockPool, KVCach
         device=spec.device,
         memory_fraction=config.kv_memory_fraction,
     )
-    num_blocks = -(-num_tokens // config.block_size)
+    num_blocks = blocks_for(num_tokens, config.block_size)
     what = f"{sized} ({num_blocks} blocks of {config.block_size} tokens, {spec.kv_bytes_per_token} bytes per token)"
     check_fits(num_blocks * config.block_size * spec.kv_bytes_per_token, spec.device, what=what)
     try:

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from pic.kv.block_pool import BlockPool
-from pic.kv.cache import KVCache
+from pic.kv.cache import KVCache, blocks_for
 
 
 class RequestKV:
@@ -47,7 +47,7 @@ class RequestKV:
         Raises:
             KVPoolExhaustedError: the pool cannot hold it (nothing is taken).
         """
-        return cls(pool, cache, pool.allocate(-(-num_slots // cache.block_size)), num_slots=num_slots)
+        return cls(pool, cache, pool.allocate(blocks_for(num_slots, cache.block_size)), num_slots=num_slots)
 
     def physical(self, slots: torch.Tensor) -> torch.Tensor:
         """Request slots ``[n]`` int64 -> rows of the cache's ``[num_blocks * block_size, ...]`` views."""

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pic.kv import ChunkInfo, ChunkKV, KVCache, RequestKV
+from pic.kv import ChunkInfo, ChunkKV, KVCache, RequestKV, blocks_for
 from pic.link.layout import Layout
 from pic.store import TieredStore
 
@@ -35,14 +35,12 @@ class Assembly:
             cached KV in the chunk's canonical blocks; ``-1`` for prefix and query tokens.
         num_shared_blocks: table entries mapping a chunk's block without a copy.
         num_private_blocks: table entries the request owns (copies included).
-        num_promoted: chunks loaded from a lower tier into the pool.
     """
 
     req: RequestKV
     source_rows: torch.Tensor
     num_shared_blocks: int
     num_private_blocks: int
-    num_promoted: int
 
 
 def assemble(
@@ -59,9 +57,10 @@ def assemble(
         KVPoolExhaustedError: the pool cannot hold the request; nothing is taken.
     """
     pool, device = store.device.pool, store.device
-    bs = layout.block_size
-    num_blocks = -(-layout.num_slots // bs)
-    shared = _shared_blocks(layout, dirty)  # request block -> (chunk segment index, chunk block) when clean
+    num_blocks = blocks_for(layout.num_slots, layout.block_size)
+    chunk_blocks = _chunk_blocks(layout)  # request block -> (chunk segment index, block within the chunk)
+    dirty_blocks = set((layout.slots[dirty & layout.cached] // layout.block_size).tolist())
+    shared = {i: where for i, where in chunk_blocks.items() if i not in dirty_blocks}  # mapped as they are
     to_promote = {c.cache_id: c for c in chunks if isinstance(c, ChunkKV) and not device.contains(c.cache_id)}
     resident = [cid for cid in dict.fromkeys(c.cache_id for c in chunks) if cid not in to_promote]  # prompt order
     num_private = num_blocks - len(shared)
@@ -80,7 +79,7 @@ def assemble(
             held[cid] = store.promote(chunk)
         private = pool.allocate(num_private)
         canonical = [held[c.cache_id] for c in chunks]
-        table, copies = _table(num_blocks, shared, _chunk_blocks(layout), canonical, private)
+        table, copies = _table(num_blocks, shared, chunk_blocks, canonical, private)
         mapped = [table[i] for i in shared]
         pool.incref(mapped)
         device.cache.copy_blocks([src for src, _ in copies], [dst for _, dst in copies])
@@ -97,7 +96,6 @@ def assemble(
         source_rows=_source_rows(layout, canonical, device.cache),
         num_shared_blocks=len(shared),
         num_private_blocks=num_private,
-        num_promoted=len(to_promote),
     )
 
 
@@ -131,12 +129,6 @@ def _chunk_blocks(layout: Layout) -> dict[int, tuple[int, int]]:
         for j in range((seg.num_padding + seg.num_tokens) // bs):
             blocks[first + j] = (index, j)
     return blocks
-
-
-def _shared_blocks(layout: Layout, dirty: torch.Tensor) -> dict[int, tuple[int, int]]:
-    """The chunk blocks holding no dirty token (mapped as they are)."""
-    dirty_blocks = set((layout.slots[dirty & layout.cached] // layout.block_size).tolist())
-    return {i: where for i, where in _chunk_blocks(layout).items() if i not in dirty_blocks}
 
 
 def _source_rows(layout: Layout, canonical: list[list[int]], cache: KVCache) -> torch.Tensor:

@@ -72,7 +72,11 @@ def recompute(
         req.kv_positions[slots] = positions
         index = selected.nonzero().squeeze(1).to(device)  # [N] prompt indices of the tokens run
         num_layers = runner.spec.num_layers
-        tracker = _PassTracker(req.cache, num_layers, layout, assembly.source_rows, policy, index)
+        tracker = (
+            _PassTracker(req.cache, num_layers, layout, assembly.source_rows, policy, index)
+            if policy.is_dynamic
+            else None
+        )
         num_query = layout.query.num_tokens
         logits = runner.forward(
             req,
@@ -80,13 +84,13 @@ def recompute(
             positions=positions[index],
             slots=slots[index],
             logits_rows=torch.arange(index.shape[0] - num_query, index.shape[0], device=device),
-            after_layer=tracker if policy.is_dynamic else None,
+            after_layer=tracker,
         )
     except BaseException:
         req.release()
         raise
     req.release_held()  # the pass is over: canonical blocks the request copied are no longer read
-    tokens, counts = (tracker.tokens, tracker.counts) if policy.is_dynamic else (index, [index.shape[0]] * num_layers)
+    tokens, counts = (tracker.tokens, tracker.counts) if tracker else (index, [index.shape[0]] * num_layers)
     recomputed = torch.zeros(layout.num_tokens, dtype=torch.bool)
     recomputed[tokens.cpu()] = True
     return Recomputed(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from pic.kv import BlockPool, ChunkInfo, ChunkKV, KVCache
+from pic.kv import BlockPool, ChunkInfo, ChunkKV, KVCache, blocks_for
 from pic.store.tier import TierStats
 
 
@@ -24,7 +24,7 @@ class DeviceTier:
 
     def num_blocks_for(self, num_tokens: int) -> int:
         """Canonical blocks of a chunk of ``num_tokens`` tokens (front-padded to whole blocks)."""
-        return -(-num_tokens // self.cache.block_size)
+        return blocks_for(num_tokens, self.cache.block_size)
 
     def info(self, cache_id: str) -> ChunkInfo | None:
         """The resident chunk's description, counting a hit or a miss."""
@@ -82,5 +82,5 @@ class DeviceTier:
             self._stats,
             num_entries=len(self.pool.chunks),
             num_bytes=num_chunk_blocks * self.cache.bytes_per_block,
-            evictions=self.pool.stats().num_evicted_chunks,
+            evictions=self.pool.num_evicted_chunks,
         )
