@@ -21,6 +21,7 @@ import torch
 from pic import policies
 from pic.api import PIC
 from pic.config import CompileOptions, PICConfig, StoreConfig
+from pic.engine import Engine, Request, RequestOutput
 from pic.errors import (
     CompileOptionsMismatchError,
     ContextLengthError,
@@ -100,6 +101,7 @@ __all__ = [
     "PIC",
     "CompileOptions",
     "CompileOptionsMismatchError",
+    "Engine",
     "ContextLengthError",
     "FinishReason",
     "Generation",
@@ -117,6 +119,8 @@ __all__ = [
     "SamplingParams",
     "UnknownCacheIdError",
     "PolicyError",
+    "Request",
+    "RequestOutput",
     "StoreConfig",
     "StoreFullError",
     "StoreUnavailableError",

@@ -8,26 +8,16 @@ import time
 from collections.abc import Sequence
 
 import torch
+from tqdm.auto import tqdm
 
-from pic.compile import (
-    TextOrTokens,
-    cache_id_list,
-    chunk_id,
-    compile_chunks,
-    encode,
-    encode_documents,
-    model_fingerprint,
-)
+from pic.compile import TextOrTokens, chunk_id, compile_chunks, encode_documents, model_fingerprint
 from pic.config import CompileOptions, PICConfig, StoreConfig
-from pic.errors import (
-    CompileOptionsMismatchError,
-    ContextLengthError,
-    InvalidInputError,
-    PolicyError,
-)
-from pic.kv import ChunkInfo, ChunkKV, KVStats
+from pic.engine import Engine, Linker, Request
+from pic.engine.sequence import Status
+from pic.errors import ContextLengthError, PolicyError
+from pic.kv import KVStats
 from pic.kv.memory import build_kv_pool
-from pic.link import Linked, lay_out, policies, recompute
+from pic.link import Generation, Linked, policies
 from pic.model import ModelRunner, ModelSpec
 from pic.model.loading import EMBEDDED_MODEL, load_pretrained, model_eos_ids, resolve_device, resolve_dtype
 from pic.store import TieredStore
@@ -50,9 +40,9 @@ class PIC:
         config: engine options (``PICConfig``).
         store: where chunks live besides the KV pool (``StoreConfig``: CPU and Redis tiers; default: none).
 
-    Thread safety: ``compile``, ``link``, each decode step of ``Linked.generate`` / ``stream``,
-    ``release`` and every ``store`` call hold one engine lock, so threads may share an engine; their
-    calls run one at a time (streams in several threads interleave token by token), not in parallel.
+    Every call goes through one batched ``Engine`` (``engine()``): requests from several threads are
+    handed to the thread that is stepping it and run together, many per forward; no two threads
+    touch its state at once. ``store`` calls take the lock each engine step holds.
 
     Raises:
         UnsupportedModelError: the model has no rotary embeddings or an unsupported layer layout.
@@ -89,6 +79,23 @@ class PIC:
         self.bos_token_id: int | None = getattr(tokenizer, "bos_token_id", None)
         eos = self.config.eos_token_ids
         self.eos_token_ids = frozenset(model_eos_ids(model, tokenizer) if eos is None else eos)
+        linker = Linker(
+            self.store,
+            spec,
+            compile_options=self.compile_options,
+            block_size=self.config.block_size,
+            share_chunk_blocks=self.config.share_chunk_blocks,
+        )
+        self._engine = Engine(
+            self.runner,
+            tokenizer,
+            linker,
+            config=self.config,
+            default_policy=self.default_policy,
+            bos_token_id=self.bos_token_id,
+            eos_token_ids=self.eos_token_ids,
+            lock=self._lock,
+        )
 
     @classmethod
     def from_pretrained(
@@ -155,7 +162,8 @@ class PIC:
         for i, tokens in enumerate(token_lists):
             self._check_document_length(len(tokens), options, f"document {i}")
         ids = [chunk_id(self.fingerprint, tokens, options) for tokens in token_lists]
-        with self._lock:
+
+        def run() -> None:  # on the thread that owns the engine, between two steps
             todo = {cid: tokens for cid, tokens in zip(ids, token_lists, strict=True) if not self.store.contains(cid)}
             if todo:
                 show = progress if progress is not None else len(todo) >= _PROGRESS_MIN_CHUNKS
@@ -168,6 +176,8 @@ class PIC:
                     keep=ids,
                     progress=show,
                 )
+
+        self._engine.call(run)
         return ids
 
     def link(
@@ -191,44 +201,58 @@ class PIC:
                 is taken; the message gives the blocks needed and available).
         """
         start = time.perf_counter()
-        policy = self._policy(policy)
-        cache_ids = cache_id_list(cache_ids)
-        vocab = self.spec.vocab_size
-        query_ids = encode(self.tokenizer, query, what="query", vocab_size=vocab)
-        prefix_ids = encode(self.tokenizer, prefix, what="prefix", vocab_size=vocab)
-        if not query_ids:
-            raise InvalidInputError(f"query {query!r} has no tokens; link needs at least one query token")
-        with self._lock:
-            chunks = self._chunks(cache_ids, self.compile_options(policy), policy)
-            if self.config.add_bos and self.bos_token_id is not None and (prefix_ids or not chunks):  # BOS first
-                target = prefix_ids if prefix_ids else query_ids
-                target.insert(0, self.bos_token_id)
-            layout = lay_out(prefix=prefix_ids, chunks=chunks, query=query_ids, block_size=self.config.block_size)
-            self._check_length(layout.num_tokens, "linked prompt")
-            share = self.config.share_chunk_blocks
-            result = recompute(self.runner, self.store, layout, chunks, policy, share=share)
-            if self.spec.device.type == "cuda":
-                torch.cuda.synchronize(self.spec.device)
-        return Linked(
-            runner=self.runner,
-            tokenizer=self.tokenizer,
-            layout=layout,
-            policy=policy,
-            result=result,
-            link_s=time.perf_counter() - start,
-            eos_token_ids=self.eos_token_ids,
-            lock=self._lock,
-        )
+        seq = self._engine.submit(Request(cache_ids, query, prefix=prefix, policy=policy), watched=True, park=True)
+        self._engine.run_until(lambda: seq.status in (Status.PARKED, Status.FINISHED))
+        if seq.error is not None:
+            raise seq.error
+        if self.spec.device.type == "cuda":
+            torch.cuda.synchronize(self.spec.device)
+        return Linked(self._engine, seq, link_s=time.perf_counter() - start)
+
+    def generate_many(self, requests: Sequence[Request], *, progress: bool | None = None) -> list[Generation]:
+        """Run many requests together (continuous batching) and return their generations, in order.
+
+        Args:
+            requests: ``pic.Request`` objects (chunks, query, policy and sampling options each).
+            progress: show a progress bar (``None``, the default: for 8 or more requests).
+
+        A request's generation is what it gets alone, whatever it is batched with. Every request runs
+        to its end; then the first failure, if any, is raised (see ``link`` for the errors).
+        """
+        seqs = []
+        try:
+            for request in requests:
+                seqs.append(self._engine.submit(request, watched=False))
+        except BaseException:
+            for seq in seqs:
+                self._engine.release(seq)
+            raise
+        show = progress if progress is not None else len(seqs) >= _PROGRESS_MIN_CHUNKS
+        with tqdm(total=len(seqs), desc="pic generate", unit="request", disable=not show) as bar:
+
+            def done() -> bool:
+                num_done = sum(s.is_finished for s in seqs)
+                bar.update(num_done - bar.n)
+                return num_done == len(seqs)
+
+            self._engine.run_until(done)
+        failed = next((s.error for s in seqs if s.error is not None), None)
+        if failed is not None:
+            raise failed
+        return [s.generation for s in seqs]
+
+    def engine(self) -> Engine:
+        """The batched engine behind this facade, for the iterative interface (``add_request``,
+        ``step``, ``abort``); the facade's calls from other threads are batched with yours."""
+        return self._engine
 
     def kv_stats(self) -> KVStats:
         """Blocks of the KV pool: free, used, resident chunk blocks, shared references, private, peak."""
-        with self._lock:
-            return self.pool.stats()
+        return self._engine.call(self.pool.stats)
 
     def reset_peak(self) -> None:
         """Restart ``KVStats.peak_used_blocks`` from the blocks in use now."""
-        with self._lock:
-            self.pool.reset_peak()
+        self._engine.call(self.pool.reset_peak)
 
     def compile_options(self, policy: str | policies.Policy | None = None) -> CompileOptions:
         """The options chunks are compiled with for ``policy`` (they are part of the cache id)."""
@@ -252,26 +276,4 @@ class PIC:
                 f"{what} has {num_tokens} tokens; at most {most} fit the {context}-token context of "
                 f"{self.spec.architecture} with its {options.add_bos + options.num_extra_bos} BOS tokens and "
                 f"at least one query token; split it into smaller chunks"
-            )
-
-    def _chunks(
-        self, cache_ids: list[str], options: CompileOptions, policy: policies.Policy
-    ) -> list[ChunkInfo | ChunkKV]:
-        """Each id resolved to its resident chunk, or to its KV in a lower tier (promoted at assembly)."""
-        chunks = []
-        for cid in cache_ids:
-            chunk = self.store.resolve(cid)
-            if chunk.options != options:
-                raise CompileOptionsMismatchError(
-                    f"chunk {cid} was compiled with {chunk.options!r} but policy {policy.spec!r} needs {options!r}; "
-                    f"compile it with compile(docs, policy={policy.spec!r})"
-                )
-            chunks.append(chunk)
-        return chunks
-
-    def _check_length(self, num_tokens: int, what: str) -> None:
-        if num_tokens > self.spec.max_context:
-            raise ContextLengthError(
-                f"{what} has {num_tokens} tokens, more than the {self.spec.max_context}-token context of "
-                f"{self.spec.architecture}"
             )

@@ -80,6 +80,9 @@ class PICConfig(_Frozen):
         eos_token_ids: token ids that end a generation; ``None`` takes the model's generation
             config (and the tokenizer's EOS).
         default_policy: the recompute policy ``link`` uses when none is given.
+        max_num_seqs: most requests the engine runs at once (one decode token each per step).
+        max_num_batched_tokens: most tokens per batched forward (recompute-pass tokens plus one per
+            running request); a recompute pass larger than it runs in a step of its own.
     """
 
     block_size: int = Field(default=16, ge=1, le=4096)
@@ -89,6 +92,8 @@ class PICConfig(_Frozen):
     share_chunk_blocks: bool = True
     eos_token_ids: tuple[int, ...] | None = None
     default_policy: str = "legolink:16"
+    max_num_seqs: int = Field(default=64, ge=1, le=4096)
+    max_num_batched_tokens: int = Field(default=8192, ge=1)
 
     _eos_tuple = field_validator("eos_token_ids", mode="before")(as_tuple)
 

@@ -13,7 +13,7 @@ from transformers.models.llama.modeling_llama import (
     eager_attention_forward,
 )
 
-from pic.attention import make_plan, paged_attention
+from pic.attention import RopeTable, make_plan, paged_attention
 
 HQ, HKV, D, BS = 8, 2, 16, 4
 
@@ -34,37 +34,54 @@ def hf_attention(q, k, v, *, window: int | None):
 
 
 @pytest.mark.parametrize("window", [None, 5])
-@pytest.mark.parametrize("rope_type", ["default", "yarn"])
-def test_paged_fused_rope_equals_hf(window, rope_type):
+@pytest.mark.parametrize("rope_type", ["default", "yarn", "dynamic"])
+def test_batched_paged_fused_rope_equals_hf(window, rope_type):
+    """One plan over four sequences (a full prompt, a recompute subset, two decode tokens), each in its own
+    shuffled blocks with front padding and garbage elsewhere, equals transformers on each sequence."""
     torch.manual_seed(0)
     params = {"rope_type": rope_type, "rope_theta": 10000.0}
-    if rope_type == "yarn":
+    if rope_type != "default":
         params |= {"factor": 4.0, "original_max_position_embeddings": 16}
     rotary = LlamaRotaryEmbedding(
         LlamaConfig(hidden_size=HQ * D, num_attention_heads=HQ, max_position_embeddings=64, rope_parameters=params)
     )
-
-    def rope(positions):
-        cos, sin = rotary(torch.empty(0), positions[None])
-        return cos[0], sin[0]
-
-    t = 23
-    q, k, v = torch.randn(t, HQ, D), torch.randn(t, HKV, D), torch.randn(t, HKV, D)
-    cos, sin = rope(torch.arange(t))
-    q_rot, k_rot = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos[None], sin[None])
-    expected = hf_attention(q_rot[0].transpose(0, 1), k_rot[0].transpose(0, 1), v, window=window)
-
-    # The same tokens in a paged cache: shuffled physical blocks, 3 padding slots in front, NoPE K.
-    num_blocks = 12
-    k_cache, v_cache = torch.randn(num_blocks, BS, HKV, D), torch.randn(num_blocks, BS, HKV, D)  # garbage elsewhere
-    table = torch.randperm(num_blocks)[: -(-(t + 3) // BS)]
-    slots = torch.arange(t) + 3
-    rows = table[slots // BS] * BS + slots % BS
-    k_cache.view(-1, HKV, D)[rows], v_cache.view(-1, HKV, D)[rows] = k, v
-    kv_positions = torch.full((table.shape[0] * BS,), -1)
-    kv_positions[slots] = torch.arange(t)
-
-    for query in (torch.arange(t), torch.tensor([0, 7, 8, 22])):  # every token, and a recompute subset
-        plan = make_plan(block_table=table, q_positions=query, kv_positions=kv_positions, rope=rope)
-        out = paged_attention(q[query], k_cache, v_cache, plan, scaling=D**-0.5, sliding_window=window)
-        assert (out - expected[query]).abs().max().item() <= 1e-5
+    rope = RopeTable(rotary, max_positions=64, dtype=torch.float32, device=torch.device("cpu"))
+    assert rope.is_dynamic == (rope_type == "dynamic")
+    num_blocks = 40
+    k_cache, v_cache = torch.randn(num_blocks, BS, HKV, D), torch.randn(num_blocks, BS, HKV, D)
+    k_cache[7], v_cache[7] = float("nan"), float("nan")  # a stale block: never read
+    free = [b for b in torch.randperm(num_blocks).tolist() if b != 7]
+    cases = [
+        (23, torch.arange(23)),
+        (19, torch.tensor([0, 7, 8, 18])),
+        (30, torch.tensor([29])),
+        (5, torch.tensor([4])),
+    ]
+    tables, kv_positions, queries, expected = [], [], [], []
+    for t, query in cases:
+        q, k, v = torch.randn(t, HQ, D), torch.randn(t, HKV, D), torch.randn(t, HKV, D)
+        cos, sin = rotary(torch.empty(0), torch.arange(t)[None])
+        q_rot, k_rot = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+        expected.append(hf_attention(q_rot[0].transpose(0, 1), k_rot[0].transpose(0, 1), v, window=window)[query])
+        table = torch.tensor([free.pop() for _ in range(-(-(t + 3) // BS) + 1)])  # + an unwritten block
+        slots = torch.arange(t) + 3
+        rows = table[slots // BS] * BS + slots % BS
+        k_cache.view(-1, HKV, D)[rows], v_cache.view(-1, HKV, D)[rows] = k, v
+        positions = torch.full((table.shape[0] * BS,), -1)
+        positions[slots] = torch.arange(t)
+        tables.append(table)
+        kv_positions.append(positions)
+        queries.append((q[query], query))
+    plan = make_plan(
+        block_tables=tables,
+        kv_positions=kv_positions,
+        q_positions=torch.cat([p for _, p in queries]),
+        seq_lens=[p.shape[0] for _, p in queries],
+        rope=rope,
+    )
+    assert plan.decode_seqs.tolist() == [2, 3] and plan.prefill_seqs == [0, 1]
+    out = paged_attention(
+        torch.cat([q for q, _ in queries]), k_cache, v_cache, plan, scaling=D**-0.5, sliding_window=window
+    )
+    for b, want in enumerate(expected):
+        assert (out[plan.query_rows(b)] - want).abs().max().item() <= 1e-5

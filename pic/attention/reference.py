@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pic.attention.plan import AttentionPlan
+from pic.attention.plan import BatchPlan
 from pic.attention.rope import apply_rope
 
 # Query rows per tile, so the [rows, num_slots] mask and scores stay bounded on long prompts.
@@ -16,19 +16,22 @@ def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    plan: AttentionPlan,
+    plan: BatchPlan,
     *,
     scaling: float,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """Attend ``N`` query tokens over one request's paged NoPE KV, applying RoPE inside.
+    """Attend the ``N`` query tokens of a batch over each one's sequence's paged NoPE KV, applying RoPE inside.
+
+    Decoding sequences (one query token each) are attended as one padded batch; each recompute pass
+    on its own (a loop over sequences, never a mask over the whole batch).
 
     Args:
         q: ``[N, num_q_heads, head_dim]``, NoPE queries (not yet rotated), model dtype.
         k_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, NoPE K of one layer.
         v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, V of one layer.
-        plan: the request's ``AttentionPlan``; masks by logical position. Slots it marks unwritten
-            (``kv_positions == -1``) never reach the output, whatever they hold.
+        plan: the batch's ``BatchPlan``; masks by logical position. Slots it marks ``-1`` never reach
+            the output, whatever they hold.
         scaling: softmax scale (the model's ``self_attn.scaling``, usually ``head_dim ** -0.5``).
         sliding_window: attend only to keys with position > query position - window.
 
@@ -36,21 +39,54 @@ def paged_attention(
         ``[N, num_q_heads, head_dim]`` in the dtype of ``q``. GQA: query head ``h`` reads KV head
         ``h // (num_q_heads // num_kv_heads)``.
     """
-    # Slots never written for this request (padding, stale KV of a freed block, NaN included) are
+    out = torch.empty_like(q)
+    if plan.decode_seqs.numel():
+        rows = plan.cu_seqlens_q[:-1].to(q.device)[plan.decode_seqs]  # [b] the decode tokens' rows
+        seqs = plan.decode_seqs
+        out[rows] = _attend(
+            q[rows][:, None], plan.q_cos[rows][:, None], plan.q_sin[rows][:, None], seqs,
+            k_cache, v_cache, plan, -1, scaling=scaling, sliding_window=sliding_window,
+        )[:, 0]  # fmt: skip
+    for b in plan.prefill_seqs:
+        rows, seqs = plan.query_rows(b), torch.tensor([b], device=q.device)
+        out[rows] = _attend(
+            q[rows][None], plan.q_cos[rows][None], plan.q_sin[rows][None], seqs,
+            k_cache, v_cache, plan, b, scaling=scaling, sliding_window=sliding_window,
+        )[0]  # fmt: skip
+    return out
+
+
+def _attend(
+    q: torch.Tensor,
+    q_cos: torch.Tensor,
+    q_sin: torch.Tensor,
+    seqs: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: BatchPlan,
+    group: int,
+    *,
+    scaling: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """``b`` sequences of ``n`` query tokens each: ``q`` ``[b, n, Hq, D]``, its tables ``[b, n, D]``;
+    ``seqs`` ``[b]`` their batch indices. Returns ``[b, n, Hq, D]``."""
+    # Slots never written for this sequence (padding, stale KV of a freed block, NaN included) are
     # zeroed, not just masked: a masked score still multiplies its V row (0 * NaN = NaN).
-    written = plan.written[:, None, None]  # [S, 1, 1]
-    k = k_cache[plan.block_table].flatten(0, 1).where(written, 0)  # [S, Hkv, D]
-    v = v_cache[plan.block_table].flatten(0, 1).where(written, 0)  # [S, Hkv, D]
-    q = apply_rope(q, plan.q_cos, plan.q_sin).transpose(0, 1)  # [Hq, N, D]
-    k = apply_rope(k, plan.k_cos, plan.k_sin).transpose(0, 1)  # [Hkv, S, D]
-    v = v.transpose(0, 1)  # [Hkv, S, D]
-    mask = plan.mask(sliding_window)  # [N, S]
-    num_q, num_slots = mask.shape
-    tile = max(1, _MAX_TILE_ELEMENTS // max(1, num_slots * q.shape[0]))
+    written = (plan.kv_positions[seqs] >= 0)[..., None, None]  # [b, S, 1, 1]
+    tables = plan.block_tables[seqs]  # [b, max_blocks]
+    k = k_cache[tables].flatten(1, 2).where(written, 0)  # [b, S, Hkv, D]
+    v = v_cache[tables].flatten(1, 2).where(written, 0)  # [b, S, Hkv, D]
+    q = apply_rope(q, q_cos, q_sin).transpose(1, 2)  # [b, Hq, n, D]
+    k = apply_rope(k, plan.k_cos[seqs], plan.k_sin[seqs]).transpose(1, 2)  # [b, Hkv, S, D]
+    v = v.transpose(1, 2)  # [b, Hkv, S, D]
+    mask = plan.mask(group, sliding_window)  # [b, n, S]
+    num_q, num_slots = mask.shape[1:]
+    tile = max(1, _MAX_TILE_ELEMENTS // max(1, num_slots * q.shape[0] * q.shape[1]))
     out = torch.empty_like(q)
     for start in range(0, num_q, tile):
         rows = slice(start, start + tile)
-        out[:, rows] = F.scaled_dot_product_attention(
-            q[None, :, rows], k[None], v[None], attn_mask=mask[None, None, rows], scale=scaling, enable_gqa=True
-        )[0]
-    return out.transpose(0, 1)
+        out[:, :, rows] = F.scaled_dot_product_attention(
+            q[:, :, rows], k, v, attn_mask=mask[:, None, rows], scale=scaling, enable_gqa=True
+        )
+    return out.transpose(1, 2)

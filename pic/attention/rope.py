@@ -1,14 +1,19 @@
-"""Rotary embeddings applied inside attention.
+"""Rotary embeddings applied inside attention, and the engine's cos/sin table.
 
 The KV pool stores K *before* RoPE ("NoPE K"), so a cached chunk's K is the same wherever the chunk is
 linked; attention rotates Q and K at each token's logical position, with the cos/sin tables the
-model's own rotary module produced (every rope type transformers supports: default, linear, dynamic,
-llama3, yarn, ...). The arithmetic is transformers' ``apply_rotary_pos_emb`` (rotate-half layout).
+model's own rotary module produced (every rope type transformers supports: default, linear, llama3,
+yarn, dynamic, longrope ...). The arithmetic is transformers' ``apply_rotary_pos_emb`` (rotate-half layout).
 """
 
 from __future__ import annotations
 
 import torch
+from torch import nn
+
+# Rope types whose frequencies depend on the length of the sequence being run (transformers'
+# ``dynamic_rope_update``): no table of fixed angles per position exists for them.
+_DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -21,11 +26,51 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """Rotate ``x`` by per-token angles.
 
     Args:
-        x: ``[num_tokens, num_heads, head_dim]``, any float dtype.
-        cos, sin: ``[num_tokens, head_dim]``, same dtype as ``x``.
+        x: ``[..., num_tokens, num_heads, head_dim]``, any float dtype.
+        cos, sin: ``[..., num_tokens, head_dim]``, same dtype as ``x``.
 
     Returns:
-        ``[num_tokens, num_heads, head_dim]``, dtype of ``x``.
+        ``x``'s shape and dtype.
     """
-    cos, sin = cos[:, None, :], sin[:, None, :]
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
     return x * cos + rotate_half(x) * sin
+
+
+class RopeTable:
+    """cos and sin at logical positions, from the model's own rotary module (its rope type and
+    attention scaling apply).
+
+    For every rope type whose angle at a position is fixed, the table is built once, in float32, for
+    every position up to the context, and a lookup is an index (cast to the model dtype, as
+    transformers casts). Dynamic types (``"dynamic"`` NTK scaling, ``"longrope"``) rescale their
+    frequencies by the length of the sequence being run, so there the module is called for each
+    sequence with its query and slot positions together, exactly as transformers calls it for a
+    prompt of that length (``is_dynamic``). Past the original context their K angles are those of the
+    current length, not of the length when the token was written (transformers keeps the latter in its
+    cache); below it the two agree.
+
+    Args:
+        rotary: the model's rotary module (``model.model.rotary_emb``).
+        max_positions: positions ``0 .. max_positions - 1`` are looked up.
+        dtype, device: the model's.
+    """
+
+    def __init__(self, rotary: nn.Module, *, max_positions: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.rotary, self.dtype, self.device = rotary, dtype, device
+        self.is_dynamic = any(t in str(getattr(rotary, "rope_type", "")) for t in _DYNAMIC_ROPE_TYPES)
+        self.cos = self.sin = None  # [max_positions, head_dim] float32, static rope types only
+        if not self.is_dynamic:
+            like = torch.empty(0, dtype=torch.float32, device=device)
+            with torch.no_grad():
+                cos, sin = rotary(like, torch.arange(max_positions, device=device)[None])
+            self.cos, self.sin = cos[0], sin[0]
+
+    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``[*positions.shape, head_dim]`` in the model dtype at ``positions`` (int64). For a
+        dynamic rope type, ``positions`` must be one sequence's (query and slot positions together)."""
+        if self.is_dynamic:
+            like = torch.empty(0, dtype=self.dtype, device=self.device)
+            with torch.no_grad():
+                cos, sin = self.rotary(like, positions.reshape(1, -1))
+            return cos[0].view(*positions.shape, -1), sin[0].view(*positions.shape, -1)
+        return self.cos[positions].to(self.dtype), self.sin[positions].to(self.dtype)

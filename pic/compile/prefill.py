@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from pic.kv import BlockPool, KVCache, RequestKV, blocks_for
-from pic.model import ModelRunner
+from pic.model import ModelRunner, SeqInput
 
 
 def prefill_blocks(num_tokens: int, *, num_dropped: int, block_size: int) -> tuple[int, int]:
@@ -47,7 +47,7 @@ def prefill_chunk(
         )
         ids = torch.tensor(token_ids, dtype=torch.long, device=device)
         positions = torch.arange(len(token_ids), device=device)
-        runner.forward(req, token_ids=ids, positions=positions, slots=slots.to(device))
+        runner.forward([SeqInput(kv=req, token_ids=ids, positions=positions, slots=slots.to(device))])
     except BaseException:
         pool.free(blocks)
         raise

@@ -3,7 +3,6 @@
 from pic.link.generate import FinishReason, Generation, GenerationStats
 from pic.link.layout import Layout, Segment, SegmentKind, lay_out
 from pic.link.linked import Linked
-from pic.link.recompute import recompute
 from pic.link.sampling import SamplingParams
 
 __all__ = [
@@ -16,5 +15,4 @@ __all__ = [
     "Segment",
     "SegmentKind",
     "lay_out",
-    "recompute",
 ]

@@ -43,50 +43,104 @@ class Assembly:
     num_private_blocks: int
 
 
-def assemble(
+@dataclass(frozen=True)
+class AssemblyPlan:
+    """What a linked request needs from the pool, counted before anything is taken (no tensors touched).
+
+    Attributes:
+        layout, chunks: the request's layout and what ``TieredStore.resolve`` returned for its chunks.
+        chunk_blocks: request block -> (chunk segment index, block within the chunk), every chunk block.
+        shared: the chunk blocks mapped as they are (no recomputed token in them).
+        to_promote: chunks to load from a lower tier into fresh canonical blocks.
+        resident: resident chunks the request holds while it links, in prompt order.
+        num_private: blocks the request owns (prefix, query, copy-on-write chunk blocks).
+        num_promoted_blocks: canonical blocks the promoted chunks take.
+    """
+
+    layout: Layout
+    chunks: tuple[ChunkInfo | ChunkKV, ...]
+    chunk_blocks: dict[int, tuple[int, int]]
+    shared: dict[int, tuple[int, int]]
+    to_promote: dict[str, ChunkKV]
+    resident: tuple[str, ...]
+    num_private: int
+    num_promoted_blocks: int
+
+    @property
+    def num_blocks_needed(self) -> int:
+        """Free or evictable blocks admission takes (besides the resident chunks it holds)."""
+        return self.num_private + self.num_promoted_blocks
+
+    def describe(self) -> str:
+        what = f"a linked prompt of {self.layout.num_tokens} tokens ({self.num_private} private blocks"
+        n = len(self.to_promote)
+        return what + (f", {n} chunks promoted into {self.num_promoted_blocks} blocks)" if n else ")")
+
+
+def plan_assembly(
     store: TieredStore, layout: Layout, chunks: Sequence[ChunkInfo | ChunkKV], dirty: torch.Tensor
-) -> Assembly:
+) -> AssemblyPlan:
+    """Count what ``assemble`` will take (see the module docstring).
+
+    Args:
+        chunks: what ``TieredStore.resolve`` returned for each chunk segment of ``layout``, in order
+            (a resident one must still be resident: resolve it again after an eviction).
+        dirty: ``[T]`` bool (CPU), tokens whose KV the request writes: the blocks holding a dirty
+            chunk token are private copies. All True gives every request its own copy of everything.
+    """
+    device = store.device
+    num_blocks = blocks_for(layout.num_slots, layout.block_size)
+    chunk_blocks = _chunk_blocks(layout)
+    dirty_blocks = set((layout.slots[dirty & layout.cached] // layout.block_size).tolist())
+    shared = {i: where for i, where in chunk_blocks.items() if i not in dirty_blocks}
+    to_promote = {c.cache_id: c for c in chunks if isinstance(c, ChunkKV) and not device.contains(c.cache_id)}
+    resident = tuple(cid for cid in dict.fromkeys(c.cache_id for c in chunks) if cid not in to_promote)
+    return AssemblyPlan(
+        layout=layout,
+        chunks=tuple(chunks),
+        chunk_blocks=chunk_blocks,
+        shared=shared,
+        to_promote=to_promote,
+        resident=resident,
+        num_private=num_blocks - len(shared),
+        num_promoted_blocks=sum(device.num_blocks_for(c.num_tokens) for c in to_promote.values()),
+    )
+
+
+def assemble(store: TieredStore, plan: AssemblyPlan, *, held: dict[str, list[int]] | None = None) -> Assembly:
     """Hold or promote the chunks, then build the block table (see the module docstring).
 
     Args:
-        chunks: what ``TieredStore.resolve`` returned for each chunk segment of ``layout``, in order.
-        dirty: ``[T]`` bool (CPU), tokens whose KV the request writes: the blocks holding a dirty
-            chunk token are private copies. All True gives every request its own copy of everything.
+        held: chunks whose canonical blocks the caller already holds a reference to (a preempted
+            request keeps its chunks resident while it waits); the request takes those references over.
 
     Raises:
         KVPoolExhaustedError: the pool cannot hold the request; nothing is taken.
     """
-    pool, device = store.device.pool, store.device
-    num_blocks = blocks_for(layout.num_slots, layout.block_size)
-    chunk_blocks = _chunk_blocks(layout)  # request block -> (chunk segment index, block within the chunk)
-    dirty_blocks = set((layout.slots[dirty & layout.cached] // layout.block_size).tolist())
-    shared = {i: where for i, where in chunk_blocks.items() if i not in dirty_blocks}  # mapped as they are
-    to_promote = {c.cache_id: c for c in chunks if isinstance(c, ChunkKV) and not device.contains(c.cache_id)}
-    resident = [cid for cid in dict.fromkeys(c.cache_id for c in chunks) if cid not in to_promote]  # prompt order
-    num_private = num_blocks - len(shared)
-    num_promoted_blocks = sum(device.num_blocks_for(c.num_tokens) for c in to_promote.values())
-    what = f"a linked prompt of {layout.num_tokens} tokens ({num_private} private blocks"
-    what += f", {len(to_promote)} chunks promoted into {num_promoted_blocks} blocks)" if to_promote else ")"
-    pool.check_available(num_private + num_promoted_blocks, holding=resident, what=what)
-
-    held: dict[str, list[int]] = {}
+    pool, device, layout = store.device.pool, store.device, plan.layout
+    held = dict(held or {})
+    to_hold = [cid for cid in plan.resident if cid not in held]
+    pool.check_available(plan.num_blocks_needed, holding=to_hold, what=plan.describe())
+    taken: dict[str, list[int]] = {}
     private: list[int] = []
     mapped: list[int] = []  # shared blocks referenced by the table
     try:
-        for cid in resident:
-            held[cid] = pool.hold(cid)
-        for cid, chunk in to_promote.items():
-            held[cid] = store.promote(chunk)
-        private = pool.allocate(num_private)
-        canonical = [held[c.cache_id] for c in chunks]
-        table, copies = _table(num_blocks, shared, chunk_blocks, canonical, private)
-        mapped = [table[i] for i in shared]
+        for cid in to_hold:
+            taken[cid] = pool.hold(cid)
+        for cid, chunk in plan.to_promote.items():
+            taken[cid] = store.promote(chunk)
+        held |= taken
+        private = pool.allocate(plan.num_private)
+        canonical = [held[c.cache_id] for c in plan.chunks]
+        num_blocks = blocks_for(layout.num_slots, layout.block_size)
+        table, copies = _table(num_blocks, plan.shared, plan.chunk_blocks, canonical, private)
+        mapped = [table[i] for i in plan.shared]
         pool.incref(mapped)
         device.cache.copy_blocks([src for src, _ in copies], [dst for _, dst in copies])
     except BaseException:
         pool.free(mapped)
         pool.free(private)
-        pool.free(b for blocks in held.values() for b in blocks)
+        pool.free(b for blocks in taken.values() for b in blocks)
         raise
     req = RequestKV(
         pool, device.cache, table, num_slots=layout.num_slots, held=[b for blocks in held.values() for b in blocks]
@@ -94,8 +148,8 @@ def assemble(
     return Assembly(
         req=req,
         source_rows=_source_rows(layout, canonical, device.cache),
-        num_shared_blocks=len(shared),
-        num_private_blocks=num_private,
+        num_shared_blocks=len(plan.shared),
+        num_private_blocks=plan.num_private,
     )
 
 

@@ -1,28 +1,27 @@
-"""``Linked``: a linked prompt whose KV is ready, holding its blocks until generated or released."""
+"""``Linked``: a linked prompt whose KV is ready, holding its blocks until generated from or released."""
 
 from __future__ import annotations
 
-import threading
 import weakref
 from collections.abc import Generator, Iterator, Sequence
+from typing import TYPE_CHECKING
+
+import torch
 
 from pic.errors import LinkedReleasedError
-from pic.kv import RequestKV
-from pic.link.generate import DecodeContext, Generation, decode
-from pic.link.layout import Layout
-from pic.link.policies import Policy
-from pic.link.recompute import Recomputed
+from pic.link.generate import Generation
 from pic.link.sampling import SamplingParams
-from pic.model import ModelRunner
+
+if TYPE_CHECKING:
+    from pic.engine import Engine
+    from pic.engine.sequence import Sequence as EngineSequence
 
 
 class Linked:
-    """The result of ``link``: the recompute pass has run, so the first token's logits are ready.
+    """The result of ``link``: the recompute pass has run, so the first token can be sampled at once.
 
     Attributes:
         input_ids: ``[T]`` int64 (CPU), the linked prompt without padding.
-        logits: ``[num_query_tokens, vocab_size]`` float32, next-token logits at every query
-            position; the last row predicts the first new token.
         recomputed: ``[T]`` bool (CPU), the tokens the policy recomputed through the last layer
             (prefix and query included); for a static policy, through every layer.
         num_recomputed: ``recomputed.sum()``.
@@ -30,7 +29,7 @@ class Linked:
             (CacheBlend) recomputes more tokens in its early layers than ``num_recomputed``.
         layout: where every segment sits in the request's blocks.
         policy: the policy that chose the recomputed tokens.
-        link_s: seconds ``link`` took.
+        link_s: seconds ``link`` took (waiting for the engine included).
         num_shared_blocks: blocks of the request's table that alias a chunk's canonical block (no
             copy: one physical copy serves every live request linking the chunk).
         num_private_blocks: blocks the request owns: prefix, query, and copies of chunk blocks it
@@ -40,32 +39,31 @@ class Linked:
     called, the ``with`` block exits, or the object is garbage-collected.
     """
 
-    def __init__(
-        self,
-        *,
-        runner: ModelRunner,
-        tokenizer: object,
-        layout: Layout,
-        policy: Policy,
-        result: Recomputed,
-        link_s: float,
-        eos_token_ids: frozenset[int],
-        lock: threading.RLock,
-    ) -> None:
-        self.input_ids = layout.token_ids
-        self.logits = result.logits
+    def __init__(self, engine: Engine, seq: EngineSequence, *, link_s: float) -> None:
+        result = seq.first_pass
+        self.layout = seq.layout
+        self.input_ids = seq.layout.token_ids
         self.recomputed = result.recomputed
         self.num_recomputed = int(result.recomputed.sum())
         self.recomputed_by_layer = result.recomputed_by_layer
-        self.layout = layout
-        self.policy = policy
+        self.policy = seq.policy
         self.link_s = link_s
-        self.num_shared_blocks = result.num_shared_blocks
-        self.num_private_blocks = result.num_private_blocks
-        self._runner, self._tokenizer, self._eos, self._lock = runner, tokenizer, eos_token_ids, lock
-        self._req = result.req
+        self.num_shared_blocks = seq.num_shared_blocks
+        self.num_private_blocks = seq.num_private_blocks
+        self._engine, self._seq = engine, seq
+        self._hidden = seq.query_hidden  # [num_query_tokens, hidden_size]
+        self._logits: torch.Tensor | None = None
+        self._block_ids = list(seq.kv.blocks)
         self._started = False
-        self._finalizer = weakref.finalize(self, _release, lock, result.req)
+        self._finalizer = weakref.finalize(self, engine.release, seq)
+
+    @property
+    def logits(self) -> torch.Tensor:
+        """``[num_query_tokens, vocab_size]`` float32, next-token logits at every query position (the
+        last row predicts the first new token); computed on first access."""
+        if self._logits is None:
+            self._logits = self._engine.runner.logits(self._hidden)
+        return self._logits
 
     def generate(
         self,
@@ -87,14 +85,11 @@ class Linked:
             InvalidInputError: a bad sampling option (the request stays usable).
             LinkedReleasedError: the request was already generated from or released.
         """
-        steps = self._start(
+        seq = self._start(
             max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop
         )
-        while True:
-            try:
-                next(steps)
-            except StopIteration as done:
-                return done.value
+        self._engine.run_until(lambda: seq.is_finished)
+        return self._result()
 
     def stream(
         self,
@@ -109,44 +104,49 @@ class Linked:
         """Like ``generate``, yielding text pieces as they are final; their concatenation is the text.
 
         The stream ends cleanly whatever stops it (``Generation.stats.finish_reason`` of ``generate``
-        says why); closing it early releases the request."""
-        return self._start(
+        says why); closing it early aborts the generation and releases the request."""
+        seq = self._start(
             max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop
         )
+        return self._pieces(seq)
 
-    def _start(self, **options: object) -> Generator[str, None, Generation]:
+    def _start(self, **options: object) -> EngineSequence:
         params = SamplingParams(**options)
         if self._started or not self._finalizer.alive:
             raise LinkedReleasedError("this Linked request was already generated from or released; link it again")
         self._started = True
-        return self._run(params)
+        self._seq.link_s = self.link_s
+        self._engine.resume(self._seq, params)
+        return self._seq
 
-    def _run(self, params: SamplingParams) -> Generator[str, None, Generation]:
-        ctx = DecodeContext(
-            runner=self._runner,
-            tokenizer=self._tokenizer,
-            req=self._req,
-            first_logits=self.logits[-1],
-            num_prompt_tokens=self.input_ids.shape[0],
-            num_recomputed=self.num_recomputed,
-            link_s=self.link_s,
-            eos_token_ids=self._eos,
-            max_context=self._runner.spec.max_context,
-            lock=self._lock,
-        )
+    def _pieces(self, seq: EngineSequence) -> Generator[str, None, Generation]:
         try:
-            return (yield from decode(ctx, params))
+            while True:
+                self._engine.run_until(lambda: bool(seq.outbox))
+                out = seq.outbox.popleft()
+                if out.text:
+                    yield out.text
+                if out.finished:
+                    return self._result()
         finally:
             self.release()
 
+    def _result(self) -> Generation:
+        if self._seq.error is not None:
+            raise self._seq.error
+        return self._seq.generation
+
     @property
     def block_ids(self) -> list[int]:
-        """The physical KV blocks of the request, in slot order (a copy of its block table)."""
-        return list(self._req.blocks)
+        """The physical KV blocks of the request's linked prompt, in slot order (a copy of its block table
+        when ``link`` returned)."""
+        return list(self._block_ids)
 
     def release(self) -> None:
-        """Free the request's blocks now (idempotent)."""
+        """Free the request's blocks now (idempotent); aborts a generation still running."""
         self._finalizer()
+        seq = self._seq
+        self._engine.run_until(lambda: seq.is_finished)
 
     def __enter__(self) -> Linked:
         return self
@@ -159,9 +159,3 @@ class Linked:
             f"Linked(num_tokens={self.input_ids.shape[0]}, num_chunks={len(self.layout.chunks)}, "
             f"num_recomputed={self.num_recomputed}, policy={self.policy.spec!r})"
         )
-
-
-def _release(lock: threading.RLock, req: RequestKV) -> None:
-    """The finalizer: free the request's blocks under the engine lock."""
-    with lock:
-        req.release()

@@ -1,110 +1,101 @@
-"""The recompute pass: chunk blocks mapped (or copied where written), selected tokens run fresh,
-first-token logits out."""
+"""A request's recompute pass as one sequence of a batched forward: the tokens its policy selects run
+fresh through every layer, over its assembled KV (chunk blocks mapped, or copied where written)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from pic.kv import ChunkInfo, ChunkKV, KVCache, RequestKV
-from pic.link.assemble import assemble
+from pic.kv import KVCache
+from pic.link.assemble import Assembly
 from pic.link.layout import Layout
 from pic.link.policies import Policy
 from pic.link.step import LayerStep
-from pic.model import ModelRunner
-from pic.store import TieredStore
+from pic.model import SeqInput
 
 
-@dataclass
-class Recomputed:
-    """A linked request ready to decode.
+@dataclass(frozen=True)
+class PassResult:
+    """What a recompute pass ran.
 
     Attributes:
-        req: the request's KV (caller releases it).
-        logits: ``[num_query_tokens, vocab_size]`` float32, next-token logits at each query position.
         recomputed: ``[T]`` bool (CPU), the tokens that ran the last layer fresh (for a static
             policy: every layer).
         recomputed_by_layer: tokens run fresh in each layer, first layer first.
-        num_shared_blocks: block-table entries aliasing a chunk's canonical block (no copy).
-        num_private_blocks: blocks the request owns (prefix, query, copy-on-write chunk blocks).
     """
 
-    req: RequestKV
-    logits: torch.Tensor
     recomputed: torch.Tensor
     recomputed_by_layer: tuple[int, ...]
-    num_shared_blocks: int
-    num_private_blocks: int
 
 
-def recompute(
-    runner: ModelRunner,
-    store: TieredStore,
-    layout: Layout,
-    chunks: Sequence[ChunkInfo | ChunkKV],
-    policy: Policy,
-    *,
-    share: bool = True,
-) -> Recomputed:
-    """Map the chunks' cached KV into a new request and run the tokens ``policy`` selects through the layers.
+class RecomputePass:
+    """Builds a request's part of a batched forward, and tells what it ran once the forward is done.
 
     Args:
-        layout: the linked prompt's layout.
-        chunks: what ``TieredStore.resolve`` returned for each chunk of ``layout.chunks``, in order.
-        policy: chooses the tokens (``recompute_mask``), and for a dynamic policy drops some of
-            them after a layer (``keep_mask``).
-        share: map clean chunk blocks without copying them (``PICConfig.share_chunk_blocks``).
-            A dynamic policy writes every chunk token in its early layers, so it always gets copies.
-
-    Raises:
-        PolicyError: the policy returned a malformed selection or cannot run on this model.
-        KVPoolExhaustedError: the pool cannot hold the request (nothing is taken then).
+        assembly: the request's KV (``assemble``).
+        layout: its linked prompt.
+        selected: ``[T]`` bool (CPU), ``policy.recompute_mask(layout)``.
+        policy: a dynamic policy drops tokens after each layer (``keep_mask``).
+        num_layers: layers of the model.
+        num_output_rows: the last tokens of the prompt whose final hidden states the forward returns
+            (1 to sample the next token; the query's length for ``Linked.logits``).
     """
-    policy.check_model(num_layers=runner.spec.num_layers)
-    selected = policy.recompute_mask(layout)  # [T] bool, CPU
-    dirty = selected if share and not policy.is_dynamic else torch.ones_like(selected)
-    assembly = assemble(store, layout, chunks, dirty)
-    req, device = assembly.req, runner.spec.device
-    try:
+
+    def __init__(
+        self,
+        assembly: Assembly,
+        layout: Layout,
+        selected: torch.Tensor,
+        policy: Policy,
+        *,
+        num_layers: int,
+        num_output_rows: int,
+    ) -> None:
+        self.assembly, self.layout, self.policy = assembly, layout, policy
+        self.num_layers, self.num_output_rows = num_layers, num_output_rows
+        self.index = selected.nonzero().squeeze(1)  # [n] prompt indices of the tokens run (CPU)
+        self._tracker: _PassTracker | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the pass runs through the first layer."""
+        return self.index.shape[0]
+
+    def seq_input(self) -> SeqInput:
+        """The request's sequence in a forward (writes its slots' logical positions)."""
+        req, layout = self.assembly.req, self.layout
+        device = req.cache.device
+        index = self.index.to(device)
         slots, positions = layout.slots.to(device), layout.positions.to(device)
         req.kv_positions[slots] = positions
-        index = selected.nonzero().squeeze(1).to(device)  # [N] prompt indices of the tokens run
-        num_layers = runner.spec.num_layers
-        tracker = (
-            _PassTracker(req.cache, num_layers, layout, assembly.source_rows, policy, index)
-            if policy.is_dynamic
-            else None
-        )
-        num_query = layout.query.num_tokens
-        logits = runner.forward(
-            req,
+        if self.policy.is_dynamic:
+            self._tracker = _PassTracker(
+                req.cache, self.num_layers, layout, self.assembly.source_rows, self.policy, index
+            )
+        n = index.shape[0]
+        return SeqInput(
+            kv=req,
             token_ids=layout.token_ids.to(device)[index],
             positions=positions[index],
             slots=slots[index],
-            logits_rows=torch.arange(index.shape[0] - num_query, index.shape[0], device=device),
-            after_layer=tracker,
+            output_rows=torch.arange(n - self.num_output_rows, n, device=device),
+            after_layer=self._tracker,
         )
-    except BaseException:
-        req.release()
-        raise
-    req.release_held()  # the pass is over: canonical blocks the request copied are no longer read
-    tokens, counts = (tracker.tokens, tracker.counts) if tracker else (index, [index.shape[0]] * num_layers)
-    recomputed = torch.zeros(layout.num_tokens, dtype=torch.bool)
-    recomputed[tokens.cpu()] = True
-    return Recomputed(
-        req=req,
-        logits=logits,
-        recomputed=recomputed,
-        recomputed_by_layer=tuple(counts),
-        num_shared_blocks=assembly.num_shared_blocks,
-        num_private_blocks=assembly.num_private_blocks,
-    )
+
+    def result(self) -> PassResult:
+        """After the forward: the tokens that ran."""
+        tracker = self._tracker
+        tokens, counts = (
+            (tracker.tokens, tracker.counts) if tracker else (self.index, [self.num_tokens] * self.num_layers)
+        )
+        recomputed = torch.zeros(self.layout.num_tokens, dtype=torch.bool)
+        recomputed[tokens.cpu()] = True
+        return PassResult(recomputed=recomputed, recomputed_by_layer=tuple(counts))
 
 
 class _PassTracker:
-    """The runner's ``after_layer`` hook for a dynamic policy: counts the tokens run per layer, asks the
+    """The ``after_layer`` hook of a dynamic policy's sequence: counts the tokens run per layer, asks the
     policy which keep running, and remembers the tokens that ran the last layer."""
 
     def __init__(
@@ -118,7 +109,7 @@ class _PassTracker:
     ) -> None:
         self._cache, self._num_layers, self._layout = cache, num_layers, layout
         self._source_rows, self._policy = source_rows, policy
-        self._index = index  # [N] prompt indices of the tokens the pass started with
+        self._index = index  # [n] prompt indices of the tokens the pass started with
         self._cached = layout.cached.to(index.device)  # [T], moved to the device once per pass
         self.tokens = index  # prompt indices of the tokens that ran the latest layer
         self.counts: list[int] = []

@@ -1,29 +1,56 @@
-"""The model runner: a layer-by-layer forward over a Hugging Face model's own modules.
+"""The model runner: a layer-by-layer forward over a Hugging Face model's own modules, for a batch.
 
-It differs from ``model.forward`` in three ways that make position-independent caching possible:
-tokens come with explicit logical positions and KV slots (so a pass may run any subset of a
-request's tokens), K is written to the pool *before* RoPE, and attention rotates Q and K inside
-(``pic.attention``) with an exact causal mask by position. Run over every token of a prompt it
+It differs from ``model.forward`` in four ways that make position-independent caching and batching
+possible: tokens come with explicit logical positions and KV slots (so a pass may run any subset of
+a request's tokens), several sequences run in one forward (their tokens concatenated, each attending
+over its own paged KV), K is written to the pool *before* RoPE, and attention rotates Q and K
+inside (``pic.attention``) with an exact causal mask by position. Run over every token of a prompt it
 computes exactly what transformers computes; the tests hold it to that.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from pic.attention import AttentionPlan, make_plan, paged_attention
+from pic.attention import BatchPlan, RopeTable, make_plan, paged_attention
 from pic.kv import KVCache, RequestKV
 from pic.model.spec import ModelSpec, inspect_model
 
-# (layer, alive [N'] int64, rows [N'] int64) -> None or keep [N'] bool; see ``ModelRunner.forward``.
+# (layer, alive [n'] int64, rows [n'] int64) -> None or keep [n'] bool; see ``SeqInput.after_layer``.
 LayerHook = Callable[[int, torch.Tensor, torch.Tensor], "torch.Tensor | None"]
 
 
+@dataclass
+class SeqInput:
+    """One sequence's part of a forward.
+
+    Attributes:
+        kv: the sequence's KV; its other written slots are the context its tokens attend to.
+        token_ids: ``[n]`` int64 (model device).
+        positions: ``[n]`` int64 logical positions.
+        slots: ``[n]`` int64 request slots the tokens' KV is written to.
+        output_rows: ``[m]`` int64 indices into the ``n`` tokens whose final hidden states to return.
+        after_layer: called after each layer with ``(layer, alive, rows)``: ``alive`` ``[n']`` int64
+            indices (into the ``n`` tokens) of the tokens that ran it, ``rows`` ``[n']`` their cache
+            rows. It returns ``None`` or ``[n']`` bool: the tokens that go on to the next layer.
+            Dropped tokens keep whatever KV their slots hold in later layers; ``output_rows`` tokens
+            must not be dropped.
+    """
+
+    kv: RequestKV
+    token_ids: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    output_rows: torch.Tensor | None = None
+    after_layer: LayerHook | None = None
+
+
 class ModelRunner:
-    """Runs a supported HF causal LM over paged NoPE KV."""
+    """Runs a supported HF causal LM over paged NoPE KV, many sequences per forward."""
 
     def __init__(self, model: nn.Module) -> None:
         self.spec: ModelSpec = inspect_model(model)
@@ -32,64 +59,76 @@ class ModelRunner:
         self._embed = inner.embed_tokens
         self._layers = inner.layers
         self._norm = inner.norm
-        self._rotary = inner.rotary_emb
         self._lm_head = model.lm_head
-
-    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin ``[n, head_dim]`` (model dtype) at ``positions`` ``[n]``, from the model's own
-        rotary module, so its rope type and attention scaling apply."""
-        like = torch.empty(0, dtype=self.spec.dtype, device=self.spec.device)
-        cos, sin = self._rotary(like, positions[None])
-        return cos[0], sin[0]
+        spec = self.spec
+        self.rope = RopeTable(inner.rotary_emb, max_positions=spec.max_context, dtype=spec.dtype, device=spec.device)
 
     @torch.no_grad()
-    def forward(
-        self,
-        req: RequestKV,
-        *,
-        token_ids: torch.Tensor,
-        positions: torch.Tensor,
-        slots: torch.Tensor,
-        logits_rows: torch.Tensor | None = None,
-        after_layer: LayerHook | None = None,
-    ) -> torch.Tensor | None:
-        """Run ``N`` tokens of a request through every layer, writing their K (NoPE) and V.
-
-        Args:
-            req: the request; its other written slots are the context the tokens attend to.
-            token_ids: ``[N]`` int64.
-            positions: ``[N]`` int64 logical positions.
-            slots: ``[N]`` int64 request slots the tokens' KV is written to.
-            logits_rows: ``[M]`` int64 indices into the ``N`` tokens whose next-token logits to return.
-            after_layer: called after each layer with ``(layer, alive, rows)``: ``alive`` ``[N']``
-                int64 indices (into the ``N`` tokens) of the tokens that ran it, ``rows`` ``[N']``
-                their cache rows. It returns ``None`` or ``[N']`` bool: the tokens that go on to the
-                next layer. Dropped tokens keep whatever KV their slots hold in later layers; the
-                ``logits_rows`` tokens must not be dropped.
+    def forward(self, seqs: Sequence[SeqInput]) -> list[torch.Tensor]:
+        """Run the sequences' tokens through every layer in one batch, writing their K (NoPE) and V.
 
         Returns:
-            ``[M, vocab_size]`` float32 logits, or ``None`` when ``logits_rows`` is ``None``.
+            per sequence, ``[m, hidden_size]``: the final (normed) hidden states of its ``output_rows``
+            (``m = 0`` without). ``logits`` turns the rows to sample into logits.
         """
-        req.kv_positions[slots] = positions
-        plan = self._plan(req, positions)
-        rows = req.physical(slots)
-        alive = torch.arange(token_ids.shape[0], device=token_ids.device)
-        hidden = self._embed(token_ids)  # [N, hidden_size]
+        for seq in seqs:
+            seq.kv.kv_positions[seq.slots] = seq.positions
+        lens = [s.token_ids.shape[0] for s in seqs]
+        starts = torch.tensor([0, *lens[:-1]]).cumsum(0).tolist()  # each sequence's first token in the batch
+        positions = torch.cat([s.positions for s in seqs])  # [N]
+        rows = torch.cat([s.kv.physical(s.slots) for s in seqs])  # [N] cache rows written
+        alive = torch.arange(positions.shape[0], device=positions.device)  # [N'] tokens still running
+        plan = self._plan(seqs, positions, lens)
+        hidden = self._embed(torch.cat([s.token_ids for s in seqs]))  # [N, hidden_size]
+        hooked = any(s.after_layer is not None for s in seqs)
         for index, layer in enumerate(self._layers):
-            hidden = self._layer(index, layer, hidden, req.cache, plan, rows)
-            keep = None if after_layer is None else after_layer(index, alive, rows)
-            if keep is not None and not bool(keep.all()):
+            hidden = self._layer(index, layer, hidden, seqs[0].kv.cache, plan, rows)
+            keep = self._keep(index, seqs, starts, lens, alive, rows) if hooked else None
+            if keep is not None:
                 hidden, positions, rows, alive = hidden[keep], positions[keep], rows[keep], alive[keep]
-                plan = self._plan(req, positions)
-        if logits_rows is None:
-            return None
-        picked = torch.searchsorted(alive, logits_rows).clamp(max=alive.shape[0] - 1)
-        assert torch.equal(alive[picked], logits_rows), "a logits row was dropped from the pass"
-        return self._lm_head(self._norm(hidden[picked])).float()
+                lens = [int(k.sum()) for k in keep.split(lens)]
+                plan = self._plan(seqs, positions, lens)
+        return [self._outputs(seq, start, hidden, alive) for seq, start in zip(seqs, starts, strict=True)]
 
-    def _plan(self, req: RequestKV, q_positions: torch.Tensor) -> AttentionPlan:
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[m, hidden_size]`` final hidden states -> ``[m, vocab_size]`` float32 logits."""
+        with torch.no_grad():
+            return self._lm_head(hidden).float()
+
+    def _outputs(self, seq: SeqInput, start: int, hidden: torch.Tensor, alive: torch.Tensor) -> torch.Tensor:
+        if seq.output_rows is None or not seq.output_rows.numel():
+            return hidden[:0]
+        wanted = seq.output_rows + start
+        picked = torch.searchsorted(alive, wanted).clamp(max=alive.shape[0] - 1)
+        assert torch.equal(alive[picked], wanted), "an output row was dropped from the pass"
+        return self._norm(hidden[picked])
+
+    def _keep(
+        self,
+        layer: int,
+        seqs: Sequence[SeqInput],
+        starts: list[int],
+        lens: list[int],
+        alive: torch.Tensor,
+        rows: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """``[N']`` bool, the tokens that run the next layer (every hooked sequence asked), or ``None``."""
+        parts, dropped = [], False
+        for seq, start, alive_b, rows_b in zip(seqs, starts, alive.split(lens), rows.split(lens), strict=True):
+            keep_b = None if seq.after_layer is None else seq.after_layer(layer, alive_b - start, rows_b)
+            if keep_b is None:
+                keep_b = torch.ones_like(alive_b, dtype=torch.bool)
+            dropped |= not bool(keep_b.all())
+            parts.append(keep_b)
+        return torch.cat(parts) if dropped else None
+
+    def _plan(self, seqs: Sequence[SeqInput], positions: torch.Tensor, lens: list[int]) -> BatchPlan:
         return make_plan(
-            block_table=req.block_table, q_positions=q_positions, kv_positions=req.kv_positions, rope=self.rope
+            block_tables=[s.kv.block_table for s in seqs],
+            kv_positions=[s.kv.kv_positions for s in seqs],
+            q_positions=positions,
+            seq_lens=lens,
+            rope=self.rope,
         )
 
     def _layer(
@@ -98,7 +137,7 @@ class ModelRunner:
         layer: nn.Module,
         hidden: torch.Tensor,
         cache: KVCache,
-        plan: AttentionPlan,
+        plan: BatchPlan,
         rows: torch.Tensor,
     ) -> torch.Tensor:
         """One decoder layer; ``hidden`` ``[N, hidden_size]``, ``rows`` ``[N]`` cache rows to write."""

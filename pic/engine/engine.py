@@ -1,0 +1,293 @@
+"""The engine: owns the scheduler, the pool and the runner, and steps them; one forward per step.
+
+Every step runs, in one batched forward, the recompute passes of the requests it admits and the next
+token of every running one, then samples each request's next token with its own options and
+generator (logits only for the rows it samples) and detokenizes incrementally. Other threads never
+touch its state: ``add_request``, ``abort`` and the facade hand work to an inbox that the stepping
+thread drains at the start of each step (see ``Driver``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+
+import torch
+
+from pic.compile import encode
+from pic.config import PICConfig
+from pic.engine.detokenizer import Detokenizer
+from pic.engine.driver import Driver
+from pic.engine.linker import Linker
+from pic.engine.outputs import finish_output, token_output
+from pic.engine.request import Request, RequestOutput
+from pic.engine.scheduler import ScheduledBatch, Scheduler
+from pic.engine.sequence import Sequence, Status
+from pic.errors import InvalidInputError
+from pic.link import SamplingParams
+from pic.link.generate import FinishReason
+from pic.link.policies import Policy
+from pic.link.sampling import sample
+from pic.model import ModelRunner, SeqInput
+
+log = logging.getLogger("pic")
+
+
+class Engine:
+    """Continuous batching of linked requests over one model, KV pool and chunk store.
+
+    Use it iteratively (``add_request``, then ``step`` until ``has_unfinished()`` is false), or through
+    ``PIC``'s synchronous facade (``link``, ``generate_many``), which drives it for you. Only one thread
+    steps at a time; ``add_request`` and ``abort`` may be called from any thread.
+    """
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        tokenizer: object,
+        linker: Linker,
+        *,
+        config: PICConfig,
+        default_policy: Policy,
+        bos_token_id: int | None,
+        eos_token_ids: frozenset[int],
+        lock: threading.RLock,
+    ) -> None:
+        self.runner, self.tokenizer, self.linker = runner, tokenizer, linker
+        self.config, self.default_policy = config, default_policy
+        self.bos_token_id, self.eos_token_ids = bos_token_id, eos_token_ids
+        self.scheduler = Scheduler(
+            linker, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens
+        )
+        self.lock = lock  # held for each step; the store's methods take it too
+        self.driver = Driver()
+        self.num_steps = self.num_batched_seqs = 0  # steps that ran a forward, and the sequences in them
+        self._inbox: deque[tuple] = deque()  # appends and pops are atomic: no lock needed to hand work in
+        self._releases: deque[Sequence] = deque()
+        self._stepping = False
+        self._seqs: dict[int, Sequence] = {}
+        self._ids = itertools.count()
+
+    # -- handing work in (any thread) --------------------------------------------------------------
+
+    def add_request(self, request: Request) -> int:
+        """Queue a request; returns its id. Its outputs come from ``step``.
+
+        Raises:
+            InvalidInputError: an empty query, a bad token id.
+        """
+        return self.submit(request, watched=False).request_id
+
+    def abort(self, request_id: int) -> None:
+        """Stop a request at the next step (a final ``RequestOutput`` with ``FinishReason.ABORT``)."""
+        self._inbox.append(("abort", request_id))
+
+    def submit(self, request: Request, *, watched: bool, park: bool = False) -> Sequence:
+        """Tokenize and queue a request; ``park`` stops it after its recompute pass (``PIC.link``)."""
+        prefix_ids, query_ids = self._prompt(request)
+        seq = Sequence(
+            next(self._ids),
+            cache_ids=request.cache_ids,
+            prefix_ids=prefix_ids,
+            query_ids=query_ids,
+            policy=request.policy or self.default_policy,
+            sampling=None if park else request.sampling,
+            watched=watched,
+        )
+        if not park:
+            self._start_generation(seq, request.sampling)
+        self._inbox.append(("add", seq))
+        return seq
+
+    def resume(self, seq: Sequence, params: SamplingParams) -> None:
+        """Start generating from a parked sequence."""
+        self._inbox.append(("resume", seq, params))
+
+    def release(self, seq: Sequence) -> None:
+        """Free a sequence's blocks (abort it if it is still generating): now if no thread is stepping the
+        engine, else at the start of the next step. Safe from a finalizer, in any thread."""
+        self._releases.append(seq)
+        self.driver.try_run(self._drain_releases)
+
+    def call(self, fn: Callable[[], object]) -> object:
+        """Run ``fn`` on the thread that owns the engine, between two steps; returns its result."""
+        future: Future = Future()
+        self._inbox.append(("call", fn, future))
+        self.run_until(future.done)
+        return future.result()
+
+    def run_until(self, done: Callable[[], bool]) -> None:
+        """Step until ``done()`` (or wait while another thread steps)."""
+        self.driver.run_until(done, step=self.step, has_work=self.has_unfinished)
+
+    def has_unfinished(self) -> bool:
+        """Whether a request is queued or running (parked ones do not count) or work was handed in."""
+        return bool(self._inbox or self._releases) or self.scheduler.has_unfinished()
+
+    # -- stepping (the owning thread) ---------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Admit, run one batched forward, sample; returns what each request produced."""
+        with self.lock:
+            outputs = self._drain_releases() + self._drain_inbox()
+            self._stepping = True
+            try:
+                batch = self.scheduler.schedule()
+                outputs += [self._finish(seq, why) for seq, why in batch.failed]
+                if batch.prefills or batch.decodes or batch.resumed:
+                    outputs += self._run(batch)
+            finally:
+                self._stepping = False
+            self._deliver(outputs)
+        self.driver.step_done()
+        return outputs
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            seq = self._seqs[out.request_id]
+            if seq.watched:
+                seq.outbox.append(out)
+            if out.finished:
+                del self._seqs[out.request_id]
+
+    def _drain_releases(self) -> list[RequestOutput]:
+        """Abort the sequences handed to ``release`` (not from inside a step: a finalizer may run there)."""
+        outputs = []
+        with self.lock:
+            while self._releases and not self._stepping:
+                seq = self._releases.popleft()
+                if not seq.is_finished:
+                    outputs.append(self._finish(seq, FinishReason.ABORT))
+            self._deliver(outputs)
+        return outputs
+
+    def _drain_inbox(self) -> list[RequestOutput]:
+        outputs = []
+        while self._inbox:
+            kind, *args = self._inbox.popleft()
+            if kind == "add":
+                (seq,) = args
+                self._seqs[seq.request_id] = seq
+                self.scheduler.add(seq)
+            elif kind == "call":
+                fn, future = args
+                try:
+                    future.set_result(fn())
+                except Exception as exc:
+                    future.set_exception(exc)
+            elif kind == "resume":
+                seq, params = args
+                self._start_generation(seq, params)
+                seq.sampling, seq.resumed_s = params, time.perf_counter()
+                self.scheduler.add(seq)
+            else:  # abort
+                seq = self._seqs.get(args[0])
+                if seq is not None and not seq.is_finished:
+                    outputs.append(self._finish(seq, FinishReason.ABORT))
+        return outputs
+
+    def _run(self, batch: ScheduledBatch) -> list[RequestOutput]:
+        """The forward over the batch's passes and decode tokens, then one token per sampling sequence."""
+        start = time.perf_counter()
+        for seq in batch.prefills:
+            seq.scheduled_s = seq.scheduled_s or start
+        inputs = [seq.pass_.seq_input() for seq in batch.prefills] + [self._decode_input(s) for s in batch.decodes]
+        try:
+            hidden = self.runner.forward(inputs) if inputs else []
+        except Exception as exc:  # the batch's requests fail; the engine and every other request go on
+            log.exception("pic: a forward failed")
+            return [self._finish(seq, exc) for seq in batch.prefills + batch.decodes]
+        self.num_steps += 1
+        self.num_batched_seqs += len(inputs)
+        now = time.perf_counter()
+        rows: list[tuple[Sequence, torch.Tensor]] = []
+        outputs = []
+        for seq, h in zip(batch.prefills, hidden, strict=False):
+            self.linker.pass_done(seq)
+            seq.linked_s = seq.linked_s or now
+            if seq.sampling is None:  # PIC.link: park with the query's hidden states (Linked.logits)
+                seq.query_hidden, seq.status = h, Status.PARKED
+            else:
+                rows.append((seq, h[-1]))
+        rows += [(seq, h[-1]) for seq, h in zip(batch.decodes, hidden[len(batch.prefills) :], strict=True)]
+        rows += [(seq, seq.query_hidden[-1]) for seq in batch.resumed]
+        for seq, _ in rows:
+            if seq.sampling.max_new_tokens == 0:
+                outputs.append(self._finish(seq, FinishReason.LENGTH))
+        rows = [(seq, h) for seq, h in rows if not seq.is_finished]
+        for (seq, _), token in zip(rows, self._sample(rows), strict=True):
+            outputs.append(self._append(seq, token))
+        return outputs
+
+    def _decode_input(self, seq: Sequence) -> SeqInput:
+        device = self.runner.spec.device
+        position = seq.num_prompt_tokens + len(seq.output_ids) - 1
+        return SeqInput(
+            kv=seq.kv,
+            token_ids=torch.tensor([seq.output_ids[-1]], device=device),
+            positions=torch.tensor([position], device=device),
+            slots=torch.tensor([seq.next_slot], device=device),
+            output_rows=torch.zeros(1, dtype=torch.long, device=device),
+        )
+
+    def _sample(self, rows: list[tuple[Sequence, torch.Tensor]]) -> list[int]:
+        """Each row's next token, with its sequence's options and generator; logits of these rows only."""
+        if not rows:
+            return []
+        logits = self.runner.logits(torch.stack([h for _, h in rows]))  # [B, vocab_size] float32
+        greedy = logits.argmax(-1).tolist()
+        return [
+            greedy[i] if seq.sampling.temperature == 0.0 else sample(logits[i], seq.sampling, seq.generator)
+            for i, (seq, _) in enumerate(rows)
+        ]
+
+    def _append(self, seq: Sequence, token: int) -> RequestOutput:
+        """Record a sampled token; finish the sequence when it ends the generation."""
+        seq.first_token_s = seq.first_token_s or time.perf_counter()
+        seq.output_ids.append(token)
+        if token in self.eos_token_ids:
+            return self._finish(seq, FinishReason.EOS, token=token)
+        text = seq.detokenizer.add(token)
+        if seq.detokenizer.stopped:
+            reason = FinishReason.STOP
+        elif len(seq.output_ids) >= seq.sampling.max_new_tokens:
+            reason = FinishReason.LENGTH
+        elif seq.num_prompt_tokens + len(seq.output_ids) >= self.runner.spec.max_context:
+            reason = FinishReason.CONTEXT
+        else:
+            seq.status = Status.RUNNING
+            return token_output(seq, text, token)
+        return self._finish(seq, reason, text=text, token=token)
+
+    def _finish(
+        self, seq: Sequence, why: FinishReason | Exception, *, text: str = "", token: int | None = None
+    ) -> RequestOutput:
+        """Free the sequence's blocks and build its last output."""
+        self.scheduler.remove(seq)
+        self.linker.release(seq)
+        if why is FinishReason.KV_POOL:
+            log.warning(
+                "pic: request %d stopped after %d tokens: the KV pool is full", seq.request_id, len(seq.output_ids)
+            )
+        return finish_output(seq, why, text=text, token=token)
+
+    def _start_generation(self, seq: Sequence, params: SamplingParams) -> None:
+        seq.detokenizer = Detokenizer(self.tokenizer, stop=params.stop)
+        if params.seed is not None:
+            seq.generator = torch.Generator(device=self.runner.spec.device).manual_seed(params.seed)
+
+    def _prompt(self, request: Request) -> tuple[list[int], list[int]]:
+        """Prefix and query token ids; the BOS goes first (on the prefix, or on a query without chunks)."""
+        vocab = self.runner.spec.vocab_size
+        query_ids = encode(self.tokenizer, request.query, what="query", vocab_size=vocab)
+        prefix_ids = encode(self.tokenizer, request.prefix, what="prefix", vocab_size=vocab)
+        if not query_ids:
+            raise InvalidInputError(f"query {request.query!r} has no tokens; link needs at least one query token")
+        if self.config.add_bos and self.bos_token_id is not None and (prefix_ids or not request.cache_ids):
+            (prefix_ids if prefix_ids else query_ids).insert(0, self.bos_token_id)
+        return prefix_ids, query_ids

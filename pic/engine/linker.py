@@ -1,0 +1,159 @@
+"""From cache ids to KV blocks for the scheduler: resolve, lay out, select, admit, grow, preempt, release.
+
+The scheduler decides *who* runs; the linker does the store and pool work its decisions need. Every
+method runs on the thread stepping the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from pic.config import CompileOptions
+from pic.engine.sequence import Sequence
+from pic.errors import CompileOptionsMismatchError, ContextLengthError
+from pic.kv import ChunkInfo, ChunkKV
+from pic.link import lay_out
+from pic.link.assemble import AssemblyPlan, assemble, plan_assembly
+from pic.link.policies import Policy
+from pic.link.recompute import RecomputePass
+from pic.model import ModelSpec
+from pic.store import TieredStore
+
+
+class Linker:
+    """Block-level work on sequences.
+
+    Args:
+        store: the chunk store; its device tier is the KV pool.
+        spec: the model's shapes (layers, context).
+        compile_options: the options chunks must have been compiled with for a policy.
+        block_size: tokens per block.
+        share_chunk_blocks: map clean chunk blocks without copying (``PICConfig.share_chunk_blocks``).
+    """
+
+    def __init__(
+        self,
+        store: TieredStore,
+        spec: ModelSpec,
+        *,
+        compile_options: Callable[[Policy], CompileOptions],
+        block_size: int,
+        share_chunk_blocks: bool,
+    ) -> None:
+        self.store, self.pool, self.spec = store, store.device.pool, spec
+        self._compile_options, self._block_size, self._share = compile_options, block_size, share_chunk_blocks
+
+    def plan(self, seq: Sequence) -> AssemblyPlan:
+        """What admitting ``seq`` takes from the pool now; resolves its chunks (again, after an eviction)
+        and lays it out (prompt and the tokens it generated before a preemption).
+
+        Raises:
+            UnknownCacheIdError, StoreUnavailableError, CompileOptionsMismatchError, ContextLengthError,
+            PolicyError: the request cannot run (it fails; nothing was taken).
+        """
+        evicted = seq.chunks and any(
+            isinstance(c, ChunkInfo) and not self.store.device.contains(c.cache_id) for c in seq.chunks
+        )
+        if seq.chunks is None or evicted:
+            seq.chunks = self._resolve(seq)
+            seq.layout = None
+        if seq.layout is None or seq.layout.num_tokens != seq.num_prompt_tokens + len(seq.output_ids):
+            seq.layout = lay_out(
+                prefix=seq.prefix_ids,
+                chunks=seq.chunks,
+                query=seq.query_ids + seq.output_ids,
+                block_size=self._block_size,
+            )
+            self._check_length(seq)
+            seq.policy.check_model(num_layers=self.spec.num_layers)
+            seq.selected = seq.policy.recompute_mask(seq.layout)
+        dynamic = seq.policy.is_dynamic
+        dirty = seq.selected if self._share and not dynamic else torch.ones_like(seq.selected)
+        return plan_assembly(self.store, seq.layout, seq.chunks, dirty)
+
+    def can_admit(self, plan: AssemblyPlan, seq: Sequence) -> bool:
+        return self.pool.num_available(holding=self._to_hold(plan, seq)) >= plan.num_blocks_needed
+
+    def check_admit(self, plan: AssemblyPlan, seq: Sequence) -> None:
+        """Raise ``KVPoolExhaustedError`` (blocks needed and available) unless ``can_admit``."""
+        self.pool.check_available(plan.num_blocks_needed, holding=self._to_hold(plan, seq), what=plan.describe())
+
+    def _to_hold(self, plan: AssemblyPlan, seq: Sequence) -> list[str]:
+        return [cid for cid in plan.resident if cid not in seq.held]
+
+    def admit(self, plan: AssemblyPlan, seq: Sequence, *, num_output_rows: int) -> None:
+        """Take the blocks (shared chunk blocks mapped, dirty ones copied) and set up the recompute pass."""
+        assembly = assemble(self.store, plan, held=seq.held)
+        seq.held = {}
+        seq.kv = assembly.req
+        if seq.first_pass is None:
+            seq.num_shared_blocks, seq.num_private_blocks = assembly.num_shared_blocks, assembly.num_private_blocks
+        seq.pass_ = RecomputePass(
+            assembly,
+            plan.layout,
+            seq.selected,
+            seq.policy,
+            num_layers=self.spec.num_layers,
+            num_output_rows=num_output_rows,
+        )
+
+    def pass_done(self, seq: Sequence) -> None:
+        """After the forward: the canonical blocks the request copied are no longer read."""
+        result = seq.pass_.result()
+        if seq.first_pass is None:
+            seq.first_pass = result
+        seq.pass_ = None
+        seq.kv.release_held()
+
+    def can_append(self, seq: Sequence) -> bool:
+        """Whether ``append`` can take the slot of the sequence's next token."""
+        kv = seq.kv
+        return kv.num_slots < len(kv.blocks) * self._block_size or self.pool.num_available() >= 1
+
+    def append(self, seq: Sequence) -> int:
+        """Reserve the slot of the next token (a new private block when the last is full)."""
+        return seq.kv.append_slot()
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free the sequence's blocks but keep its chunks resident (held) until it is admitted again."""
+        for cid in dict.fromkeys(seq.cache_ids):
+            if cid not in seq.held and self.store.device.contains(cid):
+                seq.held[cid] = self.pool.hold(cid)
+        seq.kv.release()
+        seq.kv, seq.pass_ = None, None
+        seq.num_preemptions += 1
+
+    def release(self, seq: Sequence) -> None:
+        """Drop every block reference the sequence owns (idempotent)."""
+        if seq.kv is not None:
+            seq.kv.release()
+            seq.kv = None
+        self.drop_holds(seq)
+
+    def drop_holds(self, seq: Sequence) -> None:
+        """Let the chunks a preempted sequence keeps resident go (it resolves them again when admitted)."""
+        held, seq.held = seq.held, {}
+        self.pool.free(b for blocks in held.values() for b in blocks)
+
+    def _resolve(self, seq: Sequence) -> list[ChunkInfo | ChunkKV]:
+        options = self._compile_options(seq.policy)
+        chunks = []
+        for cid in seq.cache_ids:
+            chunk = self.store.resolve(cid)
+            if chunk.options != options:
+                raise CompileOptionsMismatchError(
+                    f"chunk {cid} was compiled with {chunk.options!r} but policy {seq.policy.spec!r} needs "
+                    f"{options!r}; compile it with compile(docs, policy={seq.policy.spec!r})"
+                )
+            chunks.append(chunk)
+        return chunks
+
+    def _check_length(self, seq: Sequence) -> None:
+        num_tokens, context = seq.layout.num_tokens, self.spec.max_context
+        if num_tokens > context:
+            raise ContextLengthError(
+                f"linked prompt has {num_tokens} tokens, more than the {context}-token context of "
+                f"{self.spec.architecture}"
+            )

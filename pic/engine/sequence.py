@@ -1,0 +1,90 @@
+"""A request's state inside the engine, from arrival to its last token."""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections import deque
+
+import torch
+
+from pic.engine.detokenizer import Detokenizer
+from pic.engine.request import RequestOutput
+from pic.kv import ChunkInfo, ChunkKV, RequestKV
+from pic.link import Generation, Layout, SamplingParams
+from pic.link.generate import FinishReason
+from pic.link.policies import Policy
+from pic.link.recompute import PassResult, RecomputePass
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # queued for a recompute pass (new, or preempted)
+    RUNNING = "running"  # decoding: one token per step
+    PARKED = "parked"  # linked, not generating: ``PIC.link`` holds its KV until ``Linked.generate``
+    FINISHED = "finished"
+
+
+class Sequence:
+    """One request: its prompt pieces, its KV once admitted, its tokens, timings, and how it ended.
+
+    Only the thread stepping the engine changes a sequence; facade threads read ``status``,
+    ``outbox`` and the results once the step that set them notifies them.
+
+    Args:
+        request_id: the engine's id.
+        cache_ids, prefix_ids, query_ids: the prompt (BOS already placed).
+        policy: the recompute policy.
+        sampling: how to generate; ``None`` parks the sequence after its recompute pass.
+        watched: a facade thread waits on it: outputs are kept in ``outbox``.
+    """
+
+    def __init__(
+        self,
+        request_id: int,
+        *,
+        cache_ids: list[str],
+        prefix_ids: list[int],
+        query_ids: list[int],
+        policy: Policy,
+        sampling: SamplingParams | None,
+        watched: bool,
+    ) -> None:
+        self.request_id = request_id
+        self.cache_ids, self.prefix_ids, self.query_ids = cache_ids, prefix_ids, query_ids
+        self.policy, self.sampling, self.watched = policy, sampling, watched
+        self.status = Status.WAITING
+        self.arrival_s = time.perf_counter()
+        self.scheduled_s: float | None = None  # first admitted
+        self.linked_s: float | None = None  # first recompute pass done
+        self.resumed_s: float | None = None  # generation started (parked sequences: ``Linked.generate``)
+        self.first_token_s: float | None = None
+        self.link_s: float | None = None  # ``PIC.link``'s wall time, for a parked sequence
+        self.chunks: list[ChunkInfo | ChunkKV] | None = None  # resolved at the first admission attempt
+        self.layout: Layout | None = None  # of prompt + generated tokens: a preempted sequence is re-laid out
+        self.selected: torch.Tensor | None = None  # [T] bool, the policy's recompute mask for ``layout``
+        self.kv: RequestKV | None = None
+        self.held: dict[str, list[int]] = {}  # chunk blocks kept while preempted
+        self.pass_: RecomputePass | None = None  # the recompute pass of the current step
+        self.next_slot: int | None = None  # the slot of the token a decode step runs
+        self.first_pass: PassResult | None = None
+        self.num_shared_blocks = self.num_private_blocks = 0
+        self.query_hidden: torch.Tensor | None = None  # [num_query, hidden] final hidden states (parked)
+        self.output_ids: list[int] = []
+        self.detokenizer: Detokenizer | None = None
+        self.generator: torch.Generator | None = None
+        self.num_preemptions = 0
+        self.finish_reason: FinishReason | None = None
+        self.generation: Generation | None = None
+        self.error: Exception | None = None
+        self.outbox: deque[RequestOutput] = deque()
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prefix_ids) + sum(c.num_tokens for c in self.chunks or ()) + len(self.query_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def __repr__(self) -> str:
+        return f"Sequence({self.request_id}, {self.status.value}, {len(self.output_ids)} tokens)"
