@@ -152,3 +152,12 @@ def test_eight_threads_link_and_generate_at_once():
     assert [together.get(i) for i in range(8)] == single
     assert (core.num_batched_seqs - seqs) / (core.num_steps - steps) > 2  # batched, not one at a time
     check_pool(engine.pool, {})
+
+
+def test_stream_pieces_equal_the_text_with_byte_tokens():
+    """A regression: byte-fallback tokens once made the streamed pieces differ from ``generate().text``."""
+    engine = make_engine("qwen2")
+    ids = engine.compile(list(DOCS))
+    text = engine.link(ids, QUERY, prefix=PREFIX, policy="naive").generate(12).text
+    pieces = list(engine.link(ids, QUERY, prefix=PREFIX, policy="naive").stream(12))
+    assert "".join(pieces) == text and len(pieces) > 3

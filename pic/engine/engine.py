@@ -19,21 +19,19 @@ from concurrent.futures import Future
 
 import torch
 
-from pic.compile import encode
 from pic.config import PICConfig
 from pic.engine.detokenizer import Detokenizer
 from pic.engine.driver import Driver
 from pic.engine.linker import Linker
 from pic.engine.outputs import finish_output, token_output
-from pic.engine.request import Request, RequestOutput
+from pic.engine.request import Request, RequestOutput, prompt_ids
 from pic.engine.scheduler import ScheduledBatch, Scheduler
 from pic.engine.sequence import Sequence, Status
-from pic.errors import InvalidInputError
 from pic.link import SamplingParams
 from pic.link.generate import FinishReason
 from pic.link.policies import Policy
-from pic.link.sampling import sample
-from pic.model import ModelRunner, SeqInput
+from pic.link.sampling import sample_rows
+from pic.model import ModelRunner
 
 log = logging.getLogger("pic")
 
@@ -67,7 +65,9 @@ class Engine:
         self.lock = lock  # held for each step; the store's methods take it too
         self.driver = Driver()
         self.num_steps = self.num_batched_seqs = 0  # steps that ran a forward, and the sequences in them
-        self._inbox: deque[tuple] = deque()  # appends and pops are atomic: no lock needed to hand work in
+        # Work handed in by any thread, run by the owner at the start of a step. Deque appends and pops are
+        # atomic, so handing work in takes no lock.
+        self._inbox: deque[Callable[[], RequestOutput | None]] = deque()
         self._releases: deque[Sequence] = deque()
         self._stepping = False
         self._seqs: dict[int, Sequence] = {}
@@ -85,11 +85,16 @@ class Engine:
 
     def abort(self, request_id: int) -> None:
         """Stop a request at the next step (a final ``RequestOutput`` with ``FinishReason.ABORT``)."""
-        self._inbox.append(("abort", request_id))
+        self._inbox.append(lambda: self._abort(self._seqs.get(request_id)))
 
     def submit(self, request: Request, *, watched: bool, park: bool = False) -> Sequence:
         """Tokenize and queue a request; ``park`` stops it after its recompute pass (``PIC.link``)."""
-        prefix_ids, query_ids = self._prompt(request)
+        prefix_ids, query_ids = prompt_ids(
+            request,
+            self.tokenizer,
+            vocab_size=self.runner.spec.vocab_size,
+            bos_token_id=self.bos_token_id if self.config.add_bos else None,
+        )
         seq = Sequence(
             next(self._ids),
             cache_ids=request.cache_ids,
@@ -101,12 +106,12 @@ class Engine:
         )
         if not park:
             self._start_generation(seq, request.sampling)
-        self._inbox.append(("add", seq))
+        self._inbox.append(lambda: self._add(seq))
         return seq
 
     def resume(self, seq: Sequence, params: SamplingParams) -> None:
         """Start generating from a parked sequence."""
-        self._inbox.append(("resume", seq, params))
+        self._inbox.append(lambda: self._resume(seq, params))
 
     def release(self, seq: Sequence) -> None:
         """Free a sequence's blocks (abort it if it is still generating): now if no thread is stepping the
@@ -117,7 +122,14 @@ class Engine:
     def call(self, fn: Callable[[], object]) -> object:
         """Run ``fn`` on the thread that owns the engine, between two steps; returns its result."""
         future: Future = Future()
-        self._inbox.append(("call", fn, future))
+
+        def run() -> None:
+            try:
+                future.set_result(fn())
+            except Exception as exc:
+                future.set_exception(exc)
+
+        self._inbox.append(run)
         self.run_until(future.done)
         return future.result()
 
@@ -160,43 +172,38 @@ class Engine:
         outputs = []
         with self.lock:
             while self._releases and not self._stepping:
-                seq = self._releases.popleft()
-                if not seq.is_finished:
-                    outputs.append(self._finish(seq, FinishReason.ABORT))
+                out = self._abort(self._releases.popleft())
+                if out is not None:
+                    outputs.append(out)
             self._deliver(outputs)
         return outputs
 
     def _drain_inbox(self) -> list[RequestOutput]:
         outputs = []
         while self._inbox:
-            kind, *args = self._inbox.popleft()
-            if kind == "add":
-                (seq,) = args
-                self._seqs[seq.request_id] = seq
-                self.scheduler.add(seq)
-            elif kind == "call":
-                fn, future = args
-                try:
-                    future.set_result(fn())
-                except Exception as exc:
-                    future.set_exception(exc)
-            elif kind == "resume":
-                seq, params = args
-                self._start_generation(seq, params)
-                seq.sampling, seq.resumed_s = params, time.perf_counter()
-                self.scheduler.add(seq)
-            else:  # abort
-                seq = self._seqs.get(args[0])
-                if seq is not None and not seq.is_finished:
-                    outputs.append(self._finish(seq, FinishReason.ABORT))
+            out = self._inbox.popleft()()
+            if out is not None:
+                outputs.append(out)
         return outputs
+
+    def _add(self, seq: Sequence) -> None:
+        self._seqs[seq.request_id] = seq
+        self.scheduler.add(seq)
+
+    def _resume(self, seq: Sequence, params: SamplingParams) -> None:
+        self._start_generation(seq, params)
+        seq.sampling, seq.resumed_s = params, time.perf_counter()
+        self.scheduler.add(seq)
+
+    def _abort(self, seq: Sequence | None) -> RequestOutput | None:
+        return None if seq is None or seq.is_finished else self._finish(seq, FinishReason.ABORT)
 
     def _run(self, batch: ScheduledBatch) -> list[RequestOutput]:
         """The forward over the batch's passes and decode tokens, then one token per sampling sequence."""
         start = time.perf_counter()
         for seq in batch.prefills:
             seq.scheduled_s = seq.scheduled_s or start
-        inputs = [seq.pass_.seq_input() for seq in batch.prefills] + [self._decode_input(s) for s in batch.decodes]
+        inputs = [seq.pass_.seq_input() for seq in batch.prefills] + [s.decode_input() for s in batch.decodes]
         try:
             hidden = self.runner.forward(inputs) if inputs else []
         except Exception as exc:  # the batch's requests fail; the engine and every other request go on
@@ -224,27 +231,12 @@ class Engine:
             outputs.append(self._append(seq, token))
         return outputs
 
-    def _decode_input(self, seq: Sequence) -> SeqInput:
-        device = self.runner.spec.device
-        position = seq.num_prompt_tokens + len(seq.output_ids) - 1
-        return SeqInput(
-            kv=seq.kv,
-            token_ids=torch.tensor([seq.output_ids[-1]], device=device),
-            positions=torch.tensor([position], device=device),
-            slots=torch.tensor([seq.next_slot], device=device),
-            output_rows=torch.zeros(1, dtype=torch.long, device=device),
-        )
-
     def _sample(self, rows: list[tuple[Sequence, torch.Tensor]]) -> list[int]:
         """Each row's next token, with its sequence's options and generator; logits of these rows only."""
         if not rows:
             return []
         logits = self.runner.logits(torch.stack([h for _, h in rows]))  # [B, vocab_size] float32
-        greedy = logits.argmax(-1).tolist()
-        return [
-            greedy[i] if seq.sampling.temperature == 0.0 else sample(logits[i], seq.sampling, seq.generator)
-            for i, (seq, _) in enumerate(rows)
-        ]
+        return sample_rows(logits, [seq.sampling for seq, _ in rows], [seq.generator for seq, _ in rows])
 
     def _append(self, seq: Sequence, token: int) -> RequestOutput:
         """Record a sampled token; finish the sequence when it ends the generation."""
@@ -280,14 +272,3 @@ class Engine:
         seq.detokenizer = Detokenizer(self.tokenizer, stop=params.stop)
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.runner.spec.device).manual_seed(params.seed)
-
-    def _prompt(self, request: Request) -> tuple[list[int], list[int]]:
-        """Prefix and query token ids; the BOS goes first (on the prefix, or on a query without chunks)."""
-        vocab = self.runner.spec.vocab_size
-        query_ids = encode(self.tokenizer, request.query, what="query", vocab_size=vocab)
-        prefix_ids = encode(self.tokenizer, request.prefix, what="prefix", vocab_size=vocab)
-        if not query_ids:
-            raise InvalidInputError(f"query {request.query!r} has no tokens; link needs at least one query token")
-        if self.config.add_bos and self.bos_token_id is not None and (prefix_ids or not request.cache_ids):
-            (prefix_ids if prefix_ids else query_ids).insert(0, self.bos_token_id)
-        return prefix_ids, query_ids

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pic.compile import TextOrTokens, cache_id_list
+from pic.compile import TextOrTokens, cache_id_list, encode
+from pic.errors import InvalidInputError
 from pic.link import Generation, SamplingParams, policies
 
 
@@ -66,3 +67,21 @@ class RequestOutput:
     finished: bool
     generation: Generation | None = None
     error: Exception | None = None
+
+
+def prompt_ids(
+    request: Request, tokenizer: object, *, vocab_size: int, bos_token_id: int | None
+) -> tuple[list[int], list[int]]:
+    """The request's prefix and query token ids. The BOS (``None``: none) goes first: on the prefix, or
+    on the query when there is neither a prefix nor a chunk (a chunk brings its own).
+
+    Raises:
+        InvalidInputError: an empty query, a bad token id.
+    """
+    query_ids = encode(tokenizer, request.query, what="query", vocab_size=vocab_size)
+    prefix_ids = encode(tokenizer, request.prefix, what="prefix", vocab_size=vocab_size)
+    if not query_ids:
+        raise InvalidInputError(f"query {request.query!r} has no tokens; link needs at least one query token")
+    if bos_token_id is not None and (prefix_ids or not request.cache_ids):
+        (prefix_ids if prefix_ids else query_ids).insert(0, bos_token_id)
+    return prefix_ids, query_ids

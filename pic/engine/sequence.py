@@ -15,6 +15,7 @@ from pic.link import Generation, Layout, SamplingParams
 from pic.link.generate import FinishReason
 from pic.link.policies import Policy
 from pic.link.recompute import PassResult, RecomputePass
+from pic.model import SeqInput
 
 
 class Status(enum.Enum):
@@ -81,6 +82,18 @@ class Sequence:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prefix_ids) + sum(c.num_tokens for c in self.chunks or ()) + len(self.query_ids)
+
+    def decode_input(self) -> SeqInput:
+        """The sequence's part of a decode step: its last token, at the slot the scheduler reserved."""
+        device = self.kv.cache.device
+        position = self.num_prompt_tokens + len(self.output_ids) - 1
+        return SeqInput(
+            kv=self.kv,
+            token_ids=torch.tensor([self.output_ids[-1]], device=device),
+            positions=torch.tensor([position], device=device),
+            slots=torch.tensor([self.next_slot], device=device),
+            output_rows=torch.zeros(1, dtype=torch.long, device=device),
+        )
 
     @property
     def is_finished(self) -> bool:

@@ -63,3 +63,12 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         logits = logits.masked_fill(drop, float("-inf"))
     probs = logits.softmax(-1)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def sample_rows(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> list[int]:
+    """Next token of each row of ``logits`` ``[B, vocab_size]`` float32, with that row's options and
+    generator (greedy rows share one argmax)."""
+    greedy = logits.argmax(-1).tolist()
+    return [greedy[i] if p.temperature == 0.0 else sample(logits[i], p, generators[i]) for i, p in enumerate(params)]
