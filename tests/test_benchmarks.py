@@ -60,3 +60,28 @@ def test_memory_benchmark_writes_json(tmp_path):
     ratios = [p["peak_blocks"] / s["peak_blocks"] for s, p in zip(shared, private, strict=True)]
     assert report["private_over_mepic"] == ratios
     assert (out.with_suffix(".png")).exists() or "matplotlib is not installed" in proc.stdout
+
+
+def test_throughput_benchmark_writes_json(tmp_path):
+    args = [sys.executable, str(BENCHMARKS / "throughput.py"), "--quick", "--out", str(tmp_path)]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((tmp_path / "throughput.json").read_text())
+    assert report["command"].endswith("throughput.py --quick --out " + str(tmp_path))
+    assert report["torch_threads"] == 1
+    assert list(report["raw"]) == list(report["medians"]) == ["facade", "engine 1", "engine 4"]
+    assert report["identical_tokens"]
+    digests = {row["token_digest"] for rows in report["raw"].values() for row in rows}
+    assert len(digests) == 1  # every variant generated the same tokens for every request
+    workload, facade = report["workload"], report["medians"]["facade"]
+    for name, rows in report["raw"].items():
+        assert len(rows) == workload["repeats"] == 1
+        for row in rows:
+            assert row["generated_tokens"] == workload["requests"] * workload["new_tokens"] == 64
+            assert row["tokens_per_s"] == row["generated_tokens"] / row["wall_s"]
+            assert row["preemptions"] == 0
+        median = report["medians"][name]
+        assert median["tokens_per_s_over_facade"] == median["tokens_per_s"] / facade["tokens_per_s"]
+        assert report["tokens_per_s_over_facade"][name] == median["tokens_per_s_over_facade"]
+    assert 1 < report["medians"]["engine 4"]["mean_batch"] <= 4
+    assert (tmp_path / "throughput.png").exists() or "matplotlib is not installed" in proc.stdout

@@ -209,7 +209,7 @@ class Engine:
         except Exception as exc:  # the batch's requests fail; the engine and every other request go on
             log.exception("pic: a forward failed")
             return [self._finish(seq, exc) for seq in batch.prefills + batch.decodes]
-        self.num_steps += 1
+        self.num_steps += bool(inputs)
         self.num_batched_seqs += len(inputs)
         now = time.perf_counter()
         rows: list[tuple[Sequence, torch.Tensor]] = []
