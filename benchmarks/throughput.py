@@ -35,17 +35,11 @@ import pic
 from pic.evaluation.workload import sample_workload
 from pic.model.loading import EMBEDDED_MODEL, load_pretrained
 
+sys.path.insert(0, str(Path(__file__).parent))
+from memory import zipf_draw  # noqa: E402  (the same Zipf-like draw as the memory benchmark)
+
 FACADE = "facade"
 Workload = tuple[list[list[int]], list[tuple[list[int], list[int]]]]  # chunk token ids, (chunk indices, query)
-
-
-def zipf_draw(rng: random.Random, num_chunks: int, k: int, s: float) -> list[int]:
-    """``k`` distinct chunk indices, weights ``1 / rank^s`` (index 0 is rank 1), without replacement."""
-    left, chosen = list(range(num_chunks)), []
-    for _ in range(k):
-        i = rng.choices(range(len(left)), weights=[1 / (c + 1) ** s for c in left])[0]
-        chosen.append(left.pop(i))
-    return chosen
 
 
 def make_workload(engine: pic.PIC, args: argparse.Namespace) -> Workload:

@@ -94,7 +94,6 @@ def test_preemption_keeps_outputs_and_frees_every_block():
     got = small.generate_many(requests)
     assert [g.token_ids for g in got] == expected
     assert sum(g.stats.num_preemptions for g in got) > 0
-    assert max(g.stats.queue_s for g in got) > 0
     check_pool(small.pool, {})
 
 
