@@ -58,7 +58,7 @@ class PIC:
         store: StoreConfig | None = None,
     ) -> None:
         self.config = config or PICConfig()
-        self.runner = ModelRunner(model)
+        self.runner = ModelRunner(model, attention_backend=self.config.attention_backend)
         self.tokenizer = tokenizer
         self.fingerprint = model_fingerprint(model)
         self.default_policy = policies.resolve(self.config.default_policy)

@@ -83,6 +83,9 @@ class PICConfig(_Frozen):
         max_num_seqs: most requests the engine runs at once (one decode token each per step).
         max_num_batched_tokens: most tokens per batched forward (recompute-pass tokens plus one per
             running request); a recompute pass larger than it runs in a step of its own.
+        attention_backend: ``"auto"``: the Triton fused-RoPE kernel on CUDA (when Triton is installed),
+            the torch reference elsewhere; ``"torch"`` or ``"triton"`` force one (``"triton"`` on the CPU
+            runs Triton's interpreter, for tests: ``TRITON_INTERPRET=1`` before Triton is imported).
     """
 
     block_size: int = Field(default=16, ge=1, le=4096)
@@ -94,6 +97,7 @@ class PICConfig(_Frozen):
     default_policy: str = "legolink:16"
     max_num_seqs: int = Field(default=64, ge=1, le=4096)
     max_num_batched_tokens: int = Field(default=8192, ge=1)
+    attention_backend: Literal["auto", "torch", "triton"] = "auto"
 
     _eos_tuple = field_validator("eos_token_ids", mode="before")(as_tuple)
 

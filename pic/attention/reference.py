@@ -40,17 +40,18 @@ def paged_attention(
         ``h // (num_q_heads // num_kv_heads)``.
     """
     out = torch.empty_like(q)
+    q_cos, q_sin, _, _ = plan.rotary(q.dtype)
     if plan.decode_seqs.numel():
         rows = plan.cu_seqlens_q[:-1].to(q.device)[plan.decode_seqs]  # [b] the decode tokens' rows
         seqs = plan.decode_seqs
         out[rows] = _attend(
-            q[rows][:, None], plan.q_cos[rows][:, None], plan.q_sin[rows][:, None], seqs,
+            q[rows][:, None], q_cos[rows][:, None], q_sin[rows][:, None], seqs,
             k_cache, v_cache, plan, -1, scaling=scaling, sliding_window=sliding_window,
         )[:, 0]  # fmt: skip
     for b in plan.prefill_seqs:
         rows, seqs = plan.query_rows(b), torch.tensor([b], device=q.device)
         out[rows] = _attend(
-            q[rows][None], plan.q_cos[rows][None], plan.q_sin[rows][None], seqs,
+            q[rows][None], q_cos[rows][None], q_sin[rows][None], seqs,
             k_cache, v_cache, plan, b, scaling=scaling, sliding_window=sliding_window,
         )[0]  # fmt: skip
     return out
@@ -78,7 +79,8 @@ def _attend(
     k = k_cache[tables].flatten(1, 2).where(written, 0)  # [b, S, Hkv, D]
     v = v_cache[tables].flatten(1, 2).where(written, 0)  # [b, S, Hkv, D]
     q = apply_rope(q, q_cos, q_sin).transpose(1, 2)  # [b, Hq, n, D]
-    k = apply_rope(k, plan.k_cos[seqs], plan.k_sin[seqs]).transpose(1, 2)  # [b, Hkv, S, D]
+    _, _, k_cos, k_sin = plan.rotary(q.dtype)
+    k = apply_rope(k, k_cos[seqs], k_sin[seqs]).transpose(1, 2)  # [b, Hkv, S, D]
     v = v.transpose(1, 2)  # [b, Hkv, S, D]
     mask = plan.mask(group, sliding_window)  # [b, n, S]
     num_q, num_slots = mask.shape[1:]

@@ -65,6 +65,26 @@ class RopeTable:
                 cos, sin = rotary(like, torch.arange(max_positions, device=device)[None])
             self.cos, self.sin = cos[0], sin[0]
 
+    def tables(self, max_positions: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """float32 tables covering a batch, as attention kernels read them.
+
+        Args:
+            max_positions: per sequence, the largest position it attends with (query or slot).
+
+        Returns:
+            ``cos, sin`` ``[R, head_dim]`` float32 and ``offsets`` ``[B]`` int64: sequence ``b``'s angle at
+            position ``p`` is row ``offsets[b] + p``. Static types: the engine's table, offsets all 0.
+            Dynamic types: one table per sequence, built by calling the module over ``0 .. max`` (the
+            length transformers scales by for a sequence whose largest position is ``max``).
+        """
+        if not self.is_dynamic:
+            return self.cos, self.sin, torch.zeros(len(max_positions), dtype=torch.long, device=self.device)
+        like = torch.empty(0, dtype=torch.float32, device=self.device)
+        with torch.no_grad():
+            parts = [self.rotary(like, torch.arange(m + 1, device=self.device)[None]) for m in max_positions]
+        offsets = torch.tensor([0, *[m + 1 for m in max_positions[:-1]]], device=self.device).cumsum(0)
+        return torch.cat([c[0] for c, _ in parts]), torch.cat([s[0] for _, s in parts]), offsets
+
     def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin ``[*positions.shape, head_dim]`` in the model dtype at ``positions`` (int64). For a
         dynamic rope type, ``positions`` must be one sequence's (query and slot positions together)."""

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pic.attention import BatchPlan, RopeTable, make_plan, paged_attention
+from pic.attention import BatchPlan, RopeTable, make_plan
+from pic.attention.backend import AttentionBackend, kernels, select_backend
 from pic.kv import KVCache, RequestKV
 from pic.model.spec import ModelSpec, inspect_model
 
@@ -50,10 +51,19 @@ class SeqInput:
 
 
 class ModelRunner:
-    """Runs a supported HF causal LM over paged NoPE KV, many sequences per forward."""
+    """Runs a supported HF causal LM over paged NoPE KV, many sequences per forward.
 
-    def __init__(self, model: nn.Module) -> None:
+    Args:
+        model: a supported transformers causal LM (``inspect_model``).
+        attention_backend: ``"auto"``, ``"torch"`` or ``"triton"`` (``select_backend``).
+    """
+
+    def __init__(self, model: nn.Module, *, attention_backend: str = "auto") -> None:
         self.spec: ModelSpec = inspect_model(model)
+        self.attention_backend: AttentionBackend = select_backend(
+            attention_backend, self.spec.device, head_dim=self.spec.head_dim
+        )
+        self._attend, self._store = kernels(self.attention_backend)
         self.model = model.eval()
         inner = model.model
         self._embed = inner.embed_tokens
@@ -149,9 +159,8 @@ class ModelRunner:
         v = attn.v_proj(x).view(num_tokens, -1, head_dim)  # [N, Hkv, D]
         if self.spec.has_qk_norm:
             q, k = attn.q_norm(q), attn.k_norm(k)
-        cache.k_rows[index, rows] = k
-        cache.v_rows[index, rows] = v
-        out = paged_attention(
+        self._store(cache.k_rows[index], cache.v_rows[index], rows, k, v)
+        out = self._attend(
             q,
             cache.k[index],
             cache.v[index],

@@ -1,0 +1,217 @@
+"""Triton kernels: fused-RoPE paged attention over NoPE K (with a split-K reduction) and the KV store.
+
+One program of ``paged_attention_kernel`` takes a tile of one sequence's query tokens and one KV head,
+with the ``GROUP`` query heads that share it (GQA) stacked as rows: row ``r`` is query token
+``r // GROUP`` of the tile and head ``kv_head * GROUP + r % GROUP``. It rotates its queries by their
+positions, then walks the sequence's slots ``BLOCK_N`` at a time: it looks up each slot's block in the
+block table, skips a whole tile whose written positions are all after its queries (or before the
+window), loads NoPE K only where a slot was written (stale slots are never read, so never multiplied
+in), rotates K from the float32 cos/sin table at each slot's logical position, masks by position
+(exact causality, sliding window) and accumulates with an online softmax in float32. Rotate-half is
+done on the two halves of the head dimension, so each K element is read once: for ``x = [x1, x2]``,
+``rope(x) = [x1 cos - x2 sin, x2 cos + x1 sin]``.
+
+With ``NUM_SPLITS > 1`` (flash-decoding), split ``s`` covers a contiguous share of the slot tiles and
+writes its unnormalized accumulator, running max and sum; ``combine_splits_kernel`` merges them.
+
+Every kernel is the one the CUDA path runs; the CPU tests run the same source in Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rotate(x1, x2, table_row, cos_ptr, sin_ptr, cols, col_ok, HALF: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Rotate ``[rows, HALF_PAD]`` halves by the float32 table rows ``table_row`` ``[rows]``; float32 out."""
+    at = table_row[:, None] * HEAD_DIM + cols[None, :]
+    ok = col_ok[None, :]
+    c1 = tl.load(cos_ptr + at, mask=ok, other=0.0)
+    s1 = tl.load(sin_ptr + at, mask=ok, other=0.0)
+    c2 = tl.load(cos_ptr + at + HALF, mask=ok, other=0.0)
+    s2 = tl.load(sin_ptr + at + HALF, mask=ok, other=0.0)
+    x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
+    return x1 * c1 - x2 * s1, x2 * c2 + x1 * s2
+
+
+@triton.jit
+def paged_attention_kernel(
+    q_ptr,  # [N, Hq, D] NoPE queries
+    k_ptr,  # [num_blocks * block_size, Hkv, D] NoPE K rows of one layer
+    v_ptr,  # [num_blocks * block_size, Hkv, D]
+    out_ptr,  # [N, Hq, D], or with NUM_SPLITS > 1 the partial accumulators [T, Hkv, NUM_SPLITS, BLOCK_M, D] fp32
+    part_ml_ptr,  # [T, Hkv, NUM_SPLITS, 2, BLOCK_M] fp32 running max (log2 units) and sum (NUM_SPLITS > 1)
+    cos_ptr,  # [R, D] float32
+    sin_ptr,  # [R, D] float32
+    rope_off_ptr,  # [B] int32 table row of position 0 per sequence
+    tile_seq_ptr,  # [T] int32 sequence of each tile
+    tile_row_ptr,  # [T] int32 first query row of each tile
+    cu_q_ptr,  # [B + 1] int32 query rows per sequence
+    q_pos_ptr,  # [N] int32 query positions
+    tables_ptr,  # [B, max_blocks] int32 block tables
+    kv_pos_ptr,  # [B, S] int32 slot positions, -1 = never attended
+    kv_len_ptr,  # [B] int32 slots in each sequence's table
+    stride_qn,
+    stride_qh,
+    stride_kr,
+    stride_kh,
+    stride_vr,
+    stride_vh,
+    stride_on,
+    stride_oh,
+    stride_table,
+    stride_kv_pos,
+    sm_scale_log2,  # softmax scale * log2(e)
+    window,  # sliding window (used when HAS_WINDOW)
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HALF_PAD: tl.constexpr,  # next power of two >= max(16, HEAD_DIM // 2)
+    D_PAD: tl.constexpr,  # next power of two >= max(16, HEAD_DIM)
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGE: tl.constexpr,  # slots per KV block
+    NUM_SPLITS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs (no TF32), else None (the default)
+):
+    tile, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    HALF: tl.constexpr = HEAD_DIM // 2
+    seq = tl.load(tile_seq_ptr + tile)
+    q_end = tl.load(cu_q_ptr + seq + 1)
+    rope_off = tl.load(rope_off_ptr + seq)
+    rows = tl.arange(0, BLOCK_M)
+    q_row = tl.load(tile_row_ptr + tile) + rows // GROUP
+    row_ok = (rows < (BLOCK_M // GROUP) * GROUP) & (q_row < q_end)
+    head = kv_head * GROUP + rows % GROUP
+    cols = tl.arange(0, HALF_PAD)
+    col_ok = cols < HALF
+    q_at = q_ptr + q_row[:, None] * stride_qn + head[:, None] * stride_qh + cols[None, :]
+    q_ok = row_ok[:, None] & col_ok[None, :]
+    q1 = tl.load(q_at, mask=q_ok, other=0.0)
+    q2 = tl.load(q_at + HALF, mask=q_ok, other=0.0)
+    q_pos = tl.load(q_pos_ptr + q_row, mask=row_ok, other=0)
+    q1, q2 = _rotate(q1, q2, rope_off + q_pos, cos_ptr, sin_ptr, cols, col_ok, HALF, HEAD_DIM)
+    dot_dtype = q_ptr.dtype.element_ty
+    q1, q2 = (q1 * sm_scale_log2).to(dot_dtype), (q2 * sm_scale_log2).to(dot_dtype)
+    q_max = tl.max(tl.where(row_ok, q_pos, -1))
+    q_min = tl.min(tl.where(row_ok, q_pos, 2147483647))
+
+    d = tl.arange(0, D_PAD)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    kv_len = tl.load(kv_len_ptr + seq)
+    num_tiles = tl.cdiv(kv_len, BLOCK_N)
+    per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    for kv_tile in range(split * per_split, tl.minimum(num_tiles, (split + 1) * per_split)):
+        slots = kv_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        slot_ok = slots < kv_len
+        k_pos = tl.load(kv_pos_ptr + seq * stride_kv_pos + slots, mask=slot_ok, other=-1)
+        written = k_pos >= 0
+        first = tl.min(tl.where(written, k_pos, 2147483647))
+        live = first <= q_max
+        if HAS_WINDOW:
+            live = live & (tl.max(k_pos) > q_min - window)
+        if live:
+            block = tl.load(tables_ptr + seq * stride_table + slots // PAGE, mask=slot_ok, other=0)
+            row = block.to(tl.int64) * PAGE + slots % PAGE  # int64: rows * stride passes 2**31 on big pools
+            k_at = k_ptr + row[:, None] * stride_kr + kv_head * stride_kh + cols[None, :]
+            k_ok = written[:, None] & col_ok[None, :]
+            k1 = tl.load(k_at, mask=k_ok, other=0.0)
+            k2 = tl.load(k_at + HALF, mask=k_ok, other=0.0)
+            k1, k2 = _rotate(k1, k2, rope_off + tl.maximum(k_pos, 0), cos_ptr, sin_ptr, cols, col_ok, HALF, HEAD_DIM)
+            k1, k2 = k1.to(dot_dtype), k2.to(dot_dtype)
+            s = tl.dot(q1, tl.trans(k1), input_precision=DOT_PRECISION)
+            s += tl.dot(q2, tl.trans(k2), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N], log2 units
+            allowed = written[None, :] & (k_pos[None, :] <= q_pos[:, None]) & row_ok[:, None]
+            if HAS_WINDOW:
+                allowed = allowed & (k_pos[None, :] > q_pos[:, None] - window)
+            s = tl.where(allowed, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing allowed yet
+            p = tl.exp2(s - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v_at = v_ptr + row[:, None] * stride_vr + kv_head * stride_vh + d[None, :]
+            v = tl.load(v_at, mask=written[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        o_at = out_ptr + q_row[:, None] * stride_on + head[:, None] * stride_oh + d[None, :]
+        tl.store(o_at, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (d[None, :] < HEAD_DIM))
+    else:
+        part = (tile * tl.num_programs(1) + kv_head) * NUM_SPLITS + split
+        tl.store(out_ptr + (part * BLOCK_M + rows[:, None]) * D_PAD + d[None, :], acc)
+        tl.store(part_ml_ptr + part * 2 * BLOCK_M + rows, m_i)
+        tl.store(part_ml_ptr + part * 2 * BLOCK_M + BLOCK_M + rows, l_i)
+
+
+@triton.jit
+def combine_splits_kernel(
+    part_acc_ptr,  # [T, Hkv, NUM_SPLITS, BLOCK_M, D_PAD] fp32
+    part_ml_ptr,  # [T, Hkv, NUM_SPLITS, 2, BLOCK_M] fp32
+    out_ptr,  # [N, Hq, D]
+    tile_seq_ptr,
+    tile_row_ptr,
+    cu_q_ptr,
+    stride_on,
+    stride_oh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    """Merge the splits of one (tile, KV head): ``out = sum_s 2^(m_s - m) acc_s / sum_s 2^(m_s - m) l_s``."""
+    tile, kv_head = tl.program_id(0), tl.program_id(1)
+    rows = tl.arange(0, BLOCK_M)
+    d = tl.arange(0, D_PAD)
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    for split in range(NUM_SPLITS):
+        part = (tile * tl.num_programs(1) + kv_head) * NUM_SPLITS + split
+        m_s = tl.load(part_ml_ptr + part * 2 * BLOCK_M + rows)
+        l_s = tl.load(part_ml_ptr + part * 2 * BLOCK_M + BLOCK_M + rows)
+        acc_s = tl.load(part_acc_ptr + (part * BLOCK_M + rows[:, None]) * D_PAD + d[None, :])
+        m_new = tl.maximum(m, m_s)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha, beta = tl.exp2(m - m_safe), tl.exp2(m_s - m_safe)
+        acc = acc * alpha[:, None] + acc_s * beta[:, None]
+        l_sum = l_sum * alpha + l_s * beta
+        m = m_new
+    seq = tl.load(tile_seq_ptr + tile)
+    q_row = tl.load(tile_row_ptr + tile) + rows // GROUP
+    row_ok = (rows < (BLOCK_M // GROUP) * GROUP) & (q_row < tl.load(cu_q_ptr + seq + 1))
+    head = kv_head * GROUP + rows % GROUP
+    out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
+    o_at = out_ptr + q_row[:, None] * stride_on + head[:, None] * stride_oh + d[None, :]
+    tl.store(o_at, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (d[None, :] < HEAD_DIM))
+
+
+@triton.jit
+def store_kv_kernel(
+    k_ptr,  # [N, Hkv * D] fresh NoPE K
+    v_ptr,  # [N, Hkv * D]
+    k_rows_ptr,  # [num_blocks * block_size, Hkv * D] one layer's K rows
+    v_rows_ptr,
+    rows_ptr,  # [N] int64 cache rows
+    stride_k,
+    stride_v,
+    stride_kr,
+    stride_vr,
+    WIDTH: tl.constexpr,  # Hkv * D
+    BLOCK: tl.constexpr,
+):
+    """Write token ``i``'s K and V into cache row ``rows[i]``: one launch for both."""
+    token = tl.program_id(0)
+    row = tl.load(rows_ptr + token)
+    for start in range(0, WIDTH, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        ok = cols < WIDTH
+        tl.store(k_rows_ptr + row * stride_kr + cols, tl.load(k_ptr + token * stride_k + cols, mask=ok), mask=ok)
+        tl.store(v_rows_ptr + row * stride_vr + cols, tl.load(v_ptr + token * stride_v + cols, mask=ok), mask=ok)
