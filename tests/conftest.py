@@ -2,8 +2,13 @@ from __future__ import annotations
 
 import os
 
-import pytest
-import torch
+# Off CUDA, the Triton kernels run in Triton's interpreter, which Triton chooses when it is first imported
+# (transformers imports it): so before anything else is imported.
+if os.environ.get("PIC_TEST_DEVICE", "cpu") != "cuda":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 import pic
 from tests.models import FAMILIES, model, tokenizer
@@ -15,10 +20,6 @@ def pytest_configure(config: pytest.Config) -> None:
     more threads only add synchronisation, and on a busy 2-core machine two threads per process slow
     the suite several times over (README, "CPU threads"). Subprocesses the tests start inherit it."""
     torch.set_num_threads(int(os.environ.setdefault("OMP_NUM_THREADS", "1")))
-    # Off CUDA, the Triton kernels run in Triton's interpreter, which is chosen when Triton is first
-    # imported: before any test imports it.
-    if os.environ.get("PIC_TEST_DEVICE", "cpu") != "cuda":
-        os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(params=FAMILIES)

@@ -20,6 +20,7 @@ import torch
 
 from pic.attention import reference
 from pic.attention.plan import BatchPlan
+from pic.attention.rope import RopeTable
 from pic.errors import InvalidInputError
 
 
@@ -39,7 +40,7 @@ def triton_unavailable(device: torch.device) -> str | None:
     return f"the Triton kernels run on CUDA, not on {device} (on the CPU in Triton's interpreter: TRITON_INTERPRET=1)"
 
 
-def select_backend(requested: str, device: torch.device, *, head_dim: int) -> AttentionBackend:
+def select_backend(requested: str, device: torch.device, *, head_dim: int, rope: RopeTable) -> AttentionBackend:
     """The backend for ``PICConfig.attention_backend``: ``"auto"`` takes Triton on CUDA when it is
     installed, else the torch reference; ``"torch"`` and ``"triton"`` force one.
 
@@ -49,8 +50,10 @@ def select_backend(requested: str, device: torch.device, *, head_dim: int) -> At
     if requested == "torch":
         return AttentionBackend.TORCH
     reason = triton_unavailable(device)
-    if reason is None and head_dim % 2:
-        reason = f"head_dim={head_dim} is odd (rotate-half needs two halves)"
+    if reason is None and (head_dim % 2 or rope.head_dim != head_dim):
+        reason = f"head_dim={head_dim} with a rotary table {rope.head_dim} wide (the kernel rotates whole heads)"
+    if reason is None and not rope.halves_equal:
+        reason = "the rotary table's halves are not equal (the kernel reads the rotate-half layout)"
     if requested == "auto":
         return AttentionBackend.TRITON if reason is None and device.type == "cuda" else AttentionBackend.TORCH
     if reason is not None:

@@ -111,7 +111,8 @@ def make_plan(
     seq_lens: list[int],
     rope: RopeTable,
 ) -> BatchPlan:
-    """Build the plan of one forward.
+    """Build the plan of one forward. Host data goes to the device with non-blocking copies: no host
+    sync, except for a dynamic rope type (its tables need each sequence's largest position).
 
     Args:
         block_tables: per sequence, ``[num_blocks_b]`` int64 physical blocks.
@@ -136,10 +137,10 @@ def make_plan(
         q_positions=q_positions,
         block_tables=tables,
         kv_positions=kv,
-        kv_lens=torch.tensor([k.shape[0] for k in kv_positions], device=device),
+        kv_lens=torch.tensor([k.shape[0] for k in kv_positions]).to(device, non_blocking=True),
         rope_cos=cos,
         rope_sin=sin,
         rope_offsets=offsets,
-        decode_seqs=(lens == 1).nonzero().squeeze(1).to(device),
+        decode_seqs=(lens == 1).nonzero().squeeze(1).to(device, non_blocking=True),
         prefill_seqs=(lens > 1).nonzero().squeeze(1).tolist(),
     )

@@ -59,11 +59,18 @@ class RopeTable:
         self.rotary, self.dtype, self.device = rotary, dtype, device
         self.is_dynamic = any(t in str(getattr(rotary, "rope_type", "")) for t in _DYNAMIC_ROPE_TYPES)
         self.cos = self.sin = None  # [max_positions, head_dim] float32, static rope types only
+        like = torch.empty(0, dtype=torch.float32, device=device)
+        with torch.no_grad():
+            cos, sin = rotary(like, torch.arange(max_positions if not self.is_dynamic else 2, device=device)[None])
         if not self.is_dynamic:
-            like = torch.empty(0, dtype=torch.float32, device=device)
-            with torch.no_grad():
-                cos, sin = rotary(like, torch.arange(max_positions, device=device)[None])
             self.cos, self.sin = cos[0], sin[0]
+        # Rotate-half tables repeat their frequencies over the two halves (transformers: cat(freqs, freqs));
+        # the Triton kernel reads one half.
+        self.head_dim = cos.shape[-1]
+        half = self.head_dim // 2
+        self.halves_equal = bool(
+            torch.equal(cos[..., :half], cos[..., half:]) and torch.equal(sin[..., :half], sin[..., half:])
+        )
 
     def tables(self, max_positions: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """float32 tables covering a batch, as attention kernels read them.

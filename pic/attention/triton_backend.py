@@ -100,6 +100,7 @@ def paged_attention(
     block_n: int = 64,
     prefill_block_m: int = 64,
     num_splits: int | None = None,
+    num_warps: int = 8,
 ) -> torch.Tensor:
     """The Triton kernel; same contract as ``pic.attention.reference.paged_attention``.
 
@@ -112,6 +113,8 @@ def paged_attention(
         block_n: slots per KV tile (a power of two, at least 16).
         prefill_block_m: rows (query tokens x GQA heads) per program of the recompute passes.
         num_splits: KV splits of the decode launch (flash-decoding); ``None`` picks by GPU occupancy.
+        num_warps: warps per program. The defaults compile for sm_90 in bfloat16 at head_dim 128
+            without register spills (``tests/compile_kernels.py`` reports them; 4 warps spill).
 
     Returns:
         ``[N, num_q_heads, head_dim]`` in ``q``'s dtype.
@@ -135,11 +138,11 @@ def paged_attention(
             ),
         )  # fmt: skip
         if tiles.num_tiles:
-            _launch(q, k_cache, v_cache, out, plan, meta, tiles, scaling, sliding_window, block_n, page)
+            _launch(q, k_cache, v_cache, out, plan, meta, tiles, scaling, sliding_window, block_n, page, num_warps)
     return out
 
 
-def _launch(q, k_cache, v_cache, out, plan, meta, tiles, scaling, sliding_window, block_n, page) -> None:
+def _launch(q, k_cache, v_cache, out, plan, meta, tiles, scaling, sliding_window, block_n, page, num_warps) -> None:
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     group = q.shape[1] // num_kv_heads
     d_pad, splits = _pow2(head_dim), tiles.num_splits
@@ -159,6 +162,7 @@ def _launch(q, k_cache, v_cache, out, plan, meta, tiles, scaling, sliding_window
         GROUP=group, HEAD_DIM=head_dim, HALF_PAD=_pow2(head_dim // 2), D_PAD=d_pad,
         BLOCK_M=tiles.block_m, BLOCK_N=block_n, PAGE=page, NUM_SPLITS=splits,
         HAS_WINDOW=sliding_window is not None, DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
+        num_warps=num_warps,
     )  # fmt: skip
     if splits > 1:
         combine_splits_kernel[(tiles.num_tiles, num_kv_heads)](

@@ -24,16 +24,15 @@ import triton.language as tl
 
 
 @triton.jit
-def _rotate(x1, x2, table_row, cos_ptr, sin_ptr, cols, col_ok, HALF: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Rotate ``[rows, HALF_PAD]`` halves by the float32 table rows ``table_row`` ``[rows]``; float32 out."""
+def _rotate(x1, x2, table_row, cos_ptr, sin_ptr, cols, col_ok, HEAD_DIM: tl.constexpr):
+    """Rotate ``[rows, HALF_PAD]`` halves by the float32 table rows ``table_row`` ``[rows]``; float32 out.
+    Both halves of a rotate-half table row are equal (``RopeTable`` checks), so one is read."""
     at = table_row[:, None] * HEAD_DIM + cols[None, :]
     ok = col_ok[None, :]
-    c1 = tl.load(cos_ptr + at, mask=ok, other=0.0)
-    s1 = tl.load(sin_ptr + at, mask=ok, other=0.0)
-    c2 = tl.load(cos_ptr + at + HALF, mask=ok, other=0.0)
-    s2 = tl.load(sin_ptr + at + HALF, mask=ok, other=0.0)
+    c = tl.load(cos_ptr + at, mask=ok, other=0.0)
+    s = tl.load(sin_ptr + at, mask=ok, other=0.0)
     x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
-    return x1 * c1 - x2 * s1, x2 * c2 + x1 * s2
+    return x1 * c - x2 * s, x2 * c + x1 * s
 
 
 @triton.jit
@@ -92,7 +91,7 @@ def paged_attention_kernel(
     q1 = tl.load(q_at, mask=q_ok, other=0.0)
     q2 = tl.load(q_at + HALF, mask=q_ok, other=0.0)
     q_pos = tl.load(q_pos_ptr + q_row, mask=row_ok, other=0)
-    q1, q2 = _rotate(q1, q2, rope_off + q_pos, cos_ptr, sin_ptr, cols, col_ok, HALF, HEAD_DIM)
+    q1, q2 = _rotate(q1, q2, rope_off + q_pos, cos_ptr, sin_ptr, cols, col_ok, HEAD_DIM)
     dot_dtype = q_ptr.dtype.element_ty
     q1, q2 = (q1 * sm_scale_log2).to(dot_dtype), (q2 * sm_scale_log2).to(dot_dtype)
     q_max = tl.max(tl.where(row_ok, q_pos, -1))
@@ -121,7 +120,7 @@ def paged_attention_kernel(
             k_ok = written[:, None] & col_ok[None, :]
             k1 = tl.load(k_at, mask=k_ok, other=0.0)
             k2 = tl.load(k_at + HALF, mask=k_ok, other=0.0)
-            k1, k2 = _rotate(k1, k2, rope_off + tl.maximum(k_pos, 0), cos_ptr, sin_ptr, cols, col_ok, HALF, HEAD_DIM)
+            k1, k2 = _rotate(k1, k2, rope_off + tl.maximum(k_pos, 0), cos_ptr, sin_ptr, cols, col_ok, HEAD_DIM)
             k1, k2 = k1.to(dot_dtype), k2.to(dot_dtype)
             s = tl.dot(q1, tl.trans(k1), input_precision=DOT_PRECISION)
             s += tl.dot(q2, tl.trans(k2), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N], log2 units

@@ -60,10 +60,6 @@ class ModelRunner:
 
     def __init__(self, model: nn.Module, *, attention_backend: str = "auto") -> None:
         self.spec: ModelSpec = inspect_model(model)
-        self.attention_backend: AttentionBackend = select_backend(
-            attention_backend, self.spec.device, head_dim=self.spec.head_dim
-        )
-        self._attend, self._store = kernels(self.attention_backend)
         self.model = model.eval()
         inner = model.model
         self._embed = inner.embed_tokens
@@ -72,6 +68,10 @@ class ModelRunner:
         self._lm_head = model.lm_head
         spec = self.spec
         self.rope = RopeTable(inner.rotary_emb, max_positions=spec.max_context, dtype=spec.dtype, device=spec.device)
+        self.attention_backend: AttentionBackend = select_backend(
+            attention_backend, spec.device, head_dim=spec.head_dim, rope=self.rope
+        )
+        self._attend, self._store = kernels(self.attention_backend)
 
     @torch.no_grad()
     def forward(self, seqs: Sequence[SeqInput]) -> list[torch.Tensor]:
@@ -98,17 +98,22 @@ class ModelRunner:
                 hidden, positions, rows, alive = hidden[keep], positions[keep], rows[keep], alive[keep]
                 lens = [int(k.sum()) for k in keep.split(lens)]
                 plan = self._plan(seqs, positions, lens)
-        return [self._outputs(seq, start, hidden, alive) for seq, start in zip(seqs, starts, strict=True)]
+        num_tokens = sum(s.token_ids.shape[0] for s in seqs)
+        return [self._outputs(seq, start, hidden, alive, num_tokens) for seq, start in zip(seqs, starts, strict=True)]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[m, hidden_size]`` final hidden states -> ``[m, vocab_size]`` float32 logits."""
         with torch.no_grad():
             return self._lm_head(hidden).float()
 
-    def _outputs(self, seq: SeqInput, start: int, hidden: torch.Tensor, alive: torch.Tensor) -> torch.Tensor:
+    def _outputs(
+        self, seq: SeqInput, start: int, hidden: torch.Tensor, alive: torch.Tensor, alive_all: int
+    ) -> torch.Tensor:
         if seq.output_rows is None or not seq.output_rows.numel():
             return hidden[:0]
         wanted = seq.output_rows + start
+        if alive.shape[0] == alive_all:  # nothing was dropped: no search, no host sync
+            return self._norm(hidden[wanted])
         picked = torch.searchsorted(alive, wanted).clamp(max=alive.shape[0] - 1)
         assert torch.equal(alive[picked], wanted), "an output row was dropped from the pass"
         return self._norm(hidden[picked])

@@ -1,0 +1,158 @@
+"""The Triton fused-RoPE paged kernel against the torch reference computed in float64.
+
+On the CPU (CI) the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set by conftest before
+Triton is imported); with ``PIC_TEST_DEVICE=cuda`` the same tests compile and run them on the GPU, in
+bfloat16 too. Errors are ``||out - ref|| / ||ref||`` against the reference in float64 on the same inputs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import pic
+from pic.attention import reference
+from pic.attention.backend import AttentionBackend, select_backend
+from tests.attention_cases import make_case, rel_error, rope_table
+from tests.models import DOCS, PREFIX, QUERY, model, tokenizer
+
+triton_backend = pytest.importorskip("pic.attention.triton_backend", reason="the test extra installs Triton")
+
+DEVICE = torch.device(os.environ.get("PIC_TEST_DEVICE", "cpu"))
+# Relative error bounds per dtype (the issue's acceptance bounds).
+TOLERANCE = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 1e-2}
+# The interpreter mishandles bfloat16 loads: bfloat16 is checked on a GPU only.
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
+
+# (num_q_heads, num_kv_heads, head_dim, page): MHA, GQA 4 and 3 (not a power of two), MQA 7; head dims
+# 8 (padded to the 16 a dot needs), 24 (halves of 12: padded columns), 32; pages of 1, 4, 16 slots.
+SHAPES = [(4, 4, 8, 1), (8, 2, 16, 4), (6, 2, 24, 16), (7, 1, 32, 4)]
+SEQS = [(23, "all"), (19, "subset"), (30, "decode"), (5, "decode"), (3, "subset")]
+
+
+def _check(case, dtype, *, window=None, **kernel_options) -> float:
+    expected = reference.paged_attention(
+        case.q, case.k_cache, case.v_cache, case.plan, scaling=case.scaling, sliding_window=window
+    )
+    c = case.cast(dtype)
+    out = triton_backend.paged_attention(
+        c.q, c.k_cache, c.v_cache, c.plan, scaling=c.scaling, sliding_window=window, **kernel_options
+    )
+    assert out.dtype == dtype and out.shape == case.q.shape
+    error = rel_error(out, expected)
+    assert error <= TOLERANCE[dtype], (dtype, error)
+    return error
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_kernel_equals_reference(shape, dtype):
+    """Five sequences in one launch pair (prefill passes over all or a subset of tokens, decodes), each in
+    shuffled blocks with front padding, a trailing unwritten block and NaN everywhere else; KV tiles
+    smaller than a sequence, so the online softmax runs over several tiles."""
+    num_q_heads, num_kv_heads, head_dim, page = shape
+    case = make_case(
+        seqs=SEQS, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, page=page, device=DEVICE
+    )
+    _check(case, dtype, block_n=16, prefill_block_m=16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("window", [None, 6])
+def test_window_splits_and_shuffled_positions(window, num_splits, dtype):
+    """Sliding window, flash-decoding splits (some splits see no allowed slot, some no slot at all) and
+    slots whose positions are not in slot order (a linked request's are not)."""
+    case = make_case(seqs=SEQS, num_q_heads=8, num_kv_heads=2, head_dim=16, page=4, shuffled=True, device=DEVICE)
+    _check(case, dtype, window=window, block_n=16, prefill_block_m=16, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("rope_type", ["yarn", "dynamic"])
+def test_rope_types(rope_type):
+    """A static scaled table and a dynamic type (one table per sequence, read at its row offset)."""
+    case = make_case(seqs=SEQS, num_q_heads=4, num_kv_heads=2, head_dim=16, page=4, rope_type=rope_type, device=DEVICE)
+    assert case.plan.rope_offsets.any() == (rope_type == "dynamic")
+    _check(case, torch.float32, block_n=32)
+
+
+def test_default_tiles():
+    """The defaults the engine uses (64-slot tiles, 64-row prefill tiles, splits by occupancy)."""
+    case = make_case(seqs=[(150, "all"), (90, "decode")], num_q_heads=4, num_kv_heads=2, head_dim=16, page=16,
+                     device=DEVICE)  # fmt: skip
+    _check(case, torch.float32)
+
+
+def test_store_kernel_writes_only_its_rows():
+    k_rows = torch.zeros(40, 2, 8, device=DEVICE)
+    v_rows = torch.zeros(40, 2, 8, device=DEVICE)
+    rows = torch.tensor([5, 17, 3, 39], device=DEVICE)
+    k, v = torch.randn(4, 2, 8, device=DEVICE), torch.randn(4, 2, 8, device=DEVICE)
+    triton_backend.store_kv(k_rows, v_rows, rows, k, v)
+    expected_k, expected_v = torch.zeros_like(k_rows), torch.zeros_like(v_rows)
+    expected_k[rows], expected_v[rows] = k, v
+    assert torch.equal(k_rows, expected_k) and torch.equal(v_rows, expected_v)
+
+
+def test_backend_selection(monkeypatch):
+    cpu = torch.device("cpu")
+    rope = rope_table(16, 8, "default", cpu)
+    assert select_backend("auto", cpu, head_dim=16, rope=rope) is AttentionBackend.TORCH
+    assert select_backend("torch", cpu, head_dim=16, rope=rope) is AttentionBackend.TORCH
+    assert select_backend("triton", cpu, head_dim=16, rope=rope) is AttentionBackend.TRITON  # the interpreter
+    with pytest.raises(pic.PicError, match="attention_backend='triton'.*head_dim=32 with a rotary table 16 wide"):
+        select_backend("triton", cpu, head_dim=32, rope=rope)
+    rope.halves_equal = False  # e.g. an interleaved (GPT-J) layout
+    with pytest.raises(pic.PicError, match="attention_backend='triton'.*halves are not equal"):
+        select_backend("triton", cpu, head_dim=16, rope=rope)
+    rope.halves_equal = True
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(pic.PicError, match="attention_backend='triton'.*TRITON_INTERPRET=1"):
+        select_backend("triton", cpu, head_dim=16, rope=rope)
+    with pytest.raises(pic.PicError, match="attention_backend='flash'"):
+        pic.PICConfig(attention_backend="flash")
+
+
+@pytest.mark.parametrize("family", ["stories260K", "mistral", "qwen3"])
+def test_engine_on_the_kernel_equals_the_reference(family):
+    """The whole engine on the Triton backend: logits of a Full Recompute link and a batch of linked
+    generations (recompute passes and decodes in shared forwards, CacheBlend dropping tokens) give the
+    reference backend's tokens. Mistral has a sliding window, Qwen3 q/k norms and head_dim 32."""
+    outputs = {}
+    for backend in ("torch", "triton"):
+        engine = pic.PIC(model(family).to(DEVICE), tokenizer(), config=pic.PICConfig(attention_backend=backend))
+        assert engine.runner.attention_backend.value == backend
+        ids = engine.compile(list(DOCS))
+        logits = engine.link(ids, QUERY, prefix=PREFIX, policy="full").logits
+        requests = [
+            pic.Request(cache_ids=ids[::step], query=QUERY, policy=policy, max_new_tokens=6)
+            for step, policy in ((1, "legolink:4"), (-1, "mepic"), (2, "cacheblend:0.3"))
+        ]
+        tokens = [g.token_ids for g in engine.generate_many(requests)]
+        outputs[backend] = (logits, tokens)
+    (ref_logits, ref_tokens), (logits, tokens) = outputs["torch"], outputs["triton"]
+    assert (logits - ref_logits).abs().max() <= 1e-3 * ref_logits.abs().max()
+    assert tokens == ref_tokens
+
+
+@pytest.mark.parametrize("arch", [90, 80])
+def test_kernels_compile_for_gpus_without_spills(arch):
+    """Triton's compiler (no GPU needed) builds every launch the engine makes for a Mistral-7B shape in
+    bfloat16, for H100 (sm_90) and A100 (sm_80); on sm_90 none spills registers to the stack."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).with_name("compile_kernels.py")
+    run = subprocess.run(
+        [sys.executable, str(script), "--defaults", "--arch", str(arch)],
+        capture_output=True, text=True, env=env | {"PYTHONPATH": str(script.parent.parent)}, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    reports = [json.loads(line) for line in run.stdout.splitlines()]
+    assert [r["kernel"] for r in reports].count("paged_attention_kernel") == 4
+    assert all(r["reg"] > 0 for r in reports), reports
+    if arch == 90:
+        assert [r["stack"] for r in reports] == [0] * len(reports), reports
