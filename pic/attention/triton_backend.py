@@ -148,9 +148,12 @@ def _launch(q, k_cache, v_cache, out, plan, meta, tiles, scaling, sliding_window
     d_pad, splits = _pow2(head_dim), tiles.num_splits
     k_rows, v_rows = k_cache.flatten(0, 1), v_cache.flatten(0, 1)  # [num_blocks * page, Hkv, D]
     grid = (tiles.num_tiles, num_kv_heads, splits)
-    if splits > 1:
-        target = torch.empty(tiles.num_tiles * num_kv_heads * splits * tiles.block_m * d_pad, device=q.device)
-        part_ml = torch.empty(tiles.num_tiles * num_kv_heads * splits * 2 * tiles.block_m, device=q.device)
+    if splits > 1:  # scratch for the splits' partial results, shared by every layer of the forward
+        parts = tiles.num_tiles * num_kv_heads * splits * tiles.block_m
+        target, part_ml = plan.memo(
+            ("triton-parts", parts, d_pad, q.device),
+            lambda: (torch.empty(parts * d_pad, device=q.device), torch.empty(parts * 2, device=q.device)),
+        )
     else:
         target, part_ml = out, out  # part_ml is not read with one split
     paged_attention_kernel[grid](
