@@ -11,7 +11,9 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import pic
-from tests.models import FAMILIES, model, tokenizer
+from pic.kv.memory import DEFAULT_CPU_POOL_TOKENS
+from tests.device import target
+from tests.models import FAMILIES, model, target_model, tokenizer
 from tests.redis_server import redis_server as new_redis_server
 
 
@@ -20,15 +22,27 @@ def pytest_configure(config: pytest.Config) -> None:
     more threads only add synchronisation, and on a busy 2-core machine two threads per process slow
     the suite several times over (README, "CPU threads"). Subprocesses the tests start inherit it."""
     torch.set_num_threads(int(os.environ.setdefault("OMP_NUM_THREADS", "1")))
+    target()  # a bad PIC_TEST_DEVICE / PIC_TEST_DTYPE, or CUDA without a GPU, stops the run here: a usage error
+
+
+def make_engine(family: str, **config) -> pic.PIC:
+    """An engine over ``model(family)``: the CPU in float32, whatever the test target."""
+    return pic.PIC(model(family), tokenizer(), config=pic.PICConfig(**config))
+
+
+def make_target_engine(family: str, *, dtype: torch.dtype | None = None, **config) -> pic.PIC:
+    """An engine over ``target_model(family)``: on ``PIC_TEST_DEVICE`` in ``PIC_TEST_DTYPE`` (or ``dtype``).
+
+    On CUDA its KV pool defaults to the CPU's default size, not to 80% of the GPU for every test engine
+    (``kv_pool_tokens=None`` asks for the CUDA default)."""
+    if target().device.type == "cuda":
+        config.setdefault("kv_pool_tokens", DEFAULT_CPU_POOL_TOKENS)
+    return pic.PIC(target_model(family, dtype=dtype), tokenizer(), config=pic.PICConfig(**config))
 
 
 @pytest.fixture(params=FAMILIES)
 def family(request) -> str:
     return request.param
-
-
-def make_engine(family: str, **config) -> pic.PIC:
-    return pic.PIC(model(family), tokenizer(), config=pic.PICConfig(**config))
 
 
 @pytest.fixture

@@ -7,6 +7,7 @@ Qwen3's q/k norms and explicit head_dim, Mistral's sliding window, Qwen2's per-l
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import torch
@@ -24,6 +25,7 @@ from transformers import (
 )
 
 import pic
+from tests.device import target
 
 # A prompt used across the oracle and policy tests: chunks of different lengths, a prefix, a query.
 DOCS = (
@@ -121,4 +123,24 @@ def _stories() -> torch.nn.Module:
 
 
 def model(family: str) -> torch.nn.Module:
+    """The CPU float32 model (stories260K: one shared instance; do not move it, see ``target_model``)."""
     return _stories() if family == "stories260K" else tiny_model(family)
+
+
+def target_model(family: str, *, dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """``model(family)`` on the test device in the test dtype (``tests/device.py``), or in ``dtype``.
+
+    The same weights whatever the target (built in float32 on the CPU, then cast and moved); on the CPU
+    in float32 exactly ``model(family)``."""
+    t = target()
+    dtype = dtype or t.dtype
+    if t.device.type == "cpu" and dtype == torch.float32:
+        return model(family)
+    if family == "stories260K":
+        return _stories_on(t.device, dtype)
+    return tiny_model(family).to(device=t.device, dtype=dtype)
+
+
+@functools.cache
+def _stories_on(device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    return copy.deepcopy(_stories()).to(device=device, dtype=dtype)  # a copy: the CPU float32 one stays

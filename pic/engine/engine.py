@@ -26,7 +26,7 @@ from pic.engine.linker import Linker
 from pic.engine.outputs import finish_output, token_output
 from pic.engine.request import Request, RequestOutput, prompt_ids
 from pic.engine.scheduler import ScheduledBatch, Scheduler
-from pic.engine.sequence import Sequence, Status
+from pic.engine.sequence import Sequence, Status, decode_inputs
 from pic.link import SamplingParams
 from pic.link.generate import FinishReason
 from pic.link.policies import Policy
@@ -72,6 +72,10 @@ class Engine:
         self._stepping = False
         self._seqs: dict[int, Sequence] = {}
         self._ids = itertools.count()
+        # Every step queues its kernels on one CUDA stream, whichever thread steps (a thread may have made
+        # another stream current): the KV one step writes is then written before a later step reads it.
+        device = runner.spec.device
+        self._stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
 
     # -- handing work in (any thread) --------------------------------------------------------------
 
@@ -145,7 +149,7 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Admit, run one batched forward, sample; returns what each request produced."""
-        with self.lock:
+        with self.lock, torch.cuda.stream(self._stream):  # no-op off CUDA (None)
             outputs = self._drain_releases() + self._drain_inbox()
             self._stepping = True
             try:
@@ -203,7 +207,8 @@ class Engine:
         start = time.perf_counter()
         for seq in batch.prefills:
             seq.scheduled_s = seq.scheduled_s or start
-        inputs = [seq.pass_.seq_input() for seq in batch.prefills] + [s.decode_input() for s in batch.decodes]
+        device = self.runner.spec.device
+        inputs = [seq.pass_.seq_input() for seq in batch.prefills] + decode_inputs(batch.decodes, device)
         try:
             hidden = self.runner.forward(inputs) if inputs else []
         except Exception as exc:  # the batch's requests fail; the engine and every other request go on

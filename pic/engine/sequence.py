@@ -11,6 +11,7 @@ import torch
 from pic.engine.detokenizer import Detokenizer
 from pic.engine.request import RequestOutput
 from pic.kv import ChunkInfo, ChunkKV, RequestKV
+from pic.kv.transfer import to_device
 from pic.link import Generation, Layout, SamplingParams
 from pic.link.generate import FinishReason
 from pic.link.policies import Policy
@@ -83,17 +84,9 @@ class Sequence:
     def num_prompt_tokens(self) -> int:
         return len(self.prefix_ids) + sum(c.num_tokens for c in self.chunks or ()) + len(self.query_ids)
 
-    def decode_input(self) -> SeqInput:
-        """The sequence's part of a decode step: its last token, at the slot the scheduler reserved."""
-        device = self.kv.cache.device
-        position = self.num_prompt_tokens + len(self.output_ids) - 1
-        return SeqInput(
-            kv=self.kv,
-            token_ids=torch.tensor([self.output_ids[-1]], device=device),
-            positions=torch.tensor([position], device=device),
-            slots=torch.tensor([self.next_slot], device=device),
-            output_rows=torch.zeros(1, dtype=torch.long, device=device),
-        )
+    def decode_position(self) -> int:
+        """The logical position of the token a decode step runs (the last one sampled)."""
+        return self.num_prompt_tokens + len(self.output_ids) - 1
 
     @property
     def is_finished(self) -> bool:
@@ -101,3 +94,26 @@ class Sequence:
 
     def __repr__(self) -> str:
         return f"Sequence({self.request_id}, {self.status.value}, {len(self.output_ids)} tokens)"
+
+
+def decode_inputs(seqs: list[Sequence], device: torch.device) -> list[SeqInput]:
+    """The sequences' parts of a decode step: each one's last token, at the slot the scheduler reserved.
+
+    Tokens, positions and slots of the whole step go to the device in one copy without a host sync
+    (``pic.kv.transfer``); each sequence gets views of it.
+    """
+    if not seqs:
+        return []
+    host = [[s.output_ids[-1] for s in seqs], [s.decode_position() for s in seqs], [s.next_slot for s in seqs]]
+    tokens, positions, slots = to_device(torch.tensor(host, dtype=torch.long), device)  # [3, B] -> rows
+    first_row = torch.zeros(1, dtype=torch.long, device=device)  # output_rows of every sequence (read only)
+    return [
+        SeqInput(
+            kv=s.kv,
+            token_ids=tokens[i : i + 1],
+            positions=positions[i : i + 1],
+            slots=slots[i : i + 1],
+            output_rows=first_row,
+        )
+        for i, s in enumerate(seqs)
+    ]

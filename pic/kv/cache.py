@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from pic.kv.transfer import long_tensor, to_device
+
 
 def blocks_for(num_slots: int, block_size: int) -> int:
     """Blocks that hold ``num_slots`` slots (rounded up)."""
@@ -52,26 +54,28 @@ class KVCache:
         bs = self.block_size
         assert 0 < num_tokens <= len(block_ids) * bs < num_tokens + bs, (num_tokens, len(block_ids))
         slots = torch.arange(len(block_ids) * bs - num_tokens, len(block_ids) * bs, device=self.device)
-        table = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        return table[slots // bs] * bs + slots % bs
+        return long_tensor(block_ids, self.device)[slots // bs] * bs + slots % bs
 
     def write(self, block_ids: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
         """Put a chunk's KV (``[num_layers, L, num_kv_heads, head_dim]`` each) into its canonical blocks,
-        front-padded: the tokens fill the last ``L`` slots."""
+        front-padded: the tokens fill the last ``L`` slots.
+
+        From the CPU the copy is asynchronous (``to_device``): the caller must not write into ``k`` and ``v``
+        until the stream has run it (the store's chunks are never written; freeing them is safe). The
+        blocks are written by the same stream as every later kernel that reads them."""
         rows = self.rows(block_ids, k.shape[1])
-        self.k_rows[:, rows] = k.to(self.device, non_blocking=True)
-        self.v_rows[:, rows] = v.to(self.device, non_blocking=True)
+        self.k_rows[:, rows] = to_device(k, self.device)
+        self.v_rows[:, rows] = to_device(v, self.device)
 
     def read(self, block_ids: list[int], num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A chunk's KV out of its canonical blocks: ``[num_layers, num_tokens, num_kv_heads, head_dim]``
-        each, copies."""
+        each, copies on the cache's device (queued on the stream: a later write to the blocks cannot change them)."""
         rows = self.rows(block_ids, num_tokens)
         return self.k_rows[:, rows], self.v_rows[:, rows]
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         """Copy whole blocks (every layer) ``src[i] -> dst[i]``: copy-on-write."""
         if src:
-            s = torch.tensor(src, dtype=torch.long, device=self.device)
-            d = torch.tensor(dst, dtype=torch.long, device=self.device)
+            s, d = long_tensor(src, self.device), long_tensor(dst, self.device)
             self.k[:, d] = self.k[:, s]
             self.v[:, d] = self.v[:, s]

@@ -65,11 +65,17 @@ class ChunkKV:
         """This chunk with K and V on ``device`` (itself when already there).
 
         Args:
-            pin: on the CPU, use page-locked memory, so later copies to a GPU can be asynchronous.
-            non_blocking: asynchronous copy to a GPU (from page-locked memory); copies to the CPU
-                are always synchronous, so the data is there when this returns.
+            pin: on the CPU, use page-locked memory, so later copies to a GPU can be asynchronous
+                (ignored without CUDA, where there is no page-locked memory to ask for).
+            non_blocking: asynchronous copy to a GPU. From page-locked memory the copy may still be
+                running when this returns: this chunk's K and V must not be written until the stream has
+                run it (store chunks never are; freeing them is safe, see ``pic.kv.transfer``).
+
+        A copy to the CPU is always synchronous (``copy_`` without ``non_blocking`` waits for the stream):
+        the data can be read, and the GPU source freed or overwritten, as soon as this returns.
         """
         device = torch.device(device)
+        pin = pin and torch.cuda.is_available()
         here = self.k.device
         if here.type == device.type and device.index in (None, here.index) and (not pin or self.k.is_pinned()):
             return self

@@ -52,10 +52,15 @@ def check_fits(num_bytes: int, device: torch.device, *, what: str) -> None:
 
 def available_bytes(device: torch.device) -> int | None:
     """Free memory on ``device`` in bytes: CUDA's free memory, the CPU's ``MemAvailable``; ``None``
-    where it cannot be told (then no check is made)."""
+    where it cannot be told (then no check is made).
+
+    On CUDA, memory that torch's caching allocator holds but no tensor uses (left by loading the model, say)
+    counts as free: ``mem_get_info`` reports it used, yet an allocation that does not fit returns it to
+    the driver and retries before it fails.
+    """
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
-        return free
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     if device.type == "cpu":
         return _cpu_available_bytes()
     return None
@@ -97,7 +102,10 @@ def build_kv_pool(spec: ModelSpec, config: PICConfig) -> tuple[BlockPool, KVCach
         device=spec.device,
         memory_fraction=config.kv_memory_fraction,
     )
-    num_blocks = blocks_for(num_tokens, config.block_size)
+    # A share of the free CUDA memory rounds down to whole blocks (up, it could pass what is free, and
+    # kv_memory_fraction=1 would be refused); a given size rounds up, to hold the tokens asked for.
+    from_free = config.kv_pool_tokens is None and spec.device.type == "cuda"
+    num_blocks = max(1, num_tokens // config.block_size) if from_free else blocks_for(num_tokens, config.block_size)
     what = f"{sized} ({num_blocks} blocks of {config.block_size} tokens, {spec.kv_bytes_per_token} bytes per token)"
     check_fits(num_blocks * config.block_size * spec.kv_bytes_per_token, spec.device, what=what)
     try:

@@ -8,6 +8,7 @@ import torch
 
 from pic.kv.block_pool import BlockPool
 from pic.kv.cache import KVCache, blocks_for
+from pic.kv.transfer import long_tensor
 
 
 class RequestKV:
@@ -34,7 +35,7 @@ class RequestKV:
         self.pool, self.cache = pool, cache
         self.blocks: list[int] = list(block_ids)
         device = cache.device
-        self.block_table = torch.tensor(self.blocks, dtype=torch.long, device=device)  # [num_blocks]
+        self.block_table = long_tensor(self.blocks, device)  # [num_blocks], no host sync
         self.kv_positions = torch.full((len(self.blocks) * cache.block_size,), -1, dtype=torch.long, device=device)
         self.num_slots = num_slots
         self._held = list(held)
@@ -65,7 +66,7 @@ class RequestKV:
             (block,) = self.pool.allocate(1)
             self.blocks.append(block)
             device = self.block_table.device
-            self.block_table = torch.cat((self.block_table, torch.tensor([block], device=device)))
+            self.block_table = torch.cat((self.block_table, long_tensor([block], device)))
             self.kv_positions = torch.cat((self.kv_positions, torch.full((bs,), -1, dtype=torch.long, device=device)))
         self.num_slots += 1
         return self.num_slots - 1

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from pic.kv import KVCache
+from pic.kv.transfer import to_device
 from pic.link.assemble import Assembly
 from pic.link.layout import Layout
 from pic.link.policies import Policy
@@ -66,8 +67,8 @@ class RecomputePass:
         """The request's sequence in a forward (writes its slots' logical positions)."""
         req, layout = self.assembly.req, self.layout
         device = req.cache.device
-        index = self.index.to(device)
-        slots, positions = layout.slots.to(device), layout.positions.to(device)
+        index = to_device(self.index, device)  # host tensors: copies without a host sync
+        slots, positions = to_device(layout.slots, device), to_device(layout.positions, device)
         req.kv_positions[slots] = positions
         if self.policy.is_dynamic:
             self._tracker = _PassTracker(
@@ -76,7 +77,7 @@ class RecomputePass:
         n = index.shape[0]
         return SeqInput(
             kv=req,
-            token_ids=layout.token_ids.to(device)[index],
+            token_ids=to_device(layout.token_ids, device)[index],
             positions=positions[index],
             slots=slots[index],
             output_rows=torch.arange(n - self.num_output_rows, n, device=device),
@@ -110,7 +111,7 @@ class _PassTracker:
         self._cache, self._num_layers, self._layout = cache, num_layers, layout
         self._source_rows, self._policy = source_rows, policy
         self._index = index  # [n] prompt indices of the tokens the pass started with
-        self._cached = layout.cached.to(index.device)  # [T], moved to the device once per pass
+        self._cached = to_device(layout.cached, index.device)  # [T], moved to the device once per pass
         self.tokens = index  # prompt indices of the tokens that ran the latest layer
         self.counts: list[int] = []
 

@@ -6,6 +6,7 @@ import torch
 from pydantic import Field, field_validator
 
 from pic.config import _Frozen, as_tuple
+from pic.kv.transfer import long_tensor
 
 
 class SamplingParams(_Frozen):
@@ -45,10 +46,11 @@ class SamplingParams(_Frozen):
         return value
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """Next token from ``logits`` ``[vocab_size]`` float32."""
+def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """Next token from ``logits`` ``[vocab_size]`` float32: a 0-dim int64 tensor on their device, without a
+    host sync (``generator``, when given, lives on that device)."""
     if params.temperature == 0.0:
-        return int(logits.argmax())
+        return logits.argmax()
     logits = logits / params.temperature
     if params.top_k:
         kth = torch.topk(logits, min(params.top_k, logits.shape[-1])).values[-1]
@@ -58,17 +60,35 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         probs = sorted_logits.softmax(-1)
         # Drop a token when the tokens before it already reach top_p (the first always stays).
         drop_sorted = probs.cumsum(-1) - probs >= params.top_p
-        drop = torch.zeros_like(drop_sorted)
-        drop[order] = drop_sorted
-        logits = logits.masked_fill(drop, float("-inf"))
-    probs = logits.softmax(-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+        logits = logits.masked_fill(torch.empty_like(drop_sorted).scatter_(0, order, drop_sorted), float("-inf"))
+    return _multinomial_one(logits.softmax(-1), generator)
+
+
+def _multinomial_one(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One draw from ``probs`` ``[vocab_size]``: what ``torch.multinomial(probs, 1, generator=...)`` draws
+    (argmax of ``probs / q``, ``q ~ Exp(1)``, is its algorithm for one sample: same generator state, same
+    token), without its validity checks: host syncs in older torch, device-side asserts in newer ones, which
+    leave the CUDA context unusable, so one request's NaN logits would stop every request. ``probs`` comes
+    from a softmax with at least one finite logit: a valid distribution unless the model gave NaN."""
+    q = torch.empty_like(probs).exponential_(1, generator=generator)
+    return (probs / q).argmax()
+
+
+def sample_tokens(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> torch.Tensor:
+    """Next token of each row of ``logits`` ``[B, vocab_size]`` float32, with that row's options and
+    generator: ``[B]`` int64 on the logits' device, without a host sync (greedy rows share one argmax)."""
+    tokens = logits.argmax(-1)
+    sampled = [i for i, p in enumerate(params) if p.temperature != 0.0]
+    if not sampled:
+        return tokens
+    picks = [sample_token(logits[i], params[i], generators[i]) for i in sampled]
+    return tokens.index_put((long_tensor(sampled, logits.device),), torch.stack(picks))
 
 
 def sample_rows(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
 ) -> list[int]:
-    """Next token of each row of ``logits`` ``[B, vocab_size]`` float32, with that row's options and
-    generator (greedy rows share one argmax)."""
-    greedy = logits.argmax(-1).tolist()
-    return [greedy[i] if p.temperature == 0.0 else sample(logits[i], p, generators[i]) for i, p in enumerate(params)]
+    """``sample_tokens`` read back to the host: the one host sync of a decode step."""
+    return sample_tokens(logits, params, generators).tolist()

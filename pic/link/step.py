@@ -46,9 +46,11 @@ class LayerStep:
     def cached_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The chunks' cached K (before RoPE) and V at this layer: ``[N, num_kv_heads, head_dim]``
         each; zero for prefix and query tokens."""
-        k, v = (torch.zeros_like(t) for t in self.fresh_kv())
-        inside = self._source_rows >= 0  # [N]
-        rows = self._source_rows[inside]  # canonical rows: the chunk's blocks as compiled
-        k[inside] = self._cache.k_rows[self.layer, rows]
-        v[inside] = self._cache.v_rows[self.layer, rows]
+        inside = (self._source_rows >= 0)[:, None, None]  # [N, 1, 1]
+        rows = self._source_rows.clamp(min=0)  # canonical rows: the chunk's blocks as compiled (row 0: unused)
+        # where(), not a boolean index: that would count the chunk tokens on the host (a sync); row 0 may
+        # hold anything, NaN included, and where() never lets it through.
+        zero = torch.zeros((), dtype=self._cache.k_rows.dtype, device=rows.device)
+        k = torch.where(inside, self._cache.k_rows[self.layer, rows], zero)
+        v = torch.where(inside, self._cache.v_rows[self.layer, rows], zero)
         return k, v

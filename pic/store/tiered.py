@@ -64,7 +64,9 @@ class TieredStore:
         expected: serde.Expected,
         lock: threading.RLock | None = None,
     ) -> TieredStore:
-        pin = torch.cuda.is_available()
+        # Page-locked CPU memory only for an engine on CUDA: its copies to the pool can then be asynchronous.
+        # (Pinning for a CPU engine on a machine that has a GPU would lock host memory for nothing.)
+        pin = device.cache.device.type == "cuda"
         lower: list[Tier] = []
         if config.cpu_bytes != 0:
             lower.append(LruTier("cpu", device=torch.device("cpu"), capacity_bytes=config.cpu_bytes, pin=pin))

@@ -43,7 +43,10 @@ class CacheBlend(Policy):
         fresh_v, cached_v = step.fresh_kv()[1], step.cached_kv()[1]
         score = (fresh_v.float() - cached_v.float()).square().sum(dim=(1, 2))  # [N]
         score = score.masked_fill(~step.cached, float("-inf"))
-        num_keep = min(round(self.ratio * int(step.layout.cached.sum())), int(step.cached.sum()))
+        # At most every token of the step, not every *chunk* token of it: counting those would read the
+        # device back (a host sync). Picks beyond the chunk tokens score -inf and are prefix or query
+        # tokens, which run on anyway, so the mask is the same.
+        num_keep = min(round(self.ratio * int(step.layout.cached.sum())), step.num_tokens)
         keep = torch.zeros_like(step.cached)
         keep[score.topk(num_keep).indices] = True
         return keep

@@ -1,0 +1,221 @@
+"""The CUDA paths of the KV pool, the chunk store and sampling, on ``PIC_TEST_DEVICE`` (tests/device.py).
+
+On CUDA they hold the code to the stream semantics it relies on. A copy from the pool to the CPU tier's
+page-locked memory must have finished when it returns, though kernels that write the pool are still
+queued before it; a copy from page-locked memory into the pool may still be running when the host frees
+its source and allocates again, and must read what was there. A ``torch.cuda._sleep`` keeps the GPU busy
+so that the work queued after it is still pending when the host goes on. On the CPU the same tests check
+what does not need a GPU (no page-locked memory for a CPU engine, the sampler's draws, pool sizing); the
+host-sync and stream tests need CUDA and say so when skipped.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import threading
+import types
+import warnings
+
+import pytest
+import torch
+
+import pic
+import pic.kv.memory
+from pic.config import CompileOptions
+from pic.kv import BlockPool, ChunkInfo, ChunkKV, KVCache
+from pic.kv.transfer import long_tensor
+from pic.link.sampling import SamplingParams, _multinomial_one, sample_rows, sample_tokens
+from pic.store import DeviceTier, LruTier, TieredStore
+from pic.store.serde import Expected
+from tests.conftest import make_target_engine
+from tests.device import target
+from tests.models import DOCS, QUERY
+
+CUDA = target().device.type == "cuda"
+cuda_only = pytest.mark.skipif(not CUDA, reason="CUDA only: host syncs and streams (PIC_TEST_DEVICE=cuda)")
+SHAPE = dict(num_layers=2, num_kv_heads=2, head_dim=8)
+
+
+def busy_gpu() -> None:
+    """Queue about 0.1 s of GPU work, so that what is queued next is still pending when the host goes on."""
+    if CUDA:
+        torch.cuda._sleep(200_000_000)
+
+
+def make_chunk(cache_id: str = "c", num_tokens: int = 10) -> ChunkKV:
+    """A chunk of random KV on the CPU, in the test dtype."""
+    gen = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(2, num_tokens, 2, 8, generator=gen).to(target().dtype) for _ in range(2))
+    return ChunkKV(cache_id, torch.arange(num_tokens), k, v, CompileOptions())
+
+
+def make_store(device: torch.device) -> TieredStore:
+    """A pool of 16 blocks of 4 on ``device`` and an unbounded CPU tier, as ``PIC`` builds them."""
+    cache = KVCache(num_blocks=16, block_size=4, dtype=target().dtype, device=device, **SHAPE)
+    expected = Expected("f", dtype=target().dtype, max_tokens=64, vocab_size=512, **SHAPE)
+    tier = DeviceTier(BlockPool(16, block_size=4), cache)
+    return TieredStore.from_config(pic.StoreConfig(cpu_bytes=None), device=tier, expected=expected)
+
+
+def test_the_cpu_tier_is_page_locked_only_for_an_engine_on_cuda():
+    for device in (torch.device("cpu"), target().device):
+        store = make_store(device)
+        (cpu,) = store.lower
+        assert isinstance(cpu, LruTier) and cpu.put(make_chunk())
+        assert cpu.peek("c").k.is_pinned() == (device.type == "cuda"), device
+
+
+def test_write_through_to_page_locked_memory_waits_for_the_pool_writes():
+    """``TieredStore.add`` copies the pool's blocks to the CPU tier (D2H); the data is there on return."""
+    store, chunk = make_store(target().device), make_chunk()
+    k, v = chunk.k.to(target().device), chunk.v.to(target().device)
+    blocks = store.device.pool.allocate(3)
+    busy_gpu()
+    store.device.cache.write(blocks, k, v)  # queued behind the busy GPU
+    assert store.add(ChunkInfo("c", chunk.token_ids, chunk.options), blocks)
+    copy = store.lower[0].peek("c")
+    assert torch.equal(copy.k, chunk.k) and torch.equal(copy.v, chunk.v)  # read at once, no sync of ours
+
+
+def test_promotion_from_page_locked_memory_survives_its_source_being_freed():
+    """The H2D copy of a promotion is asynchronous; freeing its source and allocating page-locked memory
+    again before it ran must not change what lands in the pool."""
+    store, chunk = make_store(target().device), make_chunk()
+    pool = store.device.pool
+    blocks = pool.allocate(3)
+    store.device.cache.write(blocks, chunk.k.to(target().device), chunk.v.to(target().device))
+    store.add(ChunkInfo("c", chunk.token_ids, chunk.options), blocks)
+    pool.free(blocks)
+    assert store.device.delete("c") and store.lookup("c") == ["cpu"]
+    source = store.resolve("c")
+    assert isinstance(source, ChunkKV) and source.k.is_pinned() == CUDA
+    busy_gpu()
+    promoted = store.promote(source)  # the copy waits behind the busy GPU
+    del source
+    assert store.lower[0].delete("c")  # the last reference to the page-locked source: freed
+    junk = [torch.empty(chunk.k.shape, dtype=chunk.k.dtype, pin_memory=CUDA).fill_(float("nan")) for _ in range(8)]
+    k, v = store.device.cache.read(promoted, chunk.num_tokens)
+    assert torch.equal(k.cpu(), chunk.k) and torch.equal(v.cpu(), chunk.v), len(junk)
+
+
+def test_sampling_is_seeded_on_the_device_and_draws_what_multinomial_draws():
+    device = target().device
+    logits = 3 * torch.randn(4, 512, generator=torch.Generator().manual_seed(1)).to(device)
+    params = [
+        SamplingParams(),
+        SamplingParams(temperature=0.9, top_p=0.9),
+        SamplingParams(temperature=1.0, top_k=50),
+        SamplingParams(temperature=0.7),
+    ]
+
+    def generators() -> list[torch.Generator | None]:
+        return [None] + [torch.Generator(device=device).manual_seed(seed) for seed in (1, 2, 3)]
+
+    tokens = sample_tokens(logits, params, generators())
+    assert tokens.device == logits.device and tokens.dtype == torch.long
+    assert sample_rows(logits, params, generators()) == tokens.tolist()
+    assert tokens[0].item() == logits[0].argmax().item()
+    for seed in range(50):
+        probs = (logits[3] / 0.7).softmax(-1)
+        ours = _multinomial_one(probs, torch.Generator(device=device).manual_seed(seed))
+        theirs = torch.multinomial(probs, 1, generator=torch.Generator(device=device).manual_seed(seed))
+        assert ours.item() == theirs.item(), seed
+
+
+def test_a_pool_sized_from_free_cuda_memory_counts_the_allocator_cache_and_fits(monkeypatch):
+    """On CUDA, memory torch caches but no tensor uses is free to the pool, and a pool sized from free
+    memory rounds down to whole blocks, so ``kv_memory_fraction=1`` is not refused (CUDA faked)."""
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1000 * 48, 1 << 40))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 500 * 48)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 100 * 48)
+    cuda = torch.device("cuda", 0)
+    assert pic.kv.memory.available_bytes(cuda) == 1400 * 48
+    made = {}
+    monkeypatch.setattr(pic.kv.memory, "KVCache", lambda **kwargs: made.update(kwargs) or "cache")
+    spec = types.SimpleNamespace(kv_bytes_per_token=48, device=cuda, dtype=torch.float16, **SHAPE)
+    pool, cache = pic.kv.memory.build_kv_pool(spec, pic.PICConfig(block_size=16, kv_memory_fraction=1.0))
+    assert cache == "cache" and made["num_blocks"] == pool.num_blocks == 1400 // 16
+
+
+@cuda_only
+def test_a_default_pool_on_cuda_takes_its_share_of_the_free_memory():
+    make_target_engine("stories260K", kv_pool_tokens=16)  # the model and its tables are on the GPU first
+    free = pic.kv.memory.available_bytes(target().device)
+    engine = make_target_engine("stories260K", kv_pool_tokens=None, kv_memory_fraction=0.05)
+    pool_bytes = engine.pool.num_blocks * engine.kv_cache.bytes_per_block
+    assert abs(pool_bytes - 0.05 * free) <= 1e-3 * free + engine.kv_cache.bytes_per_block, (pool_bytes, free)
+    del engine
+    torch.cuda.empty_cache()
+
+
+def sync_sites(fn) -> list[tuple[str, int]]:
+    """``(file, line)`` of every synchronizing CUDA call ``fn()`` makes (torch's sync debug mode)."""
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return [(w.filename, w.lineno) for w in caught if "synchroniz" in str(w.message)]
+
+
+@cuda_only
+def test_sampling_and_moving_host_data_queue_without_a_host_sync():
+    device = target().device
+    logits = torch.randn(3, 512, device=device)
+    params = [SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9, top_k=40), SamplingParams(temperature=1.0)]
+    gens = [None, torch.Generator(device=device).manual_seed(0), None]
+    torch.cuda.synchronize()
+    assert sync_sites(lambda: (sample_tokens(logits, params, gens), long_tensor([3, 1, 2], device))) == []
+
+
+@cuda_only
+def test_steps_sync_the_host_only_to_read_the_sampled_tokens():
+    """pic's own code (engine, link, kv, store) syncs once per step, in ``sample_rows``: in the step that
+    admits requests under static policies (assembly, recompute passes, first tokens) and in every decode
+    step after it. The runner's and attention's syncs, if any, are listed in the failure message."""
+    engine = make_target_engine("stories260K", eos_token_ids=())  # every request runs all its steps
+    ids = engine.compile(list(DOCS))
+    core = engine.engine()
+    for i, policy in enumerate(("legolink:16", "mepic", "naive", "full")):
+        sampling = dict(temperature=0.8, seed=i) if i % 2 else {}
+        core.add_request(pic.Request(ids, f"{QUERY} {i}", policy=policy, max_new_tokens=40, **sampling))
+    lines, start = inspect.getsourcelines(sample_rows)
+    token_read = (os.path.realpath(inspect.getsourcefile(sample_rows)), range(start, start + len(lines)))
+    package = os.path.dirname(os.path.realpath(pic.__file__))
+    ours = tuple(os.path.join(package, p) + os.sep for p in ("engine", "link", "kv", "store"))
+    for _ in range(23):  # admission, then decode steps across block boundaries (decode blocks appended)
+        sites = [(os.path.realpath(f), n) for f, n in sync_sites(core.step)]
+        mine = [(f, n) for f, n in sites if f.startswith(ours)]
+        assert len(mine) == 1 and mine[0][0] == token_read[0] and mine[0][1] in token_read[1], sites
+    assert [len(s.output_ids) for s in core._seqs.values()] == [23] * 4
+
+
+@cuda_only
+def test_steps_from_a_thread_on_another_stream_run_on_the_engine_stream():
+    """Whichever stream a stepping thread has made current, the engine's forwards run on the stream it was
+    built on (so one step's pool writes are ordered before the next step's reads), with the same tokens."""
+    engine = make_target_engine("stories260K")
+    ids = engine.compile(list(DOCS))
+    expected = engine.link(ids, QUERY).generate(24).token_ids
+    engine_stream, streams, got = torch.cuda.current_stream(), [], {}
+    forward = engine.runner.forward
+
+    def recording_forward(seqs):
+        streams.append(torch.cuda.current_stream())
+        return forward(seqs)
+
+    engine.runner.forward = recording_forward
+
+    def run() -> None:
+        with torch.cuda.stream(torch.cuda.Stream()):
+            busy_gpu()
+            got["tokens"] = engine.link(ids, QUERY).generate(24).token_ids
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(timeout=120)
+    assert got["tokens"] == expected
+    assert streams and all(s == engine_stream for s in streams)
