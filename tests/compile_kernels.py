@@ -49,7 +49,7 @@ def compile_attention(*, arch, dtype, group, head_dim, block_m, block_n, splits,
     d_pad = max(16, triton.next_power_of_2(head_dim))
     constants = dict(
         GROUP=group, HEAD_DIM=head_dim, HALF_PAD=max(16, triton.next_power_of_2(head_dim // 2)), D_PAD=d_pad,
-        BLOCK_M=block_m, BLOCK_N=block_n, PAGE=16, NUM_SPLITS=splits, HAS_WINDOW=window,
+        BLOCK_M=block_m, BLOCK_N=block_n, PAGE=16, SPLIT_KV=splits > 1, HAS_WINDOW=window,
         DOT_PRECISION="ieee" if dtype == "fp32" else None,
     )  # fmt: skip
     report = _compile(paged_attention_kernel, types, constants, arch=arch, num_warps=num_warps)
@@ -58,7 +58,7 @@ def compile_attention(*, arch, dtype, group, head_dim, block_m, block_n, splits,
     if splits > 1:
         types = {"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "out_ptr": f"*{dtype}"}
         types |= dict.fromkeys(("tile_seq_ptr", "tile_row_ptr", "cu_q_ptr"), "*i32")
-        constants = dict(GROUP=group, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_M=block_m, NUM_SPLITS=splits)
+        constants = dict(GROUP=group, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_M=block_m)
         report["combine"] = _compile(combine_splits_kernel, types, constants, arch=arch, num_warps=4)
     return report
 

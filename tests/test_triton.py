@@ -20,7 +20,8 @@ import pic
 from pic.attention import reference
 from pic.attention.backend import AttentionBackend, select_backend
 from tests.attention_cases import make_case, rel_error, rope_table
-from tests.models import DOCS, PREFIX, QUERY, model, tokenizer
+from tests.conftest import make_target_engine
+from tests.models import DOCS, PREFIX, QUERY
 
 triton_backend = pytest.importorskip("pic.attention.triton_backend", reason="the test extra installs Triton")
 
@@ -122,10 +123,11 @@ def test_backend_selection(monkeypatch):
 def test_engine_on_the_kernel_equals_the_reference(family):
     """The whole engine on the Triton backend: logits of a Full Recompute link and a batch of linked
     generations (recompute passes and decodes in shared forwards, CacheBlend dropping tokens) give the
-    reference backend's tokens. Mistral has a sliding window, Qwen3 q/k norms and head_dim 32."""
+    reference backend's tokens. Mistral has a sliding window, Qwen3 q/k norms and head_dim 32. Float32 on
+    every device: batch shapes must not flip a greedy tie between the backends."""
     outputs = {}
     for backend in ("torch", "triton"):
-        engine = pic.PIC(model(family).to(DEVICE), tokenizer(), config=pic.PICConfig(attention_backend=backend))
+        engine = make_target_engine(family, dtype=torch.float32, attention_backend=backend)
         assert engine.runner.attention_backend.value == backend
         ids = engine.compile(list(DOCS))
         logits = engine.link(ids, QUERY, prefix=PREFIX, policy="full").logits

@@ -163,14 +163,14 @@ def _launch(q, k_cache, v_cache, out, plan, meta, tiles, scaling, sliding_window
         out.stride(0), out.stride(1), meta.tables.stride(0), meta.kv_pos.stride(0),
         scaling * 1.4426950408889634, sliding_window or 0,
         GROUP=group, HEAD_DIM=head_dim, HALF_PAD=_pow2(head_dim // 2), D_PAD=d_pad,
-        BLOCK_M=tiles.block_m, BLOCK_N=block_n, PAGE=page, NUM_SPLITS=splits,
+        BLOCK_M=tiles.block_m, BLOCK_N=block_n, PAGE=page, SPLIT_KV=splits > 1,
         HAS_WINDOW=sliding_window is not None, DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
         num_warps=num_warps,
     )  # fmt: skip
     if splits > 1:
         combine_splits_kernel[(tiles.num_tiles, num_kv_heads)](
-            target, part_ml, out, tiles.seq, tiles.row, meta.cu_q, out.stride(0), out.stride(1),
-            GROUP=group, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_M=tiles.block_m, NUM_SPLITS=splits,
+            target, part_ml, out, tiles.seq, tiles.row, meta.cu_q, out.stride(0), out.stride(1), splits,
+            GROUP=group, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_M=tiles.block_m,
         )  # fmt: skip
 
 

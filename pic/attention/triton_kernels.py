@@ -11,8 +11,10 @@ in), rotates K from the float32 cos/sin table at each slot's logical position, m
 done on the two halves of the head dimension, so each K element is read once: for ``x = [x1, x2]``,
 ``rope(x) = [x1 cos - x2 sin, x2 cos + x1 sin]``.
 
-With ``NUM_SPLITS > 1`` (flash-decoding), split ``s`` covers a contiguous share of the slot tiles and
-writes its unnormalized accumulator, running max and sum; ``combine_splits_kernel`` merges them.
+With ``SPLIT_KV`` (flash-decoding), the launch's third grid axis splits the KV: split ``s`` covers a
+contiguous share of the slot tiles and writes its unnormalized accumulator, running max and sum;
+``combine_splits_kernel`` merges them. The number of splits is a run-time value, so a decode whose split
+count changes as its context grows compiles nothing new.
 
 Every kernel is the one the CUDA path runs; the CPU tests run the same source in Triton's interpreter.
 """
@@ -35,13 +37,15 @@ def _rotate(x1, x2, table_row, cos_ptr, sin_ptr, cols, col_ok, HEAD_DIM: tl.cons
     return x1 * c - x2 * s, x2 * c + x1 * s
 
 
-@triton.jit
+# Arguments that change from step to step as tables grow: not specialized (a value of 1 or a multiple of
+# 16 would otherwise compile another variant mid-generation).
+@triton.jit(do_not_specialize=["stride_table", "stride_kv_pos", "window"])
 def paged_attention_kernel(
     q_ptr,  # [N, Hq, D] NoPE queries
     k_ptr,  # [num_blocks * block_size, Hkv, D] NoPE K rows of one layer
     v_ptr,  # [num_blocks * block_size, Hkv, D]
-    out_ptr,  # [N, Hq, D], or with NUM_SPLITS > 1 the partial accumulators [T, Hkv, NUM_SPLITS, BLOCK_M, D] fp32
-    part_ml_ptr,  # [T, Hkv, NUM_SPLITS, 2, BLOCK_M] fp32 running max (log2 units) and sum (NUM_SPLITS > 1)
+    out_ptr,  # [N, Hq, D], or with SPLIT_KV the partial accumulators [T, Hkv, num_splits, BLOCK_M, D_PAD] fp32
+    part_ml_ptr,  # [T, Hkv, num_splits, 2, BLOCK_M] fp32 running max (log2 units) and sum (SPLIT_KV)
     cos_ptr,  # [R, D] float32
     sin_ptr,  # [R, D] float32
     rope_off_ptr,  # [B] int32 table row of position 0 per sequence
@@ -71,7 +75,7 @@ def paged_attention_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     PAGE: tl.constexpr,  # slots per KV block
-    NUM_SPLITS: tl.constexpr,
+    SPLIT_KV: tl.constexpr,  # write partials for combine_splits_kernel (the number of splits is grid axis 2)
     HAS_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs (no TF32), else None (the default)
 ):
@@ -103,7 +107,8 @@ def paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     kv_len = tl.load(kv_len_ptr + seq)
     num_tiles = tl.cdiv(kv_len, BLOCK_N)
-    per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    num_splits = tl.num_programs(2)  # a run-time value: a new split count compiles nothing
+    per_split = tl.cdiv(num_tiles, num_splits)
     for kv_tile in range(split * per_split, tl.minimum(num_tiles, (split + 1) * per_split)):
         slots = kv_tile * BLOCK_N + tl.arange(0, BLOCK_N)
         slot_ok = slots < kv_len
@@ -138,32 +143,32 @@ def paged_attention_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
 
-    if NUM_SPLITS == 1:
+    if not SPLIT_KV:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         o_at = out_ptr + q_row[:, None] * stride_on + head[:, None] * stride_oh + d[None, :]
         tl.store(o_at, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (d[None, :] < HEAD_DIM))
     else:
-        part = (tile * tl.num_programs(1) + kv_head) * NUM_SPLITS + split
+        part = (tile * tl.num_programs(1) + kv_head) * num_splits + split
         tl.store(out_ptr + (part * BLOCK_M + rows[:, None]) * D_PAD + d[None, :], acc)
         tl.store(part_ml_ptr + part * 2 * BLOCK_M + rows, m_i)
         tl.store(part_ml_ptr + part * 2 * BLOCK_M + BLOCK_M + rows, l_i)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def combine_splits_kernel(
-    part_acc_ptr,  # [T, Hkv, NUM_SPLITS, BLOCK_M, D_PAD] fp32
-    part_ml_ptr,  # [T, Hkv, NUM_SPLITS, 2, BLOCK_M] fp32
+    part_acc_ptr,  # [T, Hkv, num_splits, BLOCK_M, D_PAD] fp32
+    part_ml_ptr,  # [T, Hkv, num_splits, 2, BLOCK_M] fp32
     out_ptr,  # [N, Hq, D]
     tile_seq_ptr,
     tile_row_ptr,
     cu_q_ptr,
     stride_on,
     stride_oh,
+    num_splits,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
 ):
     """Merge the splits of one (tile, KV head): ``out = sum_s 2^(m_s - m) acc_s / sum_s 2^(m_s - m) l_s``."""
     tile, kv_head = tl.program_id(0), tl.program_id(1)
@@ -172,8 +177,8 @@ def combine_splits_kernel(
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-    for split in range(NUM_SPLITS):
-        part = (tile * tl.num_programs(1) + kv_head) * NUM_SPLITS + split
+    for split in range(num_splits):
+        part = (tile * tl.num_programs(1) + kv_head) * num_splits + split
         m_s = tl.load(part_ml_ptr + part * 2 * BLOCK_M + rows)
         l_s = tl.load(part_ml_ptr + part * 2 * BLOCK_M + BLOCK_M + rows)
         acc_s = tl.load(part_acc_ptr + (part * BLOCK_M + rows[:, None]) * D_PAD + d[None, :])

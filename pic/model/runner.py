@@ -96,7 +96,7 @@ class ModelRunner:
             keep = self._keep(index, seqs, starts, lens, alive, rows) if hooked else None
             if keep is not None:
                 hidden, positions, rows, alive = hidden[keep], positions[keep], rows[keep], alive[keep]
-                lens = [int(k.sum()) for k in keep.split(lens)]
+                lens = torch.stack([k.sum() for k in keep.split(lens)]).tolist()  # one host sync
                 plan = self._plan(seqs, positions, lens)
         num_tokens = sum(s.token_ids.shape[0] for s in seqs)
         return [self._outputs(seq, start, hidden, alive, num_tokens) for seq, start in zip(seqs, starts, strict=True)]
@@ -127,15 +127,19 @@ class ModelRunner:
         alive: torch.Tensor,
         rows: torch.Tensor,
     ) -> torch.Tensor | None:
-        """``[N']`` bool, the tokens that run the next layer (every hooked sequence asked), or ``None``."""
-        parts, dropped = [], False
+        """``[N']`` bool, the tokens that run the next layer (every hooked sequence asked), or ``None``.
+        One host sync when a hook answered (whether anything was dropped), none otherwise."""
+        parts, asked = [], []
         for seq, start, alive_b, rows_b in zip(seqs, starts, alive.split(lens), rows.split(lens), strict=True):
             keep_b = None if seq.after_layer is None else seq.after_layer(layer, alive_b - start, rows_b)
             if keep_b is None:
                 keep_b = torch.ones_like(alive_b, dtype=torch.bool)
-            dropped |= not bool(keep_b.all())
+            else:
+                asked.append(keep_b.all())
             parts.append(keep_b)
-        return torch.cat(parts) if dropped else None
+        if not asked or bool(torch.stack(asked).all()):
+            return None
+        return torch.cat(parts)
 
     def _plan(self, seqs: Sequence[SeqInput], positions: torch.Tensor, lens: list[int]) -> BatchPlan:
         return make_plan(
