@@ -2,6 +2,11 @@
 
 python benchmarks/memory.py            # writes benchmarks/results/memory.json and memory.png
 python benchmarks/memory.py --quick    # N up to 4, 12 chunks, 4 per request (the test suite's smoke run)
+python benchmarks/memory.py --model mistral-7b-random   # GPU: benchmarks/results/memory_gpu.json and .png
+
+``--model mistral-7b-random`` runs the same workload (the same token ids: the block counts are the same) on a
+Mistral-7B-shaped model with random bfloat16 weights on CUDA (``benchmarks/_gpu.py``; with ``--quick``, a 2-layer
+one on the CPU), so the link times are a 7B's on the GPU's attention backend.
 
 N live requests are held at once, each linking 8 distinct chunks drawn Zipf-like (weights 1/rank^s, without
 replacement; the same draws for every variant) from 32 token-id documents of 240-272 tokens, then a 16-token
@@ -17,6 +22,7 @@ blocks a request holds does not depend on them.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -30,6 +36,9 @@ import torch
 
 import pic
 from pic.model.loading import EMBEDDED_MODEL, load_pretrained
+
+sys.path.insert(0, str(Path(__file__).parent))
+import _gpu  # noqa: E402
 
 # name -> (policy, share_chunk_blocks)
 VARIANTS = {
@@ -212,20 +221,41 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="N 1 2 4, 12 chunks, 4 per request (smoke test)")
-    parser.add_argument("--out", default="benchmarks/results/memory.json", help="the PNG goes beside it")
+    parser.add_argument("--model", choices=["stories260K", "mistral-7b-random"], default="stories260K")
+    parser.add_argument("--out", help="JSON path, the PNG beside it (default: results/memory.json, memory_gpu.json)")
     args = parser.parse_args()
     if args.quick:
         args.concurrency, args.chunks, args.per_request = [1, 2, 4], 12, 4
+    mistral = args.model != "stories260K"
+    args.out = args.out or f"benchmarks/results/memory{'_gpu' if mistral else ''}.json"
+    args.device = torch.device("cuda" if mistral and not args.quick else "cpu")
     assert args.per_request <= args.chunks, "requests link distinct chunks"
     return args
+
+
+def load_model(args: argparse.Namespace) -> tuple[torch.nn.Module, object, str]:
+    """The model, its tokenizer, and what the report calls it; the context stretched to the longest prompt."""
+    needed = args.per_request * (args.doc_tokens[1] + 1) + args.query_tokens
+    if args.model == "stories260K":
+        model, tokenizer = load_pretrained(EMBEDDED_MODEL, device=args.device, dtype=torch.float32)
+        trained = model.config.max_position_embeddings
+        model.config.max_position_embeddings = max(trained, needed)
+        context = f"context stretched from {trained} to {model.config.max_position_embeddings} positions"
+        return model, tokenizer, f"stories260K (embedded), float32, {context}"
+    shape = _gpu.TINY_MISTRAL if args.quick else _gpu.MISTRAL_7B
+    dtype = torch.bfloat16 if args.device.type == "cuda" else torch.float32
+    model = _gpu.random_mistral(shape, max_positions=max(32768, needed), device=args.device, dtype=dtype)
+    name = f"MistralForCausalLM, random weights, {str(dtype).removeprefix('torch.')}, {shape}"
+    return model, _gpu.embedded_tokenizer(), name
 
 
 def make_report(args: argparse.Namespace, results: dict[str, list[dict]], model: str) -> dict:
     """The JSON: machine, exact command, workload, per-variant rows, and the ratios the table prints."""
     workload = {k: getattr(args, k) for k in ("concurrency", "chunks", "per_request", "doc_tokens", "query_tokens")}
     workload |= {"zipf": args.zipf, "seed": args.seed, "block_size": args.block_size}
+    machine = {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__, "note": "CPU"}
     return {
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__, "note": "CPU"},
+        "machine": machine if args.device.type == "cpu" else _gpu.environment(args.device),
         "model": model,
         "command": " ".join(["python", Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
         "torch_threads": torch.get_num_threads(),
@@ -239,28 +269,30 @@ def make_report(args: argparse.Namespace, results: dict[str, list[dict]], model:
 def main() -> None:
     torch.set_num_threads(1)
     args = parse_args()
-    model, tokenizer = load_pretrained(EMBEDDED_MODEL, device=torch.device("cpu"), dtype=torch.float32)
-    trained = model.config.max_position_embeddings
-    needed = args.per_request * (args.doc_tokens[1] + 1) + args.query_tokens
-    model.config.max_position_embeddings = max(trained, needed)
-    docs, requests = make_workload(args, model.config.vocab_size)
+    model, tokenizer, model_name = load_model(args)
+    docs, requests = make_workload(args, 512)  # stories260K's vocabulary: every model runs the same token ids
     results: dict[str, list[dict]] = {}
     for name, (policy, share) in VARIANTS.items():
         config = pic.PICConfig(share_chunk_blocks=share, kv_pool_tokens=pool_tokens(args), block_size=args.block_size)
-        results[name] = [run(model, tokenizer, config, policy, docs, requests[:n]) for n in args.concurrency]
+        results[name] = []
+        for n in args.concurrency:
+            results[name].append(run(model, tokenizer, config, policy, docs, requests[:n]))
+            if args.device.type == "cuda":  # each run's engine allocated its own pool: free it before the next
+                gc.collect()
+                torch.cuda.empty_cache()
     for s, p in zip(results[SHARED], results[PRIVATE], strict=True):  # what the README says of these numbers
         assert s["peak_blocks"] == s["floor_blocks"], f"shared MEPIC above its floor at N={s['n']}"
         assert s["peak_blocks"] <= p["peak_blocks"], f"sharing used more blocks than copying at N={s['n']}"
-    context = f"context stretched from {trained} to {model.config.max_position_embeddings} positions"
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    report = make_report(args, results, f"stories260K (embedded), float32, {context}")
+    report = make_report(args, results, model_name)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(table(results))
     link_ms = {name: [round(1000 * r["median_link_s"], 1) for r in rows] for name, rows in results.items()}
     print(f"\nmedian link ms at N = {args.concurrency}: " + "; ".join(f"{k} {v}" for k, v in link_ms.items()))
     title = f"{args.per_request} of {args.chunks} chunks per request (Zipf {args.zipf:g}), block {args.block_size}"
-    plot(results, f"stories260K, CPU: {title}", out.with_suffix(".png"))
+    where = f"{args.model}, {report['machine'].get('gpu') or 'CPU'}"  # "stories260K, CPU" by default
+    plot(results, f"{where}: {title}", out.with_suffix(".png"))
     print(f"wrote {out}")
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -85,3 +86,68 @@ def test_throughput_benchmark_writes_json(tmp_path):
         assert report["tokens_per_s_over_facade"][name] == median["tokens_per_s_over_facade"]
     assert 1 < report["medians"]["engine 4"]["mean_batch"] <= 4
     assert (tmp_path / "throughput.png").exists() or "matplotlib is not installed" in proc.stdout
+
+
+def _quick(script: str, out: Path, *flags: str) -> subprocess.CompletedProcess:
+    """``benchmarks/<script> --quick <flags> --out <out>`` on the CPU (Triton's interpreter where a kernel runs)."""
+    args = [sys.executable, str(BENCHMARKS / script), "--quick", *flags, "--out", str(out)]
+    env = os.environ | {"TRITON_INTERPRET": "1"}  # attention.py sets it too; Triton reads it at its first import
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
+def test_attention_benchmark_writes_json(tmp_path):
+    """The kernel against SDPA and the reference on tiny float16 cases, each checked against float64."""
+    proc = _quick("attention.py", tmp_path / "attention.json")
+    report = json.loads((tmp_path / "attention.json").read_text())
+    assert report["command"].endswith(f"attention.py --quick --out {tmp_path / 'attention.json'}")
+    assert report["environment"]["gpu"] is None and report["settings"]["dtype"] == "float16"
+    cases = [(c["mode"], c["context"], c["batch"], c["queries"]) for c in report["cases"]]
+    assert cases == [(m, c, b, 16 if m == "prefill" else 1) for c in (64, 128) for m, b in
+                     (("prefill", 1), ("decode", 1), ("decode", 2))]  # fmt: skip
+    for case in report["cases"]:
+        assert list(case["median_ms"]) == list(case["rel_error"]) == ["pic", "sdpa", "torch_reference"]
+        assert all(len(times) == 1 for times in case["rounds_ms"].values())
+        assert case["pic_over_sdpa"] == case["median_ms"]["pic"] / case["median_ms"]["sdpa"]
+        assert all(0 < e <= 1e-2 for e in case["rel_error"].values()), case["rel_error"]
+    assert report["pic_within_target"] and report["max_pic_rel_error"] <= report["error_target"] == 1e-2
+    assert (tmp_path / "attention.png").exists() or "matplotlib is not installed" in proc.stdout
+
+
+def test_ttft_benchmark_writes_json(tmp_path):
+    """TTFT of full prefills and links, decode speed against transformers' generate, on a tiny Mistral."""
+    proc = _quick("ttft.py", tmp_path)
+    report = json.loads((tmp_path / "ttft.json").read_text())
+    assert report["command"].endswith(f"ttft.py --quick --out {tmp_path}")
+    assert report["attention_backend"] == "torch" and report["errors"] == []
+    assert [r["context_tokens"] for r in report["ttft"]] == [64, 96, 128]
+    for row in report["ttft"]:
+        ttft = row["ttft_s"]
+        assert list(ttft) == ["hf", "full", "mepic", "legolink:16"]
+        assert row["prompt_tokens"] == row["chunks"] * 33 + 8  # chunks of 32 tokens after their BOS, the query
+        assert row["recomputed_tokens"]["full"] == row["prompt_tokens"]
+        assert row["recomputed_tokens"]["mepic"] < row["recomputed_tokens"]["legolink:16"] < row["prompt_tokens"]
+        assert row["full_over_link"] == {p: ttft["full"] / ttft[p] for p in ("mepic", "legolink:16")}
+        assert row["full_first_token_equals_hf"]  # float32: pic's full recompute is transformers' forward
+    for p, fit in report["link_scaling"].items():
+        assert len(fit["ms_per_1k_tokens"]) == 3 and 0 <= fit["fit_r2"] <= 1, p
+    assert list(report["decode"]) == ["1", "4"]
+    for batch, result in report["decode"].items():
+        assert result["tokens_agreeing_with_hf"] == [8] * int(batch)  # every token, for every request
+        pic_rate, hf_rate = result["pic"]["decode_tokens_per_s"], result["hf"]["decode_tokens_per_s"]
+        assert result["pic_over_hf_decode_tokens_per_s"] == pic_rate / hf_rate
+        assert pic_rate == int(batch) * 7 / result["pic"]["decode_s"]
+    assert (tmp_path / "ttft.png").exists() or "matplotlib is not installed" in proc.stdout
+
+
+def test_memory_benchmark_runs_a_mistral(tmp_path):
+    """``--model mistral-7b-random`` (with --quick: a 2-layer one on the CPU) holds the same blocks as stories260K:
+    the layouts depend on the token ids, not the model."""
+    _quick("memory.py", tmp_path / "memory_gpu.json", "--model", "mistral-7b-random")
+    report = json.loads((tmp_path / "memory_gpu.json").read_text())
+    assert report["model"].startswith("MistralForCausalLM, random weights, float32")
+    for rows in report["results"].values():
+        assert [r["n"] for r in rows] == [1, 2, 4]
+        assert all(r["peak_blocks"] == r["floor_blocks"] for r in rows)
+    assert [r["peak_blocks"] for r in report["results"]["mepic"]] == [71, 91, 133]  # as stories260K's --quick

@@ -1,0 +1,290 @@
+"""Attention kernel time: pic's Triton fused-RoPE paged kernel against SDPA's flash backend over pre-rotated K.
+
+python benchmarks/attention.py                                      # GPU: benchmarks/results/attention.json + .png
+python benchmarks/attention.py --quick --out /tmp/attention.json    # CPU smoke run, in Triton's interpreter
+
+Mistral-7B's attention shapes (32 query heads, 8 KV heads, head_dim 128), bfloat16, pages of 16 slots. Per context
+(4K, 8K, 16K, 32K): a prefill of the last 512 positions (one sequence, causal by position) and decodes of 1, 4, 16
+and 64 sequences (one query token each, at the last position; every sequence has its own KV of that length). pic
+reads NoPE K and V from the paged cache by block table (blocks shuffled over the pool) and rotates Q and K inside
+the kernel. The baseline is ``F.scaled_dot_product_attention`` under ``sdpa_kernel(SDPBackend.FLASH_ATTENTION)`` over
+the same K already rotated and laid out contiguous per sequence, ``[B, Hkv, L, D]`` (GQA by ``enable_gqa``; the
+prefill's mask is ``causal_lower_right``): what attention costs when K needs no rotation and no block table. The
+torch reference backend is timed where its gathered temporaries stay small (batch x context <= --ref-max-slots).
+Each case's alternatives are timed in turn, round after round (--rounds), each time by ``triton.testing.do_bench``
+(GPU time between CUDA events, L2 flushed before every call, median of its calls; a call's host work overlaps the
+flush); the medians over the rounds and pic / SDPA are reported, with TFLOP/s and KV bytes read per second.
+Every case also checks each output against attention computed in float64 from the same bfloat16 inputs
+(relative error ||out - exact|| / ||exact||; pic's target is <= 1e-2); the script fails after writing its JSON if
+pic misses it. --quick: the CPU, tiny shapes in float16 (the interpreter mishandles bfloat16 loads), 1 round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+if "--quick" in sys.argv or not torch.cuda.is_available():  # the kernel runs in Triton's interpreter off CUDA,
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # chosen when Triton is first imported (transformers imports it)
+
+import torch.nn.functional as F  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+from torch.nn.attention.bias import causal_lower_right  # noqa: E402
+from transformers import MistralConfig  # noqa: E402
+from transformers.models.mistral.modeling_mistral import MistralRotaryEmbedding  # noqa: E402
+
+from pic.attention import BatchPlan, RopeTable, apply_rope, make_plan, reference, triton_backend  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+import _gpu  # noqa: E402
+
+ERROR_TARGET = 1e-2
+
+
+@dataclass(frozen=True)
+class Case:
+    """``batch`` sequences of ``context`` slots (positions 0 .. context - 1), each with ``queries`` query tokens at
+    its last positions."""
+
+    mode: str  # "prefill" or "decode"
+    context: int
+    batch: int
+    queries: int
+
+
+@dataclass
+class Inputs:
+    q: torch.Tensor  # [B * n, Hq, D] NoPE queries
+    k_cache: torch.Tensor  # [B * L / page, page, Hkv, D] NoPE K; sequence b's blocks are tables[b]
+    v_cache: torch.Tensor  # [B * L / page, page, Hkv, D]
+    tables: torch.Tensor  # [B, L / page] int64, a random permutation of the blocks
+    plan: BatchPlan
+    q_rot: torch.Tensor  # [B, Hq, n, D] rotated queries (SDPA's)
+    k_rot: torch.Tensor  # [B, Hkv, L, D] rotated K, contiguous (SDPA's)
+    v: torch.Tensor  # [B, Hkv, L, D] contiguous (SDPA's)
+
+
+def make_inputs(case: Case, args: argparse.Namespace, rope: RopeTable, device: torch.device) -> Inputs:
+    """Fresh random inputs for ``case`` (seeded by its shape), paged for pic and contiguous for SDPA."""
+    heads_q, heads_kv, dim = args.heads
+    batch, length, n, dtype = case.batch, case.context, case.queries, args.dtype
+    torch.manual_seed(args.seed + 7 * length + 3 * batch + n)
+    num_blocks = batch * length // args.page
+    k_cache = torch.randn(num_blocks, args.page, heads_kv, dim, device=device, dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    tables = torch.randperm(num_blocks, device=device).view(batch, -1)
+    q = torch.randn(batch * n, heads_q, dim, device=device, dtype=dtype)
+    q_pos = torch.arange(length - n, length, device=device)
+    plan = make_plan(
+        block_tables=list(tables),
+        kv_positions=[torch.arange(length, device=device)] * batch,
+        q_positions=q_pos.repeat(batch),
+        seq_lens=[n] * batch,
+        rope=rope,
+    )
+    cos, sin = rope.cos[:length], rope.sin[:length]  # [L, D] float32
+    k_rot = torch.empty(batch, heads_kv, length, dim, device=device, dtype=dtype)
+    v = torch.empty_like(k_rot)
+    for b in range(batch):  # one sequence at a time: the float32 temporaries stay one sequence's size
+        k_rot[b] = apply_rope(k_cache[tables[b]].flatten(0, 1).float(), cos, sin).transpose(0, 1)
+        v[b] = v_cache[tables[b]].flatten(0, 1).transpose(0, 1)
+    q_rot = apply_rope(q.view(batch, n, heads_q, dim).float(), cos[q_pos], sin[q_pos]).to(dtype)
+    return Inputs(q, k_cache, v_cache, tables, plan, q_rot.transpose(1, 2).contiguous(), k_rot, v)
+
+
+def exact(inp: Inputs, case: Case, rope: RopeTable, scaling: float) -> torch.Tensor:
+    """Attention in float64 from the same inputs, one sequence and one KV head at a time: ``[B * n, Hq, D]``."""
+    heads_q, heads_kv, length, n = inp.q.shape[1], inp.k_cache.shape[2], case.context, case.queries
+    group, device = heads_q // heads_kv, inp.q.device
+    cos, sin = rope.cos[:length].double(), rope.sin[:length].double()
+    q_pos = torch.arange(length - n, length, device=device)
+    allowed = torch.arange(length, device=device)[None] <= q_pos[:, None]  # [n, L]
+    out = torch.empty(case.batch, n, heads_q, inp.q.shape[2], dtype=torch.float64, device=device)
+    for b in range(case.batch):
+        q = apply_rope(inp.q[b * n : (b + 1) * n].double(), cos[q_pos], sin[q_pos])  # [n, Hq, D]
+        k = apply_rope(inp.k_cache[inp.tables[b]].flatten(0, 1).double(), cos, sin)  # [L, Hkv, D]
+        v = inp.v_cache[inp.tables[b]].flatten(0, 1).double()  # [L, Hkv, D]
+        for h in range(heads_kv):
+            heads = slice(h * group, (h + 1) * group)
+            scores = q[:, heads].transpose(0, 1) @ k[:, h].T * scaling  # [group, n, L]
+            probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+            out[b, :, heads] = (probs @ v[:, h]).transpose(0, 1)
+    return out.flatten(0, 1)
+
+
+def alternatives(inp: Inputs, case: Case, args: argparse.Namespace) -> dict[str, Callable[[], torch.Tensor]]:
+    """pic's kernel, SDPA (flash on CUDA) and, where it fits, the torch reference; each returns ``[B * n, Hq, D]``."""
+    scaling = args.heads[2] ** -0.5
+    mask = causal_lower_right(case.queries, case.context) if case.queries > 1 else None
+
+    def sdpa() -> torch.Tensor:
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION) if inp.q.is_cuda else contextlib.nullcontext():  # one use each
+            out = F.scaled_dot_product_attention(
+                inp.q_rot, inp.k_rot, inp.v, attn_mask=mask, scale=scaling, enable_gqa=True
+            )  # [B, Hq, n, D]
+        return out.transpose(1, 2).flatten(0, 1)
+
+    fns = {
+        "pic": lambda: triton_backend.paged_attention(inp.q, inp.k_cache, inp.v_cache, inp.plan, scaling=scaling),
+        "sdpa_flash" if inp.q.is_cuda else "sdpa": sdpa,
+    }
+    if case.batch * case.context <= args.ref_max_slots:
+        fns["torch_reference"] = lambda: reference.paged_attention(
+            inp.q, inp.k_cache, inp.v_cache, inp.plan, scaling=scaling
+        )
+    return fns
+
+
+def time_ms(fn: Callable[[], object], args: argparse.Namespace) -> float:
+    """Milliseconds of one ``fn()``: ``do_bench``'s median on CUDA, one wall-clock call on the CPU."""
+    if args.device.type == "cuda":
+        import triton.testing
+
+        return triton.testing.do_bench(fn, warmup=args.warmup_ms, rep=args.rep_ms, return_mode="median")
+    start = time.perf_counter()
+    fn()
+    return 1000 * (time.perf_counter() - start)
+
+
+def run_case(case: Case, args: argparse.Namespace, rope: RopeTable) -> dict:
+    """Check every alternative's output against float64, then time them in turn, ``--rounds`` times."""
+    inp = make_inputs(case, args, rope, args.device)
+    fns, errors, notes = alternatives(inp, case, args), {}, []
+    if "torch_reference" not in fns:
+        notes.append(f"torch_reference skipped: batch x context > --ref-max-slots {args.ref_max_slots}")
+    expected = exact(inp, case, rope, args.heads[2] ** -0.5)
+    for name, fn in list(fns.items()):  # the first call also builds pic's tiles and compiles the kernels
+        try:
+            out = fn()
+        except (RuntimeError, ValueError) as exc:  # e.g. no flash kernel for these inputs: recorded, not fatal
+            if name == "pic":
+                raise
+            notes.append(f"{name} failed: {type(exc).__name__}: {exc}")
+            del fns[name]
+            continue
+        errors[name] = float((out.double() - expected).norm() / expected.norm())
+    raw = _gpu.interleaved({name: lambda fn=fn: time_ms(fn, args) for name, fn in fns.items()}, rounds=args.rounds)
+    med = _gpu.medians(raw)
+    heads_q, heads_kv, dim = args.heads
+    n, length = case.queries, case.context
+    pairs = case.batch * (n * length - n * (n - 1) // 2)  # query-key pairs attended (causal)
+    flops, kv_bytes = 4 * pairs * heads_q * dim, 2 * case.batch * length * heads_kv * dim * inp.q.element_size()
+    baseline = "sdpa_flash" if args.device.type == "cuda" else "sdpa"
+    return asdict(case) | {
+        "median_ms": med,
+        "rounds_ms": raw,
+        "pic_over_sdpa": med["pic"] / med[baseline] if baseline in med else None,
+        "rel_error": errors,
+        "tflop_per_s": {name: flops / ms / 1e9 for name, ms in med.items()},
+        "kv_read_tb_per_s": {name: kv_bytes / ms / 1e9 for name, ms in med.items()},
+        "notes": notes,
+    }
+
+
+def plot(rows: list[dict], title: str, path: Path) -> None:
+    """pic / SDPA against context, one line for the prefill and one per decode batch."""
+    plt = _gpu.pyplot(path)
+    if plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
+    series = sorted({(r["mode"], r["batch"]) for r in rows}, key=lambda s: (s[0] != "prefill", s[1]))
+    for mode, batch in series:
+        mine = [r for r in rows if (r["mode"], r["batch"]) == (mode, batch) and r["pic_over_sdpa"] is not None]
+        label = (
+            f"prefill, {mine[0]['queries'] if mine else '?'} query tokens"
+            if mode == "prefill"
+            else f"decode, batch {batch}"
+        )
+        ax.plot([r["context"] for r in mine], [r["pic_over_sdpa"] for r in mine], marker="o", label=label)
+    ax.axhline(1.0, color="k", ls="--", lw=1)
+    ax.set_xscale("log", base=2)
+    contexts = sorted({r["context"] for r in rows})
+    ax.set_xticks(contexts, [f"{c // 1024}K" if c >= 1024 else str(c) for c in contexts])
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel("time, pic / SDPA (lower is faster)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
+    parser.add_argument("--decode-batches", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--prefill-queries", type=int, default=512)
+    parser.add_argument("--heads", type=int, nargs=3, default=[32, 8, 128], help="query heads, KV heads, head dim")
+    parser.add_argument("--page", type=int, default=16, help="slots per KV block")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--warmup-ms", type=int, default=5, help="do_bench warm-up per round")
+    parser.add_argument("--rep-ms", type=int, default=20, help="do_bench timed calls per round")
+    parser.add_argument("--ref-max-slots", type=int, default=2**19, help="largest batch x context the reference runs")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="CPU, interpreter, tiny float16 shapes, 1 round")
+    parser.add_argument("--out", default="benchmarks/results/attention.json", help="the PNG goes beside it")
+    args = parser.parse_args()
+    if not args.quick and not torch.cuda.is_available():
+        parser.error("this benchmark needs a CUDA GPU (--quick runs a smoke test on the CPU)")
+    args.dtype, args.device = torch.bfloat16, torch.device("cuda")
+    if args.quick:
+        args.contexts, args.decode_batches, args.prefill_queries, args.heads = [64, 128], [1, 2], 16, [4, 2, 32]
+        args.rounds, args.dtype, args.device = 1, torch.float16, torch.device("cpu")
+    assert all(c % args.page == 0 and c >= args.prefill_queries for c in args.contexts), "whole pages, >= the prefill"
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    heads_q, heads_kv, dim = args.heads
+    config = MistralConfig(
+        hidden_size=heads_q * dim, num_attention_heads=heads_q, num_key_value_heads=heads_kv, head_dim=dim
+    )  # its rotary module: transformers' default for Mistral (rope theta 10,000, as Mistral-7B v0.1)
+    rotary = MistralRotaryEmbedding(config).to(args.device)
+    rope = RopeTable(rotary, max_positions=max(args.contexts), dtype=args.dtype, device=args.device)
+    cases = [Case("prefill", c, 1, args.prefill_queries) for c in args.contexts]
+    cases += [Case("decode", c, b, 1) for c in args.contexts for b in args.decode_batches]
+    rows = []
+    for case in sorted(cases, key=lambda c: (c.context, c.mode != "prefill", c.batch)):
+        rows.append(run_case(case, args, rope))
+        row = rows[-1]
+        cells = ", ".join(f"{k} {v:.3f} ms (err {row['rel_error'][k]:.1e})" for k, v in row["median_ms"].items())
+        ratio = row["pic_over_sdpa"]
+        print(f"{case.mode:7} L={case.context:6} B={case.batch:3}: {cells}; pic/sdpa {ratio or float('nan'):.2f}")
+        if args.device.type == "cuda":
+            torch.cuda.empty_cache()
+    pic_errors = [r["rel_error"]["pic"] for r in rows]
+    settings = {k: getattr(args, k) for k in ("contexts", "decode_batches", "prefill_queries", "heads", "page")}
+    settings |= {k: getattr(args, k) for k in ("rounds", "warmup_ms", "rep_ms", "ref_max_slots", "seed")}
+    report = {
+        "environment": _gpu.environment(args.device),
+        "command": _gpu.command(),
+        "settings": settings | {"dtype": str(args.dtype).removeprefix("torch."), "rope": config.rope_parameters},
+        "cases": rows,
+        "max_pic_rel_error": max(pic_errors),
+        "error_target": ERROR_TARGET,
+        "pic_within_target": all(e <= ERROR_TARGET for e in pic_errors),  # False for a NaN too
+    }
+    out = Path(args.out)
+    _gpu.write_json(out, report)
+    device = report["environment"]["gpu"] or "CPU (interpreter; timings meaningless)"
+    plot(
+        rows,
+        f"pic's Triton kernel / SDPA, {heads_q}/{heads_kv} heads of {dim}: {device}",
+        out.with_suffix(".png"),
+    )
+    if not report["pic_within_target"]:
+        sys.exit(f"pic's relative errors {[f'{e:.1e}' for e in pic_errors]}: not all within {ERROR_TARGET:g}")
+
+
+if __name__ == "__main__":
+    main()

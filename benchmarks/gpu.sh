@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# The GPU checks and benchmarks, meant for one device call on an H100 (10 minutes at most per command):
+#
+#   bash benchmarks/gpu.sh                       # tests, attention, ttft, memory, in that order
+#                                                # (device tool: run(command=..., carry=[".whl"], timeout_s=600))
+#   bash benchmarks/gpu.sh attention ttft        # only the steps named
+#   bash benchmarks/gpu.sh --wheels              # here, with network: fetch the wheels the device image lacks
+#
+# Steps: "tests" runs the kernel, oracle and engine tests on CUDA (PIC_TEST_DEVICE=cuda); "attention", "ttft" and
+# "memory" run benchmarks/attention.py, benchmarks/ttft.py and benchmarks/memory.py --model mistral-7b-random,
+# which write benchmarks/results/{attention,ttft,memory_gpu}.{json,png}. Each step has its own time limit in
+# seconds (TESTS_S, ATTENTION_S, TTFT_S, MEMORY_S; together under 10 minutes); a step that fails or runs out of
+# time is logged and the next one runs, and the script exits 1 if any did. With $OUT set (the device tool's output
+# folder) each step's results are copied there as it ends, with gpu.log (the whole output; 7 files in all).
+#
+# The device image has torch, transformers, triton, pytest and matplotlib, not pydantic or redis: `--wheels` puts
+# wheels of the versions installed here (CPython 3.12, manylinux x86-64) in .whl/ (ignored by git); carry it
+# (run(..., carry=[".whl"])) and this script installs them into /tmp/site first.
+set -u
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+WHEELS=(pydantic pydantic_core annotated_types typing_inspection typing_extensions redis)
+
+if [ "${1:-}" = "--wheels" ]; then
+    pins=$($PY -c "import importlib.metadata as m, sys; print(' '.join(f'{p}=={m.version(p)}' for p in sys.argv[1:]))" \
+        "${WHEELS[@]}") || exit 1
+    exec $PY -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl $pins
+fi
+
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+LOG=${OUT:-/tmp}/gpu.log
+: >"$LOG"
+if compgen -G ".whl/*.whl" >/dev/null; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+$PY - "${WHEELS[@]}" msgpack xxhash tqdm transformers triton pytest matplotlib <<'EOF' 2>&1 | tee -a "$LOG"
+import importlib.util, sys
+import torch
+gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+print(f"python {sys.version.split()[0]}, torch {torch.__version__}, CUDA {torch.version.cuda}: {gpu}")
+missing = [m for m in sys.argv[1:] if importlib.util.find_spec(m) is None]
+print("missing:", " ".join(missing) or "nothing", "(bash benchmarks/gpu.sh --wheels, then carry .whl)" * bool(missing))
+EOF
+
+failed=()
+step() {  # name, seconds, files to copy to $OUT (space-separated), command ...
+    local name=$1 limit=$2 files=$3 start=$SECONDS part=/tmp/gpu_step.log marker=/tmp/gpu_step.start
+    shift 3
+    touch "$marker"
+    echo "=== $name (at most ${limit} s): $*" | tee -a "$LOG"
+    timeout --kill-after=15 "$limit" "$@" >"$part" 2>&1
+    local rc=$?
+    cat "$part" >>"$LOG"
+    tail -n 30 "$part"
+    echo "=== $name: exit $rc after $((SECONDS - start)) s$([ $rc -eq 124 ] && echo ' (time limit)')" | tee -a "$LOG"
+    [ $rc -eq 0 ] || failed+=("$name")
+    if [ -n "${OUT:-}" ]; then
+        for f in $files; do [ "$f" -nt "$marker" ] && cp "$f" "$OUT/"; done  # written by this step, not stale
+    fi
+}
+
+R=benchmarks/results
+TESTS=(tests/test_triton.py tests/test_oracle.py tests/test_engine.py)
+[ -f tests/test_cuda_paths.py ] && TESTS+=(tests/test_cuda_paths.py)
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(tests attention ttft memory)
+for s in "${steps[@]}"; do
+    case $s in
+        tests) step tests "${TESTS_S:-140}" "" env PIC_TEST_DEVICE=cuda $PY -m pytest -q -p no:cacheprovider "${TESTS[@]}" ;;
+        attention) step attention "${ATTENTION_S:-120}" "$R/attention.json $R/attention.png" $PY benchmarks/attention.py ;;
+        ttft) step ttft "${TTFT_S:-200}" "$R/ttft.json $R/ttft.png" $PY benchmarks/ttft.py ;;
+        memory) step memory "${MEMORY_S:-120}" "$R/memory_gpu.json $R/memory_gpu.png" \
+            $PY benchmarks/memory.py --model mistral-7b-random ;;
+        *) echo "unknown step $s (tests, attention, ttft, memory)"; failed+=("$s") ;;
+    esac
+done
+echo "=== failed: ${failed[*]:-none}" | tee -a "$LOG"
+[ ${#failed[@]} -eq 0 ]
