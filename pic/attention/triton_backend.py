@@ -7,6 +7,7 @@ imports Triton. On CUDA it compiles the kernels; on the CPU it needs Triton's in
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -127,16 +128,13 @@ def paged_attention(
     meta = plan.memo(("triton", q.device), lambda: _meta(plan, q.device))
     out = torch.empty_like(q)
     decode_m = _pow2(group)
-    for decode, block_m in ((True, decode_m), (False, max(prefill_block_m, decode_m))):
-        tiles = plan.memo(
-            ("triton-tiles", decode, block_m, group, num_splits, block_n),
-            lambda d=decode, m=block_m: _tiles(
-                plan, decode=d, block_m=m, group=group, device=q.device,
-                num_splits=(num_splits or _default_splits(
-                    int(plan.decode_seqs.numel()) * num_kv_heads, plan.kv_positions.shape[1], block_n, q.device
-                )) if d else 1,
-            ),
-        )  # fmt: skip
+    if num_splits is None:  # the decode launch's: from its programs without splits and the longest table
+        num_programs, max_slots = plan.decode_seqs.numel() * num_kv_heads, plan.kv_positions.shape[1]
+        num_splits = _default_splits(num_programs, max_slots, block_n, q.device)
+    for decode, block_m, splits in ((True, decode_m, num_splits), (False, max(prefill_block_m, decode_m), 1)):
+        key = ("triton-tiles", decode, block_m, group, splits)
+        build = functools.partial(_tiles, plan, decode=decode, block_m=block_m, group=group, num_splits=splits)
+        tiles = plan.memo(key, lambda build=build: build(device=q.device))
         if tiles.num_tiles:
             _launch(q, k_cache, v_cache, out, plan, meta, tiles, scaling, sliding_window, block_n, page, num_warps)
     return out
