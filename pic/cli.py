@@ -34,6 +34,9 @@ def _parser() -> argparse.ArgumentParser:
         "--out", default=DEFAULT_EVAL_DIR, help=f"folder for <name>.json and <name>.png (default: ./{DEFAULT_EVAL_DIR})"
     )
     fidelity.add_argument("--name", default="fidelity", help="file name stem")
+    from pic.serve.main import add_parser as add_serve
+
+    _model_options(add_serve(commands))
     return parser
 
 
@@ -84,6 +87,10 @@ def main(argv: list[str] | None = None) -> int:
                 out_dir=args.out,
                 name=args.name,
             )
+        elif args.command == "serve":
+            from pic.serve.main import run
+
+            return run(args)
     except PicError as exc:
         print(f"pic: error: {exc}", file=sys.stderr)
         return 1

@@ -1,0 +1,171 @@
+"""The OpenAI-compatible app: compiled chunks as a resource, completions that link them.
+
+Routes: ``GET /health``, ``GET /v1/models``, ``POST /v1/chunks``, ``GET/DELETE /v1/chunks/{id}``,
+``POST /v1/completions`` (streaming as server-sent events). The extra body field ``pic`` names the chunks
+a completion links before its prompt (see ``schemas.PicOptions``). Handlers validate, hand work to the
+engine (``AsyncEngine``: one task steps it) and format; compiles and store reads run in worker threads,
+which the engine's own locking serialises with its steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from pic.api import PIC
+from pic.engine import Request as PicRequest
+from pic.engine import RequestOutput
+from pic.errors import PicError
+from pic.link.generate import FinishReason, Generation
+from pic.serve.http import Guard, error_response, pic_error_response
+from pic.serve.loop import AsyncEngine
+from pic.serve.schemas import ChunksBody, CompletionBody
+
+_FINISH = {FinishReason.EOS: "stop", FinishReason.STOP: "stop"}  # every other reason: "length"
+
+
+def build_app(engine: PIC, *, model_name: str, api_key: str | None = None, max_body_bytes: int = 8 << 20) -> FastAPI:
+    """The app over ``engine``; ``app.state.engine`` is its ``AsyncEngine`` once started."""
+    aengine = AsyncEngine(engine)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        aengine.start()
+        yield
+        await aengine.stop()
+
+    app = FastAPI(title="pic", lifespan=lifespan)
+    app.state.engine = aengine
+    app.add_exception_handler(PicError, lambda _request, exc: pic_error_response(exc))
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "pic"}]}
+
+    @app.post("/v1/chunks")
+    async def compile_chunks(body: ChunksBody) -> dict:
+        ids = await asyncio.to_thread(engine.compile, body.documents, policy=body.policy, progress=False)
+        return {"cache_ids": ids}
+
+    @app.get("/v1/chunks/{cache_id}")
+    async def chunk_info(cache_id: str) -> dict:
+        chunk = await asyncio.to_thread(engine.store.resolve, cache_id)  # UnknownCacheIdError: 404
+        tiers = await asyncio.to_thread(engine.store.lookup, cache_id)
+        num_bytes = chunk.num_tokens * engine.spec.kv_bytes_per_token
+        return {"id": cache_id, "tiers": tiers, "num_tokens": chunk.num_tokens, "bytes": num_bytes}
+
+    @app.delete("/v1/chunks/{cache_id}")
+    async def delete_chunk(cache_id: str) -> dict:
+        if not await asyncio.to_thread(engine.store.expire, cache_id):
+            return error_response(404, f"unknown cache id {cache_id!r}", kind="not_found_error")
+        return {"id": cache_id, "deleted": True}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionBody):
+        request = await _pic_request(engine, body, body.prompt)
+        outputs = aengine.generate(request)
+        first = await anext(outputs)  # a request that fails does so before its first token: a JSON error
+        if first.error is not None:
+            return pic_error_response(first.error)
+        meta = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": model_name}
+        if body.stream:
+            return StreamingResponse(_events(first, outputs, meta), media_type="text/event-stream")
+        texts, last = [first.text], first
+        async for out in outputs if not first.finished else _none():
+            texts.append(out.text)
+            last = out
+        return _completion(meta, "".join(texts), last.generation)
+
+    return app
+
+
+async def _pic_request(engine: PIC, body: CompletionBody, prompt: str) -> PicRequest:
+    """The engine request of a completion: inline documents compiled first (cached), linked after ``cache_ids``."""
+    options = body.pic
+    ids = list(options.cache_ids)
+    if options.documents:
+        ids += await asyncio.to_thread(engine.compile, options.documents, policy=options.policy, progress=False)
+    return PicRequest(
+        ids,
+        prompt,
+        prefix=options.prefix,
+        policy=options.policy,
+        max_new_tokens=body.max_tokens or engine.spec.max_context,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        seed=body.seed,
+        stop=body.stop,
+    )
+
+
+async def _none() -> AsyncIterator[RequestOutput]:
+    return
+    yield
+
+
+def _usage(generation: Generation | None) -> dict:
+    if generation is None:
+        return {}
+    stats = generation.stats
+    return {
+        "prompt_tokens": stats.num_prompt_tokens,
+        "completion_tokens": stats.num_generated_tokens,
+        "total_tokens": stats.num_prompt_tokens + stats.num_generated_tokens,
+        "reused_tokens": stats.num_reused_tokens,
+        "recomputed_tokens": stats.num_recomputed_tokens,
+    }
+
+
+def _finish_reason(generation: Generation | None) -> str | None:
+    return None if generation is None else _FINISH.get(generation.stats.finish_reason, "length")
+
+
+def _completion(meta: dict, text: str, generation: Generation | None) -> dict:
+    choice = {"text": text, "index": 0, "logprobs": None, "finish_reason": _finish_reason(generation)}
+    return {**meta, "object": "text_completion", "choices": [choice], "usage": _usage(generation)}
+
+
+async def _events(first: RequestOutput, rest: AsyncIterator[RequestOutput], meta: dict) -> AsyncIterator[str]:
+    """Server-sent events: one per output with new text or the end, then ``[DONE]``. A client that goes
+    away closes this generator, which closes ``rest``: the request is aborted and its blocks freed."""
+    try:
+        out = first
+        while True:
+            if out.text or out.finished:
+                chunk = _completion(meta, out.text, out.generation if out.finished else None)
+                if not out.finished:
+                    del chunk["usage"]
+                yield f"data: {json.dumps(chunk)}\n\n"
+            if out.finished:
+                break
+            out = await anext(rest)
+        yield "data: [DONE]\n\n"
+    finally:
+        await rest.aclose()
+
+
+def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
+    """422 naming each bad field and value; a body that is not JSON at all is a 400."""
+    errors = exc.errors()
+    not_json = any(e.get("type") == "json_invalid" or tuple(e["loc"]) == ("body",) for e in errors)
+    if not_json:
+        return error_response(400, "the request body is not a valid JSON object")
+    problems = []
+    for err in errors:
+        where = ".".join(str(p) for p in err["loc"] if p != "body")
+        problems.append(f"{where}={err.get('input')!r}: {err['msg'].removeprefix('Value error, ')}")
+    return error_response(422, "; ".join(problems), param=str(errors[0]["loc"][-1]) if errors else None)

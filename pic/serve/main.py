@@ -1,0 +1,34 @@
+"""``pic serve``: load a model, build the app, run it with uvicorn (``pip install -e ".[serve]"``)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server with cache ids")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all routes but /health)")
+    serve.add_argument("--redis-url", default=None, help="a Redis shared by a fleet of servers")
+    serve.add_argument("--max-body-bytes", type=int, default=8 << 20, help="larger request bodies get a 413")
+    return serve
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve until interrupted; returns the exit code."""
+    try:
+        import uvicorn
+    except ImportError:
+        from pic.errors import MissingDependencyError
+
+        raise MissingDependencyError('pic serve needs FastAPI and uvicorn: pip install "pic[serve]"') from None
+    import pic
+    from pic.serve.app import build_app
+
+    store = pic.StoreConfig(redis_url=args.redis_url) if args.redis_url else None
+    engine = pic.load(args.model, device=args.device, dtype=args.dtype, store=store) if args.model else pic.load()
+    name = str(args.model or "stories260K")
+    app = build_app(engine, model_name=name, api_key=args.api_key, max_body_bytes=args.max_body_bytes)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    return 0

@@ -1,0 +1,161 @@
+"""``pic serve``'s app on a real uvicorn server, driven by the official ``openai`` client and raw HTTP."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+import pic
+from pic.serve.app import build_app
+from tests.models import DOCS, QUERY, model, tokenizer
+
+KEY = "test-key"
+
+
+@pytest.fixture(scope="module")
+def server():
+    """A uvicorn server on a free loopback port, serving stories260K; yields ``(base_url, engine, app)``."""
+    engine = pic.PIC(model("stories260K"), tokenizer())
+    app = build_app(engine, model_name="stories260K", api_key=KEY, max_body_bytes=64 << 10)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not srv.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{port}", engine, app
+    srv.should_exit = True
+    thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server[0]}/v1", api_key=KEY, max_retries=0)
+
+
+def _http(server) -> httpx.Client:
+    return httpx.Client(base_url=server[0], headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+
+
+def _compile(server, docs) -> list[str]:
+    with _http(server) as http:
+        response = http.post("/v1/chunks", json={"documents": list(docs)})
+    assert response.status_code == 200, response.text
+    return response.json()["cache_ids"]
+
+
+def test_compile_complete_and_stream_equal_link(server, client):
+    engine = server[1]
+    ids = _compile(server, DOCS)
+    expected = engine.link(ids, QUERY, policy="mepic").generate(max_new_tokens=12)
+    extra = {"pic": {"cache_ids": ids, "policy": "mepic"}}
+    out = client.completions.create(model="stories260K", prompt=QUERY, max_tokens=12, temperature=0, extra_body=extra)
+    assert out.choices[0].text == expected.text
+    assert out.choices[0].finish_reason == expected.stats.finish_reason.value.replace("eos", "stop")
+    usage = out.usage.model_extra
+    assert out.usage.prompt_tokens == expected.stats.num_prompt_tokens
+    assert usage["reused_tokens"] == expected.stats.num_reused_tokens
+    assert usage["recomputed_tokens"] == expected.stats.num_recomputed_tokens
+    stream = client.completions.create(
+        model="stories260K", prompt=QUERY, max_tokens=12, temperature=0, stream=True, extra_body=extra
+    )
+    assert "".join(c.choices[0].text for c in stream) == expected.text
+    # Documents given inline are compiled on the way: the same ids, the same text.
+    inline = {"pic": {"documents": list(DOCS), "policy": "mepic"}}
+    out = client.completions.create(model="stories260K", prompt=QUERY, max_tokens=12, temperature=0, extra_body=inline)
+    assert out.choices[0].text == expected.text
+
+
+def test_chunks_resource(server):
+    ids = _compile(server, ["A dog ran to the park."])
+    with _http(server) as http:
+        info = http.get(f"/v1/chunks/{ids[0]}").json()
+        assert info["tiers"] == ["device"] and info["num_tokens"] > 0 and info["bytes"] > 0
+        assert http.delete(f"/v1/chunks/{ids[0]}").status_code == 200
+        missing = http.get(f"/v1/chunks/{ids[0]}")
+        assert missing.status_code == 404 and ids[0] in missing.json()["error"]["message"]
+        assert http.delete(f"/v1/chunks/{ids[0]}").status_code == 404
+        assert http.get("/v1/models").json()["data"][0]["id"] == "stories260K"
+
+
+def test_32_concurrent_streams_are_batched_and_correct(server, client):
+    engine, app = server[1], server[2]
+    ids = _compile(server, DOCS)
+    cases = [(ids[i % 3 :] + ids[: i % 3], f"{QUERY} {i}") for i in range(32)]
+    expected = [engine.link(c, q).generate(max_new_tokens=10).text for c, q in cases]
+    baseline = engine.kv_stats().num_private_blocks
+    steps_before = app.state.engine.num_steps
+
+    def run(case):
+        chunks, query = case
+        stream = client.completions.create(
+            model="stories260K", prompt=query, max_tokens=10, temperature=0, stream=True,
+            extra_body={"pic": {"cache_ids": chunks}},
+        )  # fmt: skip
+        return "".join(c.choices[0].text for c in stream)
+
+    with ThreadPoolExecutor(32) as pool:
+        assert list(pool.map(run, cases)) == expected
+    assert app.state.engine.max_batch > 1
+    assert app.state.engine.num_steps - steps_before < 32 * 10  # shared forwards
+    assert engine.kv_stats().num_private_blocks == baseline
+
+
+def test_client_disconnect_aborts_and_frees_blocks(server):
+    engine, loop = server[1], server[2].state.engine
+    ids = _compile(server, DOCS)
+    baseline, steps_before = engine.kv_stats().num_private_blocks, loop.num_steps
+    body = {"prompt": QUERY, "max_tokens": 400, "temperature": 0, "stream": True, "pic": {"cache_ids": ids}}
+    with _http(server) as http, http.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        next(response.iter_lines())  # the first event: the request is running
+    deadline = time.monotonic() + 20
+    while engine.kv_stats().num_private_blocks != baseline:
+        assert time.monotonic() < deadline, "the aborted request's blocks were not freed"
+        time.sleep(0.05)
+    assert loop.num_steps - steps_before < 200  # aborted, not run to its 400 tokens
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "named"),
+    [
+        ({"prompt": "x", "pic": {"cache_ids": ["nope"]}}, 404, "'nope'"),
+        ({"prompt": "x", "temperature": 5}, 422, "temperature=5"),
+        ({"prompt": "x", "top_p": 0}, 422, "top_p=0"),
+        ({"prompt": "x", "max_tokens": 0}, 422, "max_tokens=0"),
+        ({"prompt": "x", "n": 2}, 422, "n=2"),
+        ({"prompt": "x", "pic": {"policy": "nonsense"}}, 400, "nonsense"),
+        ({"prompt": "x", "pic": {"bogus": 1}}, 422, "bogus"),
+        ({"prompt": "one two " * 400}, 400, "context"),
+        ({"max_tokens": 3}, 422, "prompt"),
+    ],
+)
+def test_bad_input_gets_its_status_and_names_the_value(server, body, status, named):
+    with _http(server) as http:
+        response = http.post("/v1/completions", json=body)
+    assert response.status_code == status, response.text
+    assert named in response.json()["error"]["message"]
+
+
+def test_auth_body_limit_and_malformed_json(server):
+    with httpx.Client(base_url=server[0], timeout=30) as http:
+        assert http.get("/health").status_code == 200  # no key needed
+        assert http.get("/v1/models").status_code == 401
+        wrong = http.get("/v1/models", headers={"Authorization": "Bearer wrong"})
+        assert wrong.status_code == 401 and "API key" in wrong.json()["error"]["message"]
+    with _http(server) as http:
+        big = http.post("/v1/chunks", json={"documents": ["word " * 20000]})
+        assert big.status_code == 413 and "over the limit" in big.json()["error"]["message"]
+        bad = http.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+        assert bad.status_code == 400 and "JSON" in bad.json()["error"]["message"]
