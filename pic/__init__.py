@@ -20,6 +20,7 @@ import torch
 
 from pic import policies
 from pic.api import PIC
+from pic.check import CheckResult, check
 from pic.config import CompileOptions, PICConfig, StoreConfig
 from pic.engine import Engine, Request, RequestOutput
 from pic.errors import (
@@ -96,9 +97,23 @@ def link(cache_ids: Sequence[str], query, *, prefix="", policy: str | policies.P
     return default_engine().link(cache_ids, query, prefix=prefix, policy=policy)
 
 
+
+def link_chat(
+    cache_ids: Sequence[str],
+    messages: Sequence[dict],
+    *,
+    policy: str | policies.Policy | None = None,
+    add_generation_prompt: bool = True,
+) -> Linked:
+    """``default_engine().link_chat(...)``: see ``PIC.link_chat``."""
+    return default_engine().link_chat(
+        cache_ids, messages, policy=policy, add_generation_prompt=add_generation_prompt
+    )
+
 __all__ = [
     "EMBEDDED_MODEL",
     "PIC",
+    "CheckResult",
     "CompileOptions",
     "CompileOptionsMismatchError",
     "Engine",
@@ -125,9 +140,11 @@ __all__ = [
     "StoreFullError",
     "StoreUnavailableError",
     "UnsupportedModelError",
+    "check",
     "compile",
     "default_engine",
     "link",
+    "link_chat",
     "load",
     "policies",
 ]

@@ -18,6 +18,12 @@ def _parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="compile a few stories, link them under each policy, generate")
     _model_options(demo)
     demo.add_argument("--max-new-tokens", type=non_negative_int, default=48, help="tokens to generate (default 48)")
+    check = commands.add_parser("check", help="check that Full Recompute reproduces the model's transformers forward")
+    _model_options(check)
+    check.add_argument("--max-new-tokens", type=positive_int, default=8, help="greedy tokens to compare (default 8)")
+    check.add_argument(
+        "--tolerance", type=float, default=None, help="largest allowed logit difference (default: per dtype)"
+    )
     evaluate = commands.add_parser("eval", help="evaluate recompute policies")
     evaluations = evaluate.add_subparsers(dest="evaluation", required=True)
     fidelity = evaluations.add_parser(
@@ -61,6 +67,23 @@ def positive_int(text: str) -> int:
     return value
 
 
+def _run_check(model: object, args: argparse.Namespace) -> int:
+    """Print the verdict; exit 1 when pic's Full Recompute is not the model's own forward (a gate for scripts)."""
+    from pic.api import PIC
+    from pic.check import check
+
+    result = check(
+        PIC.from_pretrained(model, device=args.device, dtype=args.dtype),
+        num_new_tokens=args.max_new_tokens,
+        tolerance=args.tolerance,
+    )
+    print(result.message)
+    if not result.passed:
+        print("pic: error: the model fails the check: pic would not reproduce its outputs", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from pic.errors import PicError
@@ -72,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
             from pic.demo import run_demo
 
             run_demo(model, device=args.device, dtype=args.dtype, max_new_tokens=args.max_new_tokens)
+        elif args.command == "check":
+            return _run_check(model, args)
         elif args.command == "eval":
             from pic.evaluation import DEFAULT_POLICIES
             from pic.evaluation.command import run_fidelity

@@ -159,3 +159,26 @@ def test_auth_body_limit_and_malformed_json(server):
         assert big.status_code == 413 and "over the limit" in big.json()["error"]["message"]
         bad = http.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
         assert bad.status_code == 400 and "JSON" in bad.json()["error"]["message"]
+
+
+def test_serve_refuses_a_model_that_fails_the_check(monkeypatch, capsys):
+    """``pic serve`` runs ``pic check`` first: a broken runner exits 1 before uvicorn starts; ``--skip-check``
+    goes on to serve (uvicorn.run replaced: nothing binds)."""
+    import uvicorn as uvicorn_module
+
+    from pic.cli import main
+
+    real_load = pic.load
+
+    def broken_load(*args, **kwargs):
+        engine = real_load(*args, **kwargs)
+        attend = engine.runner._attend
+        engine.runner._attend = lambda q, *a, scaling, **kw: attend(q, *a, scaling=scaling * 0.7, **kw)
+        return engine
+
+    served = []
+    monkeypatch.setattr(pic, "load", broken_load)
+    monkeypatch.setattr(uvicorn_module, "run", lambda app, **kw: served.append(kw))
+    assert main(["serve", "--port", "9"]) == 1 and not served
+    assert "refusing to serve" in capsys.readouterr().err
+    assert main(["serve", "--port", "9", "--skip-check"]) == 0 and served[0]["host"] == "127.0.0.1"

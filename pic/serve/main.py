@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -12,11 +13,12 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all routes but /health)")
     serve.add_argument("--redis-url", default=None, help="a Redis shared by a fleet of servers")
     serve.add_argument("--max-body-bytes", type=int, default=8 << 20, help="larger request bodies get a 413")
+    serve.add_argument("--skip-check", action="store_true", help="serve even if the start-up `pic check` fails")
     return serve
 
 
 def run(args: argparse.Namespace) -> int:
-    """Serve until interrupted; returns the exit code."""
+    """Check the model (``pic check``), then serve until interrupted; returns the exit code."""
     try:
         import uvicorn
     except ImportError:
@@ -24,11 +26,17 @@ def run(args: argparse.Namespace) -> int:
 
         raise MissingDependencyError('pic serve needs FastAPI and uvicorn: pip install "pic[serve]"') from None
     import pic
+    from pic.check import check
     from pic.serve.app import build_app
 
     store = pic.StoreConfig(redis_url=args.redis_url) if args.redis_url else None
     engine = pic.load(args.model, device=args.device, dtype=args.dtype, store=store) if args.model else pic.load()
     name = str(args.model or "stories260K")
+    result = check(engine)  # pic must reproduce the model's own outputs before it serves them
+    print(result.message, flush=True)
+    if not result.passed and not args.skip_check:
+        print("pic: error: refusing to serve a model that fails the check (--skip-check overrides)", file=sys.stderr)
+        return 1
     app = build_app(engine, model_name=name, api_key=args.api_key, max_body_bytes=args.max_body_bytes)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0
