@@ -97,7 +97,6 @@ def link(cache_ids: Sequence[str], query, *, prefix="", policy: str | policies.P
     return default_engine().link(cache_ids, query, prefix=prefix, policy=policy)
 
 
-
 def link_chat(
     cache_ids: Sequence[str],
     messages: Sequence[dict],
@@ -106,9 +105,8 @@ def link_chat(
     add_generation_prompt: bool = True,
 ) -> Linked:
     """``default_engine().link_chat(...)``: see ``PIC.link_chat``."""
-    return default_engine().link_chat(
-        cache_ids, messages, policy=policy, add_generation_prompt=add_generation_prompt
-    )
+    return default_engine().link_chat(cache_ids, messages, policy=policy, add_generation_prompt=add_generation_prompt)
+
 
 __all__ = [
     "EMBEDDED_MODEL",

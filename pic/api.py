@@ -18,6 +18,7 @@ from pic.errors import ContextLengthError, PolicyError
 from pic.kv import KVStats
 from pic.kv.memory import build_kv_pool
 from pic.link import Generation, Linked, policies
+from pic.link.chat import split_chat
 from pic.model import ModelRunner, ModelSpec
 from pic.model.loading import EMBEDDED_MODEL, load_pretrained, model_eos_ids, resolve_device, resolve_dtype
 from pic.store import TieredStore
@@ -208,6 +209,31 @@ class PIC:
         if self.spec.device.type == "cuda":
             torch.cuda.synchronize(self.spec.device)
         return Linked(self._engine, seq, link_s=time.perf_counter() - start)
+
+    def link_chat(
+        self,
+        cache_ids: Sequence[str],
+        messages: Sequence[dict],
+        *,
+        policy: str | policies.Policy | None = None,
+        add_generation_prompt: bool = True,
+    ) -> Linked:
+        """``link`` with the chunks where a plain chat prompt puts the documents: the tokenizer's chat
+        template is rendered around them (at the start of the first user message, or where a message says
+        ``{documents}``); the text before is the prefix, the text after the query. A BOS the template
+        writes is dropped when pic adds its own (``PICConfig.add_bos``). See ``pic.link.chat``.
+
+        Raises:
+            InvalidInputError: malformed messages, no place for the documents, several markers, a
+                tokenizer without a chat template; and everything ``link`` raises.
+        """
+        prefix, query = split_chat(
+            self.tokenizer,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            strip_bos=self.config.add_bos and self.bos_token_id is not None,
+        )
+        return self.link(cache_ids, query, prefix=prefix, policy=policy)
 
     def generate_many(self, requests: Sequence[Request], *, progress: bool | None = None) -> list[Generation]:
         """Run many requests together (continuous batching) and return their generations, in order.
