@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -19,14 +22,18 @@ from tests.models import DOCS, QUERY, model, tokenizer
 KEY = "test-key"
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.fixture(scope="module")
 def server():
     """A uvicorn server on a free loopback port, serving stories260K; yields ``(base_url, engine, app)``."""
     engine = pic.PIC(model("stories260K"), tokenizer())
     app = build_app(engine, model_name="stories260K", api_key=KEY, max_body_bytes=64 << 10)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
@@ -182,3 +189,60 @@ def test_serve_refuses_a_model_that_fails_the_check(monkeypatch, capsys):
     assert main(["serve", "--port", "9"]) == 1 and not served
     assert "refusing to serve" in capsys.readouterr().err
     assert main(["serve", "--port", "9", "--skip-check"]) == 0 and served[0]["host"] == "127.0.0.1"
+
+
+def test_metrics_in_prometheus_text(server, client):
+    ids = _compile(server, DOCS)
+    client.completions.create(
+        model="stories260K", prompt=QUERY, max_tokens=4, temperature=0, extra_body={"pic": {"cache_ids": ids}}
+    )
+    with _http(server) as http:
+        text = http.get("/metrics").text
+        assert http.get("/metrics", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line[0] != "#"}
+    assert values['pic_http_requests_total{route="/v1/completions",status="200"}'] >= 1
+    assert values["pic_ttft_seconds_count"] >= 1 and values['pic_link_seconds_bucket{le="+Inf"}'] >= 1
+    assert values['pic_tokens_total{kind="reused"}'] > 0 and values['pic_tokens_total{kind="recomputed"}'] > 0
+    assert values['pic_store_hits_total{tier="device"}'] >= 0 and values['pic_kv_blocks{state="total"}'] > 0
+    assert values["pic_engine_steps_total"] > 0
+
+
+def _serve_process(redis_url: str, port: int) -> subprocess.Popen:
+    args = [sys.executable, "-m", "pic", "serve", "--port", str(port), "--redis-url", redis_url, "--api-key", KEY]
+    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_healthy(proc: subprocess.Popen, port: int) -> None:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stdout.read()
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return
+        time.sleep(0.2)
+    raise AssertionError("pic serve did not come up")
+
+
+def test_two_servers_share_chunks_through_redis(redis_url, server):
+    """Two ``pic serve`` processes on one real redis-server: what one compiles, the other links (its pool
+    never saw the chunks), with the text this process's engine gives."""
+    ports = [_free_port(), _free_port()]
+    procs = [_serve_process(redis_url, port) for port in ports]
+    try:
+        for proc, port in zip(procs, ports, strict=True):
+            _wait_healthy(proc, port)
+        headers = {"Authorization": f"Bearer {KEY}"}
+        made = httpx.post(f"http://127.0.0.1:{ports[0]}/v1/chunks", json={"documents": list(DOCS)}, headers=headers)
+        ids = made.json()["cache_ids"]
+        info = httpx.get(f"http://127.0.0.1:{ports[1]}/v1/chunks/{ids[0]}", headers=headers).json()
+        assert info["tiers"] == ["redis"]  # the second server holds it only in the shared tier
+        other = openai.OpenAI(base_url=f"http://127.0.0.1:{ports[1]}/v1", api_key=KEY, max_retries=0)
+        out = other.completions.create(
+            model="stories260K", prompt=QUERY, max_tokens=10, temperature=0, extra_body={"pic": {"cache_ids": ids}}
+        )
+        assert out.choices[0].text == server[1].link(_compile(server, DOCS), QUERY).generate(max_new_tokens=10).text
+        assert out.usage.model_extra["reused_tokens"] > 0
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.wait(30)

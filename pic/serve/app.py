@@ -14,11 +14,11 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from pic.api import PIC
 from pic.engine import Request as PicRequest
@@ -27,14 +27,15 @@ from pic.errors import PicError
 from pic.link.generate import FinishReason, Generation
 from pic.serve.http import Guard, error_response, pic_error_response
 from pic.serve.loop import AsyncEngine
+from pic.serve.metrics import Metrics, RequestCounter
 from pic.serve.schemas import ChunksBody, CompletionBody
 
 _FINISH = {FinishReason.EOS: "stop", FinishReason.STOP: "stop"}  # every other reason: "length"
 
 
 def build_app(engine: PIC, *, model_name: str, api_key: str | None = None, max_body_bytes: int = 8 << 20) -> FastAPI:
-    """The app over ``engine``; ``app.state.engine`` is its ``AsyncEngine`` once started."""
-    aengine = AsyncEngine(engine)
+    """The app over ``engine``; ``app.state.engine`` is its ``AsyncEngine``, ``app.state.metrics`` its counters."""
+    aengine, metrics = AsyncEngine(engine), Metrics()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -43,10 +44,11 @@ def build_app(engine: PIC, *, model_name: str, api_key: str | None = None, max_b
         await aengine.stop()
 
     app = FastAPI(title="pic", lifespan=lifespan)
-    app.state.engine = aengine
+    app.state.engine, app.state.metrics = aengine, metrics
     app.add_exception_handler(PicError, lambda _request, exc: pic_error_response(exc))
     app.add_exception_handler(RequestValidationError, _validation_error)
-    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes)
+    app.add_middleware(RequestCounter, metrics=metrics)
+    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes)  # outermost: before counting
 
     @app.get("/health")
     async def health() -> dict:
@@ -55,6 +57,13 @@ def build_app(engine: PIC, *, model_name: str, api_key: str | None = None, max_b
     @app.get("/v1/models")
     async def models() -> dict:
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "pic"}]}
+
+    @app.get("/metrics")
+    async def prometheus() -> PlainTextResponse:
+        tiers = await asyncio.to_thread(engine.store.stats)
+        kv = await asyncio.to_thread(engine.kv_stats)
+        text = metrics.render(tiers=tiers, kv=kv, num_steps=aengine.num_steps, max_batch=aengine.max_batch)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/chunks")
     async def compile_chunks(body: ChunksBody) -> dict:
@@ -83,11 +92,14 @@ def build_app(engine: PIC, *, model_name: str, api_key: str | None = None, max_b
             return pic_error_response(first.error)
         meta = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": model_name}
         if body.stream:
-            return StreamingResponse(_events(first, outputs, meta), media_type="text/event-stream")
+            events = _events(first, outputs, meta, on_finish=metrics.generation)
+            return StreamingResponse(events, media_type="text/event-stream")
         texts, last = [first.text], first
         async for out in outputs if not first.finished else _none():
             texts.append(out.text)
             last = out
+        if last.generation is not None:
+            metrics.generation(last.generation)
         return _completion(meta, "".join(texts), last.generation)
 
     return app
@@ -139,7 +151,9 @@ def _completion(meta: dict, text: str, generation: Generation | None) -> dict:
     return {**meta, "object": "text_completion", "choices": [choice], "usage": _usage(generation)}
 
 
-async def _events(first: RequestOutput, rest: AsyncIterator[RequestOutput], meta: dict) -> AsyncIterator[str]:
+async def _events(
+    first: RequestOutput, rest: AsyncIterator[RequestOutput], meta: dict, *, on_finish: Callable[[Generation], None]
+) -> AsyncIterator[str]:
     """Server-sent events: one per output with new text or the end, then ``[DONE]``. A client that goes
     away closes this generator, which closes ``rest``: the request is aborted and its blocks freed."""
     try:
@@ -151,6 +165,8 @@ async def _events(first: RequestOutput, rest: AsyncIterator[RequestOutput], meta
                     del chunk["usage"]
                 yield f"data: {json.dumps(chunk)}\n\n"
             if out.finished:
+                if out.generation is not None:
+                    on_finish(out.generation)
                 break
             out = await anext(rest)
         yield "data: [DONE]\n\n"

@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
     from pic.serve.app import build_app
 
     store = pic.StoreConfig(redis_url=args.redis_url) if args.redis_url else None
-    engine = pic.load(args.model, device=args.device, dtype=args.dtype, store=store) if args.model else pic.load()
+    engine = pic.load(args.model or pic.EMBEDDED_MODEL, device=args.device, dtype=args.dtype, store=store)
     name = str(args.model or "stories260K")
     result = check(engine)  # pic must reproduce the model's own outputs before it serves them
     print(result.message, flush=True)
