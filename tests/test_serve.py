@@ -17,7 +17,8 @@ import uvicorn
 
 import pic
 from pic.serve.app import build_app
-from tests.models import DOCS, QUERY, model, tokenizer
+from tests.models import DOCS, QUERY, model
+from tests.test_chat import CHATML, chat_tokenizer
 
 KEY = "test-key"
 
@@ -31,7 +32,7 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def server():
     """A uvicorn server on a free loopback port, serving stories260K; yields ``(base_url, engine, app)``."""
-    engine = pic.PIC(model("stories260K"), tokenizer())
+    engine = pic.PIC(model("stories260K"), chat_tokenizer(CHATML))  # a copy of the tokenizer, with a template
     app = build_app(engine, model_name="stories260K", api_key=KEY, max_body_bytes=64 << 10)
     port = _free_port()
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
@@ -246,3 +247,36 @@ def test_two_servers_share_chunks_through_redis(redis_url, server):
         for proc in procs:
             proc.terminate()
             proc.wait(30)
+
+
+def test_chat_completion_equals_link_chat(server, client):
+    """The documents go where link_chat puts them (the first user message); text, stream and usage agree."""
+    engine = server[1]
+    ids = _compile(server, DOCS)
+    messages = [
+        {"role": "system", "content": "Answer from the stories."},
+        {"role": "user", "content": "Who had a ball?"},
+    ]
+    expected = engine.link_chat(ids, messages).generate(max_new_tokens=12)
+    extra = {"pic": {"cache_ids": ids}}
+    out = client.chat.completions.create(
+        model="stories260K", messages=messages, max_tokens=12, temperature=0, extra_body=extra
+    )
+    assert out.choices[0].message.content == expected.text and out.choices[0].message.role == "assistant"
+    assert out.usage.model_extra["reused_tokens"] == expected.stats.num_reused_tokens
+    stream = client.chat.completions.create(
+        model="stories260K", messages=messages, max_completion_tokens=12, temperature=0, stream=True, extra_body=extra
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == expected.text
+    # A {documents} marker moves them, here to the end of the user message: another prompt.
+    moved = [messages[0], {"role": "user", "content": "Who had a ball? {documents}"}]
+    out = client.chat.completions.create(
+        model="stories260K", messages=moved, max_tokens=12, temperature=0, extra_body=extra
+    )
+    assert out.choices[0].message.content == engine.link_chat(ids, moved).generate(max_new_tokens=12).text
+    with _http(server) as http:
+        twice = [{"role": "user", "content": "{documents} and {documents}"}]
+        response = http.post("/v1/chat/completions", json={"messages": twice, "pic": extra["pic"]})
+        assert response.status_code == 400 and "{documents}" in response.json()["error"]["message"]
+        response = http.post("/v1/chat/completions", json={"messages": [{"role": "user"}]})
+        assert response.status_code == 422 and "content" in response.json()["error"]["message"]

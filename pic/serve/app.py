@@ -24,11 +24,12 @@ from pic.api import PIC
 from pic.engine import Request as PicRequest
 from pic.engine import RequestOutput
 from pic.errors import PicError
+from pic.link.chat import split_chat
 from pic.link.generate import FinishReason, Generation
 from pic.serve.http import Guard, error_response, pic_error_response
 from pic.serve.loop import AsyncEngine
 from pic.serve.metrics import Metrics, RequestCounter
-from pic.serve.schemas import ChunksBody, CompletionBody
+from pic.serve.schemas import ChatBody, ChunksBody, CompletionBody, Sampling
 
 _FINISH = {FinishReason.EOS: "stop", FinishReason.STOP: "stop"}  # every other reason: "length"
 
@@ -85,14 +86,25 @@ def build_app(engine: PIC, *, model_name: str, api_key: str | None = None, max_b
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody):
-        request = await _pic_request(engine, body, body.prompt)
+        return await _respond(await _pic_request(engine, body, body.prompt), body, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatBody):
+        messages = [m.model_dump() for m in body.messages]
+        strip_bos = engine.config.add_bos and engine.bos_token_id is not None
+        prefix, query = split_chat(engine.tokenizer, messages, strip_bos=strip_bos)
+        body.max_tokens = body.max_completion_tokens or body.max_tokens
+        return await _respond(await _pic_request(engine, body, query, prefix=prefix), body, chat=True)
+
+    async def _respond(request: PicRequest, body: Sampling, *, chat: bool):
         outputs = aengine.generate(request)
         first = await anext(outputs)  # a request that fails does so before its first token: a JSON error
         if first.error is not None:
             return pic_error_response(first.error)
-        meta = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": model_name}
+        meta = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time())}
+        meta["model"] = model_name
         if body.stream:
-            events = _events(first, outputs, meta, on_finish=metrics.generation)
+            events = _events(first, outputs, meta, chat=chat, on_finish=metrics.generation)
             return StreamingResponse(events, media_type="text/event-stream")
         texts, last = [first.text], first
         async for out in outputs if not first.finished else _none():
@@ -100,12 +112,12 @@ def build_app(engine: PIC, *, model_name: str, api_key: str | None = None, max_b
             last = out
         if last.generation is not None:
             metrics.generation(last.generation)
-        return _completion(meta, "".join(texts), last.generation)
+        return _completion(meta, "".join(texts), last.generation, chat=chat)
 
     return app
 
 
-async def _pic_request(engine: PIC, body: CompletionBody, prompt: str) -> PicRequest:
+async def _pic_request(engine: PIC, body: Sampling, prompt: str, *, prefix: str | None = None) -> PicRequest:
     """The engine request of a completion: inline documents compiled first (cached), linked after ``cache_ids``."""
     options = body.pic
     ids = list(options.cache_ids)
@@ -114,7 +126,7 @@ async def _pic_request(engine: PIC, body: CompletionBody, prompt: str) -> PicReq
     return PicRequest(
         ids,
         prompt,
-        prefix=options.prefix,
+        prefix=options.prefix if prefix is None else prefix,
         policy=options.policy,
         max_new_tokens=body.max_tokens or engine.spec.max_context,
         temperature=body.temperature,
@@ -146,13 +158,31 @@ def _finish_reason(generation: Generation | None) -> str | None:
     return None if generation is None else _FINISH.get(generation.stats.finish_reason, "length")
 
 
-def _completion(meta: dict, text: str, generation: Generation | None) -> dict:
-    choice = {"text": text, "index": 0, "logprobs": None, "finish_reason": _finish_reason(generation)}
-    return {**meta, "object": "text_completion", "choices": [choice], "usage": _usage(generation)}
+def _completion(meta: dict, text: str, generation: Generation | None, *, chat: bool, chunk: bool = False) -> dict:
+    """A completion body: ``text_completion``, ``chat.completion``, or (``chunk``) one streamed piece of either."""
+    choice = {"index": 0, "logprobs": None, "finish_reason": _finish_reason(generation)}
+    if not chat:
+        choice["text"] = text
+        kind = "text_completion"
+    elif chunk:
+        choice["delta"] = {"role": "assistant", "content": text} if text else {}
+        kind = "chat.completion.chunk"
+    else:
+        choice["message"] = {"role": "assistant", "content": text}
+        kind = "chat.completion"
+    body = {**meta, "object": kind, "choices": [choice]}
+    if generation is not None or not chunk:
+        body["usage"] = _usage(generation)
+    return body
 
 
 async def _events(
-    first: RequestOutput, rest: AsyncIterator[RequestOutput], meta: dict, *, on_finish: Callable[[Generation], None]
+    first: RequestOutput,
+    rest: AsyncIterator[RequestOutput],
+    meta: dict,
+    *,
+    chat: bool,
+    on_finish: Callable[[Generation], None],
 ) -> AsyncIterator[str]:
     """Server-sent events: one per output with new text or the end, then ``[DONE]``. A client that goes
     away closes this generator, which closes ``rest``: the request is aborted and its blocks freed."""
@@ -160,9 +190,7 @@ async def _events(
         out = first
         while True:
             if out.text or out.finished:
-                chunk = _completion(meta, out.text, out.generation if out.finished else None)
-                if not out.finished:
-                    del chunk["usage"]
+                chunk = _completion(meta, out.text, out.generation if out.finished else None, chat=chat, chunk=True)
                 yield f"data: {json.dumps(chunk)}\n\n"
             if out.finished:
                 if out.generation is not None:

@@ -71,3 +71,17 @@ class ChunksBody(_Body):
 
     documents: list[str] = Field(min_length=1, max_length=1024)
     policy: str | None = None
+
+
+class ChatMessage(_Body):
+    role: str
+    content: str
+
+
+class ChatBody(Sampling):
+    """``POST /v1/chat/completions``: the documents go where ``pic.link_chat`` puts them (the start of the first
+    user message, or a ``{documents}`` marker); ``pic.prefix`` does not apply."""
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1, max_length=1024)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
