@@ -97,22 +97,27 @@ def build_app(engine: PIC, *, model_name: str, api_key: str | None = None, max_b
         return await _respond(await _pic_request(engine, body, query, prefix=prefix), body, chat=True)
 
     async def _respond(request: PicRequest, body: Sampling, *, chat: bool):
-        outputs = aengine.generate(request)
-        first = await anext(outputs)  # a request that fails does so before its first token: a JSON error
-        if first.error is not None:
-            return pic_error_response(first.error)
-        meta = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time())}
-        meta["model"] = model_name
-        if body.stream:
-            events = _events(first, outputs, meta, chat=chat, on_finish=metrics.generation)
-            return StreamingResponse(events, media_type="text/event-stream")
-        texts, last = [first.text], first
-        async for out in outputs if not first.finished else _none():
-            texts.append(out.text)
-            last = out
-        if last.generation is not None:
-            metrics.generation(last.generation)
-        return _completion(meta, "".join(texts), last.generation, chat=chat)
+        outputs, streaming = aengine.generate(request), False
+        try:  # a handler cancelled before it returns (the client left) closes the outputs: an abort
+            first = await anext(outputs)  # a request that fails does so before its first token: a JSON error
+            if first.error is not None:
+                return pic_error_response(first.error)
+            meta = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time())}
+            meta["model"] = model_name
+            if body.stream:
+                streaming = True  # the event stream owns the outputs now
+                events = _events(first, outputs, meta, chat=chat, on_finish=metrics.generation)
+                return StreamingResponse(events, media_type="text/event-stream")
+            texts, last = [first.text], first
+            async for out in outputs if not first.finished else _none():
+                texts.append(out.text)
+                last = out
+            if last.generation is not None:
+                metrics.generation(last.generation)
+            return _completion(meta, "".join(texts), last.generation, chat=chat)
+        finally:
+            if not streaming:
+                await outputs.aclose()
 
     return app
 

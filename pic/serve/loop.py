@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 
 from pic.api import PIC
 from pic.engine import Request, RequestOutput
 from pic.engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
 
 
 class AsyncEngine:
@@ -63,7 +66,11 @@ class AsyncEngine:
                 if not self.core.has_unfinished():
                     await self._wake.wait()
                 continue
-            stepped = await asyncio.to_thread(self.core.driver.try_run, self._step)
+            try:
+                stepped = await asyncio.to_thread(self.core.driver.try_run, self._step)
+            except Exception:  # a forward's failure fails its batch inside step; anything else is a bug
+                logger.exception("pic serve: an engine step failed")
+                stepped = False
             self._dispatch()
             if not stepped:  # another thread owns the engine (a compile): let it step
                 await asyncio.sleep(0.001)
