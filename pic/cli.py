@@ -40,10 +40,53 @@ def _parser() -> argparse.ArgumentParser:
         "--out", default=DEFAULT_EVAL_DIR, help=f"folder for <name>.json and <name>.png (default: ./{DEFAULT_EVAL_DIR})"
     )
     fidelity.add_argument("--name", default="fidelity", help="file name stem")
+    _store_parser(commands)
     from pic.serve.main import add_parser as add_serve
 
     _model_options(add_serve(commands))
     return parser
+
+
+def _store_parser(commands: argparse._SubParsersAction) -> None:
+    store = commands.add_parser("store", help="inspect and tidy a Redis chunk store")
+    actions = store.add_subparsers(dest="store_command", required=True)
+    sweep = actions.add_parser(
+        "sweep", help="report (and remove) orphan parts, broken entries and other models' entries in Redis"
+    )
+    sweep.add_argument("--redis-url", required=True, help="the store's Redis URL (as StoreConfig.redis_url)")
+    sweep.add_argument("--namespace", default="pic", help="key prefix (default: pic)")
+    sweep.add_argument("--model", default=None, help="HF model name or path whose entries to keep (its fingerprint)")
+    sweep.add_argument("--device", default=None, help="torch device for --model (default: cuda when available)")
+    sweep.add_argument("--dtype", default=None, help="dtype of --model (part of its fingerprint; default: per device)")
+    sweep.add_argument("--remove", action="store_true", help="delete orphan parts and broken entries")
+    sweep.add_argument("--other-models", action="store_true", help="with --remove: delete other models' entries")
+
+
+def _run_sweep(args: argparse.Namespace) -> int:
+    """Print the sweep's report; the model is loaded only to learn its fingerprint."""
+    from pic.errors import InvalidInputError
+    from pic.store.sweep import sweep
+
+    fingerprint = None
+    if args.model is not None:
+        from pic.compile.ids import model_fingerprint
+        from pic.model.loading import load_pretrained, resolve_device, resolve_dtype
+
+        device = resolve_device(args.device)
+        model, _ = load_pretrained(args.model, device=device, dtype=resolve_dtype(args.dtype, device))
+        fingerprint = model_fingerprint(model)
+        print(f"model fingerprint: {fingerprint}")
+    elif args.other_models:
+        raise InvalidInputError("--other-models needs --model: the model whose entries to keep")
+    report = sweep(
+        args.redis_url,
+        namespace=args.namespace,
+        fingerprint=fingerprint,
+        remove=args.remove,
+        other_models=args.other_models,
+    )
+    print(report.render())
+    return 0
 
 
 def _model_options(parser: argparse.ArgumentParser) -> None:
@@ -112,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
                 out_dir=args.out,
                 name=args.name,
             )
+        elif args.command == "store":
+            return _run_sweep(args)
         elif args.command == "serve":
             from pic.serve.main import run
 

@@ -120,7 +120,12 @@ class StoreConfig(_Frozen):
         cpu_bytes: capacity of the CPU tier (page-locked when CUDA is available, so copies to the
             GPU are asynchronous); ``0`` (default): no CPU tier; ``None``: unbounded.
         redis_url: a Redis shared by a fleet of workers (``redis://``, ``rediss://`` or ``unix://``,
-            with a password as redis-py takes it); ``None``: no Redis tier.
+            with a password as redis-py takes it; a Redis Cluster as
+            ``redis-cluster://[:password@]host:port[,host:port...]``; a Sentinel-managed master as
+            ``redis-sentinel://[:password@]host:port[,host:port...]/service_name``; a password is
+            URL-quoted); ``None``: no Redis tier.
+        redis_read_from_replicas: a cluster or sentinel setup also serves reads from replicas, which
+            spreads the read load but may lag (a fresh chunk can read as a miss there, never a wrong one).
         namespace: prefix of every Redis key; keys also carry the model fingerprint, so two models
             never read each other's chunks.
         on_redis_error: ``"raise"``: an unreachable Redis is a ``StoreUnavailableError`` naming the
@@ -129,6 +134,9 @@ class StoreConfig(_Frozen):
             values over 512 MiB; redis-py reads 8 MiB values several times faster per byte than
             values of hundreds of MiB, see ``benchmarks/store.py``).
         redis_timeout_s: socket timeout of Redis calls.
+        redis_parts_ttl_s: a chunk's parts are written with this time to live, cleared once its metadata
+            lands: a writer that dies mid-write leaves nothing behind after it. Must exceed the time to
+            write one chunk (a part that expires first makes that write store nothing).
 
     The device tier is the KV pool itself (``PICConfig.kv_pool_tokens``): compiled chunks are resident
     there as canonical blocks, evicted least recently used first when requests need the blocks. The CPU
@@ -137,11 +145,26 @@ class StoreConfig(_Frozen):
     """
 
     cpu_bytes: int | None = Field(default=0, ge=0)
-    redis_url: str | None = Field(default=None, pattern=r"^(redis|rediss|unix)://")
+    redis_url: str | None = Field(default=None, pattern=r"^(redis|rediss|unix|redis-cluster|redis-sentinel)://")
+    redis_read_from_replicas: bool = False
     namespace: str = Field(default="pic", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     on_redis_error: Literal["raise", "miss"] = "raise"
     part_bytes: int = Field(default=8 * 2**20, ge=1, le=512 * 2**20)
     redis_timeout_s: float = Field(default=10.0, gt=0)
+    redis_parts_ttl_s: float = Field(default=60.0, ge=0.001, le=7 * 24 * 3600)
+
+    @model_validator(mode="after")
+    def _parse_redis_url(self) -> StoreConfig:
+        """Check a cluster or sentinel URL now, not when the engine first connects. An "after" check
+        reports only its message, which masks the password (a field check would echo the raw URL)."""
+        if self.redis_url is not None and self.redis_url.startswith(("redis-cluster://", "redis-sentinel://")):
+            from pic.store.redis_client import parse  # here: pic.store imports this module
+
+            try:
+                parse(self.redis_url)
+            except InvalidInputError as exc:
+                raise ValueError(str(exc)) from None
+        return self
 
     @model_validator(mode="before")
     @classmethod

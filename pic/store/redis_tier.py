@@ -18,6 +18,7 @@ import redis
 from pic.errors import StoreUnavailableError
 from pic.kv import ChunkKV
 from pic.store import serde
+from pic.store.redis_client import connect, redact
 from pic.store.tier import TierStats
 
 log = logging.getLogger("pic.store")
@@ -28,11 +29,20 @@ class RedisTier:
     """A Redis (or Redis-compatible) server as a chunk tier.
 
     Args:
-        url: ``redis://[[user]:password@]host:port/db``, ``rediss://...`` or ``unix:///path.sock``.
+        url: ``redis://[[user]:password@]host:port/db``, ``rediss://...``, ``unix:///path.sock``,
+            ``redis-cluster://[:password@]host:port[,host:port...]`` or
+            ``redis-sentinel://[:password@]host:port[,host:port...]/service_name`` (``pic.store.redis_client``).
         expected: what this engine's chunks look like (fingerprint, shape, dtype).
         on_error: ``"raise"``: an unreachable server raises ``StoreUnavailableError`` naming the URL;
             ``"miss"``: it is logged, counted and treated as a miss (``put`` then stores nothing).
         pin: decode chunks into page-locked memory.
+        parts_ttl_s: a part's time to live until its entry's metadata is written (then it persists):
+            what an interrupted write leaves behind expires after it. Longer than writing one chunk.
+        read_from_replicas: a cluster or sentinel setup also reads from replicas (which may lag: a
+            fresh chunk can read as a miss there, never as a wrong one).
+
+    Every command touches one key (no MGET or multi-key DEL), so the tier works on a Redis Cluster:
+    a chunk's metadata and parts hash to different slots, which spreads a hot chunk over the nodes.
     """
 
     name = "redis"
@@ -47,13 +57,16 @@ class RedisTier:
         on_error: Literal["raise", "miss"] = "raise",
         timeout_s: float = 10.0,
         pin: bool = False,
+        parts_ttl_s: float = 60.0,
+        read_from_replicas: bool = False,
     ) -> None:
-        self.url = _redact(url)
-        self._client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self.url = redact(url)
+        self._client = connect(url, timeout_s=timeout_s, read_from_replicas=read_from_replicas)
         self._expected, self.part_bytes, self._on_error, self._pin = expected, part_bytes, on_error, pin
         self._prefix = f"{namespace}:{expected.fingerprint}:"
         self._stats = TierStats(name=self.name)
         self.last_error: str | None = None  # why the latest call failed, for error messages upstream
+        self._parts_ttl_ms = max(1, round(parts_ttl_s * 1000))  # parts expire unless their metadata lands
 
     def _key(self, cache_id: str, part: int | None = None) -> str:
         return f"{self._prefix}{cache_id}:meta" if part is None else f"{self._prefix}{cache_id}:part:{part}"
@@ -69,7 +82,7 @@ class RedisTier:
                 self._check_part_sizes(cache_id, meta)  # before reading (allocating) any of them
                 # one GET per part, decoded as it arrives: redis-py reads a few MiB per reply far faster
                 # than one huge MGET reply, and only one part is held at a time
-                parts = (self._client.get(self._key(cache_id, i)) for i in range(meta.num_parts))
+                parts = (self._get_part(cache_id, i) for i in range(meta.num_parts))
                 chunk = serde.decode(meta, parts, pin=self._pin)
             except serde.CorruptEntryError as exc:
                 log.warning("pic: dropping Redis entry %s at %s: %s", cache_id, self.url, exc)
@@ -82,24 +95,57 @@ class RedisTier:
         return None  # the server failed and on_error == "miss"
 
     def _check_part_sizes(self, cache_id: str, meta: serde.Meta) -> None:
+        """Raise ``CorruptEntryError`` unless every part is there with its exact size. A missing part
+        (STRLEN 0: Redis evicts keys independently, and an interrupted write's parts expire) is named as
+        such, so the log tells eviction from damage."""
         pipe = self._client.pipeline(transaction=False)
         for i in range(meta.num_parts):
             pipe.strlen(self._key(cache_id, i))
         found, expected = pipe.execute(), serde.part_sizes(meta)
+        missing = [i for i, size in enumerate(found) if size == 0]
+        if missing:
+            raise serde.CorruptEntryError(f"evicted/expired part(s) {missing[:8]} of {meta.num_parts}")
         if found != expected:
             raise serde.CorruptEntryError(f"stored part sizes {found} differ from the expected {expected}")
 
+    def _get_part(self, cache_id: str, index: int) -> bytes:
+        """One part; one that vanished since the size check (evicted or expired meanwhile) is a miss."""
+        part = self._client.get(self._key(cache_id, index))
+        if part is None:
+            raise serde.CorruptEntryError(f"evicted/expired part {index} (gone while reading)")
+        return part
+
     def put(self, chunk: ChunkKV, *, keep: Collection[str] = ()) -> bool:
-        """Write ``chunk`` (``keep`` is for the bounded tiers: Redis evicts by its own policy)."""
+        """Write ``chunk`` (``keep`` is for the bounded tiers: Redis evicts by its own policy).
+
+        No orphans: the parts are written with a TTL, the metadata after them, and only then are the
+        parts made persistent. A writer that dies before the metadata leaves parts that expire; one that
+        dies before the PERSISTs leaves metadata whose parts expire, which the first reader finds
+        incomplete, counts as a miss and deletes. A part that already expired (a write slower than the
+        TTL, or an eviction) drops the entry: ``False``, nothing half-written stays behind."""
         encoded = serde.encode(chunk, fingerprint=self._expected.fingerprint, part_bytes=self.part_bytes)
         with self._guard():
             pipe = self._client.pipeline(transaction=False)
             for i, part in enumerate(encoded.parts):
-                pipe.set(self._key(chunk.cache_id, i), part)
+                pipe.set(self._key(chunk.cache_id, i), part, px=self._parts_ttl_ms)
             pipe.execute()
             self._client.set(self._key(chunk.cache_id), encoded.meta)  # metadata last: parts are all there
+            if not self._persist_parts(chunk.cache_id, len(encoded.parts)):
+                log.warning("pic: a part of %s was evicted or expired before its metadata; not stored", chunk.cache_id)
+                self._drop(chunk.cache_id)
+                return False
             return True
         return False
+
+    def _persist_parts(self, cache_id: str, num_parts: int) -> bool:
+        """Clear the parts' TTLs (one pipeline of single-key commands, cluster-safe); ``False`` when a
+        part is gone. PERSIST answers 0 for a key without a TTL too (a concurrent writer of the same
+        chunk persisted it first), so presence is checked with EXISTS."""
+        pipe = self._client.pipeline(transaction=False)
+        for i in range(num_parts):
+            pipe.persist(self._key(cache_id, i))
+            pipe.exists(self._key(cache_id, i))
+        return all(pipe.execute()[1::2])
 
     def can_fit(self, num_bytes: int, *, keep: Collection[str] = ()) -> bool:
         """Always: Redis bounds its memory with its own eviction policy, not by pic's accounting."""
@@ -117,14 +163,21 @@ class RedisTier:
 
     def _drop(self, cache_id: str) -> bool:
         """Delete the metadata first (readers stop seeing the entry), then parts 0, 1, ... until a
-        batch finds none (parts are written densely, so a damaged entry's count is not needed)."""
+        batch finds none (parts are written densely, so a damaged entry's count is not needed). One DEL
+        per key in a pipeline: a multi-key DEL fails with CROSSSLOT on a cluster, whose pipeline routes
+        each command to its node."""
         existed = bool(self._client.delete(self._key(cache_id)))
         start = 0
-        while self._client.delete(*(self._key(cache_id, i) for i in range(start, start + _DROP_BATCH))):
+        while True:
+            pipe = self._client.pipeline(transaction=False)
+            for i in range(start, start + _DROP_BATCH):
+                pipe.delete(self._key(cache_id, i))
+            if not any(pipe.execute()):
+                return existed
             start += _DROP_BATCH
-        return existed
 
     def ids(self) -> list[str]:
+        """Ids with metadata on the server (a cluster client scans every master)."""
         with self._guard():
             keys = self._client.scan_iter(match=_glob(self._prefix) + "*:meta", count=1000)
             return sorted(k.decode()[len(self._prefix) : -len(":meta")] for k in keys)
@@ -135,7 +188,10 @@ class RedisTier:
         stats = dataclasses.replace(self._stats)
         with self._guard():
             ids = self.ids()
-            for cache_id, raw in zip(ids, self._client.mget([self._key(c) for c in ids]) if ids else [], strict=True):
+            pipe = self._client.pipeline(transaction=False)  # one GET per key: MGET is CROSSSLOT on a cluster
+            for cache_id in ids:
+                pipe.get(self._key(cache_id))
+            for cache_id, raw in zip(ids, pipe.execute() if ids else [], strict=True):
                 try:
                     meta = serde.parse_meta(raw or b"", cache_id=cache_id, expected=self._expected)
                 except serde.CorruptEntryError:
@@ -167,11 +223,6 @@ class _Guard:
             raise StoreUnavailableError(tier.last_error) from exc
         log.warning("pic: %s; serving from the upper tiers", tier.last_error)
         return True
-
-
-def _redact(url: str) -> str:
-    """The URL without its password (``redis://user:***@host:6379/0``)."""
-    return re.sub(r"(?<=://)([^:@/]*):[^@/]*@", r"\1:***@", url)
 
 
 def _glob(text: str) -> str:
