@@ -164,8 +164,11 @@ class PIC:
             self._check_document_length(len(tokens), options, f"document {i}")
         ids = [chunk_id(self.fingerprint, tokens, options) for tokens in token_lists]
 
+        compiled: list[str] = []
+
         def run() -> None:  # on the thread that owns the engine, between two steps
             todo = {cid: tokens for cid, tokens in zip(ids, token_lists, strict=True) if not self.store.contains(cid)}
+            compiled.extend(todo)
             if todo:
                 show = progress if progress is not None else len(todo) >= _PROGRESS_MIN_CHUNKS
                 compile_chunks(
@@ -178,7 +181,17 @@ class PIC:
                     progress=show,
                 )
 
-        self._engine.call(run)
+        fleet = self.store.fleet
+        if fleet is None:
+            self._engine.call(run)
+            return ids
+        # Other workers on the same Redis may be compiling some of these: wait for those (outside the
+        # engine, which keeps serving), compile the rest under leases, count the prefills fleet-wide.
+        new = [cid for cid in dict.fromkeys(ids) if not self.store.contains(cid)]
+        mine = fleet.claim(new, has_chunk=self.store.contains)
+        with fleet.held(mine):
+            self._engine.call(run)
+        fleet.record_compiles(compiled)
         return ids
 
     def link(

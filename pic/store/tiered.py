@@ -22,6 +22,7 @@ from pic.errors import UnknownCacheIdError
 from pic.kv import ChunkInfo, ChunkKV
 from pic.store import serde
 from pic.store.device import DeviceTier
+from pic.store.lease import FleetLeases
 from pic.store.lru import LruTier
 from pic.store.redis_tier import RedisTier
 from pic.store.tier import Tier, TierStats
@@ -78,7 +79,9 @@ class TieredStore:
                 part_bytes=config.part_bytes,
                 on_error=config.on_redis_error,
                 timeout_s=config.redis_timeout_s,
+                parts_ttl_s=config.redis_parts_ttl_s,
                 pin=pin,
+                read_from_replicas=config.redis_read_from_replicas,
             )
             lower.append(redis)
         return cls(device, lower, lock=lock)
@@ -211,6 +214,12 @@ class TieredStore:
     def stats(self) -> list[TierStats]:
         """One snapshot per tier, fastest first."""
         return [tier.stats() for tier in self.tiers]
+
+    @functools.cached_property
+    def fleet(self) -> FleetLeases | None:
+        """Compile-once leases and fleet counters in the Redis tier (``None`` without one)."""
+        tier = next((t for t in self.lower if isinstance(t, RedisTier)), None)
+        return None if tier is None else FleetLeases(tier._client, prefix=tier._prefix)
 
     def _pinnable(self) -> list[DeviceTier | LruTier]:
         return [self.device, *(t for t in self.lower if isinstance(t, LruTier))]
