@@ -164,34 +164,35 @@ class PIC:
             self._check_document_length(len(tokens), options, f"document {i}")
         ids = [chunk_id(self.fingerprint, tokens, options) for tokens in token_lists]
 
-        compiled: list[str] = []
+        tokens_of = dict(zip(ids, token_lists, strict=True))
 
-        def run() -> None:  # on the thread that owns the engine, between two steps
-            todo = {cid: tokens for cid, tokens in zip(ids, token_lists, strict=True) if not self.store.contains(cid)}
-            compiled.extend(todo)
+        def run(wanted: Sequence[str]) -> list[str]:  # on the thread that owns the engine, between two steps
+            todo = {cid: tokens_of[cid] for cid in dict.fromkeys(wanted) if not self.store.contains(cid)}
             if todo:
                 show = progress if progress is not None else len(todo) >= _PROGRESS_MIN_CHUNKS
                 compile_chunks(
-                    self.runner,
-                    self.store,
-                    todo,
-                    options=options,
-                    bos_token_id=self.bos_token_id,
-                    keep=ids,
+                    self.runner, self.store, todo, options=options, bos_token_id=self.bos_token_id, keep=ids,
                     progress=show,
-                )
+                )  # fmt: skip
+            return list(todo)
 
         fleet = self.store.fleet
         if fleet is None:
-            self._engine.call(run)
+            self._engine.call(lambda: run(ids))
             return ids
-        # Other workers on the same Redis may be compiling some of these: wait for those (outside the
-        # engine, which keeps serving), compile the rest under leases, count the prefills fleet-wide.
-        new = [cid for cid in dict.fromkeys(ids) if not self.store.contains(cid)]
-        mine = fleet.claim(new, has_chunk=self.store.contains)
-        with fleet.held(mine):
-            self._engine.call(run)
-        fleet.record_compiles(compiled)
+        # Other workers on the same Redis may be compiling some of these. Compile the ones whose leases
+        # this worker gets, then wait (outside the engine, which keeps serving) for the others to land or
+        # their leases to free up, and repeat. Never wait while holding leases: two workers each holding
+        # half and waiting on the other's half would both wait out the leases, then both compile all.
+        pending = [cid for cid in dict.fromkeys(ids) if not self.store.contains(cid)]
+        waited = fleet.waiter()
+        while pending:
+            mine, pending = fleet.claim(pending, has_chunk=self.store.contains, force=waited.expired)
+            if mine:
+                with fleet.held(mine):
+                    fleet.record_compiles(self._engine.call(lambda mine=mine: run(mine)))
+            if pending:
+                waited.sleep()
         return ids
 
     def link(

@@ -137,6 +137,8 @@ class StoreConfig(_Frozen):
         redis_parts_ttl_s: a chunk's parts are written with this time to live, cleared once its metadata
             lands: a writer that dies mid-write leaves nothing behind after it. Must exceed the time to
             write one chunk (a part that expires first makes that write store nothing).
+        redis_lease_s: how long a worker's lease on a chunk it compiles lives without renewal (renewed
+            while it compiles): a worker that dies mid-compile delays the fleet's others by at most this.
 
     The device tier is the KV pool itself (``PICConfig.kv_pool_tokens``): compiled chunks are resident
     there as canonical blocks, evicted least recently used first when requests need the blocks. The CPU
@@ -152,6 +154,7 @@ class StoreConfig(_Frozen):
     part_bytes: int = Field(default=8 * 2**20, ge=1, le=512 * 2**20)
     redis_timeout_s: float = Field(default=10.0, gt=0)
     redis_parts_ttl_s: float = Field(default=60.0, ge=0.001, le=7 * 24 * 3600)
+    redis_lease_s: float = Field(default=10.0, ge=0.1, le=3600)
 
     @model_validator(mode="after")
     def _parse_redis_url(self) -> StoreConfig:

@@ -84,3 +84,38 @@ def _ids_of(engine: pic.PIC, docs: list[str]) -> list[str]:
     options = engine.compile_options()
     tokens = encode_documents(engine.tokenizer, docs, vocab_size=engine.spec.vocab_size)
     return [chunk_id(engine.fingerprint, t, options) for t in tokens]
+
+
+KILLED = """
+import os, sys
+import pic
+import pic.api
+from tests.models import model, tokenizer
+from tests.test_fleet import DOCS
+store = pic.StoreConfig(redis_url=sys.argv[1], redis_lease_s=2.0)
+engine = pic.PIC(model("stories260K"), tokenizer(), store=store)
+def die(*args, **kwargs):  # killed mid-compile: its leases are taken, nothing is written
+    print("claimed", flush=True)
+    os.kill(os.getpid(), 9)
+pic.api.compile_chunks = die
+engine.compile(DOCS)
+"""
+
+
+def test_a_worker_killed_mid_compile_delays_the_others_by_at_most_its_lease(redis_url):
+    """A real worker process is SIGKILLed while compiling, its leases taken (2 s, renewed by a thread that
+    dies with it): another worker's compile waits them out, then compiles all 16 chunks, once each."""
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    victim = subprocess.Popen([sys.executable, "-c", KILLED, redis_url], stdout=subprocess.PIPE, text=True, env=env)
+    assert victim.stdout.readline().strip() == "claimed"
+    assert victim.wait(30) == -9
+    engine = _engine(redis_url)
+    leased = [
+        cid for cid in _ids_of(engine, DOCS) if redis.Redis.from_url(redis_url).exists(engine.store.fleet._lease(cid))
+    ]
+    assert len(leased) == 16  # the dead worker's leases are still there
+    start = time.monotonic()
+    engine.compile(DOCS)
+    assert time.monotonic() - start < 2.0 + 10  # the leases' life (what was left of it), and the compile
+    stats = engine.store.fleet.stats()
+    assert (stats.num_compiles, stats.num_duplicate_compiles) == (16, 0)

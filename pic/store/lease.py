@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import redis
@@ -42,6 +42,22 @@ class FleetStats:
 
     num_compiles: int
     num_duplicate_compiles: int
+
+
+@dataclass
+class Backoff:
+    """Sleeps of 10 ms doubling to 200 ms, until ``deadline`` (then ``expired``)."""
+
+    deadline: float
+    delay: float = 0.01
+
+    @property
+    def expired(self) -> bool:
+        return time.monotonic() > self.deadline
+
+    def sleep(self) -> None:
+        time.sleep(self.delay)
+        self.delay = min(2 * self.delay, 0.2)
 
 
 class FleetLeases:
@@ -66,29 +82,28 @@ class FleetLeases:
     def _lease(self, cache_id: str) -> str:
         return f"{self._prefix}lease:{cache_id}"
 
-    def claim(self, cache_ids: list[str], *, has_chunk: Callable[[str], bool]) -> list[str]:
-        """The ids among ``cache_ids`` this worker must compile, their leases held; the others landed in a
-        tier while it waited. Blocks while other workers hold leases (bounded: see ``FleetLeases``)."""
-        mine, waiting = [], list(cache_ids)
-        deadline, delay = time.monotonic() + self.max_wait_s, 0.01
-        while waiting:
-            still = []
-            for cache_id in waiting:
-                if has_chunk(cache_id):
-                    continue
-                if self._try(lambda c=cache_id: self._acquire(c)):
-                    mine.append(cache_id)
-                else:
-                    still.append(cache_id)
-            waiting = still
-            if waiting and time.monotonic() > deadline:
-                log.warning("pic: waited %.0f s on other workers' leases; compiling %d chunks anyway", self.max_wait_s,
-                            len(waiting))  # fmt: skip
-                return mine + waiting
-            if waiting:
-                time.sleep(delay)
-                delay = min(2 * delay, 0.2)
-        return mine
+    def claim(
+        self, cache_ids: list[str], *, has_chunk: Callable[[str], bool], force: bool = False
+    ) -> tuple[list[str], list[str]]:
+        """Without waiting: the ids whose leases this worker took (it must compile them) and the ids other
+        workers hold leases on (wait, then ask again); ids that landed in a tier are neither. ``force``
+        (waited too long) takes every id, as if there were no fleet."""
+        mine, others = [], []
+        for cache_id in cache_ids:
+            if has_chunk(cache_id):
+                continue
+            if force or self._try(lambda c=cache_id: self._acquire(c)):
+                mine.append(cache_id)
+            else:
+                others.append(cache_id)
+        if force and mine:
+            log.warning("pic: waited %.0f s on other workers' leases; compiling %d chunks anyway", self.max_wait_s,
+                        len(mine))  # fmt: skip
+        return mine, others
+
+    def waiter(self) -> Backoff:
+        """A bounded backoff for waiting on other workers' leases (``max_wait_s`` in all)."""
+        return Backoff(deadline=time.monotonic() + self.max_wait_s)
 
     def _acquire(self, cache_id: str) -> bool:
         return bool(self._client.set(self._lease(cache_id), self.token, nx=True, px=self.lease_ms))
@@ -123,7 +138,7 @@ class FleetLeases:
             for cache_id in cache_ids:
                 self._try(lambda c=cache_id: self._client.eval(_RENEW, 1, self._lease(c), self.token, self.lease_ms))
 
-    def record_compiles(self, cache_ids: list[str]) -> None:
+    def record_compiles(self, cache_ids: Sequence[str]) -> None:
         """Count this worker's prefills of ``cache_ids`` fleet-wide (a chunk marked compiled before is a
         duplicate)."""
         for cache_id in cache_ids:

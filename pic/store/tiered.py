@@ -48,10 +48,13 @@ class TieredStore:
         device: the KV pool's resident chunks.
         lower: ``LruTier`` CPU and/or ``RedisTier``, fastest first (may be empty).
         lock: serializes every call (default: a lock of its own); the engine passes its own lock.
+        lease_s: the fleet's compile leases' life in the Redis tier (``StoreConfig.redis_lease_s``).
     """
 
-    def __init__(self, device: DeviceTier, lower: list[Tier], *, lock: threading.RLock | None = None) -> None:
-        self.device, self.lower = device, lower
+    def __init__(
+        self, device: DeviceTier, lower: list[Tier], *, lock: threading.RLock | None = None, lease_s: float = 10.0
+    ) -> None:
+        self.device, self.lower, self._lease_s = device, lower, lease_s
         self.tiers: list[Tier | DeviceTier] = [device, *lower]
         self.lock = lock or threading.RLock()
         self._pinned: set[str] = set()
@@ -84,7 +87,7 @@ class TieredStore:
                 read_from_replicas=config.redis_read_from_replicas,
             )
             lower.append(redis)
-        return cls(device, lower, lock=lock)
+        return cls(device, lower, lock=lock, lease_s=config.redis_lease_s)
 
     @_locked
     def add(self, info: ChunkInfo, block_ids: list[int], *, keep: Collection[str] = ()) -> bool:
@@ -219,7 +222,7 @@ class TieredStore:
     def fleet(self) -> FleetLeases | None:
         """Compile-once leases and fleet counters in the Redis tier (``None`` without one)."""
         tier = next((t for t in self.lower if isinstance(t, RedisTier)), None)
-        return None if tier is None else FleetLeases(tier._client, prefix=tier._prefix)
+        return None if tier is None else FleetLeases(tier._client, prefix=tier._prefix, lease_s=self._lease_s)
 
     def _pinnable(self) -> list[DeviceTier | LruTier]:
         return [self.device, *(t for t in self.lower if isinstance(t, LruTier))]
