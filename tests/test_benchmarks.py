@@ -27,6 +27,31 @@ def test_store_benchmark_writes_json(tmp_path):
         assert r["get_ratio_raw_over_tier"] == median["raw_get"] / median["tier_get"]
 
 
+def test_store_cluster_benchmark_writes_json(tmp_path):
+    """``--cluster --quick``: one node against a local 3-master cluster; spread parts land on several
+    masters, tagged parts (one hash tag) all on one."""
+    out = tmp_path / "store_cluster.json"
+    args = [sys.executable, str(BENCHMARKS / "store.py"), "--cluster", "--quick", "--out", str(out)]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    assert report["command"].endswith(f"store.py --cluster --quick --out {out}")
+    assert [r["num_tokens"] for r in report["results"]] == [4, 40]
+    for r in report["results"]:  # the ratios are what the measured medians say
+        median = r["median_s"]
+        assert r["tier_put_ratio_single_over_cluster"] == median["single_put"] / median["cluster_put"]
+        assert r["tier_get_ratio_single_over_cluster"] == median["single_get"] / median["cluster_get"]
+        assert r["raw_set_ratio_tagged_over_spread"] == median["tagged_set"] / median["spread_set"]
+        assert r["raw_get_ratio_tagged_over_spread"] == median["tagged_get"] / median["spread_get"]
+    load = report["load_spread"]
+    assert load["num_parts"] == 20 and load["reads"] == 3  # 40 tokens' K and V in parts of 256 KiB
+    gets = load["gets_per_node"]
+    assert len(gets["spread"]) == 3 and sum(gets["spread"].values()) == sum(gets["tagged"].values()) == 60
+    assert sum(gets["tier"].values()) == 63  # and the metadata, once a read
+    assert sorted(gets["tagged"].values()) == [0, 0, 60] and load["busiest_node_share"]["tagged"] == 1.0
+    assert max(gets["spread"].values()) < 60 and load["busiest_node_share"]["spread"] < 1.0
+
+
 def test_cpu_threads_benchmark_writes_json(tmp_path):
     out = tmp_path / "threads.json"
     args = [sys.executable, str(BENCHMARKS / "cpu_threads.py"), "--threads", "1", "2", "--reps", "1", "--tokens", "4"]
