@@ -19,7 +19,6 @@ from collections.abc import Callable
 import torch
 
 from pic.attention import reference
-from pic.attention.plan import BatchPlan
 from pic.attention.rope import RopeTable
 from pic.errors import InvalidInputError
 
@@ -79,18 +78,3 @@ def kernels(backend: AttentionBackend) -> tuple[AttendFn, StoreFn]:
 
         return triton_backend.paged_attention, triton_backend.store_kv
     return reference.paged_attention, _torch_store
-
-
-def paged_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    plan: BatchPlan,
-    *,
-    scaling: float,
-    sliding_window: int | None = None,
-    backend: AttentionBackend = AttentionBackend.TORCH,
-) -> torch.Tensor:
-    """Fused-RoPE paged attention on ``backend`` (see ``reference.paged_attention`` for the contract)."""
-    attend, _ = kernels(backend)
-    return attend(q, k_cache, v_cache, plan, scaling=scaling, sliding_window=sliding_window)

@@ -128,9 +128,13 @@ def paged_attention(
     meta = plan.memo(("triton", q.device), lambda: _meta(plan, q.device))
     out = torch.empty_like(q)
     decode_m = _pow2(group)
-    if num_splits is None:  # the decode launch's: from its programs without splits and the longest table
-        num_programs, max_slots = plan.decode_seqs.numel() * num_kv_heads, plan.kv_positions.shape[1]
-        num_splits = _default_splits(num_programs, max_slots, block_n, q.device)
+    if num_splits is None:  # the decode launch's, by occupancy: once per forward, not per layer
+        num_splits = plan.memo(
+            ("triton-splits", num_kv_heads, block_n, q.device),
+            lambda: _default_splits(
+                plan.decode_seqs.numel() * num_kv_heads, plan.kv_positions.shape[1], block_n, q.device
+            ),
+        )
     for decode, block_m, splits in ((True, decode_m, num_splits), (False, max(prefill_block_m, decode_m), 1)):
         key = ("triton-tiles", decode, block_m, group, splits)
         build = functools.partial(_tiles, plan, decode=decode, block_m=block_m, group=group, num_splits=splits)

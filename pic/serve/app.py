@@ -63,7 +63,8 @@ def build_app(engine: PIC, *, model_name: str, api_key: str | None = None, max_b
     async def prometheus() -> PlainTextResponse:
         tiers = await asyncio.to_thread(engine.store.stats)
         kv = await asyncio.to_thread(engine.kv_stats)
-        text = metrics.render(tiers=tiers, kv=kv, num_steps=aengine.num_steps, max_batch=aengine.max_batch)
+        core = aengine.core
+        text = metrics.render(tiers=tiers, kv=kv, num_steps=core.num_steps, num_batched_seqs=core.num_batched_seqs)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/chunks")
@@ -109,9 +110,9 @@ def build_app(engine: PIC, *, model_name: str, api_key: str | None = None, max_b
                 events = _events(first, outputs, meta, chat=chat, on_finish=metrics.generation)
                 return StreamingResponse(events, media_type="text/event-stream")
             texts, last = [first.text], first
-            async for out in outputs if not first.finished else _none():
-                texts.append(out.text)
-                last = out
+            while not last.finished:
+                last = await anext(outputs)
+                texts.append(last.text)
             if last.generation is not None:
                 metrics.generation(last.generation)
             return _completion(meta, "".join(texts), last.generation, chat=chat)
@@ -139,11 +140,6 @@ async def _pic_request(engine: PIC, body: Sampling, prompt: str, *, prefix: str 
         seed=body.seed,
         stop=body.stop,
     )
-
-
-async def _none() -> AsyncIterator[RequestOutput]:
-    return
-    yield
 
 
 def _usage(generation: Generation | None) -> dict:

@@ -30,8 +30,6 @@ class AsyncEngine:
         self._queues: dict[int, tuple[Sequence, asyncio.Queue[RequestOutput]]] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
-        self.num_steps = 0
-        self.max_batch = 0
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._drive())
@@ -67,18 +65,13 @@ class AsyncEngine:
                     await self._wake.wait()
                 continue
             try:
-                stepped = await asyncio.to_thread(self.core.driver.try_run, self._step)
+                stepped = await asyncio.to_thread(self.core.driver.try_run, self.core.step)
             except Exception:  # a forward's failure fails its batch inside step; anything else is a bug
                 logger.exception("pic serve: an engine step failed")
                 stepped = False
             self._dispatch()
             if not stepped:  # another thread owns the engine (a compile): let it step
                 await asyncio.sleep(0.001)
-
-    def _step(self) -> None:
-        outputs = self.core.step()
-        self.num_steps += 1
-        self.max_batch = max(self.max_batch, len(outputs))
 
     def _dispatch(self) -> None:
         for request_id, (seq, queue) in list(self._queues.items()):

@@ -65,7 +65,9 @@ class Metrics:
             prompt=stats.num_prompt_tokens,
         )
 
-    def render(self, *, tiers: list[TierStats], kv: KVStats, num_steps: int, max_batch: int) -> str:
+    def render(self, *, tiers: list[TierStats], kv: KVStats, num_steps: int, num_batched_seqs: int) -> str:
+        """The exposition text; ``num_steps`` / ``num_batched_seqs``: the engine's forwards and the
+        sequences they carried (their ratio is the mean batch)."""
         lines = ["# TYPE pic_http_requests_total counter"]
         lines += [
             f'pic_http_requests_total{{route="{r}",status="{s}"}} {n}' for (r, s), n in sorted(self.requests.items())
@@ -91,7 +93,7 @@ class Metrics:
         ):  # fmt: skip
             lines.append(f'pic_kv_blocks{{state="{state}"}} {value}')
         lines += ["# TYPE pic_engine_steps_total counter", f"pic_engine_steps_total {num_steps}"]
-        lines += ["# TYPE pic_engine_max_batch gauge", f"pic_engine_max_batch {max_batch}"]
+        lines += ["# TYPE pic_engine_batched_seqs_total counter", f"pic_engine_batched_seqs_total {num_batched_seqs}"]
         return "\n".join(lines) + "\n"
 
 

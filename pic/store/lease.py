@@ -65,14 +65,15 @@ class FleetLeases:
 
     Args:
         client: the Redis tier's client (single node, cluster or sentinel: every command is single-key).
-        prefix: the tier's key prefix (``{namespace}:{fingerprint}:``); leases and counters live under
+        namespace, fingerprint: the Redis tier's; leases and counters live under
             ``{namespace}:fleet:{fingerprint}:``.
         lease_s: how long a lease lives without renewal (a dead worker's chunks wait at most this).
         max_wait_s: the longest a worker waits on others' leases before compiling anyway.
     """
 
-    def __init__(self, client, *, prefix: str, lease_s: float = 10.0, max_wait_s: float = 300.0) -> None:
-        namespace, fingerprint = prefix.rstrip(":").split(":")
+    def __init__(
+        self, client, *, namespace: str, fingerprint: str, lease_s: float = 10.0, max_wait_s: float = 300.0
+    ) -> None:
         # Apart from the chunks' own keys (``{namespace}:{fingerprint}:{id}:...``), so that deleting or
         # sweeping an entry's keys never sees them.
         self._client, self._prefix = client, f"{namespace}:fleet:{fingerprint}:"

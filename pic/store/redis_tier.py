@@ -63,6 +63,7 @@ class RedisTier:
         self.url = redact(url)
         self._client = connect(url, timeout_s=timeout_s, read_from_replicas=read_from_replicas)
         self._expected, self.part_bytes, self._on_error, self._pin = expected, part_bytes, on_error, pin
+        self.namespace, self.fingerprint = namespace, expected.fingerprint
         self._prefix = f"{namespace}:{expected.fingerprint}:"
         self._stats = TierStats(name=self.name)
         self.last_error: str | None = None  # why the latest call failed, for error messages upstream

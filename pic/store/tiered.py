@@ -222,7 +222,9 @@ class TieredStore:
     def fleet(self) -> FleetLeases | None:
         """Compile-once leases and fleet counters in the Redis tier (``None`` without one)."""
         tier = next((t for t in self.lower if isinstance(t, RedisTier)), None)
-        return None if tier is None else FleetLeases(tier._client, prefix=tier._prefix, lease_s=self._lease_s)
+        if tier is None:
+            return None
+        return FleetLeases(tier._client, namespace=tier.namespace, fingerprint=tier.fingerprint, lease_s=self._lease_s)
 
     def _pinnable(self) -> list[DeviceTier | LruTier]:
         return [self.device, *(t for t in self.lower if isinstance(t, LruTier))]
