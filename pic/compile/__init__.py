@@ -3,7 +3,7 @@
 from pic.compile.compiler import compile_chunks
 from pic.compile.ids import cache_id_list, chunk_id, model_fingerprint
 from pic.compile.prefill import prefill_chunk
-from pic.compile.tokens import TextOrTokens, encode, encode_documents
+from pic.compile.tokens import TextOrTokens, encode, encode_documents, tokenizer_adds_bos
 
 __all__ = [
     "TextOrTokens",
@@ -14,4 +14,5 @@ __all__ = [
     "encode_documents",
     "model_fingerprint",
     "prefill_chunk",
+    "tokenizer_adds_bos",
 ]

@@ -42,6 +42,18 @@ def encode(tokenizer, value: TextOrTokens, *, what: str, vocab_size: int) -> lis
     return list(value)
 
 
+def tokenizer_adds_bos(tokenizer: object) -> bool:
+    """Whether ``tokenizer`` starts its own encodings with its BOS token (``add_special_tokens=True``),
+    i.e. whether the model's prompts begin with one: Llama's and Mistral's tokenizers do; ChatML models'
+    (SmolLM2, Qwen), whose template opens every message with ``<|im_start|>``, do not, even when that
+    token is their ``bos_token``."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return False
+    ids = tokenizer("a")["input_ids"]
+    return bool(ids) and ids[0] == bos
+
+
 def _short(value: object) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import torch
 
-from pic.errors import InvalidInputError, ModelLoadError
+from pic.errors import InvalidInputError, ModelLoadError, first_line
+from pic.model.gguf import converted, gguf_cache_dir, gguf_path
 
 EMBEDDED_MODEL = Path(__file__).resolve().parent.parent / "models" / "stories260K"
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -31,9 +32,7 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     try:
         torch.empty(0, device=resolved)
     except (AssertionError, RuntimeError) as exc:  # torch asserts when it was built without CUDA
-        raise InvalidInputError(
-            f"device {str(device)!r} is not available on this machine: {_first_line(exc)}"
-        ) from None
+        raise InvalidInputError(f"device {str(device)!r} is not available on this machine: {first_line(exc)}") from None
     return resolved
 
 
@@ -49,42 +48,51 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
 
 
 def load_pretrained(
-    name_or_path: str | os.PathLike, *, device: torch.device, dtype: torch.dtype, progress: bool = False
+    name_or_path: str | os.PathLike,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    gguf_file: str | None = None,
+    progress: bool = False,
 ):
-    """``(model, tokenizer)`` from the Hub cache or a local directory.
+    """``(model, tokenizer)`` from the Hub cache, a local directory, or a GGUF file.
+
+    A GGUF model (``"smollm2"``, a path ending in ``.gguf``, or ``gguf_file`` inside the folder or Hub
+    repository ``name_or_path``) is dequantized once into a cache folder and loaded from there
+    (``pic.model.gguf``).
 
     Args:
-        progress: show transformers' "Loading weights" bar.
+        progress: show transformers' "Loading weights" bar (and the GGUF conversion's).
 
     Raises:
-        ModelLoadError: no such folder, not on the Hub or not in the cache while offline
-            (``HF_HUB_OFFLINE=1``), or not a causal LM transformers knows.
+        ModelLoadError: no such folder or file, not on the Hub or not in the cache while offline
+            (``HF_HUB_OFFLINE=1``), not a causal LM transformers knows, or a GGUF model whose packages
+            are missing (the message says what to install).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    source = gguf_path(name_or_path, gguf_file)
     name = str(name_or_path)
     looks_like_path = isinstance(name_or_path, os.PathLike) or name.startswith(("/", "./", "../", "~"))
-    if looks_like_path and not os.path.isdir(os.path.expanduser(name)):
+    if source is None and looks_like_path and not os.path.isdir(os.path.expanduser(name)):
         raise ModelLoadError(f"cannot load model {name!r}: no such folder")
     try:
-        with _progress_bars(progress):
+        with progress_bars(progress):
+            if source is not None:
+                name = str(converted(source))
             model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(name)
     except (OSError, ValueError, KeyError) as exc:  # what transformers raises for a missing or unknown model
         raise ModelLoadError(
-            f"cannot load model {name!r}: {_first_line(exc)} (give a local folder with config.json and weights, or a "
-            f"Hub name that is downloaded or reachable; offline, HF_HUB_OFFLINE=1 reads the Hugging Face cache)"
+            f"cannot load model {name!r}: {first_line(exc)} (give a local folder with config.json and weights, a "
+            f"GGUF file, or a Hub name that is downloaded or reachable; offline, HF_HUB_OFFLINE=1 reads the Hugging "
+            f"Face cache)"
         ) from exc
     return model.to(device), tokenizer
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
-
-
 @contextlib.contextmanager
-def _progress_bars(enabled: bool) -> Iterator[None]:
+def progress_bars(enabled: bool) -> Iterator[None]:
     """transformers' progress bars on or off for the block, restored afterwards."""
     from transformers.utils import logging as hf_logging
 
@@ -94,6 +102,18 @@ def _progress_bars(enabled: bool) -> Iterator[None]:
         yield
     finally:
         (hf_logging.enable_progress_bar if was else hf_logging.disable_progress_bar)()
+
+
+def model_name(model: torch.nn.Module) -> str:
+    """A short name for reports: the Hub name, the folder name of a local model (``stories260K`` for the
+    embedded one), or the GGUF file's stem for a converted GGUF model."""
+    name = str(getattr(model, "name_or_path", "") or type(model).__name__)
+    if not os.path.isdir(name):
+        return name
+    folder = Path(name).resolve()
+    if folder.parent == gguf_cache_dir().resolve():
+        return folder.name.rsplit("-", 1)[0]  # "<file stem>-<hash>"
+    return folder.name
 
 
 def model_eos_ids(model: torch.nn.Module, tokenizer: object) -> set[int]:

