@@ -107,7 +107,7 @@ def check(engine: PIC, *, num_new_tokens: int = 8, tolerance: float | None = Non
         logits = linked.logits
         ids = linked.input_ids.to(spec.device)[None]
         generated = linked.generate(max_new_tokens=num_new_tokens).token_ids
-    ref_logits, ref_tokens, margins = _transformers_run(engine, ids, logits.shape[0], num_new_tokens)
+    ref_logits, ref_tokens, margins = transformers_run(engine, ids, logits.shape[0], num_new_tokens)
     if tolerance is None:
         scale = max(1.0, ref_logits.abs().max().item())
         tolerance = _RELATIVE_TOLERANCE.get(spec.dtype, 0.05) * scale
@@ -125,11 +125,11 @@ def check(engine: PIC, *, num_new_tokens: int = 8, tolerance: float | None = Non
     )
 
 
-def _transformers_run(
+def transformers_run(
     engine: PIC, ids: torch.Tensor, num_query: int, num_new_tokens: int
 ) -> tuple[torch.Tensor, list[int], list[float]]:
-    """transformers' logits at the query positions (in its dtype, as float32), its greedy tokens and each
-    step's top-2 margin."""
+    """transformers' own run over ``ids`` ``[1, T]``: its logits at the last ``num_query`` positions (in its
+    dtype, as float32), its greedy tokens (stopping at the engine's EOS) and each step's top-2 logit margin."""
     model = engine.runner.model
     eos = sorted(engine.eos_token_ids)
     with torch.no_grad():

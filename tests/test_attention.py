@@ -14,6 +14,8 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from pic.attention import RopeTable, make_plan, paged_attention
+from pic.attention.reference import attention_weights
+from tests.attention_cases import make_case
 
 HQ, HKV, D, BS = 8, 2, 16, 4
 
@@ -85,3 +87,21 @@ def test_batched_paged_fused_rope_equals_hf(window, rope_type):
     )
     for b, want in enumerate(expected):
         assert (out[plan.query_rows(b)] - want).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_attention_weights_are_the_ones_paged_attention_uses(window):
+    """``attention_weights`` (read by the attention-sink measurement) is the softmax ``paged_attention``
+    applies: each row sums to 1, unwritten and masked slots get nothing, and weights times V is the output."""
+    case = make_case(seqs=[(21, "all"), (9, "decode"), (17, "subset")], num_q_heads=6, num_kv_heads=2, head_dim=8,
+                     page=4, shuffled=True).cast(torch.float32)  # fmt: skip
+    plan = case.plan
+    out = paged_attention(case.q, case.k_cache, case.v_cache, plan, scaling=case.scaling, sliding_window=window)
+    for seq in plan.prefill_seqs:
+        weights = attention_weights(case.q, case.k_cache, plan, seq, scaling=case.scaling, sliding_window=window)
+        assert torch.allclose(weights.sum(-1), torch.ones(()), atol=1e-5)
+        assert (weights[..., plan.kv_positions[seq] < 0] == 0).all()
+        assert (weights.masked_fill(plan.mask(seq, window)[0], 0) == 0).all()  # masked slots: no weight
+        v = case.v_cache[plan.block_tables[seq]].flatten(0, 1).nan_to_num()  # [S, Hkv, D]; NaN where never read
+        v = v.repeat_interleave(3, dim=1).transpose(0, 1)  # [Hq, S, D]
+        assert torch.allclose((weights @ v).transpose(0, 1), out[plan.query_rows(seq)], atol=1e-5)

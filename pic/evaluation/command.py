@@ -1,4 +1,4 @@
-"""``python -m pic eval fidelity``: evaluate policies, write JSON and PNG, print the table.
+"""``python -m pic eval fidelity`` and ``eval accuracy``: evaluate policies, write JSON and PNG, print the table.
 
 The JSON is rewritten after every case, so an evaluation that fails or is interrupted keeps what it
 measured (``num_cases_evaluated`` says how much); the PNG and the table come at the end.
@@ -8,23 +8,26 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 from pic.api import PIC
 from pic.errors import PicError
+from pic.evaluation.accuracy import evaluate_accuracy
+from pic.evaluation.accuracy_report import AccuracyReport
 from pic.evaluation.fidelity import checked_policies, evaluate_fidelity
-from pic.evaluation.plot import plot_fidelity
+from pic.evaluation.plot import plot_accuracy, plot_fidelity
+from pic.evaluation.qa import QAWorkload
 from pic.evaluation.report import FidelityReport
 from pic.evaluation.workload import load_workload, sample_workload
-from pic.model.loading import EMBEDDED_MODEL
+
+Report = TypeVar("Report", FidelityReport, AccuracyReport)
 
 
 def run_fidelity(
+    engine: PIC,
     *,
-    model: str | os.PathLike = EMBEDDED_MODEL,
-    device: str | None = None,
-    dtype: str | None = None,
     workload: str | os.PathLike | None = None,
     num_cases: int = 30,
     seed: int = 0,
@@ -35,44 +38,88 @@ def run_fidelity(
     """Evaluate ``policies`` on ``workload`` (a JSONL file; default: sampled from the model) and write
     ``<out_dir>/<name>.json`` and ``<out_dir>/<name>.png``; prints the Markdown table and the paths.
     Progress goes to stderr."""
-    out = Path(out_dir)
-    json_path, png_path = out / f"{name}.json", out / f"{name}.png"
-    _say(f"loading {model}")
-    engine = PIC.from_pretrained(model, device=device, dtype=dtype)
+    say = _sayer("fidelity")
     checked = checked_policies(engine, policies)  # a bad spec fails now, not after the workload
     if workload:
         cases = load_workload(workload)
     else:
-        _say(f"sampling {num_cases} cases from the model (seed {seed})")
+        say(f"sampling {num_cases} cases from the model (seed {seed})")
         cases = sample_workload(engine, num_cases=num_cases, seed=seed, progress=True)
-    out.mkdir(parents=True, exist_ok=True)
-    _say(f"evaluating {len(checked)} policies against Full Recompute on {len(cases.cases)} cases -> {json_path}")
-    latest: list[FidelityReport] = []
 
-    def save(report: FidelityReport) -> None:
+    def evaluate(on_case: Callable[[FidelityReport], None]) -> FidelityReport:
+        return evaluate_fidelity(engine, workload=cases, policies=checked, progress=True, on_case=on_case)
+
+    say(f"evaluating {len(checked)} policies against Full Recompute on {len(cases.cases)} cases")
+    return _run(evaluate, say, len(cases.cases), plot_fidelity, out_dir=out_dir, name=name)
+
+
+def run_accuracy(
+    engine: PIC,
+    *,
+    workload: QAWorkload,
+    policies: Sequence[str],
+    max_new_tokens: int = 24,
+    num_sink_cases: int = 20,
+    out_dir: str | os.PathLike = "pic-eval",
+    name: str = "accuracy",
+) -> AccuracyReport:
+    """``evaluate_accuracy`` on ``workload``, written as ``run_fidelity`` writes (JSON after every case,
+    the table, the PNG)."""
+    say = _sayer("accuracy")
+    checked = checked_policies(engine, policies)
+
+    def evaluate(on_case: Callable[[AccuracyReport], None]) -> AccuracyReport:
+        return evaluate_accuracy(
+            engine, workload=workload, policies=checked, max_new_tokens=max_new_tokens,
+            num_sink_cases=num_sink_cases, progress=True, on_case=on_case,
+        )  # fmt: skip
+
+    say(f"{engine.model_name}, add_bos={engine.config.add_bos}: {len(checked)} policies against Full Recompute")
+    return _run(evaluate, say, len(workload.cases), plot_accuracy, out_dir=out_dir, name=name)
+
+
+def _run(
+    evaluate: Callable[[Callable[[Report], None]], Report],
+    say: Callable[[str], None],
+    num_cases: int,
+    plot: Callable[[Report, Path], None],
+    *,
+    out_dir: str | os.PathLike,
+    name: str,
+) -> Report:
+    """Run ``evaluate(on_case)``, rewriting the JSON after every case; then print the table and plot."""
+    out = Path(out_dir)
+    json_path, png_path = out / f"{name}.json", out / f"{name}.png"
+    out.mkdir(parents=True, exist_ok=True)
+    say(f"{num_cases} cases -> {json_path}")
+    latest: list[Report] = []
+
+    def save(report: Report) -> None:
         _write_json(report, json_path)
         latest[:] = [report]
 
     try:
-        report = evaluate_fidelity(engine, workload=cases, policies=checked, progress=True, on_case=save)
+        report = evaluate(save)
     except (PicError, KeyboardInterrupt):
         if latest:
-            done = latest[0].num_cases_evaluated
-            _say(f"stopped after {done} of {len(cases.cases)} cases; their results are in {json_path}")
+            say(f"stopped after {latest[0].num_cases_evaluated} of {num_cases} cases; their results are in {json_path}")
         raise
     print(report.table())  # the JSON is the finished report: on_case wrote it after the last case
     print(f"\nwrote {json_path}")
-    plot_fidelity(report, png_path)  # needs matplotlib (the eval extra); the table and JSON come first
+    plot(report, png_path)  # needs matplotlib (the eval extra); the table and JSON come first
     print(f"wrote {png_path}")
     return report
 
 
-def _write_json(report: FidelityReport, path: Path) -> None:
+def _write_json(report: Report, path: Path) -> None:
     """Replace ``path`` atomically, so an interruption never leaves a half-written file."""
     partial = path.with_name(path.name + ".partial")
     report.save_json(partial)
     os.replace(partial, path)
 
 
-def _say(message: str) -> None:
-    print(f"pic eval fidelity: {message}", file=sys.stderr, flush=True)
+def _sayer(kind: str) -> Callable[[str], None]:
+    def say(message: str) -> None:
+        print(f"pic eval {kind}: {message}", file=sys.stderr, flush=True)
+
+    return say

@@ -7,7 +7,6 @@ agreement with FR, the NLL of the query's own continuation, the tokens recompute
 
 from __future__ import annotations
 
-import os
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -17,7 +16,7 @@ from tqdm.auto import tqdm
 
 from pic.api import PIC
 from pic.errors import PicError
-from pic.evaluation.report import FidelityReport, PolicyScore
+from pic.evaluation.report import FidelityReport, PolicyScore, model_fields
 from pic.evaluation.workload import Case, Workload, sample_workload
 from pic.link import Linked
 from pic.link.policies import FullRecompute, Policy, resolve
@@ -38,11 +37,16 @@ DEFAULT_POLICIES = (
 
 
 @dataclass(frozen=True)
-class _Measurement:
-    """One policy on one case."""
+class LinkMeasurement:
+    """One policy's link of one case, against Full Recompute's: KL(FR || policy) and top-1 agreement of the
+    next-token distributions (mean over the query positions, and at the last one: the first generated
+    token's), the NLL of the query's own continuation, tokens recomputed (last layer, first layer), the
+    share of FR's token-layers recomputed (all layers, last layer), and the link's seconds."""
 
     kl: float
     top1: float
+    kl_last: float
+    top1_last: float
     nll: float | None  # None for a one-token query
     recomputed: int
     recomputed_first: int
@@ -79,7 +83,7 @@ def evaluate_fidelity(
     resolved = checked_policies(engine, policies)
     workload = workload or sample_workload(engine, seed=seed, progress=progress)
     full = FullRecompute()
-    tallies: dict[str, list[_Measurement]] = {p.spec: [] for p in [full, *resolved]}
+    tallies: dict[str, list[LinkMeasurement]] = {p.spec: [] for p in [full, *resolved]}
     cases = tqdm(workload.cases, desc="pic eval fidelity", unit="case", disable=not progress)
     for number, case in enumerate(cases):
         try:
@@ -111,15 +115,11 @@ def checked_policies(engine: PIC, policies: Sequence[str | Policy]) -> list[Poli
 
 
 def _report(
-    engine: PIC, workload: Workload, tallies: dict[str, list[_Measurement]], *, num_cases: int
+    engine: PIC, workload: Workload, tallies: dict[str, list[LinkMeasurement]], *, num_cases: int
 ) -> FidelityReport:
     full = tallies[FullRecompute().spec]
-    spec = engine.spec
     return FidelityReport(
-        model=spec.architecture,
-        model_name=_model_name(engine),
-        device=str(spec.device),
-        dtype=str(spec.dtype).removeprefix("torch."),
+        **model_fields(engine),
         workload=workload.description,
         num_cases_evaluated=num_cases,
         scores=[_summarize(policy, tally, full) for policy, tally in tallies.items()],
@@ -131,20 +131,20 @@ def _link(engine: PIC, case: Case, policy: Policy) -> Linked:
     return engine.link(ids, case.query, policy=policy)
 
 
-def _measure_case(engine: PIC, case: Case, full: Policy, policies: list[Policy]) -> dict[str, _Measurement]:
+def _measure_case(engine: PIC, case: Case, full: Policy, policies: list[Policy]) -> dict[str, LinkMeasurement]:
     """One case under Full Recompute (the reference) and under every policy."""
     _link(engine, case, full).release()  # warm-up: the first link of a case pays one-off costs
     with _link(engine, case, full) as reference:
         ref_logp = reference.logits.log_softmax(-1)  # [Q, vocab]
         query = reference.input_ids[reference.layout.query.tokens]
-        measured = {full.spec: _measure(reference, ref_logp, query)}
+        measured = {full.spec: measure_link(reference, ref_logp, query)}
         for policy in policies:
             with _link(engine, case, policy) as linked:
-                measured[policy.spec] = _measure(linked, ref_logp, query)
+                measured[policy.spec] = measure_link(linked, ref_logp, query)
     return measured
 
 
-def _measure(linked: Linked, ref_logp: torch.Tensor, query: torch.Tensor) -> _Measurement:
+def measure_link(linked: Linked, ref_logp: torch.Tensor, query: torch.Tensor) -> LinkMeasurement:
     logp = linked.logits.log_softmax(-1)  # [Q, vocab]
     nll = None
     if query.shape[0] > 1:  # row i predicts query token i + 1
@@ -152,9 +152,13 @@ def _measure(linked: Linked, ref_logp: torch.Tensor, query: torch.Tensor) -> _Me
         nll = float(-logp[:-1].gather(1, targets[:, None]).mean())
     by_layer = linked.recomputed_by_layer
     num_prompt = linked.input_ids.shape[0]
-    return _Measurement(
-        kl=float((ref_logp.exp() * (ref_logp - logp)).sum(-1).mean()),
-        top1=float((ref_logp.argmax(-1) == logp.argmax(-1)).float().mean()),
+    kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1)  # [Q]
+    top1 = (ref_logp.argmax(-1) == logp.argmax(-1)).float()  # [Q]
+    return LinkMeasurement(
+        kl=float(kl.mean()),
+        top1=float(top1.mean()),
+        kl_last=float(kl[-1]),
+        top1_last=float(top1[-1]),
         nll=nll,
         recomputed=linked.num_recomputed,
         recomputed_first=by_layer[0],
@@ -164,7 +168,7 @@ def _measure(linked: Linked, ref_logp: torch.Tensor, query: torch.Tensor) -> _Me
     )
 
 
-def _summarize(spec: str, measured: list[_Measurement], full: list[_Measurement]) -> PolicyScore:
+def _summarize(spec: str, measured: list[LinkMeasurement], full: list[LinkMeasurement]) -> PolicyScore:
     def mean(field: str) -> float:
         return statistics.fmean(getattr(m, field) for m in measured)
 
@@ -181,9 +185,3 @@ def _summarize(spec: str, measured: list[_Measurement], full: list[_Measurement]
         median_link_s=statistics.median(m.link_s for m in measured),
         median_speedup_vs_full=statistics.median(f.link_s / m.link_s for f, m in zip(full, measured, strict=True)),
     )
-
-
-def _model_name(engine: PIC) -> str:
-    """The Hub name, or the folder name of a local model (``stories260K`` for the embedded one)."""
-    name = str(getattr(engine.runner.model, "name_or_path", "") or engine.spec.architecture)
-    return os.path.basename(name.rstrip("/")) if os.path.isdir(name) else name

@@ -7,8 +7,12 @@ import json
 import math
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pic.errors import PolicyError
+
+if TYPE_CHECKING:
+    from pic.api import PIC
 
 
 @dataclass(frozen=True)
@@ -42,8 +46,29 @@ class PolicyScore:
     median_speedup_vs_full: float
 
 
+class ReportMethods:
+    """What every evaluation report (a frozen dataclass with a ``scores`` list of per-policy scores) offers:
+    a score by policy, plain JSON-able data, and a JSON file."""
+
+    def score(self, policy: str):
+        """The score of a policy by spec string (``"legolink:16"``)."""
+        for s in self.scores:
+            if s.policy == policy:
+                return s
+        raise PolicyError(f"no score for policy {policy!r}; the report has {[s.policy for s in self.scores]}")
+
+    def to_dict(self) -> dict[str, object]:
+        """Plain JSON-able data; a measurement that does not exist (NaN) becomes ``None``."""
+        return json_number(dataclasses.asdict(self))
+
+    def save_json(self, path: str | os.PathLike) -> None:
+        with open(path, "w", encoding="utf-8") as file:
+            json.dump(self.to_dict(), file, indent=2, allow_nan=False)
+            file.write("\n")
+
+
 @dataclass(frozen=True)
-class FidelityReport:
+class FidelityReport(ReportMethods):
     """The result of ``evaluate_fidelity``; the first score is Full Recompute itself.
 
     ``num_cases_evaluated`` is the number of the workload's cases the scores cover: all of them in a
@@ -57,24 +82,6 @@ class FidelityReport:
     workload: dict[str, object]
     num_cases_evaluated: int
     scores: list[PolicyScore]
-
-    def score(self, policy: str) -> PolicyScore:
-        """The score of a policy by spec string (``"legolink:16"``)."""
-        for s in self.scores:
-            if s.policy == policy:
-                return s
-        raise PolicyError(f"no score for policy {policy!r}; the report has {[s.policy for s in self.scores]}")
-
-    def to_dict(self) -> dict[str, object]:
-        """Plain JSON-able data; a measurement that does not exist (NaN) becomes ``None``."""
-        data = dataclasses.asdict(self)
-        data["scores"] = [{k: _json_number(v) for k, v in s.items()} for s in data["scores"]]
-        return data
-
-    def save_json(self, path: str | os.PathLike) -> None:
-        with open(path, "w", encoding="utf-8") as file:
-            json.dump(self.to_dict(), file, indent=2, allow_nan=False)
-            file.write("\n")
 
     def table(self) -> str:
         """A Markdown table, one row per policy."""
@@ -96,5 +103,23 @@ class FidelityReport:
         return "\n".join(rows)
 
 
-def _json_number(value: object) -> object:
-    return None if isinstance(value, float) and not math.isfinite(value) else value
+def model_fields(engine: PIC) -> dict[str, str]:
+    """What a report says of the model it evaluated: ``model`` (architecture), ``model_name``, ``device``, ``dtype``."""
+    spec = engine.spec
+    return {
+        "model": spec.architecture,
+        "model_name": engine.model_name,
+        "device": str(spec.device),
+        "dtype": str(spec.dtype).removeprefix("torch."),
+    }
+
+
+def json_number(value: object) -> object:
+    """``value`` with every non-finite float in it (in lists and dicts too) replaced by ``None``."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_number(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_number(v) for v in value]
+    return value

@@ -10,7 +10,8 @@ computes exactly what transformers computes; the tests hold it to that.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,8 @@ from pic.model.spec import ModelSpec, inspect_model
 
 # (layer, alive [n'] int64, rows [n'] int64) -> None or keep [n'] bool; see ``SeqInput.after_layer``.
 LayerHook = Callable[[int, torch.Tensor, torch.Tensor], "torch.Tensor | None"]
+# (layer, q [N, Hq, D] NoPE, k_cache [num_blocks, block_size, Hkv, D] NoPE, plan, scaling, sliding_window or None)
+AttentionObserver = Callable[[int, torch.Tensor, torch.Tensor, BatchPlan, float, "int | None"], None]
 
 
 @dataclass
@@ -72,6 +75,19 @@ class ModelRunner:
             attention_backend, spec.device, head_dim=spec.head_dim, rope=self.rope
         )
         self._attend, self._store = kernels(self.attention_backend)
+        self._observer: AttentionObserver | None = None
+
+    @contextlib.contextmanager
+    def observe_attention(self, observer: AttentionObserver) -> Iterator[None]:
+        """Within the block, every layer of every forward calls ``observer`` with its attention's inputs
+        (after its K and V are written), for analysis such as ``pic.evaluation.sinks``; serving never
+        sets one. Not reentrant; restored on exit."""
+        assert self._observer is None, "an attention observer is already installed"
+        self._observer = observer
+        try:
+            yield
+        finally:
+            self._observer = None
 
     @torch.no_grad()
     def forward(self, seqs: Sequence[SeqInput]) -> list[torch.Tensor]:
@@ -169,13 +185,16 @@ class ModelRunner:
         if self.spec.has_qk_norm:
             q, k = attn.q_norm(q), attn.k_norm(k)
         self._store(cache.k_rows[index], cache.v_rows[index], rows, k, v)
+        window = self.spec.sliding_windows[index]
+        if self._observer is not None:
+            self._observer(index, q, cache.k[index], plan, attn.scaling, window)
         out = self._attend(
             q,
             cache.k[index],
             cache.v[index],
             plan,
             scaling=attn.scaling,
-            sliding_window=self.spec.sliding_windows[index],
+            sliding_window=window,
         )
         hidden = hidden + attn.o_proj(out.reshape(num_tokens, -1))
         return hidden + layer.mlp(layer.post_attention_layernorm(hidden))

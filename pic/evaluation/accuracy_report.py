@@ -1,0 +1,106 @@
+"""The accuracy report: per policy, task accuracy (with its interval) beside fidelity and cost."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from pic.evaluation.report import ReportMethods
+from pic.evaluation.sinks import SinkProfile
+
+
+@dataclass(frozen=True)
+class AccuracyScore:
+    """One policy over the workload's cases.
+
+    Attributes:
+        policy: the policy's spec string.
+        accuracy: share of cases whose reply holds every answer (``pic.evaluation.qa.score_answer``).
+        accuracy_low, accuracy_high: its 95% Wilson score interval.
+        exact_match: share of replies equal to the reference answer (SQuAD normalization).
+        f1: mean token F1 of the replies against the reference.
+        accuracy_by_kind: accuracy per question kind (``passkey``, ``fact``, ``two-docs``).
+        accuracy_by_gold_position: for one-document questions, accuracy by the index of the document
+            holding the answer (0: first linked).
+        num_gained, num_lost: cases this policy answers correctly and Full Recompute does not, and the
+            reverse (paired: the same cases).
+        same_reply_as_full: share of replies identical to Full Recompute's.
+        mean_kl, top1_agreement: KL(FR || policy) in nats and top-1 agreement of the next-token
+            distributions, mean over the query positions.
+        answer_kl, answer_top1: the same at the last prompt position: the answer's first token.
+        mean_recomputed: tokens recomputed through the last layer (prefix and query included).
+        recompute_fraction: recomputed token-layers over Full Recompute's (the recompute pass's cost).
+        median_link_s, median_speedup_vs_full: link time, and FR's link time over it per case (median).
+    """
+
+    policy: str
+    accuracy: float
+    accuracy_low: float
+    accuracy_high: float
+    exact_match: float
+    f1: float
+    accuracy_by_kind: dict[str, float]
+    accuracy_by_gold_position: list[float]
+    num_gained: int
+    num_lost: int
+    same_reply_as_full: float
+    mean_kl: float
+    top1_agreement: float
+    answer_kl: float
+    answer_top1: float
+    mean_recomputed: float
+    recompute_fraction: float
+    median_link_s: float
+    median_speedup_vs_full: float
+
+
+@dataclass(frozen=True)
+class AccuracyReport(ReportMethods):
+    """The result of ``evaluate_accuracy``; the first score is Full Recompute's. ``sinks`` holds the
+    attention-sink profile per policy (``pic.evaluation.sinks``), measured on the first cases."""
+
+    model: str
+    model_name: str
+    device: str
+    dtype: str
+    add_bos: bool
+    workload: dict[str, object]
+    num_cases_evaluated: int
+    scores: list[AccuracyScore]
+    sinks: list[SinkProfile]
+
+    def table(self) -> str:
+        """A Markdown table, one row per policy."""
+        kinds = list(self.scores[0].accuracy_by_kind) if self.scores else []
+        rows = [
+            "| policy | accuracy (95% CI) | "
+            + "".join(f"{k} | " for k in kinds)
+            + "EM | F1 | +/- vs FR | same reply as FR | KL to FR (answer token) | top-1 agree (answer) "
+            "| recomputed tokens | recomputed token-layers | link ms (speedup vs FR) |",
+            "|---|---:|" + "---:|" * len(kinds) + "---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for s in self.scores:
+            by_kind = "".join(f"{_pct(s.accuracy_by_kind[k])} | " for k in kinds)
+            rows.append(
+                f"| {s.policy} | {_pct(s.accuracy)} ({_pct(s.accuracy_low)}-{_pct(s.accuracy_high)}) | {by_kind}"
+                f"{_pct(s.exact_match)} | {s.f1:.2f} | +{s.num_gained}/-{s.num_lost} | {_pct(s.same_reply_as_full)} "
+                f"| {s.mean_kl:.3f} ({s.answer_kl:.3f}) | {_pct(s.top1_agreement)} ({_pct(s.answer_top1)}) "
+                f"| {s.mean_recomputed:.1f} | {_pct(s.recompute_fraction)} "
+                f"| {1e3 * s.median_link_s:.0f} ({s.median_speedup_vs_full:.2f}x) |"
+            )
+        return "\n".join(rows)
+
+
+def _pct(value: float) -> str:
+    return "n/a" if math.isnan(value) else f"{100 * value:.1f}%"
+
+
+def wilson_interval(successes: int, trials: int, *, z: float = 1.96) -> tuple[float, float]:
+    """The Wilson score interval of a binomial proportion (95% for ``z=1.96``): unlike the normal
+    approximation, it stays inside [0, 1] and is sound near 0% and 100% and for a few hundred trials."""
+    if trials == 0:
+        return math.nan, math.nan
+    p = successes / trials
+    centre = (p + z * z / (2 * trials)) / (1 + z * z / trials)
+    half = z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / (1 + z * z / trials)
+    return max(0.0, centre - half), min(1.0, centre + half)

@@ -1,0 +1,128 @@
+"""``pic eval accuracy``: the generated QA workload, answer scoring, intervals, and the evaluation's bookkeeping.
+
+The evaluation runs here on stories260K with a ChatML template (tests/test_chat.py): a model that cannot
+answer, so accuracy is not what is checked; Full Recompute's row, policies at their limits, the partial
+reports and the JSON are. Accuracy and attention sinks on a real model are in tests/test_smollm2.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import pytest
+
+import pic
+from pic.evaluation.accuracy import evaluate_accuracy
+from pic.evaluation.accuracy_report import wilson_interval
+from pic.evaluation.answers import score_answer
+from pic.evaluation.qa import QAKind, qa_workload
+from tests.models import model
+from tests.test_chat import CHATML, chat_tokenizer
+
+
+def test_workload_is_seeded_and_mixed():
+    a, b = qa_workload(num_cases=40, seed=3), qa_workload(num_cases=40, seed=3)
+    assert a == b and a != qa_workload(num_cases=40, seed=4)
+    kinds = [c.kind for c in a.cases]
+    assert kinds.count(QAKind.TWO_DOCS) == 8 and {QAKind.PASSKEY, QAKind.FACT} <= set(kinds)
+    assert a.description["num_by_kind"] == {k.value: kinds.count(k) for k in QAKind}
+
+
+def test_answers_are_in_the_gold_documents_only():
+    for case in qa_workload(num_cases=60, num_documents=5, seed=1).cases:
+        assert len(case.documents) == 5 and all(d.endswith("\n") and d.count("\n") == 1 for d in case.documents)
+        holding = [i for i, d in enumerate(case.documents) if any(a in d for a in case.answers)]
+        assert holding == sorted(case.gold), case
+        if case.kind is QAKind.PASSKEY:  # the one key is the only one
+            assert sum("pass key" in d for d in case.documents) == 1
+        if case.kind is QAKind.FACT:  # every document holds a competing fact
+            assert all(" lives in " in d for d in case.documents)
+        assert case.question in case.messages()[1]["content"]
+
+
+def test_question_placement():
+    first, after = (qa_workload(num_cases=1, question_first=q).cases[0] for q in (True, False))
+    assert first.messages()[1]["content"].count(first.question) == 2
+    content = after.messages()[1]["content"]
+    assert content.count(after.question) == 1 and content.startswith("{documents}")
+
+
+def test_reordered_moves_the_gold_documents():
+    case = next(c for c in qa_workload(num_cases=20, seed=2).cases if c.kind is QAKind.TWO_DOCS)
+    order = [3, 1, 0, 2]
+    moved = case.reordered(order)
+    assert moved.documents == tuple(case.documents[i] for i in order)
+    assert [moved.documents[g] for g in moved.gold] == [case.documents[g] for g in case.gold]
+
+
+@pytest.mark.parametrize(
+    ("reply", "correct", "exact", "f1"),
+    [
+        (" 4821", True, True, 1.0),
+        (" 4821.", True, True, 1.0),
+        (" the number 4821, I think", True, False, 2 / 5),
+        (" 48210", False, False, 0.0),  # whole words only
+        (" a small wooden key", False, False, 0.0),
+    ],
+)
+def test_scoring_one_answer(reply, correct, exact, f1):
+    case = next(c for c in qa_workload(num_cases=10).cases if c.kind is QAKind.PASSKEY)
+    case = dataclasses.replace(case, answers=("4821",), reference="4821")
+    score = score_answer(reply, case)
+    assert (score.correct, score.exact) == (correct, exact) and math.isclose(score.f1, f1)
+
+
+def test_scoring_two_answers_needs_both():
+    case = next(c for c in qa_workload(num_cases=20, seed=2).cases if c.kind is QAKind.TWO_DOCS)
+    a, b = case.answers
+    assert score_answer(f" {case.reference}.", case).exact
+    assert score_answer(f" {a}, and then {b}", case).correct
+    assert not score_answer(f" {a}. The museum shows paintings.", case).correct
+
+
+def test_wilson_interval():
+    low, high = wilson_interval(5, 10)
+    assert math.isclose(low, 0.2366, abs_tol=1e-4) and math.isclose(high, 0.7634, abs_tol=1e-4)
+    assert wilson_interval(0, 10)[0] == 0.0 and math.isclose(wilson_interval(0, 10)[1], 0.2775, abs_tol=1e-4)
+    assert wilson_interval(200, 200)[1] == 1.0 and wilson_interval(200, 200)[0] > 0.98
+    assert all(math.isnan(x) for x in wilson_interval(0, 0))
+
+
+def test_bad_workload_shapes():
+    with pytest.raises(pic.InvalidInputError, match="num_documents=1"):
+        qa_workload(num_documents=1)
+    with pytest.raises(pic.InvalidInputError, match="two_docs_share=1.5"):
+        qa_workload(two_docs_share=1.5)
+
+
+def test_evaluation_bookkeeping(tmp_path):
+    """Full Recompute is its own reference; a policy at its limit is Full Recompute; partial reports grow
+    case by case; the sink profile has one value per layer; the JSON is strict (no NaN)."""
+    engine = pic.PIC(model("stories260K"), chat_tokenizer(CHATML))
+    workload = qa_workload(num_cases=3, num_documents=2, sentences_per_document=2, seed=5)
+    partial = []
+    report = evaluate_accuracy(
+        engine, workload=workload, policies=["naive", "legolink:1000", "naive"], max_new_tokens=4,
+        num_sink_cases=2, on_case=partial.append,
+    )  # fmt: skip
+    assert [s.policy for s in report.scores] == ["full", "naive", "legolink:1000"]
+    assert [r.num_cases_evaluated for r in partial] == [1, 2, 3] and report.num_cases_evaluated == 3
+    full, naive, limit = report.scores
+    assert full.same_reply_as_full == 1.0 and full.mean_kl == 0.0 and full.num_gained == full.num_lost == 0
+    assert limit.same_reply_as_full == 1.0 and limit.answer_kl < 1e-6 and limit.accuracy == full.accuracy
+    assert limit.recompute_fraction == 1.0 and naive.recompute_fraction < 0.9 and naive.mean_kl > 1e-4
+    assert full.accuracy_low <= full.accuracy <= full.accuracy_high
+    assert [p.policy for p in report.sinks] == ["full", "naive", "legolink:1000"] and report.sinks[0].num_cases == 2
+    assert all(len(p.chunk_firsts) == len(p.prompt_first) == engine.spec.num_layers for p in report.sinks)
+    assert report.sinks[2].chunk_firsts == pytest.approx(report.sinks[0].chunk_firsts, abs=1e-5)
+    path = tmp_path / "report.json"
+    report.save_json(path)
+    data = json.loads(path.read_text())
+    assert data["add_bos"] is True and data["scores"][0]["policy"] == "full" and "| naive |" in report.table()
+
+
+def test_a_model_without_a_chat_template_is_refused(stories):
+    with pytest.raises(pic.InvalidInputError, match="workload case 0: .*no chat template"):
+        evaluate_accuracy(stories, workload=qa_workload(num_cases=1), policies=["naive"])
