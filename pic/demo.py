@@ -1,8 +1,18 @@
-"""``python -m pic demo``: compile a few stories, link them under each policy, compare with Full Recompute."""
+"""``python -m pic demo``: compile a few documents, link them under each policy, compare with Full Recompute.
+
+A chat model (one whose tokenizer has a chat template, such as ``--model smollm2``) gets a RAG chat: the
+documents linked where the template puts them, a question answered under every policy beside Full
+Recompute, and each one's time to first token beside transformers' own prefill of the same prompt. The
+embedded stories260K, which has no template, continues a story instead.
+"""
 
 from __future__ import annotations
 
-import os
+import itertools
+import statistics
+import time
+
+import torch
 
 from pic import policies
 from pic.api import PIC
@@ -16,26 +26,34 @@ STORIES = (
 )
 QUERY = "One day, Tom and Lily found the little bird. They"
 
+DOCUMENTS = (  # one line each: see README, "Chat models", on separators and byte-level BPE tokenizers
+    "The river Elbe rises in the Krkonose mountains of the Czech Republic. It flows north-west through Germany "
+    "for about 1,100 kilometres and reaches the North Sea near the town of Cuxhaven.\n",
+    "Hamburg, Germany's largest port, lies on the Elbe about 110 kilometres from the sea. Container ships from "
+    "all over the world sail up the river to its docks every day.\n",
+    "The Danube is the second-longest river in Europe. It rises in the Black Forest, flows through ten "
+    "countries, among them Austria, Hungary and Serbia, and ends in the Black Sea.\n",
+    "Dresden is known for its baroque old town on the banks of the Elbe. Its Frauenkirche, destroyed in 1945, "
+    "was rebuilt from its own stones and reopened in 2005.\n",
+)
+QUESTION = "Into which sea does the Elbe flow?"
 
-def run_demo(
-    model: str | os.PathLike = EMBEDDED_MODEL,
-    *,
-    device: str | None = None,
-    dtype: str | None = None,
-    max_new_tokens: int = 48,
-) -> None:
+
+def run_demo(engine: PIC | None = None, *, max_new_tokens: int = 48) -> None:
     """Print, per policy, the generation, TTFT and recomputed tokens for the stories in two orders.
+
+    Args:
+        engine: the model (default: the embedded stories260K).
 
     Raises:
         InvalidInputError: a bad ``max_new_tokens`` (before anything is loaded or printed).
     """
     SamplingParams(max_new_tokens=max_new_tokens)
-    embedded = os.path.abspath(model) == str(EMBEDDED_MODEL)
-    engine = PIC.from_pretrained(model, device=device, dtype=dtype)
+    engine = engine or PIC.from_pretrained(EMBEDDED_MODEL)
     spec = engine.spec
-    print(
-        f"model: {spec.architecture} ({'embedded stories260K' if embedded else model}) on {spec.device}, {spec.dtype}"
-    )
+    print(f"model: {spec.architecture} ({engine.model_name}) on {spec.device}, {spec.dtype}")
+    if getattr(engine.tokenizer, "chat_template", None):
+        return _chat_demo(engine, max_new_tokens)
     ids = engine.compile(list(STORIES))
     for story, cid in zip(STORIES, ids, strict=True):
         print(f"  compiled {cid[:12]}  {story}")
@@ -57,10 +75,58 @@ def run_demo(
         print()
 
 
+def _chat_demo(engine: PIC, max_new_tokens: int) -> None:
+    """A RAG chat: the documents linked in two orders under every policy, answers beside Full Recompute's,
+    TTFT beside a transformers prefill of the same prompt (median of 3)."""
+    messages = [
+        {"role": "system", "content": "Answer the question using the documents."},
+        {"role": "user", "content": f"Question: {QUESTION}\n\n{{documents}}Question: {QUESTION}"},
+    ]
+    ids = engine.compile(list(DOCUMENTS))
+    for doc, cid in zip(DOCUMENTS, ids, strict=True):
+        print(f"  compiled {cid[:12]}  {doc.strip()}")
+    print(f"question: {QUESTION!r} (asked before and after the documents)\n")
+    for order_name, order in (("documents 1,2,3,4", [0, 1, 2, 3]), ("documents 4,3,2,1", [3, 2, 1, 0])):
+        linked = engine.link_chat([ids[i] for i in order], messages, policy="full")
+        prefill_s = _transformers_prefill_s(engine, linked.input_ids)
+        reference = linked.generate(max_new_tokens)
+        print(
+            f"== {order_name}: {len(linked.input_ids)} prompt tokens; transformers prefill {prefill_s * 1e3:.0f} ms =="
+        )
+        for name in ["full", *(p for p in policies.available() if p != "full")]:
+            policy_ids = engine.compile(list(DOCUMENTS), policy=name)  # LegoLink-0 compiles its own way
+            linked = engine.link_chat([policy_ids[i] for i in order], messages, policy=name)
+            out = reference if name == "full" else linked.generate(max_new_tokens)
+            linked.release()
+            same = "same as Full Recompute" if out.text == reference.text else "differs from Full Recompute"
+            label = f"[{linked.policy.spec}]"
+            print(
+                f"{label:<18} recomputed {_recomputed(linked)}, TTFT {out.ttft_s * 1e3:5.0f} ms "
+                f"({prefill_s / out.ttft_s:4.1f}x the prefill), {same}"
+            )
+            print(f"        {out.text.strip()!r}")
+        print()
+
+
+def _transformers_prefill_s(engine: PIC, input_ids: torch.Tensor) -> float:
+    """Median seconds of transformers' own forward over the prompt (the last position's logits only)."""
+    model, ids = engine.runner.model, input_ids.to(engine.spec.device)[None]
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        with torch.no_grad():
+            model(ids, logits_to_keep=1)
+        if engine.spec.device.type == "cuda":
+            torch.cuda.synchronize(engine.spec.device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def _recomputed(linked: Linked) -> str:
     """``"32/120 tokens"``, with the per-layer counts when they vary (CacheBlend)."""
     by_layer = linked.recomputed_by_layer
-    per_layer = "" if len(set(by_layer)) == 1 else f" (by layer {','.join(map(str, by_layer))})"
+    runs = [(count, len(list(group))) for count, group in itertools.groupby(by_layer)]  # (tokens, layers)
+    per_layer = "" if len(runs) == 1 else " (" + ", then ".join(f"{n} in {k} layers" for n, k in runs) + ")"
     return f"{linked.num_recomputed:3d}/{len(linked.input_ids)} tokens{per_layer}"
 
 

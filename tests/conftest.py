@@ -15,6 +15,7 @@ from pic.kv.memory import DEFAULT_CPU_POOL_TOKENS
 from tests.device import target
 from tests.models import FAMILIES, model, target_model, tokenizer
 from tests.redis_server import redis_server as new_redis_server
+from tests.smollm2 import smollm2  # noqa: F401  (the session's SmolLM2 engine, for every test file)
 
 
 def pytest_configure(config: pytest.Config) -> None:
