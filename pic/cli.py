@@ -40,6 +40,7 @@ def _store_parser(commands: argparse._SubParsersAction) -> None:
     sweep.add_argument("--redis-url", required=True, help="the store's Redis URL (as StoreConfig.redis_url)")
     sweep.add_argument("--namespace", default="pic", help="key prefix (default: pic)")
     sweep.add_argument("--model", default=None, help="HF model name or path whose entries to keep (its fingerprint)")
+    sweep.add_argument("--gguf-file", default=None, help="a GGUF file inside the --model folder or Hub repository")
     sweep.add_argument("--device", default=None, help="torch device for --model (default: cuda when available)")
     sweep.add_argument("--dtype", default=None, help="dtype of --model (part of its fingerprint; default: per device)")
     sweep.add_argument("--remove", action="store_true", help="delete orphan parts and broken entries")

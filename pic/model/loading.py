@@ -71,15 +71,16 @@ def load_pretrained(
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    source = gguf_path(name_or_path, gguf_file)
     name = str(name_or_path)
-    looks_like_path = isinstance(name_or_path, os.PathLike) or name.startswith(("/", "./", "../", "~"))
-    if source is None and looks_like_path and not os.path.isdir(os.path.expanduser(name)):
-        raise ModelLoadError(f"cannot load model {name!r}: no such folder")
+    source = gguf_path(name_or_path, gguf_file)
+    if source is not None:
+        with progress_bars(progress):
+            name = str(converted(source))
+    elif isinstance(name_or_path, os.PathLike) or name.startswith(("/", "./", "../", "~")):
+        if not os.path.isdir(os.path.expanduser(name)):
+            raise ModelLoadError(f"cannot load model {name!r}: no such folder")
     try:
         with progress_bars(progress):
-            if source is not None:
-                name = str(converted(source))
             model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(name)
     except (OSError, ValueError, KeyError) as exc:  # what transformers raises for a missing or unknown model
