@@ -129,3 +129,39 @@ def test_the_embedded_model_stops_at_the_end_of_a_story(stories):
     with torch.no_grad():
         hf = stories.runner.model.generate(linked.input_ids[None], max_new_tokens=400, do_sample=False)
     assert hf[0, linked.input_ids.shape[0] :].tolist() == out.token_ids
+
+
+def test_generate_together_is_each_alone(engine):
+    """Linked requests decoded together (batched steps) get what each gets alone, sampling included."""
+    from pic.link import generate_together
+
+    ids = engine.compile(DOCS)
+    links = [
+        lambda: engine.link(ids, QUERY, policy="full"),
+        lambda: engine.link(ids[::-1], QUERY, policy="naive"),
+        lambda: engine.link(ids, "Lily", policy="legolink:4"),
+    ]
+    for options in ({}, {"temperature": 0.9, "seed": 3}):
+        alone = [link().generate(20, **options).token_ids for link in links]
+        core = engine.engine()
+        steps_before = core.num_steps
+        together = generate_together([link() for link in links], 20, **options)
+        assert [g.token_ids for g in together] == alone
+        assert core.num_steps - steps_before < sum(len(t) for t in alone) / 2  # shared decode steps
+    assert generate_together([]) == []
+
+
+def test_generate_together_refuses_before_starting_any(engine):
+    from pic.link import generate_together
+
+    ids = engine.compile(DOCS)
+    used, unused = engine.link(ids, QUERY), engine.link(ids, QUERY)
+    used.generate(4)
+    with pytest.raises(pic.LinkedReleasedError, match="already generated from or released"):
+        generate_together([unused, used], 4)
+    with pytest.raises(pic.InvalidInputError, match="temperature"):
+        generate_together([unused], 4, temperature=-1.0)
+    assert len(generate_together([unused], 4)[0].token_ids) == 4  # neither failure started it
+    other = make_engine("stories260K")
+    with pytest.raises(pic.InvalidInputError, match="one engine, got requests of 2"):
+        generate_together([engine.link(ids, QUERY), other.link(other.compile(DOCS), QUERY)], 4)

@@ -2,7 +2,7 @@
 
 from pic.link.generate import FinishReason, Generation, GenerationStats
 from pic.link.layout import Layout, Segment, SegmentKind, lay_out
-from pic.link.linked import Linked
+from pic.link.linked import Linked, generate_together
 from pic.link.sampling import SamplingParams
 
 __all__ = [
@@ -14,5 +14,6 @@ __all__ = [
     "SamplingParams",
     "Segment",
     "SegmentKind",
+    "generate_together",
     "lay_out",
 ]

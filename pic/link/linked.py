@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pic.errors import LinkedReleasedError
+from pic.errors import InvalidInputError, LinkedReleasedError
 from pic.link.generate import Generation
 from pic.link.sampling import SamplingParams
 
@@ -159,3 +159,25 @@ class Linked:
             f"Linked(num_tokens={self.input_ids.shape[0]}, num_chunks={len(self.layout.chunks)}, "
             f"num_recomputed={self.num_recomputed}, policy={self.policy.spec!r})"
         )
+
+
+def generate_together(linked: Sequence[Linked], max_new_tokens: int = 64, **options: object) -> list[Generation]:
+    """``generate`` for several linked requests of one engine at once: they decode in shared forward steps
+    (the engine batches them), and each gets the generation it gets alone. ``options``: ``generate``'s.
+
+    Raises:
+        InvalidInputError: a bad sampling option, or requests of more than one engine (before any starts).
+        LinkedReleasedError: one of them was already generated from or released (before any starts).
+    """
+    if not linked:
+        return []
+    engine = linked[0]._engine
+    num_engines = len({id(item._engine) for item in linked})
+    if num_engines > 1:
+        raise InvalidInputError(f"generate_together takes requests of one engine, got requests of {num_engines}")
+    SamplingParams(max_new_tokens=max_new_tokens, **options)
+    if any(item._started or not item._finalizer.alive for item in linked):
+        raise LinkedReleasedError("a Linked request was already generated from or released; link it again")
+    seqs = [item._start(max_new_tokens=max_new_tokens, **options) for item in linked]
+    engine.run_until(lambda: all(seq.is_finished for seq in seqs))
+    return [item._result() for item in linked]
