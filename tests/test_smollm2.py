@@ -128,3 +128,29 @@ def test_cli_check_passes(smollm2, capsys, caplog):
     out = capsys.readouterr().out
     assert out.startswith("PASS: Full Recompute vs transformers on LlamaForCausalLM (float32, cpu)"), out
     assert not [r for r in caplog.records if "converting" in r.getMessage()]  # no second conversion
+
+
+# 4. The RAG chat demo.
+
+
+def test_chat_demo(smollm2, capsys):
+    """``pic demo --model smollm2``: every policy answers in both orders beside Full Recompute and a
+    transformers prefill; Full Recompute's own line is the reference's, and Naive recomputes only the
+    template's tokens, not the documents'."""
+    from pic import policies
+    from pic.demo import run_demo
+
+    run_demo(smollm2, max_new_tokens=6)
+    out = capsys.readouterr().out
+    assert out.startswith("model: LlamaForCausalLM (SmolLM2-135M-Instruct.Q4_1) on cpu, float32\n"), out
+    headers = [line for line in out.splitlines() if line.startswith("== documents")]
+    assert [h.split(":")[0] for h in headers] == ["== documents 1,2,3,4", "== documents 4,3,2,1"], out
+    assert all("transformers prefill" in h for h in headers), headers
+    labels = [line[1:].split("]")[0].split(":")[0] for line in out.splitlines() if line.startswith("[")]
+    assert sorted(labels) == sorted(2 * policies.available()), labels
+    full = [line for line in out.splitlines() if line.startswith("[full]")]
+    assert all(line.endswith("same as Full Recompute") for line in full), full
+    prompt_tokens = int(headers[0].split("; ")[0].split()[-3])
+    naive = [line for line in out.splitlines() if line.startswith("[naive]")][0]
+    num_recomputed = int(naive.split("recomputed")[1].split("/")[0])
+    assert 0 < num_recomputed < prompt_tokens - 4 * 40, (num_recomputed, prompt_tokens)  # 4 documents of > 40 tokens
