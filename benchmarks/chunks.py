@@ -70,17 +70,20 @@ def plot(results: dict, path: Path) -> None:
 
     counts = [int(n) for n in results["by_num_documents"]]
     fig, (acc, kl) = plt.subplots(1, 2, figsize=(11, 4.2), dpi=110)
-    for policy in results["by_num_documents"][str(counts[0])]:
+    for number, policy in enumerate(results["by_num_documents"][str(counts[0])]):
         rows = [results["by_num_documents"][str(n)][policy] for n in counts]
         y = [100 * r["accuracy"] for r in rows]
         low = [100 * (r["accuracy"] - r["accuracy_low"]) for r in rows]
         high = [100 * (r["accuracy_high"] - r["accuracy"]) for r in rows]
-        acc.errorbar(counts, y, yerr=[low, high], marker="o", capsize=3, label=policy)
+        style = {"marker": "o", "label": policy, "color": f"C{number}"}  # one colour per policy in both panels
+        acc.errorbar(counts, y, yerr=[low, high], capsize=3, **style)
         if policy != "full":
-            kl.plot(counts, [r["answer_kl"] for r in rows], marker="o", label=policy)
-    acc.set(xlabel="documents (chunks) per question", ylabel="accuracy (%), 95% interval", xscale="log", ylim=(0, 100))
-    kl.set(xlabel="documents (chunks) per question", ylabel="KL(FR || policy) at the answer token, nats", xscale="log")
+            kl.plot(counts, [r["answer_kl"] for r in rows], **style)
+    acc.set(xlabel="documents (chunks) per question", ylabel="accuracy (%), 95% interval", ylim=(0, 100))
+    kl.set(xlabel="documents (chunks) per question", ylabel="KL(FR || policy) at the answer token, nats")
     for ax in (acc, kl):
+        ax.set_xscale("log", base=2)
+        ax.minorticks_off()
         ax.set_xticks(counts, [str(n) for n in counts])
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
