@@ -89,17 +89,17 @@ def _chat_demo(engine: PIC, max_new_tokens: int) -> None:
         print(f"  compiled {cid[:12]}  {doc.strip()}")
     print(f"question: {QUESTION!r} (asked before and after the documents)\n")
     for order_name, order in (("documents 1,2,3,4", [0, 1, 2, 3]), ("documents 4,3,2,1", [3, 2, 1, 0])):
-        linked = engine.link_chat([ids[i] for i in order], messages, policy="full")
-        prefill_s = _transformers_prefill_s(engine, linked.input_ids)
-        reference = linked.generate(max_new_tokens)
-        print(
-            f"== {order_name}: {len(linked.input_ids)} prompt tokens; transformers prefill {prefill_s * 1e3:.0f} ms =="
-        )
+        full = engine.link_chat([ids[i] for i in order], messages, policy="full")
+        prefill_s = _transformers_prefill_s(engine, full.input_ids)
+        reference = full.generate(max_new_tokens)
+        print(f"== {order_name}: {len(full.input_ids)} prompt tokens; transformers prefill {prefill_s * 1e3:.0f} ms ==")
         for name in ["full", *(p for p in policies.available() if p != "full")]:
-            policy_ids = engine.compile(list(DOCUMENTS), policy=name)  # LegoLink-0 compiles its own way
-            linked = engine.link_chat([policy_ids[i] for i in order], messages, policy=name)
-            out = reference if name == "full" else linked.generate(max_new_tokens)
-            linked.release()
+            if name == "full":
+                linked, out = full, reference
+            else:
+                policy_ids = engine.compile(list(DOCUMENTS), policy=name)  # LegoLink-0 compiles its own way
+                linked = engine.link_chat([policy_ids[i] for i in order], messages, policy=name)
+                out = linked.generate(max_new_tokens)
             same = "same as Full Recompute" if out.text == reference.text else "differs from Full Recompute"
             label = f"[{linked.policy.spec}]"
             print(

@@ -126,3 +126,38 @@ def test_evaluation_bookkeeping(tmp_path):
 def test_a_model_without_a_chat_template_is_refused(stories):
     with pytest.raises(pic.InvalidInputError, match="workload case 0: .*no chat template"):
         evaluate_accuracy(stories, workload=qa_workload(num_cases=1), policies=["naive"])
+
+
+def test_scores_count_what_the_replies_scored():
+    """Per-policy figures from hand-made outcomes: accuracy overall, per kind and per gold position, the
+    paired gains and losses, identical replies, and the answer-token and link-time columns."""
+    from pic.evaluation.accuracy import Outcome, _summarize
+    from pic.evaluation.answers import AnswerScore
+    from pic.evaluation.fidelity import LinkMeasurement
+
+    def outcome(correct: bool, reply: str, *, kl: float, link_s: float) -> Outcome:
+        link = LinkMeasurement(
+            kl=kl, top1=1.0, kl_last=3 * kl, top1_last=0.5, nll=None, recomputed=10, recomputed_first=10,
+            fraction=0.25, fraction_last=0.25, link_s=link_s,
+        )  # fmt: skip
+        return Outcome(link=link, reply=reply, score=AnswerScore(correct=correct, exact=correct, f1=float(correct)))
+
+    cases = list(qa_workload(num_cases=6, seed=3).cases)
+    full_ok = [True, True, False, True, False, True]
+    policy_ok = [True, False, True, False, False, True]
+    full = [outcome(ok, r, kl=0.0, link_s=1.0) for ok, r in zip(full_ok, "abcdef", strict=True)]
+    policy = [outcome(ok, r, kl=0.1, link_s=0.25) for ok, r in zip(policy_ok, "axcyef", strict=True)]
+    score = _summarize("naive", policy, full, cases)
+    assert score.accuracy == pytest.approx(3 / 6) and score.exact_match == pytest.approx(3 / 6)
+    assert (score.num_gained, score.num_lost) == (1, 2) and score.same_reply_as_full == pytest.approx(4 / 6)
+    for kind in QAKind:
+        picked = [ok for ok, c in zip(policy_ok, cases, strict=True) if c.kind is kind]
+        expected = sum(picked) / len(picked) if picked else math.nan
+        assert score.accuracy_by_kind[kind.value] == pytest.approx(expected, nan_ok=True), kind
+    for position in range(4):
+        picked = [ok for ok, c in zip(policy_ok, cases, strict=True) if c.gold == (position,)]
+        expected = sum(picked) / len(picked) if picked else math.nan
+        assert score.accuracy_by_gold_position[position] == pytest.approx(expected, nan_ok=True), position
+    assert score.answer_kl == pytest.approx(0.3) and score.answer_top1 == 0.5 and score.mean_kl == pytest.approx(0.1)
+    assert score.median_speedup_vs_full == 4.0 and score.recompute_fraction == 0.25
+    assert (score.accuracy_low, score.accuracy_high) == wilson_interval(3, 6)
