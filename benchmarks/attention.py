@@ -41,7 +41,8 @@ from torch.nn.attention.bias import causal_lower_right  # noqa: E402
 from transformers import MistralConfig  # noqa: E402
 from transformers.models.mistral.modeling_mistral import MistralRotaryEmbedding  # noqa: E402
 
-from pic.attention import BatchPlan, RopeTable, apply_rope, make_plan, reference, triton_backend  # noqa: E402
+from pic.attention import AttentionBatch, AttentionShape, RopeTable, TorchBackend, apply_rope, make_batch  # noqa: E402
+from pic.attention.triton_backend import TritonBackend  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _gpu  # noqa: E402
@@ -66,7 +67,7 @@ class Inputs:
     k_cache: torch.Tensor  # [B * L / page, page, Hkv, D] NoPE K; sequence b's blocks are tables[b]
     v_cache: torch.Tensor  # [B * L / page, page, Hkv, D]
     tables: torch.Tensor  # [B, L / page] int64, a random permutation of the blocks
-    plan: BatchPlan
+    batch: AttentionBatch
     q_rot: torch.Tensor  # [B, Hq, n, D] rotated queries (SDPA's)
     k_rot: torch.Tensor  # [B, Hkv, L, D] rotated K, contiguous (SDPA's)
     v: torch.Tensor  # [B, Hkv, L, D] contiguous (SDPA's)
@@ -83,7 +84,7 @@ def make_inputs(case: Case, args: argparse.Namespace, rope: RopeTable, device: t
     tables = torch.randperm(num_blocks, device=device).view(batch, -1)
     q = torch.randn(batch * n, heads_q, dim, device=device, dtype=dtype)
     q_pos = torch.arange(length - n, length, device=device)
-    plan = make_plan(
+    described = make_batch(
         block_tables=list(tables),
         kv_positions=[torch.arange(length, device=device)] * batch,
         q_positions=q_pos.repeat(batch),
@@ -97,7 +98,7 @@ def make_inputs(case: Case, args: argparse.Namespace, rope: RopeTable, device: t
         k_rot[b] = apply_rope(k_cache[tables[b]].flatten(0, 1).float(), cos, sin).transpose(0, 1)
         v[b] = v_cache[tables[b]].flatten(0, 1).transpose(0, 1)
     q_rot = apply_rope(q.view(batch, n, heads_q, dim).float(), cos[q_pos], sin[q_pos]).to(dtype)
-    return Inputs(q, k_cache, v_cache, tables, plan, q_rot.transpose(1, 2).contiguous(), k_rot, v)
+    return Inputs(q, k_cache, v_cache, tables, described, q_rot.transpose(1, 2).contiguous(), k_rot, v)
 
 
 def exact(inp: Inputs, case: Case, rope: RopeTable, scaling: float) -> torch.Tensor:
@@ -132,13 +133,19 @@ def alternatives(inp: Inputs, case: Case, args: argparse.Namespace) -> dict[str,
             )  # [B, Hq, n, D]
         return out.transpose(1, 2).flatten(0, 1)
 
+    heads_q, heads_kv, dim = args.heads
+    shape = AttentionShape(heads_q, heads_kv, dim, args.dtype)
+    kernel = TritonBackend(shape)
+    plan = kernel.plan(inp.batch)  # once per forward in the engine: not timed
     fns = {
-        "pic": lambda: triton_backend.paged_attention(inp.q, inp.k_cache, inp.v_cache, inp.plan, scaling=scaling),
+        "pic": lambda: kernel.attend(inp.q, inp.k_cache, inp.v_cache, plan, scaling=scaling, sliding_window=None),
         "sdpa_flash" if inp.q.is_cuda else "sdpa": sdpa,
     }
     if case.batch * case.context <= args.ref_max_slots:
-        fns["torch_reference"] = lambda: reference.paged_attention(
-            inp.q, inp.k_cache, inp.v_cache, inp.plan, scaling=scaling
+        reference = TorchBackend(shape)
+        ref_plan = reference.plan(inp.batch)
+        fns["torch_reference"] = lambda: reference.attend(
+            inp.q, inp.k_cache, inp.v_cache, ref_plan, scaling=scaling, sliding_window=None
         )
     return fns
 
@@ -161,7 +168,7 @@ def run_case(case: Case, args: argparse.Namespace, rope: RopeTable) -> dict:
     if "torch_reference" not in fns:
         notes.append(f"torch_reference skipped: batch x context > --ref-max-slots {args.ref_max_slots}")
     expected = exact(inp, case, rope, args.heads[2] ** -0.5)
-    for name, fn in list(fns.items()):  # the first call also builds pic's tiles and compiles the kernels
+    for name, fn in list(fns.items()):  # the first call also compiles the kernels
         try:
             out = fn()
         except (RuntimeError, ValueError) as exc:  # e.g. no flash kernel for these inputs: recorded, not fatal

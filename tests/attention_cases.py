@@ -8,7 +8,7 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from pic.attention import BatchPlan, RopeTable, make_plan
+from pic.attention import AttentionBatch, AttentionShape, RopeTable, make_batch
 
 
 @dataclass
@@ -16,11 +16,16 @@ class Case:
     q: torch.Tensor  # [N, Hq, D]
     k_cache: torch.Tensor  # [num_blocks, page, Hkv, D]
     v_cache: torch.Tensor
-    plan: BatchPlan
+    batch: AttentionBatch
     scaling: float
 
     def cast(self, dtype: torch.dtype) -> Case:
-        return Case(self.q.to(dtype), self.k_cache.to(dtype), self.v_cache.to(dtype), self.plan, self.scaling)
+        return Case(self.q.to(dtype), self.k_cache.to(dtype), self.v_cache.to(dtype), self.batch, self.scaling)
+
+    def shape(self, window: int | None = None) -> AttentionShape:
+        """The attention shape a backend plans this case for: its heads and dtype, one layer with ``window``."""
+        num_q_heads, head_dim = self.q.shape[1:]
+        return AttentionShape(num_q_heads, self.k_cache.shape[2], head_dim, self.q.dtype, (window,))
 
 
 def rope_table(head_dim: int, max_positions: int, rope_type: str, device) -> RopeTable:
@@ -85,7 +90,7 @@ def make_case(
         lens.append(q_pos.shape[0])
     device = torch.device(device)
     rope = rope_table(head_dim, max_len + 1, rope_type, device)
-    plan = make_plan(
+    batch = make_batch(
         block_tables=[t.to(device) for t in tables],
         kv_positions=[p.to(device) for p in kv_positions],
         q_positions=torch.cat(q_positions).to(device),
@@ -93,7 +98,7 @@ def make_case(
         rope=rope,
     )
     q = torch.randn(sum(lens), num_q_heads, head_dim, generator=gen).double()
-    return Case(q.to(device), k_cache.to(device), v_cache.to(device), plan, head_dim**-0.5)
+    return Case(q.to(device), k_cache.to(device), v_cache.to(device), batch, head_dim**-0.5)
 
 
 def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -13,7 +13,7 @@ from transformers.models.llama.modeling_llama import (
     eager_attention_forward,
 )
 
-from pic.attention import RopeTable, make_plan, paged_attention
+from pic.attention import AttentionShape, RopeTable, TorchBackend, make_batch
 from pic.attention.reference import attention_weights
 from tests.attention_cases import make_case
 
@@ -74,34 +74,35 @@ def test_batched_paged_fused_rope_equals_hf(window, rope_type):
         tables.append(table)
         kv_positions.append(positions)
         queries.append((q[query], query))
-    plan = make_plan(
+    batch = make_batch(
         block_tables=tables,
         kv_positions=kv_positions,
         q_positions=torch.cat([p for _, p in queries]),
         seq_lens=[p.shape[0] for _, p in queries],
         rope=rope,
     )
-    assert plan.decode_seqs.tolist() == [2, 3] and plan.prefill_seqs == [0, 1]
-    out = paged_attention(
-        torch.cat([q for q, _ in queries]), k_cache, v_cache, plan, scaling=D**-0.5, sliding_window=window
-    )
+    assert batch.decode_seqs.tolist() == [2, 3] and batch.prefill_seqs == [0, 1]
+    backend = TorchBackend(AttentionShape(HQ, HKV, D, torch.float32, (window,)))
+    q = torch.cat([q for q, _ in queries])
+    out = backend.attend(q, k_cache, v_cache, backend.plan(batch), scaling=D**-0.5, sliding_window=window)
     for b, want in enumerate(expected):
-        assert (out[plan.query_rows(b)] - want).abs().max().item() <= 1e-5
+        assert (out[batch.query_rows(b)] - want).abs().max().item() <= 1e-5
 
 
 @pytest.mark.parametrize("window", [None, 6])
 def test_attention_weights_are_the_ones_paged_attention_uses(window):
-    """``attention_weights`` (read by the attention-sink measurement) is the softmax ``paged_attention``
+    """``attention_weights`` (read by the attention-sink measurement) is the softmax the reference backend
     applies: each row sums to 1, unwritten and masked slots get nothing, and weights times V is the output."""
     case = make_case(seqs=[(21, "all"), (9, "decode"), (17, "subset")], num_q_heads=6, num_kv_heads=2, head_dim=8,
                      page=4, shuffled=True).cast(torch.float32)  # fmt: skip
-    plan = case.plan
-    out = paged_attention(case.q, case.k_cache, case.v_cache, plan, scaling=case.scaling, sliding_window=window)
-    for seq in plan.prefill_seqs:
-        weights = attention_weights(case.q, case.k_cache, plan, seq, scaling=case.scaling, sliding_window=window)
+    batch, backend = case.batch, TorchBackend(case.shape(window))
+    plan = backend.plan(batch)
+    out = backend.attend(case.q, case.k_cache, case.v_cache, plan, scaling=case.scaling, sliding_window=window)
+    for seq in batch.prefill_seqs:
+        weights = attention_weights(case.q, case.k_cache, batch, seq, scaling=case.scaling, sliding_window=window)
         assert torch.allclose(weights.sum(-1), torch.ones(()), atol=1e-5)
-        assert (weights[..., plan.kv_positions[seq] < 0] == 0).all()
-        assert (weights.masked_fill(plan.mask(seq, window)[0], 0) == 0).all()  # masked slots: no weight
-        v = case.v_cache[plan.block_tables[seq]].flatten(0, 1).nan_to_num()  # [S, Hkv, D]; NaN where never read
+        assert (weights[..., batch.kv_positions[seq] < 0] == 0).all()
+        assert (weights.masked_fill(plan.prefill[seq].masks[window][0], 0) == 0).all()  # masked slots: no weight
+        v = case.v_cache[batch.block_tables[seq]].flatten(0, 1).nan_to_num()  # [S, Hkv, D]; NaN where never read
         v = v.repeat_interleave(3, dim=1).transpose(0, 1)  # [Hq, S, D]
-        assert torch.allclose((weights @ v).transpose(0, 1), out[plan.query_rows(seq)], atol=1e-5)
+        assert torch.allclose((weights @ v).transpose(0, 1), out[batch.query_rows(seq)], atol=1e-5)

@@ -11,7 +11,7 @@ import pytest
 
 import pic
 from pic.kv import BlockPool, KVStats
-from pic.kv.free_queue import Block, FreeBlockQueue
+from pic.kv.blocks import Block, FreeBlockQueue
 from tests.kv_invariants import check_pool
 
 

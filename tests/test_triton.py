@@ -17,8 +17,7 @@ import pytest
 import torch
 
 import pic
-from pic.attention import reference
-from pic.attention.backend import AttentionBackend, select_backend
+from pic.attention import AttentionShape, TorchBackend, select_backend
 from tests.attention_cases import make_case, rel_error, rope_table
 from tests.conftest import make_target_engine
 from tests.models import DOCS, PREFIX, QUERY
@@ -38,13 +37,13 @@ SEQS = [(23, "all"), (19, "subset"), (30, "decode"), (5, "decode"), (3, "subset"
 
 
 def _check(case, dtype, *, window=None, **kernel_options) -> float:
-    expected = reference.paged_attention(
-        case.q, case.k_cache, case.v_cache, case.plan, scaling=case.scaling, sliding_window=window
+    reference = TorchBackend(case.shape(window))
+    expected = reference.attend(
+        case.q, case.k_cache, case.v_cache, reference.plan(case.batch), scaling=case.scaling, sliding_window=window
     )
     c = case.cast(dtype)
-    out = triton_backend.paged_attention(
-        c.q, c.k_cache, c.v_cache, c.plan, scaling=c.scaling, sliding_window=window, **kernel_options
-    )
+    kernel = triton_backend.TritonBackend(c.shape(window), **kernel_options)
+    out = kernel.attend(c.q, c.k_cache, c.v_cache, kernel.plan(c.batch), scaling=c.scaling, sliding_window=window)
     assert out.dtype == dtype and out.shape == case.q.shape
     error = rel_error(out, expected)
     assert error <= TOLERANCE[dtype], (dtype, error)
@@ -78,7 +77,7 @@ def test_window_splits_and_shuffled_positions(window, num_splits, dtype):
 def test_rope_types(rope_type):
     """A static scaled table and a dynamic type (one table per sequence, read at its row offset)."""
     case = make_case(seqs=SEQS, num_q_heads=4, num_kv_heads=2, head_dim=16, page=4, rope_type=rope_type, device=DEVICE)
-    assert case.plan.rope_offsets.any() == (rope_type == "dynamic")
+    assert case.batch.rope_offsets.any() == (rope_type == "dynamic")
     _check(case, torch.float32, block_n=32)
 
 
@@ -94,7 +93,7 @@ def test_store_kernel_writes_only_its_rows():
     v_rows = torch.zeros(40, 2, 8, device=DEVICE)
     rows = torch.tensor([5, 17, 3, 39], device=DEVICE)
     k, v = torch.randn(4, 2, 8, device=DEVICE), torch.randn(4, 2, 8, device=DEVICE)
-    triton_backend.store_kv(k_rows, v_rows, rows, k, v)
+    triton_backend.TritonBackend(AttentionShape(2, 2, 8, torch.float32)).store(k_rows, v_rows, rows, k, v)
     expected_k, expected_v = torch.zeros_like(k_rows), torch.zeros_like(v_rows)
     expected_k[rows], expected_v[rows] = k, v
     assert torch.equal(k_rows, expected_k) and torch.equal(v_rows, expected_v)
@@ -103,18 +102,20 @@ def test_store_kernel_writes_only_its_rows():
 def test_backend_selection(monkeypatch):
     cpu = torch.device("cpu")
     rope = rope_table(16, 8, "default", cpu)
-    assert select_backend("auto", cpu, head_dim=16, rope=rope) is AttentionBackend.TORCH
-    assert select_backend("torch", cpu, head_dim=16, rope=rope) is AttentionBackend.TORCH
-    assert select_backend("triton", cpu, head_dim=16, rope=rope) is AttentionBackend.TRITON  # the interpreter
+    shape, wide = AttentionShape(4, 2, 16, torch.float32), AttentionShape(4, 2, 32, torch.float32)
+    assert isinstance(select_backend("auto", shape, device=cpu, rope=rope), TorchBackend)
+    assert isinstance(select_backend("torch", shape, device=cpu, rope=rope), TorchBackend)
+    chosen = select_backend("triton", shape, device=cpu, rope=rope)  # the interpreter
+    assert isinstance(chosen, triton_backend.TritonBackend) and chosen.name == "triton" and chosen.shape == shape
     with pytest.raises(pic.PicError, match="attention_backend='triton'.*head_dim=32 with a rotary table 16 wide"):
-        select_backend("triton", cpu, head_dim=32, rope=rope)
+        select_backend("triton", wide, device=cpu, rope=rope)
     rope.halves_equal = False  # e.g. an interleaved (GPT-J) layout
     with pytest.raises(pic.PicError, match="attention_backend='triton'.*halves are not equal"):
-        select_backend("triton", cpu, head_dim=16, rope=rope)
+        select_backend("triton", shape, device=cpu, rope=rope)
     rope.halves_equal = True
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(pic.PicError, match="attention_backend='triton'.*TRITON_INTERPRET=1"):
-        select_backend("triton", cpu, head_dim=16, rope=rope)
+        select_backend("triton", shape, device=cpu, rope=rope)
     with pytest.raises(pic.PicError, match="attention_backend='flash'"):
         pic.PICConfig(attention_backend="flash")
 
@@ -128,7 +129,7 @@ def test_engine_on_the_kernel_equals_the_reference(family):
     outputs = {}
     for backend in ("torch", "triton"):
         engine = make_target_engine(family, dtype=torch.float32, attention_backend=backend)
-        assert engine.runner.attention_backend.value == backend
+        assert engine.attention_backend == backend
         ids = engine.compile(list(DOCS))
         logits = engine.link(ids, QUERY, prefix=PREFIX, policy="full").logits
         requests = [

@@ -1,7 +1,20 @@
-"""Fused-RoPE attention over the paged NoPE KV: a plan per forward, backends that run it per layer."""
+"""Fused-RoPE attention over the paged NoPE KV: a batch description per forward, backends that plan it
+once and attend per layer."""
 
-from pic.attention.plan import BatchPlan, make_plan
-from pic.attention.reference import paged_attention
+from pic.attention.backend import AttentionBackend, AttentionShape
+from pic.attention.batch import AttentionBatch, make_batch
+from pic.attention.reference import TorchBackend, TorchPlan
 from pic.attention.rope import RopeTable, apply_rope
+from pic.attention.select import select_backend
 
-__all__ = ["BatchPlan", "RopeTable", "apply_rope", "make_plan", "paged_attention"]
+__all__ = [
+    "AttentionBackend",
+    "AttentionBatch",
+    "AttentionShape",
+    "RopeTable",
+    "TorchBackend",
+    "TorchPlan",
+    "apply_rope",
+    "make_batch",
+    "select_backend",
+]

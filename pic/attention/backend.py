@@ -1,80 +1,96 @@
-"""Attention backends over one ``BatchPlan`` contract, and the choice between them.
+"""The attention backend contract: ``plan`` once per forward, ``attend`` and ``store`` per layer.
 
-``TORCH`` is the reference (``reference.py``): plain torch, any device, the oracle the tests hold the
-others to. ``TRITON`` is the fused-RoPE paged kernel (``triton_kernels.py``), chosen by default on CUDA.
-Both read NoPE K by block table and rotate it at each slot's logical position; both write fresh K/V
-with one store per layer.
+This is FlashInfer's plan/run split. Everything every layer of a forward shares (the reference's
+per-slot cos/sin and masks, the Triton kernel's int32 tiles and split scratch) is derived from the
+``AttentionBatch`` in ``plan``, once, into the backend's own typed plan object; ``attend`` only reads
+it. A backend knows the model's attention shape (``AttentionShape``) from construction, so its plan
+can be complete: every layer's window, the GQA group, the dtype its tables are cast to.
 
-flash-attn is not a backend: its kernels take K already rotated (or rotate at one contiguous offset
-per sequence), so they cannot read a linked request's NoPE K, whose slots carry arbitrary positions.
+``TorchBackend`` (``reference.py``) is the reference: plain torch, any device, the oracle the tests
+hold the others to. ``TritonBackend`` (``triton_backend.py``) is the fused-RoPE paged kernel, chosen by
+default on CUDA (``select.py``). Both read NoPE K by block table and rotate it at each slot's logical
+position; both write fresh K/V with one store per layer.
 """
 
 from __future__ import annotations
 
-import enum
-import importlib.util
-import os
-from collections.abc import Callable
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar, Generic, TypeVar
 
 import torch
 
-from pic.attention import reference
-from pic.attention.rope import RopeTable
-from pic.errors import InvalidInputError
+from pic.attention.batch import AttentionBatch
+
+PlanT = TypeVar("PlanT")
 
 
-class AttentionBackend(enum.Enum):
-    TORCH = "torch"
-    TRITON = "triton"
+@dataclass(frozen=True)
+class AttentionShape:
+    """The model's attention as a backend plans for it: the same in every layer but the window.
 
-
-def triton_unavailable(device: torch.device) -> str | None:
-    """Why the Triton backend cannot run on ``device`` (``None``: it can)."""
-    if importlib.util.find_spec("triton") is None:
-        return "Triton is not installed (pip install 'pic[triton]')"
-    if device.type == "cuda":
-        return None
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
-        return None
-    return f"the Triton kernels run on CUDA, not on {device} (on the CPU in Triton's interpreter: TRITON_INTERPRET=1)"
-
-
-def select_backend(requested: str, device: torch.device, *, head_dim: int, rope: RopeTable) -> AttentionBackend:
-    """The backend for ``PICConfig.attention_backend``: ``"auto"`` takes Triton on CUDA when it is
-    installed, else the torch reference; ``"torch"`` and ``"triton"`` force one.
-
-    Raises:
-        InvalidInputError: ``"triton"`` where it cannot run (the message says why).
+    Attributes:
+        num_q_heads, num_kv_heads, head_dim: query heads, KV heads (GQA: ``num_q_heads`` a multiple), head size.
+        dtype: the dtype of queries, K and V (the model's).
+        sliding_windows: per layer, attend only to keys with position > query position - window (``None``: all).
     """
-    if requested == "torch":
-        return AttentionBackend.TORCH
-    reason = triton_unavailable(device)
-    if reason is None and (head_dim % 2 or rope.head_dim != head_dim):
-        reason = f"head_dim={head_dim} with a rotary table {rope.head_dim} wide (the kernel rotates whole heads)"
-    if reason is None and not rope.halves_equal:
-        reason = "the rotary table's halves are not equal (the kernel reads the rotate-half layout)"
-    if requested == "auto":
-        return AttentionBackend.TRITON if reason is None and device.type == "cuda" else AttentionBackend.TORCH
-    if reason is not None:
-        raise InvalidInputError(f"attention_backend={requested!r} cannot run: {reason}")
-    return AttentionBackend.TRITON
+
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    sliding_windows: tuple[int | None, ...] = (None,)
 
 
-# (q, k_cache, v_cache, plan, *, scaling, sliding_window) -> out
-AttendFn = Callable[..., torch.Tensor]
-# (k_rows, v_rows, rows, k, v) -> None
-StoreFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+class AttentionBackend(ABC, Generic[PlanT]):
+    """Fused-RoPE paged attention over NoPE K, as one forward runs it.
 
+    Args:
+        shape: the model's attention shape.
+    """
 
-def _torch_store(k_rows: torch.Tensor, v_rows: torch.Tensor, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-    k_rows[rows] = k
-    v_rows[rows] = v
+    name: ClassVar[str]  # what ``PICConfig.attention_backend`` calls it: "torch" or "triton"
 
+    def __init__(self, shape: AttentionShape) -> None:
+        self.shape = shape
 
-def kernels(backend: AttentionBackend) -> tuple[AttendFn, StoreFn]:
-    """The backend's attention and store functions (Triton is imported here, on first use)."""
-    if backend is AttentionBackend.TRITON:
-        from pic.attention import triton_backend
+    @abstractmethod
+    def plan(self, batch: AttentionBatch) -> PlanT:
+        """Everything the forward's layers share, derived from ``batch`` once (before the first layer)."""
 
-        return triton_backend.paged_attention, triton_backend.store_kv
-    return reference.paged_attention, _torch_store
+    @abstractmethod
+    def attend(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        plan: PlanT,
+        *,
+        scaling: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        """Attend the batch's query tokens over each one's sequence's paged KV, rotating Q and K inside.
+
+        Args:
+            q: ``[N, num_q_heads, head_dim]`` NoPE queries (not yet rotated), ``shape.dtype``.
+            k_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, NoPE K of one layer.
+            v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, V of one layer.
+            plan: this forward's plan (from ``plan``). Slots the batch marks ``-1`` never reach the
+                output, whatever they hold (NaN included).
+            scaling: softmax scale (the model's ``self_attn.scaling``, usually ``head_dim ** -0.5``).
+            sliding_window: one of ``shape.sliding_windows``.
+
+        Returns:
+            ``[N, num_q_heads, head_dim]`` in ``q``'s dtype. GQA: query head ``h`` reads KV head
+            ``h // (num_q_heads // num_kv_heads)``.
+        """
+
+    @abstractmethod
+    def store(self, k_rows: torch.Tensor, v_rows: torch.Tensor, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """Write fresh NoPE K and V into their cache rows.
+
+        Args:
+            k_rows, v_rows: ``[num_blocks * block_size, num_kv_heads, head_dim]``, one layer's rows.
+            rows: ``[N]`` int64 rows to write.
+            k, v: ``[N, num_kv_heads, head_dim]``, the cache's dtype.
+        """

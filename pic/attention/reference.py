@@ -1,129 +1,204 @@
-"""Reference fused-RoPE paged attention in plain torch (CPU tests, and the fallback everywhere)."""
+"""The reference backend: fused-RoPE paged attention in plain torch (CPU tests, and the fallback everywhere).
+
+Decoding sequences (one query token each) are attended as one padded group; each recompute pass on its
+own (a loop over sequences, never a mask over the whole batch). What every layer shares (the groups'
+cos/sin at their query and slot positions, cast to the model dtype as transformers casts, their gathered
+block tables and their masks for every window of the model) is built in ``plan``, once per forward.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from pic.attention.plan import BatchPlan
+from pic.attention.backend import AttentionBackend, AttentionShape
+from pic.attention.batch import AttentionBatch
 from pic.attention.rope import apply_rope
 
 # Query rows per tile, so the [rows, num_slots] mask and scores stay bounded on long prompts.
 _MAX_TILE_ELEMENTS = 1 << 24
 
 
-def paged_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    plan: BatchPlan,
-    *,
-    scaling: float,
-    sliding_window: int | None = None,
-) -> torch.Tensor:
-    """Attend the ``N`` query tokens of a batch over each one's sequence's paged NoPE KV, applying RoPE inside.
+@dataclass(frozen=True)
+class TorchGroup:
+    """Sequences attended together: every decoding sequence (``b`` of them, ``n = 1`` query token each),
+    or one recompute pass (``b = 1``, its ``n`` query tokens). ``S`` is the batch's padded slot count.
 
-    Decoding sequences (one query token each) are attended as one padded batch; each recompute pass
-    on its own (a loop over sequences, never a mask over the whole batch).
-
-    Args:
-        q: ``[N, num_q_heads, head_dim]``, NoPE queries (not yet rotated), model dtype.
-        k_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, NoPE K of one layer.
-        v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, V of one layer.
-        plan: the batch's ``BatchPlan``; masks by logical position. Slots it marks ``-1`` never reach
-            the output, whatever they hold.
-        scaling: softmax scale (the model's ``self_attn.scaling``, usually ``head_dim ** -0.5``).
-        sliding_window: attend only to keys with position > query position - window.
-
-    Returns:
-        ``[N, num_q_heads, head_dim]`` in the dtype of ``q``. GQA: query head ``h`` reads KV head
-        ``h // (num_q_heads // num_kv_heads)``.
+    Attributes:
+        rows: the group's query rows in the batch: ``[b]`` int64 (decode) or a slice (a recompute pass).
+        tables: ``[b, max_blocks]`` int64, the group's sequences' block tables.
+        written: ``[b, S, 1, 1]`` bool, slots that hold KV (the others are zeroed before use).
+        q_cos, q_sin: ``[b, n, head_dim]`` in the model dtype, at the query positions.
+        k_cos, k_sin: ``[b, S, head_dim]`` in the model dtype, at the slot positions.
+        masks: per window of the model (``None``: none), ``[b, n, S]`` bool, True where a query may attend:
+            a written slot at a position not after the query's (exact causality by position), within the window.
     """
-    out = torch.empty_like(q)
-    q_cos, q_sin, _, _ = plan.rotary(q.dtype)
-    if plan.decode_seqs.numel():
-        rows = plan.cu_seqlens_q[:-1].to(q.device)[plan.decode_seqs]  # [b] the decode tokens' rows
-        seqs = plan.decode_seqs
-        out[rows] = _attend(
-            q[rows][:, None], q_cos[rows][:, None], q_sin[rows][:, None], seqs,
-            k_cache, v_cache, plan, -1, scaling=scaling, sliding_window=sliding_window,
-        )[:, 0]  # fmt: skip
-    for b in plan.prefill_seqs:
-        rows, seqs = plan.query_rows(b), torch.tensor([b], device=q.device)
-        out[rows] = _attend(
-            q[rows][None], q_cos[rows][None], q_sin[rows][None], seqs,
-            k_cache, v_cache, plan, b, scaling=scaling, sliding_window=sliding_window,
-        )[0]  # fmt: skip
-    return out
+
+    rows: torch.Tensor | slice
+    tables: torch.Tensor
+    written: torch.Tensor
+    q_cos: torch.Tensor
+    q_sin: torch.Tensor
+    k_cos: torch.Tensor
+    k_sin: torch.Tensor
+    masks: dict[int | None, torch.Tensor]
+
+    def queries(self, x: torch.Tensor) -> torch.Tensor:
+        """The group's rows of a batch tensor ``[N, ...]`` as ``[b, n, ...]``."""
+        return _take(x, self.rows)
+
+    def put(self, out: torch.Tensor, value: torch.Tensor) -> None:
+        """Write ``value`` ``[b, n, ...]`` into the group's rows of ``out`` ``[N, ...]``."""
+        out[self.rows] = value[:, 0] if isinstance(self.rows, torch.Tensor) else value[0]
+
+
+@dataclass(frozen=True)
+class TorchPlan:
+    """The reference backend's plan of one forward.
+
+    Attributes:
+        decode: the decoding sequences' group, ``None`` when no sequence decodes.
+        prefill: per recompute-pass sequence (``batch.prefill_seqs``), its group.
+    """
+
+    decode: TorchGroup | None
+    prefill: dict[int, TorchGroup]
+
+    @property
+    def groups(self) -> list[TorchGroup]:
+        return ([] if self.decode is None else [self.decode]) + list(self.prefill.values())
+
+
+def _take(x: torch.Tensor, rows: torch.Tensor | slice) -> torch.Tensor:
+    """Rows of ``x`` ``[N, ...]`` as ``[b, n, ...]``: ``b`` decode rows of one token, or one pass of ``n``."""
+    return x[rows][:, None] if isinstance(rows, torch.Tensor) else x[rows][None]
+
+
+class TorchBackend(AttentionBackend[TorchPlan]):
+    """The reference: gathers each group's paged K and V, rotates them, and runs SDPA with an explicit mask."""
+
+    name = "torch"
+
+    def plan(self, batch: AttentionBatch) -> TorchPlan:
+        device, dtype = batch.q_positions.device, self.shape.dtype
+        seq_of_row = torch.repeat_interleave(torch.diff(batch.cu_seqlens_q)).to(device)
+        q_rows = batch.rope_offsets[seq_of_row] + batch.q_positions  # [N] rows of the rotary tables
+        k_rows = batch.rope_offsets[:, None] + batch.kv_positions.clamp(min=0)  # [B, S]
+        rotary = tuple(t[r].to(dtype) for r in (q_rows, k_rows) for t in (batch.rope_cos, batch.rope_sin))
+        decode = None
+        if batch.decode_seqs.numel():
+            rows = batch.cu_seqlens_q[:-1].to(device)[batch.decode_seqs]  # [b] the decode tokens' rows
+            decode = self._group(batch, rows, batch.decode_seqs, rotary)
+        prefill = {
+            b: self._group(batch, batch.query_rows(b), torch.tensor([b], device=device), rotary)
+            for b in batch.prefill_seqs
+        }
+        return TorchPlan(decode=decode, prefill=prefill)
+
+    def _group(
+        self, batch: AttentionBatch, rows: torch.Tensor | slice, seqs: torch.Tensor, rotary: tuple[torch.Tensor, ...]
+    ) -> TorchGroup:
+        """A group's share of the batch; ``rotary``: ``q_cos, q_sin`` ``[N, D]``, ``k_cos, k_sin`` ``[B, S, D]``."""
+        q_cos, q_sin, k_cos, k_sin = rotary
+        kv = batch.kv_positions[seqs]  # [b, S]
+        q = _take(batch.q_positions, rows)  # [b, n]
+        causal = (kv[:, None, :] >= 0) & (kv[:, None, :] <= q[:, :, None])  # [b, n, S]
+        windows = set(self.shape.sliding_windows)
+        masks = {w: causal if w is None else causal & (kv[:, None, :] > q[:, :, None] - w) for w in windows}
+        return TorchGroup(
+            rows=rows,
+            tables=batch.block_tables[seqs],
+            written=(kv >= 0)[..., None, None],
+            q_cos=_take(q_cos, rows),
+            q_sin=_take(q_sin, rows),
+            k_cos=k_cos[seqs],
+            k_sin=k_sin[seqs],
+            masks=masks,
+        )
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        plan: TorchPlan,
+        *,
+        scaling: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        out = torch.empty_like(q)
+        for group in plan.groups:
+            group.put(out, _attend(group, group.queries(q), k_cache, v_cache, scaling=scaling, window=sliding_window))
+        return out
+
+    def store(self, k_rows: torch.Tensor, v_rows: torch.Tensor, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        k_rows[rows] = k
+        v_rows[rows] = v
 
 
 def attention_weights(
-    q: torch.Tensor, k_cache: torch.Tensor, plan: BatchPlan, seq: int, *, scaling: float, sliding_window: int | None
-) -> torch.Tensor:
-    """The softmax weights with which prefill sequence ``seq``'s query tokens attend over its slots, as
-    ``paged_attention`` computes them: for analysis (``pic.evaluation.sinks``), not for serving.
-
-    Args:
-        q: ``[N, num_q_heads, head_dim]``, the batch's NoPE queries (``paged_attention``'s ``q``).
-        k_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, NoPE K of one layer.
-        seq: a sequence of ``plan.prefill_seqs``.
-
-    Returns:
-        ``[num_q_heads, n, S]`` float32: row ``i`` of head ``h`` is the attention of the sequence's ``i``-th
-        query token over the ``S`` slots of its table (``plan.kv_positions[seq]`` gives their positions;
-        unwritten and masked slots get 0).
-    """
-    rows, seqs = plan.query_rows(seq), torch.tensor([seq], device=q.device)
-    q_cos, q_sin, _, _ = plan.rotary(q.dtype)
-    q, k, _ = _operands(q[rows][None], q_cos[rows][None], q_sin[rows][None], seqs, k_cache, None, plan)
-    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)  # [1, Hq, S, D]: query head h reads KV head h // group
-    scores = (q.float() @ k.float().transpose(-1, -2)) * scaling  # [1, Hq, n, S]
-    scores = scores.masked_fill(~plan.mask(seq, sliding_window)[:, None], float("-inf"))
-    return scores.softmax(-1)[0]
-
-
-def _operands(
     q: torch.Tensor,
-    q_cos: torch.Tensor,
-    q_sin: torch.Tensor,
-    seqs: torch.Tensor,
     k_cache: torch.Tensor,
-    v_cache: torch.Tensor | None,
-    plan: BatchPlan,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Rotated ``q`` ``[b, Hq, n, D]``, the sequences' gathered and rotated K ``[b, Hkv, S, D]`` and V
-    ``[b, Hkv, S, D]`` (``None`` without ``v_cache``), from ``q`` ``[b, n, Hq, D]`` and its tables ``[b, n, D]``."""
-    # Slots never written for this sequence (padding, stale KV of a freed block, NaN included) are
-    # zeroed, not just masked: a masked score still multiplies its V row (0 * NaN = NaN).
-    written = (plan.kv_positions[seqs] >= 0)[..., None, None]  # [b, S, 1, 1]
-    tables = plan.block_tables[seqs]  # [b, max_blocks]
-    k = k_cache[tables].flatten(1, 2).where(written, 0)  # [b, S, Hkv, D]
-    q = apply_rope(q, q_cos, q_sin).transpose(1, 2)  # [b, Hq, n, D]
-    _, _, k_cos, k_sin = plan.rotary(q.dtype)
-    k = apply_rope(k, k_cos[seqs], k_sin[seqs]).transpose(1, 2)  # [b, Hkv, S, D]
-    if v_cache is None:
-        return q, k, None
-    v = v_cache[tables].flatten(1, 2).where(written, 0).transpose(1, 2)  # [b, Hkv, S, D]
-    return q, k, v
-
-
-def _attend(
-    q: torch.Tensor,
-    q_cos: torch.Tensor,
-    q_sin: torch.Tensor,
-    seqs: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    plan: BatchPlan,
-    group: int,
+    batch: AttentionBatch,
+    seq: int,
     *,
     scaling: float,
     sliding_window: int | None,
 ) -> torch.Tensor:
-    """``b`` sequences of ``n`` query tokens each: ``q`` ``[b, n, Hq, D]``, its tables ``[b, n, D]``;
-    ``seqs`` ``[b]`` their batch indices. Returns ``[b, n, Hq, D]``."""
-    q, k, v = _operands(q, q_cos, q_sin, seqs, k_cache, v_cache, plan)
-    mask = plan.mask(group, sliding_window)  # [b, n, S]
+    """The softmax weights with which prefill sequence ``seq``'s query tokens attend over its slots, as
+    ``TorchBackend.attend`` computes them: for analysis (``pic.evaluation.sinks``), not for serving
+    (it plans the whole batch on every call).
+
+    Args:
+        q: ``[N, num_q_heads, head_dim]``, the batch's NoPE queries (``attend``'s ``q``).
+        k_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, NoPE K of one layer.
+        seq: a sequence of ``batch.prefill_seqs``.
+
+    Returns:
+        ``[num_q_heads, n, S]`` float32: row ``i`` of head ``h`` is the attention of the sequence's ``i``-th
+        query token over the ``S`` slots of its table (``batch.kv_positions[seq]`` gives their positions;
+        unwritten and masked slots get 0).
+    """
+    shape = AttentionShape(q.shape[1], k_cache.shape[2], q.shape[2], q.dtype, (sliding_window,))
+    group = TorchBackend(shape).plan(batch).prefill[seq]
+    q, k, _ = _operands(group, group.queries(q), k_cache, None)
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)  # [1, Hq, S, D]: query head h reads KV head h // group
+    scores = (q.float() @ k.float().transpose(-1, -2)) * scaling  # [1, Hq, n, S]
+    scores = scores.masked_fill(~group.masks[sliding_window][:, None], float("-inf"))
+    return scores.softmax(-1)[0]
+
+
+def _operands(
+    group: TorchGroup, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Rotated ``q`` ``[b, Hq, n, D]`` (from the group's queries ``[b, n, Hq, D]``), the group's gathered and
+    rotated K ``[b, Hkv, S, D]`` and V ``[b, Hkv, S, D]`` (``None`` without ``v_cache``)."""
+    # Slots never written for this sequence (padding, stale KV of a freed block, NaN included) are
+    # zeroed, not just masked: a masked score still multiplies its V row (0 * NaN = NaN).
+    k = k_cache[group.tables].flatten(1, 2).where(group.written, 0)  # [b, S, Hkv, D]
+    q = apply_rope(q, group.q_cos, group.q_sin).transpose(1, 2)  # [b, Hq, n, D]
+    k = apply_rope(k, group.k_cos, group.k_sin).transpose(1, 2)  # [b, Hkv, S, D]
+    if v_cache is None:
+        return q, k, None
+    v = v_cache[group.tables].flatten(1, 2).where(group.written, 0).transpose(1, 2)  # [b, Hkv, S, D]
+    return q, k, v
+
+
+def _attend(
+    group: TorchGroup,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    *,
+    scaling: float,
+    window: int | None,
+) -> torch.Tensor:
+    """The group's queries ``q`` ``[b, n, Hq, D]`` over its KV; returns ``[b, n, Hq, D]``."""
+    assert window in group.masks, f"sliding_window={window} was not planned for (the model's: {list(group.masks)})"
+    q, k, v = _operands(group, q, k_cache, v_cache)
+    mask = group.masks[window]  # [b, n, S]
     num_q, num_slots = mask.shape[1:]
     tile = max(1, _MAX_TILE_ELEMENTS // max(1, num_slots * q.shape[0] * q.shape[1]))
     out = torch.empty_like(q)

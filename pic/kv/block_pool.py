@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from pic.errors import KVPoolExhaustedError
-from pic.kv.free_queue import Block, FreeBlockQueue
+from pic.kv.blocks import Block, FreeBlockQueue, ResidentChunk
 
 
 @dataclass(frozen=True)
@@ -49,27 +49,6 @@ class KVStats:
     peak_used_blocks: int
 
 
-class ResidentChunk:
-    """A chunk's canonical blocks, in order. ``num_refs`` is the sum of its blocks' ``ref_cnt``: the
-    chunk is evictable exactly when it is 0 and the chunk is not pinned. ``info`` is the caller's
-    description of the chunk (tokens, options), kept alongside."""
-
-    __slots__ = ("key", "blocks", "num_refs", "pinned", "info")
-
-    def __init__(self, key: str, blocks: list[Block], info: object) -> None:
-        self.key, self.blocks, self.info = key, blocks, info
-        self.num_refs = sum(b.ref_cnt for b in blocks)
-        self.pinned = False
-
-    @property
-    def block_ids(self) -> list[int]:
-        return [b.block_id for b in self.blocks]
-
-    @property
-    def is_evictable(self) -> bool:
-        return self.num_refs == 0 and not self.pinned
-
-
 class BlockPool:
     """Hands out blocks, counts references, keeps chunks resident until their blocks are needed.
 
@@ -94,6 +73,10 @@ class BlockPool:
     @property
     def num_evicted_chunks(self) -> int:
         return self._num_evicted
+
+    def is_resident(self, key: str) -> bool:
+        """Whether chunk ``key``'s canonical blocks are in the pool (in use, pinned or evictable)."""
+        return key in self.chunks
 
     def num_available(self, *, holding: Iterable[str] = ()) -> int:
         """Blocks an ``allocate`` could take after the caller holds the resident chunks ``holding``

@@ -3,17 +3,12 @@
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
 
 import torch
 
-from pic.config import PICConfig
 from pic.errors import InvalidInputError
 from pic.kv.block_pool import BlockPool
 from pic.kv.cache import KVCache, blocks_for
-
-if TYPE_CHECKING:
-    from pic.model.spec import ModelSpec
 
 # The CPU pool's default capacity in tokens, lowered to a quarter of the memory available.
 DEFAULT_CPU_POOL_TOKENS = 65536
@@ -90,34 +85,51 @@ def format_bytes(num_bytes: int) -> str:
     return f"{value:.1f} {unit}"
 
 
-def build_kv_pool(spec: ModelSpec, config: PICConfig) -> tuple[BlockPool, KVCache]:
+def build_kv_pool(
+    *,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    block_size: int,
+    kv_pool_tokens: int | None,
+    memory_fraction: float,
+) -> tuple[BlockPool, KVCache]:
     """The block pool and its KV tensors, refused before allocation when they exceed the device's free memory.
+
+    Plain numbers in, so the pool knows nothing of models or configs (the engine's builder reads them
+    from ``ModelSpec`` and ``PICConfig``).
+
+    Args:
+        num_layers, num_kv_heads, head_dim, dtype, device: the model's KV shape, dtype and device.
+        block_size: tokens per block.
+        kv_pool_tokens: the pool's capacity in tokens; ``None`` sizes it from free memory (``pool_num_tokens``).
+        memory_fraction: the share of free CUDA memory a pool sized from free memory takes.
 
     Raises:
         InvalidInputError: the pool does not fit, naming its size and the memory free.
     """
+    bytes_per_token = 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
     num_tokens, sized = pool_num_tokens(
-        kv_pool_tokens=config.kv_pool_tokens,
-        bytes_per_token=spec.kv_bytes_per_token,
-        device=spec.device,
-        memory_fraction=config.kv_memory_fraction,
+        kv_pool_tokens=kv_pool_tokens, bytes_per_token=bytes_per_token, device=device, memory_fraction=memory_fraction
     )
     # A share of the free CUDA memory rounds down to whole blocks (up, it could pass what is free, and
     # kv_memory_fraction=1 would be refused); a given size rounds up, to hold the tokens asked for.
-    from_free = config.kv_pool_tokens is None and spec.device.type == "cuda"
-    num_blocks = max(1, num_tokens // config.block_size) if from_free else blocks_for(num_tokens, config.block_size)
-    what = f"{sized} ({num_blocks} blocks of {config.block_size} tokens, {spec.kv_bytes_per_token} bytes per token)"
-    check_fits(num_blocks * config.block_size * spec.kv_bytes_per_token, spec.device, what=what)
+    from_free = kv_pool_tokens is None and device.type == "cuda"
+    num_blocks = max(1, num_tokens // block_size) if from_free else blocks_for(num_tokens, block_size)
+    what = f"{sized} ({num_blocks} blocks of {block_size} tokens, {bytes_per_token} bytes per token)"
+    check_fits(num_blocks * block_size * bytes_per_token, device, what=what)
     try:
         cache = KVCache(
-            num_layers=spec.num_layers,
+            num_layers=num_layers,
             num_blocks=num_blocks,
-            block_size=config.block_size,
-            num_kv_heads=spec.num_kv_heads,
-            head_dim=spec.head_dim,
-            dtype=spec.dtype,
-            device=spec.device,
+            block_size=block_size,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            dtype=dtype,
+            device=device,
         )
     except RuntimeError as exc:  # torch.OutOfMemoryError on CUDA, an allocator error on the CPU
-        raise InvalidInputError(f"allocating {what} on {spec.device} failed: {exc}") from None
-    return BlockPool(num_blocks, block_size=config.block_size), cache
+        raise InvalidInputError(f"allocating {what} on {device} failed: {exc}") from None
+    return BlockPool(num_blocks, block_size=block_size), cache

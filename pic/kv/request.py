@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from pic.kv.block_pool import BlockPool
-from pic.kv.cache import KVCache, blocks_for
+from pic.kv.cache import KVCache
 from pic.kv.transfer import long_tensor
 
 
@@ -40,15 +40,6 @@ class RequestKV:
         self.num_slots = num_slots
         self._held = list(held)
         self._released = False
-
-    @classmethod
-    def allocate(cls, pool: BlockPool, cache: KVCache, num_slots: int) -> RequestKV:
-        """A request of ``num_slots`` slots in fresh private blocks.
-
-        Raises:
-            KVPoolExhaustedError: the pool cannot hold it (nothing is taken).
-        """
-        return cls(pool, cache, pool.allocate(blocks_for(num_slots, cache.block_size)), num_slots=num_slots)
 
     def physical(self, slots: torch.Tensor) -> torch.Tensor:
         """Request slots ``[n]`` int64 -> rows of the cache's ``[num_blocks * block_size, ...]`` views."""

@@ -17,15 +17,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pic.attention import BatchPlan, RopeTable, make_plan
-from pic.attention.backend import AttentionBackend, kernels, select_backend
+from pic.attention import AttentionBackend, AttentionBatch, AttentionShape, RopeTable, make_batch, select_backend
 from pic.kv import KVCache, RequestKV
 from pic.model.spec import ModelSpec, inspect_model
 
 # (layer, alive [n'] int64, rows [n'] int64) -> None or keep [n'] bool; see ``SeqInput.after_layer``.
 LayerHook = Callable[[int, torch.Tensor, torch.Tensor], "torch.Tensor | None"]
-# (layer, q [N, Hq, D] NoPE, k_cache [num_blocks, block_size, Hkv, D] NoPE, plan, scaling, sliding_window or None)
-AttentionObserver = Callable[[int, torch.Tensor, torch.Tensor, BatchPlan, float, "int | None"], None]
+# (layer, q [N, Hq, D] NoPE, k_cache [num_blocks, block_size, Hkv, D] NoPE, batch, scaling, sliding_window or None)
+AttentionObserver = Callable[[int, torch.Tensor, torch.Tensor, AttentionBatch, float, "int | None"], None]
 
 
 @dataclass
@@ -59,6 +58,10 @@ class ModelRunner:
     Args:
         model: a supported transformers causal LM (``inspect_model``).
         attention_backend: ``"auto"``, ``"torch"`` or ``"triton"`` (``select_backend``).
+
+    Attributes:
+        attention_backend: the backend chosen (its ``name`` says which); every forward plans it once
+            and every layer attends and stores through it.
     """
 
     def __init__(self, model: nn.Module, *, attention_backend: str = "auto") -> None:
@@ -71,10 +74,16 @@ class ModelRunner:
         self._lm_head = model.lm_head
         spec = self.spec
         self.rope = RopeTable(inner.rotary_emb, max_positions=spec.max_context, dtype=spec.dtype, device=spec.device)
-        self.attention_backend: AttentionBackend = select_backend(
-            attention_backend, spec.device, head_dim=spec.head_dim, rope=self.rope
+        shape = AttentionShape(
+            num_q_heads=spec.num_q_heads,
+            num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            dtype=spec.dtype,
+            sliding_windows=spec.sliding_windows,
         )
-        self._attend, self._store = kernels(self.attention_backend)
+        self.attention_backend: AttentionBackend = select_backend(
+            attention_backend, shape, device=spec.device, rope=self.rope
+        )
         self._observer: AttentionObserver | None = None
 
     @contextlib.contextmanager
@@ -104,16 +113,18 @@ class ModelRunner:
         positions = torch.cat([s.positions for s in seqs])  # [N]
         rows = torch.cat([s.kv.physical(s.slots) for s in seqs])  # [N] cache rows written
         alive = torch.arange(positions.shape[0], device=positions.device)  # [N'] tokens still running
-        plan = self._plan(seqs, positions, lens)
+        batch = self._batch(seqs, positions, lens)
+        plan = self.attention_backend.plan(batch)  # once per forward, shared by every layer
         hidden = self._embed(torch.cat([s.token_ids for s in seqs]))  # [N, hidden_size]
         hooked = any(s.after_layer is not None for s in seqs)
         for index, layer in enumerate(self._layers):
-            hidden = self._layer(index, layer, hidden, seqs[0].kv.cache, plan, rows)
+            hidden = self._layer(index, layer, hidden, seqs[0].kv.cache, batch, plan, rows)
             keep = self._keep(index, seqs, starts, lens, alive, rows) if hooked else None
-            if keep is not None:
+            if keep is not None:  # tokens dropped (CacheBlend): the later layers attend for fewer queries
                 hidden, positions, rows, alive = hidden[keep], positions[keep], rows[keep], alive[keep]
                 lens = torch.stack([k.sum() for k in keep.split(lens)]).tolist()  # one host sync
-                plan = self._plan(seqs, positions, lens)
+                batch = self._batch(seqs, positions, lens)
+                plan = self.attention_backend.plan(batch)
         num_tokens = sum(s.token_ids.shape[0] for s in seqs)
         return [self._outputs(seq, start, hidden, alive, num_tokens) for seq, start in zip(seqs, starts, strict=True)]
 
@@ -157,8 +168,10 @@ class ModelRunner:
             return None
         return torch.cat(parts)
 
-    def _plan(self, seqs: Sequence[SeqInput], positions: torch.Tensor, lens: list[int]) -> BatchPlan:
-        return make_plan(
+    def _batch(self, seqs: Sequence[SeqInput], positions: torch.Tensor, lens: list[int]) -> AttentionBatch:
+        """The forward's attention batch: the sequences' tables and slot positions, ``positions`` ``[N]`` int64
+        of the tokens running, ``lens`` of them per sequence."""
+        return make_batch(
             block_tables=[s.kv.block_table for s in seqs],
             kv_positions=[s.kv.kv_positions for s in seqs],
             q_positions=positions,
@@ -172,10 +185,12 @@ class ModelRunner:
         layer: nn.Module,
         hidden: torch.Tensor,
         cache: KVCache,
-        plan: BatchPlan,
+        batch: AttentionBatch,
+        plan: object,
         rows: torch.Tensor,
     ) -> torch.Tensor:
-        """One decoder layer; ``hidden`` ``[N, hidden_size]``, ``rows`` ``[N]`` cache rows to write."""
+        """One decoder layer; ``hidden`` ``[N, hidden_size]``, ``rows`` ``[N]`` cache rows to write, ``plan``
+        the backend's plan of ``batch``."""
         attn = layer.self_attn
         num_tokens, head_dim = hidden.shape[0], self.spec.head_dim
         x = layer.input_layernorm(hidden)
@@ -184,17 +199,11 @@ class ModelRunner:
         v = attn.v_proj(x).view(num_tokens, -1, head_dim)  # [N, Hkv, D]
         if self.spec.has_qk_norm:
             q, k = attn.q_norm(q), attn.k_norm(k)
-        self._store(cache.k_rows[index], cache.v_rows[index], rows, k, v)
+        backend = self.attention_backend
+        backend.store(cache.k_rows[index], cache.v_rows[index], rows, k, v)
         window = self.spec.sliding_windows[index]
         if self._observer is not None:
-            self._observer(index, q, cache.k[index], plan, attn.scaling, window)
-        out = self._attend(
-            q,
-            cache.k[index],
-            cache.v[index],
-            plan,
-            scaling=attn.scaling,
-            sliding_window=window,
-        )
+            self._observer(index, q, cache.k[index], batch, attn.scaling, window)
+        out = backend.attend(q, cache.k[index], cache.v[index], plan, scaling=attn.scaling, sliding_window=window)
         hidden = hidden + attn.o_proj(out.reshape(num_tokens, -1))
         return hidden + layer.mlp(layer.post_attention_layernorm(hidden))

@@ -1,18 +1,16 @@
-"""Blocks and the O(1) free queue: an intrusive doubly-linked list (vLLM v1's ``FreeKVCacheBlockQueue``).
+"""Blocks, the resident chunks they belong to, and the O(1) free queue that orders them for reuse.
 
-A ``deque`` cannot remove an element from its middle in O(1); this list can, because every block
-carries its own ``prev`` / ``next`` links. That is what lazy eviction needs: an unreferenced chunk's
-blocks wait in the queue, still holding the chunk's KV, and a request that links the chunk takes them
-back out, wherever they are, before anyone overwrites them.
+The three are one idea: a block points at its chunk, a chunk lists its blocks, and the queue links
+blocks through fields of their own. The free queue is an intrusive doubly-linked list (vLLM v1's
+``FreeKVCacheBlockQueue``): a ``deque`` cannot remove an element from its middle in O(1); this list can,
+because every block carries its own ``prev`` / ``next`` links. That is what lazy eviction needs: an
+unreferenced chunk's blocks wait in the queue, still holding the chunk's KV, and a request that links
+the chunk takes them back out, wherever they are, before anyone overwrites them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from pic.kv.block_pool import ResidentChunk
 
 
 class Block:
@@ -42,6 +40,27 @@ class Block:
     def __repr__(self) -> str:
         key = None if self.chunk is None else self.chunk.key
         return f"Block({self.block_id}, ref_cnt={self.ref_cnt}, chunk={key!r})"
+
+
+class ResidentChunk:
+    """A chunk's canonical blocks, in order. ``num_refs`` is the sum of its blocks' ``ref_cnt``: the
+    chunk is evictable exactly when it is 0 and the chunk is not pinned. ``info`` is the caller's
+    description of the chunk (tokens, options), kept alongside."""
+
+    __slots__ = ("key", "blocks", "num_refs", "pinned", "info")
+
+    def __init__(self, key: str, blocks: list[Block], info: object) -> None:
+        self.key, self.blocks, self.info = key, blocks, info
+        self.num_refs = sum(b.ref_cnt for b in blocks)
+        self.pinned = False
+
+    @property
+    def block_ids(self) -> list[int]:
+        return [b.block_id for b in self.blocks]
+
+    @property
+    def is_evictable(self) -> bool:
+        return self.num_refs == 0 and not self.pinned
 
 
 class FreeBlockQueue:
