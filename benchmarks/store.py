@@ -33,12 +33,16 @@ import redis
 import torch
 from redis.cluster import RedisCluster
 
-from pic.compile.ids import chunk_id
 from pic.config import CompileOptions, StoreConfig
+from pic.ids import chunk_id
 from pic.kv import ChunkKV
 from pic.store import LruTier, RedisTier, serde
-from pic.store.local_redis import LocalRedis, LocalRedisCluster
 from pic.store.serde import Expected
+
+# The local redis-server launcher is the tests' (tests/local_redis.py, not installed with pic): run from
+# anywhere, the repository root must be importable for it.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.local_redis import LocalRedis, LocalRedisCluster  # noqa: E402
 
 LAYERS, KV_HEADS, HEAD_DIM, DTYPE = 32, 8, 128, torch.bfloat16
 FINGERPRINT = "benchmark-llama3-8b-shape"
@@ -67,7 +71,7 @@ def one_round(tier: RedisTier, client: redis.Redis, chunk: ChunkKV, payload: byt
     got: list[ChunkKV] = []
     times["tier_get"] = timed(lambda: got.append(tier.get(chunk.cache_id)))
     assert torch.equal(got[0].k, chunk.k) and torch.equal(got[0].v, chunk.v), "the Redis tier changed the chunk"
-    cpu = LruTier("cpu", device=torch.device("cpu"), pin=torch.cuda.is_available())
+    cpu = LruTier(pin=torch.cuda.is_available())
     times["cpu_put"] = timed(lambda: cpu.put(got[0]))
     times["cpu_get"] = timed(lambda: cpu.get(chunk.cache_id))
     if torch.cuda.is_available():

@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pic.errors import InvalidInputError
+from pic.redis_url import CLUSTER, SENTINEL, parse
 
 
 def describe_validation_error(model: type[BaseModel], exc: ValidationError) -> str:
@@ -161,21 +162,9 @@ class StoreConfig(_Frozen):
     def _parse_redis_url(self) -> StoreConfig:
         """Check a cluster or sentinel URL now, not when the engine first connects. An "after" check
         reports only its message, which masks the password (a field check would echo the raw URL)."""
-        if self.redis_url is not None and self.redis_url.startswith(("redis-cluster://", "redis-sentinel://")):
-            from pic.store.redis_client import parse  # here: pic.store imports this module
-
+        if self.redis_url is not None and self.redis_url.startswith((f"{CLUSTER}://", f"{SENTINEL}://")):
             try:
                 parse(self.redis_url)
             except InvalidInputError as exc:
                 raise ValueError(str(exc)) from None
         return self
-
-    @model_validator(mode="before")
-    @classmethod
-    def _no_device_bytes(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "device_bytes" in data:
-            raise ValueError(
-                f"device_bytes={data['device_bytes']!r} is gone: compiled chunks live in the KV pool, whose "
-                f"size is PICConfig.kv_pool_tokens"
-            )
-        return data

@@ -10,7 +10,7 @@ from urllib.parse import quote
 import pytest
 
 from pic.errors import MissingDependencyError
-from pic.store.local_redis import LocalRedisCluster, RedisProcesses, cluster_url, free_ports, wait_until
+from tests.local_redis import LocalRedisCluster, RedisProcesses, cluster_url, free_ports, wait_until
 from tests.redis_server import PASSWORD
 
 __all__ = ["Cluster", "SentinelSetup", "free_ports"]
@@ -28,7 +28,7 @@ class _Processes(RedisProcesses):
 
 
 class Cluster(LocalRedisCluster):
-    """``pic.store.local_redis.LocalRedisCluster``: three masters, no replicas, with the tests' password."""
+    """``tests.local_redis.LocalRedisCluster``: three masters, no replicas, with the tests' password."""
 
     def __init__(self, workdir: Path) -> None:
         try:

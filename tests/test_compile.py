@@ -43,10 +43,11 @@ def test_cached_kv_is_nope_k_of_the_chunk_alone():
     engine = make_engine("qwen3")
     (cid,) = engine.compile(DOCS[1])
     chunk = engine.store.get(cid)
-    model = engine.runner.model
+    model = engine.model
     with torch.no_grad():
         cache = model(chunk.token_ids[None], use_cache=True).past_key_values
-    cos, sin = engine.runner.rope(torch.arange(chunk.num_tokens))
+    with engine.paused() as core:
+        cos, sin = core.runner.rope(torch.arange(chunk.num_tokens))
     for layer in range(engine.spec.num_layers):
         k_nope = chunk.k[layer].transpose(0, 1)[None]  # [1, Hkv, L, D]
         _, k_rot = apply_rotary_pos_emb(k_nope, k_nope, cos[None], sin[None])
@@ -62,7 +63,7 @@ def test_extra_bos_tokens_are_prefilled_then_dropped():
     content = tokenizer()(DOCS[0], add_special_tokens=False).input_ids
     assert chunk.token_ids.tolist() == [bos, *content] and chunk.options.num_extra_bos == 2
     with torch.no_grad():
-        full = engine.runner.model(torch.tensor([[bos, bos, bos, *content]]), use_cache=True).past_key_values
+        full = engine.model(torch.tensor([[bos, bos, bos, *content]]), use_cache=True).past_key_values
     assert (chunk.v[0].transpose(0, 1) - full.layers[0].values[0, :, 2:]).abs().max() <= 1e-5
 
 

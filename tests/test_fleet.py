@@ -79,7 +79,8 @@ def test_a_second_compile_of_the_same_chunk_counts_as_a_duplicate(redis_url):
 
 
 def _ids_of(engine: pic.PIC, docs: list[str]) -> list[str]:
-    from pic.compile import chunk_id, encode_documents
+    from pic.compile import encode_documents
+    from pic.ids import chunk_id
 
     options = engine.compile_options()
     tokens = encode_documents(engine.tokenizer, docs, vocab_size=engine.spec.vocab_size)
@@ -89,7 +90,7 @@ def _ids_of(engine: pic.PIC, docs: list[str]) -> list[str]:
 KILLED = """
 import os, sys
 import pic
-import pic.api
+from pic.compile import compiler
 from tests.models import model, tokenizer
 from tests.test_fleet import DOCS
 store = pic.StoreConfig(redis_url=sys.argv[1], redis_lease_s=2.0)
@@ -97,7 +98,7 @@ engine = pic.PIC(model("stories260K"), tokenizer(), store=store)
 def die(*args, **kwargs):  # killed mid-compile: its leases are taken, nothing is written
     print("claimed", flush=True)
     os.kill(os.getpid(), 9)
-pic.api.compile_chunks = die
+compiler.prefill_chunk = die
 engine.compile(DOCS)
 """
 

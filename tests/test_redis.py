@@ -3,6 +3,7 @@ an unreachable or restarted server, URL forms and namespacing."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -11,9 +12,14 @@ import sys
 
 import msgpack
 import pytest
+import torch
 
 import pic
-from pic.compile import chunk_id
+from pic.config import CompileOptions
+from pic.ids import chunk_id
+from pic.kv import BlockPool, ChunkKV, KVCache
+from pic.store import ChunkDescription, DeviceTier, RedisTier, TieredStore
+from pic.store.serde import Expected
 from tests.conftest import make_engine
 from tests.models import DOCS, QUERY, model, tokenizer
 from tests.redis_server import PASSWORD
@@ -28,12 +34,22 @@ def redis_engine(url: str, family: str = "stories260K", **store) -> pic.PIC:
     return pic.PIC(model(family), tokenizer(), store=config)
 
 
+def redis_tier(engine: pic.PIC) -> RedisTier:
+    """The engine's Redis tier (its lowest), taken while the engine is paused; tests use it while the
+    engine is idle."""
+    with engine.paused() as core:
+        tier = core.store.tiers[-1]
+    assert isinstance(tier, RedisTier)
+    return tier
+
+
 def generate(engine: pic.PIC, ids: list[str], policy: str = "legolink:16", *, from_redis: bool = False) -> list[int]:
     """Greedy tokens of the reversed chunks and the query; ``from_redis``: forget the pool's resident
     chunks first, so that every chunk is read from Redis and promoted into fresh blocks."""
     if from_redis:
-        for cid in engine.store.device.ids():
-            engine.store.device.delete(cid)
+        with engine.paused() as core:
+            for cid in list(core.pool.chunks):
+                core.pool.drop(cid)
     return engine.link(ids[::-1], QUERY, policy=policy).generate(max_new_tokens=16).token_ids
 
 
@@ -49,6 +65,38 @@ def test_round_trip_through_redis(redis_url):
     redis_stats = engine.store.stats()[-1]
     assert redis_stats.name == "redis" and redis_stats.num_entries == 3 and redis_stats.hits >= 9
     assert redis_stats.num_bytes == sum(local.store.get(i).num_bytes for i in ids)
+
+
+def test_describe_reads_metadata_not_kv(redis_server, redis_url):
+    """``describe`` of a chunk only Redis holds reads its metadata record, not its parts: the server sends
+    a small fraction of the chunk's KV (counted by the server itself), where ``get`` sends all of it."""
+    shape = dict(num_layers=4, num_kv_heads=4, head_dim=64, dtype=torch.float32)
+    expected = Expected("describe-test", **shape, max_tokens=1024, vocab_size=1000)
+    tokens, options = torch.arange(3, 3 + 256), CompileOptions(add_bos=False)
+    k, v = (torch.randn(4, 256, 4, 64) for _ in range(2))
+    chunk = ChunkKV(chunk_id(expected.fingerprint, tokens.tolist(), options), tokens, k, v, options)
+    redis = RedisTier(redis_url, expected=expected, part_bytes=2**16)
+    assert redis.put(chunk)
+    pool = BlockPool(32, block_size=16)
+    store = TieredStore(DeviceTier(pool, KVCache(num_blocks=32, block_size=16, device="cpu", **shape)), [redis])
+    client = redis_server.client()
+
+    def bytes_sent(call):
+        before = client.info("stats")["total_net_output_bytes"]
+        result = call()
+        return result, client.info("stats")["total_net_output_bytes"] - before
+
+    described, sent = bytes_sent(lambda: store.describe(chunk.cache_id))
+    assert described == ChunkDescription(chunk.cache_id, ("redis",), num_tokens=256, num_bytes=chunk.num_bytes)
+    assert chunk.num_bytes == 2**21 and sent < chunk.num_bytes / 200, sent  # metadata and the INFO reply only
+    assert store.lookup(chunk.cache_id) == ["redis"]  # nothing was promoted
+    got, sent = bytes_sent(lambda: store.get(chunk.cache_id))
+    assert torch.equal(got.k, k) and sent > chunk.num_bytes  # the counter sees a download
+
+    pool.free(store.promote(store.resolve(chunk.cache_id)))  # resident now, told from the pool's own record
+    assert store.describe(chunk.cache_id) == dataclasses.replace(described, tiers=("device", "redis"))
+    with pytest.raises(pic.UnknownCacheIdError, match="unknown cache id 'nope': in no tier \\(device, redis\\)"):
+        store.describe("nope")
 
 
 _WORKER = """
@@ -201,9 +249,9 @@ def test_keys_are_namespaced_by_model(redis_server, redis_url):
     llama = redis_engine(redis_url, family="llama")
     other_namespace = redis_engine(redis_url, namespace="team-b")
     stories_ids, llama_ids = stories.compile(list(DOCS)), llama.compile(list(DOCS))
-    assert stories.store.tiers[-1].ids() == sorted(stories_ids)
-    assert llama.store.tiers[-1].ids() == sorted(llama_ids)
-    assert other_namespace.store.tiers[-1].ids() == []
+    assert redis_tier(stories).ids() == sorted(stories_ids)
+    assert redis_tier(llama).ids() == sorted(llama_ids)
+    assert redis_tier(other_namespace).ids() == []
     keys = {k.decode() for k in redis_server.client().keys("*:meta")}
     assert keys == {
         f"pic:{e.fingerprint}:{i}:meta" for e, ids in ((stories, stories_ids), (llama, llama_ids)) for i in ids

@@ -13,12 +13,11 @@ import pytest
 from redis.cluster import RedisCluster
 
 import pic
-from pic.store.redis_client import parse, redact
-from pic.store.redis_tier import RedisTier
+from pic.redis_url import MultiNodeUrl, parse, redact
 from tests.conftest import make_engine
 from tests.models import DOCS, QUERY
 from tests.redis_cluster import Cluster, SentinelSetup, free_ports
-from tests.test_redis import _WORKER, generate, redis_engine
+from tests.test_redis import _WORKER, generate, redis_engine, redis_tier
 
 GOOD = {
     "redis-cluster://127.0.0.1:7000": (None, None, [("127.0.0.1", 7000)], None),
@@ -46,7 +45,7 @@ BAD = {
 
 @pytest.mark.parametrize("url", list(GOOD))
 def test_good_urls(url):
-    assert parse(url) == GOOD[url]
+    assert parse(url) == MultiNodeUrl(*GOOD[url])
     assert pic.StoreConfig(redis_url=url).redis_url == url
 
 
@@ -84,12 +83,6 @@ def sentinel(tmp_path_factory):
         setup.stop()
 
 
-def _redis_tier(engine: pic.PIC) -> RedisTier:
-    tier = engine.store.lower[-1]
-    assert isinstance(tier, RedisTier)
-    return tier
-
-
 def test_round_trip_through_a_cluster(cluster):
     engine = redis_engine(cluster.url)
     ids = engine.compile(list(DOCS))
@@ -98,7 +91,7 @@ def test_round_trip_through_a_cluster(cluster):
     assert generate(engine, ids, from_redis=True) == generate(local, ids)
     fresh = redis_engine(cluster.url)  # an empty device tier: every chunk comes from the cluster
     assert generate(fresh, ids) == generate(local, ids)
-    tier = _redis_tier(fresh)
+    tier = redis_tier(fresh)
     assert tier.ids() == sorted(ids) and tier.stats().num_entries == 3  # a scan of every master, one GET per key
     client: RedisCluster = tier._client
     keys = [k for k in client.scan_iter(match=f"pic:{engine.fingerprint}:*", count=1000)]
@@ -134,7 +127,7 @@ def test_dead_cluster_node_is_a_miss_or_a_clear_error(tmp_path):
         cluster.start()
         writer = redis_engine(cluster.url)
         ids = writer.compile(list(DOCS))
-        client: RedisCluster = _redis_tier(writer)._client
+        client: RedisCluster = redis_tier(writer)._client
         cluster.kill(client.get_node_from_key(f"pic:{writer.fingerprint}:{ids[1]}:meta").port)
         missing = redis_engine(cluster.url, on_redis_error="miss", redis_timeout_s=2.0)
         with pytest.raises(pic.UnknownCacheIdError, match="failed"):

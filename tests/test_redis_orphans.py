@@ -15,11 +15,11 @@ import pytest
 
 import pic
 import pic.cli
-from pic.store.redis_tier import RedisTier
 from pic.store.sweep import sweep
 from tests.conftest import make_engine
 from tests.models import DOCS, QUERY, model, tokenizer
 from tests.redis_server import redis_server as new_redis_server
+from tests.test_redis import redis_tier
 
 SMALL_PARTS = 4096
 
@@ -27,10 +27,6 @@ SMALL_PARTS = 4096
 def redis_engine(url: str, **store) -> pic.PIC:
     config = pic.StoreConfig(redis_url=url, part_bytes=SMALL_PARTS, **store)
     return pic.PIC(model("stories260K"), tokenizer(), store=config)
-
-
-def redis_tier(engine: pic.PIC) -> RedisTier:
-    return engine.store.tiers[-1]
 
 
 def generate(engine: pic.PIC, ids: list[str]) -> list[int]:
@@ -54,7 +50,8 @@ def chunk_keys(client, pattern: str = "pic:*") -> list[bytes]:
 _KILLED_WRITER = """
 import os, sys, pic
 engine = pic.load(store=pic.StoreConfig(redis_url=sys.argv[1], part_bytes=4096, redis_parts_ttl_s=1.0))
-tier = engine.store.tiers[-1]
+with engine.paused() as core:
+    tier = core.store.tiers[-1]
 real_set = tier._client.set
 
 def set_or_die(key, value, **kw):

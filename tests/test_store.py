@@ -49,7 +49,8 @@ def test_pool_evicts_least_recently_used_chunks_whole_and_the_cpu_tier_keeps_the
     ids = compile_each(engine, docs(0, 5))
     assert where(engine, ids) == [["cpu"], ["cpu"], ["device", "cpu"], ["device", "cpu"], ["device", "cpu"]]
     device = stats(engine)["device"]
-    block_bytes = engine.kv_cache.bytes_per_block
+    with engine.paused() as core:
+        block_bytes = core.cache.bytes_per_block
     assert (device.num_entries, device.num_bytes, device.evictions) == (3, 6 * block_bytes, 2)
     assert device.capacity_bytes == 6 * block_bytes
     kv = engine.kv_stats()
@@ -179,7 +180,6 @@ def test_pool_sizing(monkeypatch):
 @pytest.mark.parametrize(
     "values, named",
     [
-        ({"device_bytes": 1 << 30}, "device_bytes=1073741824 is gone: .* PICConfig.kv_pool_tokens"),
         ({"redis_url": "http://localhost"}, "redis_url='http://localhost'"),
         ({"on_redis_error": "ignore"}, "on_redis_error='ignore'"),
         ({"namespace": "a b"}, "namespace='a b'"),

@@ -1,27 +1,42 @@
-"""Compiling a batch of new chunks into the pool, and through to the lower store tiers."""
+"""Compiling a batch of new chunks into the pool, and through to the lower store tiers.
+
+The compiler knows the store only as a ``WriteThrough`` (two calls), so compile sits below the store:
+the engine hands it the pool it allocates from, the KV tensors it writes, and the store (a
+``TieredStore``) that takes each new chunk.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Collection, Mapping, Sequence
+from typing import Protocol
 
 import torch
 from tqdm.auto import tqdm
 
 from pic.compile.prefill import prefill_blocks, prefill_chunk
 from pic.config import CompileOptions
-from pic.kv import ChunkInfo
+from pic.kv import BlockPool, ChunkInfo, KVCache
 from pic.model import ModelRunner
 
-if TYPE_CHECKING:
-    from pic.store import TieredStore
+
+class WriteThrough(Protocol):
+    """Where a compiled chunk goes: resident in the pool, and copied down to the lower tiers."""
+
+    def lower_can_fit(self, num_bytes: int, *, keep: Collection[str] = ()) -> bool:
+        """Whether a lower tier can take ``num_bytes`` more without evicting pinned chunks or ``keep``."""
+
+    def add(self, info: ChunkInfo, block_ids: list[int], *, keep: Collection[str] = ()) -> bool:
+        """Make the prefilled ``block_ids`` resident as ``info``'s chunk and write it through; whether a
+        lower tier holds it too."""
 
 
 def compile_chunks(
     runner: ModelRunner,
-    store: TieredStore,
     todo: Mapping[str, list[int]],
     *,
+    pool: BlockPool,
+    cache: KVCache,
+    store: WriteThrough,
     options: CompileOptions,
     bos_token_id: int | None,
     keep: Sequence[str],
@@ -35,6 +50,8 @@ def compile_chunks(
 
     Args:
         todo: cache id -> content tokens of the chunks no tier holds.
+        pool, cache: the KV pool the chunks are prefilled into, and its tensors.
+        store: takes each new chunk (``TieredStore``).
         keep: every cache id the ``compile`` call returns.
 
     Raises:
@@ -42,21 +59,21 @@ def compile_chunks(
             is prefilled then).
         StoreUnavailableError: Redis failed (``on_redis_error="raise"``).
     """
-    pool, bs = store.device.pool, store.device.cache.block_size
     num_lead_bos = options.add_bos + options.num_extra_bos if bos_token_id is not None else 0
     sizes = [
-        prefill_blocks(len(t) + num_lead_bos, num_dropped=options.num_extra_bos, block_size=bs) for t in todo.values()
+        prefill_blocks(len(t) + num_lead_bos, num_dropped=options.num_extra_bos, block_size=cache.block_size)
+        for t in todo.values()
     ]
     num_bytes = sum(len(t) + options.add_bos for t in todo.values()) * runner.spec.kv_bytes_per_token
     hold_new = not store.lower_can_fit(num_bytes, keep=keep)  # the pool keeps the only copy: hold them all
     num_needed = (sum(c for c, _ in sizes) if hold_new else max(c for c, _ in sizes)) + max(lead for _, lead in sizes)
-    resident = [cid for cid in dict.fromkeys(keep) if store.device.contains(cid)]
+    resident = [cid for cid in dict.fromkeys(keep) if pool.is_resident(cid)]
     pool.check_available(num_needed, holding=resident, what=f"the {len(todo)} new chunks of this compile call")
     held = [b for cid in resident for b in pool.hold(cid)]
     try:
         for cid, tokens in tqdm(todo.items(), desc="pic compile", unit="chunk", disable=not progress):
             lead = [bos_token_id] * num_lead_bos
-            blocks = prefill_chunk(runner, pool, store.device.cache, lead + tokens, num_dropped=options.num_extra_bos)
+            blocks = prefill_chunk(runner, pool, cache, lead + tokens, num_dropped=options.num_extra_bos)
             kept = torch.tensor((lead + tokens)[options.num_extra_bos :], dtype=torch.long)
             info = ChunkInfo(cache_id=cid, token_ids=kept, options=options)
             stored_below = store.add(info, blocks, keep=keep)

@@ -27,6 +27,7 @@ def encode(tokenizer, value: TextOrTokens, *, what: str, vocab_size: int) -> lis
             f"e.g. value.decode('utf-8')) or a list of token ids"
         )
     if isinstance(value, str):
+        _check_encodable(value, what)
         return list(tokenizer(value, add_special_tokens=False)["input_ids"])
     if isinstance(value, torch.Tensor):
         if value.dim() != 1 or value.dtype.is_floating_point:
@@ -79,3 +80,19 @@ def encode_documents(tokenizer, docs: object, *, vocab_size: int) -> list[list[i
             raise InvalidInputError(f"document {i} ({_short(doc)}) has no tokens")
         lists.append(tokens)
     return lists
+
+
+def _check_encodable(text: str, what: str) -> None:
+    """Refuse text that is not valid Unicode (a lone surrogate, as ``"\\ud800"`` or a bad decode leaves):
+    tokenizers fail on it with errors that name nothing.
+
+    Raises:
+        InvalidInputError: naming the character and where it is.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidInputError(
+            f"{what} holds {text[exc.start]!r} at character {exc.start}, a lone surrogate that is not valid "
+            f"Unicode text; fix the text (e.g. decode its bytes with errors='replace')"
+        ) from None

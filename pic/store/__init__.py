@@ -1,9 +1,20 @@
 """Where compiled chunks live: the KV pool (device tier), CPU and Redis tiers behind a ``TieredStore``."""
 
+from pic.store.description import ChunkDescription
 from pic.store.device import DeviceTier
 from pic.store.lru import LruTier
 from pic.store.redis_tier import RedisTier
-from pic.store.tier import Tier, TierStats
+from pic.store.tier import Extent, LowerTier, Tier, TierStats
 from pic.store.tiered import TieredStore
 
-__all__ = ["DeviceTier", "LruTier", "RedisTier", "Tier", "TierStats", "TieredStore"]
+__all__ = [
+    "ChunkDescription",
+    "DeviceTier",
+    "Extent",
+    "LowerTier",
+    "LruTier",
+    "RedisTier",
+    "Tier",
+    "TierStats",
+    "TieredStore",
+]

@@ -68,22 +68,49 @@ class FleetLeases:
         namespace, fingerprint: the Redis tier's; leases and counters live under
             ``{namespace}:fleet:{fingerprint}:``.
         lease_s: how long a lease lives without renewal (a dead worker's chunks wait at most this).
+
+    Attributes:
         max_wait_s: the longest a worker waits on others' leases before compiling anyway.
     """
 
-    def __init__(
-        self, client, *, namespace: str, fingerprint: str, lease_s: float = 10.0, max_wait_s: float = 300.0
-    ) -> None:
+    max_wait_s: float = 300.0
+
+    def __init__(self, client, *, namespace: str, fingerprint: str, lease_s: float = 10.0) -> None:
         # Apart from the chunks' own keys (``{namespace}:{fingerprint}:{id}:...``), so that deleting or
         # sweeping an entry's keys never sees them.
         self._client, self._prefix = client, f"{namespace}:fleet:{fingerprint}:"
-        self.lease_ms, self.max_wait_s = max(1, int(lease_s * 1000)), max_wait_s
+        self.lease_ms = max(1, int(lease_s * 1000))
         self.token = uuid.uuid4().hex  # this worker's name on its leases
+
+    def compile_once(
+        self,
+        cache_ids: Sequence[str],
+        *,
+        has_chunk: Callable[[str], bool],
+        compile: Callable[[list[str]], Sequence[str]],
+    ) -> None:
+        """Have ``cache_ids`` compiled, each by one worker of the fleet: ``compile`` (called with the ids
+        whose leases this worker took, while it holds them; returns the ids it prefilled) runs here for
+        some, other workers' compiles land the rest. Returns once ``has_chunk`` holds for every id, or
+        after ``max_wait_s`` of waiting, having compiled the stragglers itself.
+
+        Never waits while holding leases: two workers each holding half and waiting on the other's half
+        would both wait out the leases, then both compile all.
+        """
+        pending = [cid for cid in dict.fromkeys(cache_ids) if not has_chunk(cid)]
+        waited = Backoff(deadline=time.monotonic() + self.max_wait_s)
+        while pending:
+            mine, pending = self._claim(pending, has_chunk=has_chunk, force=waited.expired)
+            if mine:
+                with self._held(mine):
+                    self._record_compiles(compile(mine))
+            if pending:
+                waited.sleep()
 
     def _lease(self, cache_id: str) -> str:
         return f"{self._prefix}lease:{cache_id}"
 
-    def claim(
+    def _claim(
         self, cache_ids: list[str], *, has_chunk: Callable[[str], bool], force: bool = False
     ) -> tuple[list[str], list[str]]:
         """Without waiting: the ids whose leases this worker took (it must compile them) and the ids other
@@ -102,10 +129,6 @@ class FleetLeases:
                         len(mine))  # fmt: skip
         return mine, others
 
-    def waiter(self) -> Backoff:
-        """A bounded backoff for waiting on other workers' leases (``max_wait_s`` in all)."""
-        return Backoff(deadline=time.monotonic() + self.max_wait_s)
-
     def _acquire(self, cache_id: str) -> bool:
         return bool(self._client.set(self._lease(cache_id), self.token, nx=True, px=self.lease_ms))
 
@@ -118,7 +141,7 @@ class FleetLeases:
             return True
 
     @contextlib.contextmanager
-    def held(self, cache_ids: list[str]) -> Iterator[None]:
+    def _held(self, cache_ids: list[str]) -> Iterator[None]:
         """Keep ``cache_ids``' leases alive while the block runs (a thread renews them every third of a
         lease), then release them."""
         stop = threading.Event()
@@ -139,7 +162,7 @@ class FleetLeases:
             for cache_id in cache_ids:
                 self._try(lambda c=cache_id: self._client.eval(_RENEW, 1, self._lease(c), self.token, self.lease_ms))
 
-    def record_compiles(self, cache_ids: Sequence[str]) -> None:
+    def _record_compiles(self, cache_ids: Sequence[str]) -> None:
         """Count this worker's prefills of ``cache_ids`` fleet-wide (a chunk marked compiled before is a
         duplicate)."""
         for cache_id in cache_ids:

@@ -1,4 +1,4 @@
-"""In-process tiers (device, CPU): a byte-bounded LRU of chunks, with pinning."""
+"""The CPU tier: a byte-bounded LRU of chunks in process memory, with pinning."""
 
 from __future__ import annotations
 
@@ -9,15 +9,16 @@ from collections.abc import Collection
 import torch
 
 from pic.kv import ChunkKV
-from pic.store.tier import TierStats
+from pic.store.lease import FleetLeases
+from pic.store.tier import Extent, TierStats
+
+_CPU = torch.device("cpu")
 
 
 class LruTier:
-    """Chunks in process memory on one device, least recently used evicted first.
+    """Chunks in CPU memory, least recently used evicted first.
 
     Args:
-        name: ``"device"`` or ``"cpu"``.
-        device: where the chunks' K and V are kept.
         capacity_bytes: bytes of K and V it may hold; ``None``: unbounded.
         pin: keep CPU tensors page-locked (so copies to a GPU can be asynchronous).
 
@@ -26,13 +27,18 @@ class LruTier:
     nothing is evicted.
     """
 
-    def __init__(
-        self, name: str, *, device: torch.device, capacity_bytes: int | None = None, pin: bool = False
-    ) -> None:
-        self.name, self.device, self.capacity_bytes, self._pin = name, device, capacity_bytes, pin
+    name = "cpu"
+
+    def __init__(self, *, capacity_bytes: int | None = None, pin: bool = False) -> None:
+        self.capacity_bytes, self._pin = capacity_bytes, pin
         self._chunks: OrderedDict[str, ChunkKV] = OrderedDict()  # least recently used first
         self._pinned: set[str] = set()
-        self._stats = TierStats(name=name, capacity_bytes=capacity_bytes)
+        self._stats = TierStats(name=self.name, capacity_bytes=capacity_bytes)
+
+    @property
+    def last_error(self) -> str | None:
+        """Always ``None``: process memory does not fail."""
+        return None
 
     def get(self, cache_id: str) -> ChunkKV | None:
         chunk = self._chunks.get(cache_id)
@@ -46,6 +52,10 @@ class LruTier:
     def peek(self, cache_id: str) -> ChunkKV | None:
         """The chunk without counting a hit or making it recently used."""
         return self._chunks.get(cache_id)
+
+    def extent(self, cache_id: str) -> Extent | None:
+        chunk = self._chunks.get(cache_id)
+        return None if chunk is None else Extent(chunk.num_tokens, chunk.num_bytes)
 
     def can_fit(self, num_bytes: int, *, keep: Collection[str] = ()) -> bool:
         """Whether ``num_bytes`` fit after evicting every chunk that is neither pinned nor in ``keep``."""
@@ -63,7 +73,7 @@ class LruTier:
         if not self.can_fit(chunk.num_bytes, keep=keep):
             return False
         self._evict_for(chunk.num_bytes, keep=keep)
-        self._chunks[chunk.cache_id] = chunk.to(self.device, pin=self._pin, non_blocking=True)
+        self._chunks[chunk.cache_id] = chunk.to(_CPU, pin=self._pin, non_blocking=True)
         self._stats.num_bytes += chunk.num_bytes
         return True
 
@@ -99,11 +109,12 @@ class LruTier:
     def unpin(self, cache_id: str) -> None:
         self._pinned.discard(cache_id)
 
-    def is_pinned(self, cache_id: str) -> bool:
-        return cache_id in self._pinned
-
     def ids(self) -> list[str]:
         return list(self._chunks)
 
     def stats(self) -> TierStats:
         return dataclasses.replace(self._stats, num_entries=len(self._chunks))
+
+    def leases(self, lease_s: float) -> FleetLeases | None:
+        """``None``: this memory is the process's alone."""
+        return None

@@ -8,33 +8,22 @@
   listed sentinels name for ``service_name``; after a failover the client finds the new master by itself.
   The password is sent to the sentinels and to the data nodes alike.
 
-A password is URL-quoted (``quote(pw, safe='')``), so it may hold ``:``, ``/`` and ``@``.
+A password is URL-quoted (``quote(pw, safe='')``), so it may hold ``:``, ``/`` and ``@``. Parsing and
+masking live in ``pic.redis_url`` (no redis import there).
 """
 
 from __future__ import annotations
 
 import functools
-import re
 from collections.abc import Callable
 from typing import Any
-from urllib.parse import unquote
 
 import redis
 from redis.cluster import ClusterNode, LoadBalancingStrategy, RedisCluster
 from redis.exceptions import RedisClusterException
 from redis.sentinel import Sentinel
 
-from pic.errors import InvalidInputError
-
-CLUSTER, SENTINEL = "redis-cluster", "redis-sentinel"
-_HOST_PORT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):([0-9]{1,5})$")
-_SERVICE = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
-
-
-def redact(url: str) -> str:
-    """The URL without its password (``redis://user:***@host:6379/0``): safe in logs and errors."""
-    url = re.sub(r"(?<=://)([^:@/]*):[^@/]*@", r"\1:***@", url)
-    return re.sub(r"(?<=[?&]password=)[^&]*", "***", url)
+from pic.redis_url import CLUSTER, SENTINEL, parse
 
 
 def connect(url: str, *, timeout_s: float, read_from_replicas: bool = False) -> Any:
@@ -52,54 +41,18 @@ def connect(url: str, *, timeout_s: float, read_from_replicas: bool = False) -> 
     scheme = url.partition("://")[0]
     if scheme not in (CLUSTER, SENTINEL):
         return redis.Redis.from_url(url, **timeouts)
-    user, password, nodes, service = parse(url)
-    auth = {"username": user, "password": password}
+    parsed = parse(url)
+    auth = {"username": parsed.user, "password": parsed.password}
     if scheme == CLUSTER:
-        startup = [ClusterNode(host, port) for host, port in nodes]
+        startup = [ClusterNode(host, port) for host, port in parsed.nodes]
         strategy = LoadBalancingStrategy.ROUND_ROBIN if read_from_replicas else None
         return _LazyCluster(
             lambda: RedisCluster(startup_nodes=startup, load_balancing_strategy=strategy, **auth, **timeouts)
         )
-    sentinel_kwargs = {**auth, **timeouts} if password is not None else dict(timeouts)
-    sentinel = Sentinel(nodes, sentinel_kwargs=sentinel_kwargs, **auth, **timeouts)
-    master = sentinel.master_for(service)
-    return _ReplicaReads(master, sentinel.slave_for(service)) if read_from_replicas else master
-
-
-def parse(url: str) -> tuple[str | None, str | None, list[tuple[str, int]], str | None]:
-    """``(user, password, [(host, port), ...], service)`` of a ``redis-cluster://`` or
-    ``redis-sentinel://`` URL; ``service`` is ``None`` for a cluster.
-
-    Raises:
-        InvalidInputError: not one of the two forms, or a part of it is malformed.
-    """
-    scheme, sep, rest = url.partition("://")
-    if not sep or scheme not in (CLUSTER, SENTINEL):
-        raise _bad(url, f"the scheme is not {CLUSTER}:// or {SENTINEL}://")
-    auth, at, rest = rest.rpartition("@")
-    user = password = None
-    if at:
-        name, colon, secret = auth.partition(":")
-        if not colon:  # "secret@" may be a password put where the user goes: mask it all
-            raise _bad(f"{scheme}://***@{rest}", "credentials are [user]:password@ (URL-quoted)")
-        user, password = (unquote(name) or None), unquote(secret)
-    hosts, slash, service = rest.partition("/")
-    if scheme == CLUSTER and (slash and service):
-        raise _bad(url, "a cluster URL has no path (no database or service name)")
-    if scheme == SENTINEL and not _SERVICE.match(service):
-        raise _bad(url, "a sentinel URL ends in /service_name (letters, digits, '_', '.', '-')")
-    return user, password, [_host_port(url, h) for h in hosts.split(",")], (service if scheme == SENTINEL else None)
-
-
-def _host_port(url: str, text: str) -> tuple[str, int]:
-    found = _HOST_PORT.match(text)
-    if not found or not 0 < int(found[2]) < 65536:
-        raise _bad(url, f"{text!r} is not host:port")
-    return found[1].strip("[]"), int(found[2])
-
-
-def _bad(url: str, why: str) -> InvalidInputError:
-    return InvalidInputError(f"bad Redis URL {redact(url)!r}: {why}")
+    sentinel_kwargs = {**auth, **timeouts} if parsed.password is not None else dict(timeouts)
+    sentinel = Sentinel(parsed.nodes, sentinel_kwargs=sentinel_kwargs, **auth, **timeouts)
+    master = sentinel.master_for(parsed.service)
+    return _ReplicaReads(master, sentinel.slave_for(parsed.service)) if read_from_replicas else master
 
 
 class _ReplicaReads:

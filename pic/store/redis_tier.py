@@ -17,9 +17,11 @@ import redis
 
 from pic.errors import StoreUnavailableError
 from pic.kv import ChunkKV
+from pic.redis_url import redact
 from pic.store import serde
-from pic.store.redis_client import connect, redact
-from pic.store.tier import TierStats
+from pic.store.lease import FleetLeases
+from pic.store.redis_client import connect
+from pic.store.tier import Extent, TierStats
 
 log = logging.getLogger("pic.store")
 _DROP_BATCH = 64
@@ -31,7 +33,7 @@ class RedisTier:
     Args:
         url: ``redis://[[user]:password@]host:port/db``, ``rediss://...``, ``unix:///path.sock``,
             ``redis-cluster://[:password@]host:port[,host:port...]`` or
-            ``redis-sentinel://[:password@]host:port[,host:port...]/service_name`` (``pic.store.redis_client``).
+            ``redis-sentinel://[:password@]host:port[,host:port...]/service_name`` (``pic.redis_url``).
         expected: what this engine's chunks look like (fingerprint, shape, dtype).
         on_error: ``"raise"``: an unreachable server raises ``StoreUnavailableError`` naming the URL;
             ``"miss"``: it is logged, counted and treated as a miss (``put`` then stores nothing).
@@ -66,8 +68,13 @@ class RedisTier:
         self.namespace, self.fingerprint = namespace, expected.fingerprint
         self._prefix = f"{namespace}:{expected.fingerprint}:"
         self._stats = TierStats(name=self.name)
-        self.last_error: str | None = None  # why the latest call failed, for error messages upstream
+        self._last_error: str | None = None
         self._parts_ttl_ms = max(1, round(parts_ttl_s * 1000))  # parts expire unless their metadata lands
+
+    @property
+    def last_error(self) -> str | None:
+        """Why the latest call failed (the URL masked), for error messages upstream; ``None`` if it did not."""
+        return self._last_error
 
     def _key(self, cache_id: str, part: int | None = None) -> str:
         return f"{self._prefix}{cache_id}:meta" if part is None else f"{self._prefix}{cache_id}:part:{part}"
@@ -94,6 +101,24 @@ class RedisTier:
             self._stats.hits += 1
             return chunk
         return None  # the server failed and on_error == "miss"
+
+    def extent(self, cache_id: str) -> Extent | None:
+        """The chunk's size from its metadata record alone (one GET of a few bytes per token; no part is
+        read). A damaged or foreign record is a miss here, left for ``get`` to drop."""
+        with self._guard():
+            raw = self._client.get(self._key(cache_id))
+            if raw is None:
+                return None
+            try:
+                meta = serde.parse_meta(raw, cache_id=cache_id, expected=self._expected)
+            except serde.CorruptEntryError:
+                return None
+            return Extent(len(meta.token_ids), 2 * meta.tensor_bytes)
+        return None  # the server failed and on_error == "miss"
+
+    def peek(self, cache_id: str) -> ChunkKV | None:
+        """``None``: the chunk is on the server, and reading it is a download (``get``)."""
+        return None
 
     def _check_part_sizes(self, cache_id: str, meta: serde.Meta) -> None:
         """Raise ``CorruptEntryError`` unless every part is there with its exact size. A missing part
@@ -177,6 +202,17 @@ class RedisTier:
                 return existed
             start += _DROP_BATCH
 
+    def pin(self, cache_id: str) -> bool:
+        """``False``: Redis evicts by its own policy, which pic cannot steer."""
+        return False
+
+    def unpin(self, cache_id: str) -> None:
+        """Nothing to undo (see ``pin``)."""
+
+    def leases(self, lease_s: float) -> FleetLeases:
+        """Compile-once leases and fleet counters beside this tier's chunks (see ``pic.store.lease``)."""
+        return FleetLeases(self._client, namespace=self.namespace, fingerprint=self.fingerprint, lease_s=lease_s)
+
     def ids(self) -> list[str]:
         """Ids with metadata on the server (a cluster client scans every master)."""
         with self._guard():
@@ -212,17 +248,17 @@ class _Guard:
         self._tier = tier
 
     def __enter__(self) -> None:
-        self._tier.last_error = None
+        self._tier._last_error = None
 
     def __exit__(self, kind, exc, tb) -> bool:
         if exc is None or not isinstance(exc, redis.RedisError):
             return False
         tier = self._tier
-        tier.last_error = f"Redis at {tier.url} failed: {type(exc).__name__}: {exc}"
+        tier._last_error = f"Redis at {tier.url} failed: {type(exc).__name__}: {exc}"
         tier._stats.errors += 1
         if tier._on_error == "raise":
-            raise StoreUnavailableError(tier.last_error) from exc
-        log.warning("pic: %s; serving from the upper tiers", tier.last_error)
+            raise StoreUnavailableError(tier._last_error) from exc
+        log.warning("pic: %s; serving from the upper tiers", tier._last_error)
         return True
 
 

@@ -23,8 +23,8 @@ import torch
 import xxhash
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from pic.compile.ids import KV_FORMAT_VERSION, chunk_id
 from pic.config import CompileOptions
+from pic.ids import KV_FORMAT_VERSION, chunk_id
 from pic.kv import ChunkKV
 
 _MAX_META_BYTES = 16 * 2**20

@@ -20,7 +20,8 @@ import msgpack
 import redis
 
 from pic.errors import StoreUnavailableError
-from pic.store.redis_client import connect, redact
+from pic.redis_url import redact
+from pic.store.redis_client import connect
 
 _BATCH = 512
 

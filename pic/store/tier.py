@@ -1,4 +1,14 @@
-"""The tier protocol: one level of the chunk store (device, CPU, Redis)."""
+"""The tier protocol: one level of the chunk store (the KV pool's resident chunks, CPU, Redis).
+
+Every tier answers the same questions (does it hold a chunk, what size is it, pin it, why did the last
+call fail, does it carry the fleet's leases), so ``TieredStore`` walks its tiers without asking which
+kind each one is. A tier answers "no" where a question means nothing to it: Redis pins nothing, the
+in-process tiers never fail and carry no leases.
+
+The lower tiers (CPU, Redis) hold a chunk as a ``ChunkKV`` (``LowerTier``: get, put, can_fit); the
+device tier holds it as canonical blocks of the pool, which the store adds and promotes through
+``DeviceTier``'s own methods.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +17,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from pic.kv import ChunkKV
+from pic.store.lease import FleetLeases
 
 
 @dataclass
@@ -33,11 +44,58 @@ class TierStats:
     errors: int = 0
 
 
+@dataclass(frozen=True)
+class Extent:
+    """A chunk as one tier holds it, told without reading its KV.
+
+    Attributes:
+        num_tokens: tokens the chunk contributes to a linked prompt.
+        num_bytes: bytes of its K and V together.
+    """
+
+    num_tokens: int
+    num_bytes: int
+
+
 class Tier(Protocol):
-    """A place chunks live. ``get`` returns the chunk in the tier's own memory; the ``TieredStore``
-    moves it to the device."""
+    """What ``TieredStore`` asks of every tier."""
 
     name: str
+
+    @property
+    def last_error(self) -> str | None:
+        """Why the latest call failed (for error messages upstream); ``None`` when it did not."""
+
+    def contains(self, cache_id: str) -> bool: ...
+
+    def extent(self, cache_id: str) -> Extent | None:
+        """The chunk's size from metadata alone (never its KV), or ``None`` when the tier lacks it;
+        counts no hit or miss."""
+
+    def peek(self, cache_id: str) -> ChunkKV | None:
+        """The chunk's KV if this process holds it (a copy out of the pool for the device tier), without
+        counting a hit or making it recently used; ``None`` otherwise, and always for a remote tier
+        (reading it there is a download: ``get``)."""
+
+    def delete(self, cache_id: str) -> bool:
+        """Remove the chunk; ``True`` if it was there."""
+
+    def pin(self, cache_id: str) -> bool:
+        """Never evict the chunk; ``False`` if the tier does not hold it or does not evict by pin (Redis)."""
+
+    def unpin(self, cache_id: str) -> None: ...
+
+    def ids(self) -> list[str]: ...
+
+    def stats(self) -> TierStats: ...
+
+    def leases(self, lease_s: float) -> FleetLeases | None:
+        """The fleet's compile leases, kept where this tier's chunks are shared (``None``: not shared)."""
+
+
+class LowerTier(Tier, Protocol):
+    """A tier below the pool: it holds chunks as ``ChunkKV`` in its own memory. The ``TieredStore``
+    moves a chunk from it to the device."""
 
     def get(self, cache_id: str) -> ChunkKV | None:
         """The chunk, or ``None`` (a miss)."""
@@ -48,12 +106,3 @@ class Tier(Protocol):
 
     def can_fit(self, num_bytes: int, *, keep: Collection[str] = ()) -> bool:
         """Whether ``num_bytes`` more would fit without evicting pinned chunks or those in ``keep``."""
-
-    def contains(self, cache_id: str) -> bool: ...
-
-    def delete(self, cache_id: str) -> bool:
-        """Remove the chunk; ``True`` if it was there."""
-
-    def ids(self) -> list[str]: ...
-
-    def stats(self) -> TierStats: ...

@@ -6,39 +6,26 @@ only in a lower tier comes back as a ``ChunkKV`` for the linker to promote into 
 promoted into the lower tiers above the one that had it (Redis -> CPU). The CPU tier is a byte-bounded
 LRU; the pool evicts unreferenced chunks when it needs blocks. A chunk evicted from one tier stays in
 the tiers below. Pinned chunks are never evicted.
+
+Every tier answers the same protocol (``pic.store.tier``), so the store never asks which kind a tier
+is. It is not thread-safe: the engine's owner thread is its only caller.
 """
 
 from __future__ import annotations
 
 import functools
-import threading
-from collections.abc import Callable, Collection
-from typing import TypeVar
-
-import torch
+from collections.abc import Collection
 
 from pic.config import StoreConfig
 from pic.errors import UnknownCacheIdError
 from pic.kv import ChunkInfo, ChunkKV
 from pic.store import serde
+from pic.store.description import ChunkDescription
 from pic.store.device import DeviceTier
 from pic.store.lease import FleetLeases
 from pic.store.lru import LruTier
 from pic.store.redis_tier import RedisTier
-from pic.store.tier import Tier, TierStats
-
-_Method = TypeVar("_Method", bound=Callable)
-
-
-def _locked(method: _Method) -> _Method:
-    """Run the method holding the store's lock (the engine's, so store calls and links never interleave)."""
-
-    @functools.wraps(method)
-    def run(self: TieredStore, *args, **kwargs):
-        with self.lock:
-            return method(self, *args, **kwargs)
-
-    return run  # type: ignore[return-value]
+from pic.store.tier import LowerTier, Tier, TierStats
 
 
 class TieredStore:
@@ -46,34 +33,23 @@ class TieredStore:
 
     Args:
         device: the KV pool's resident chunks.
-        lower: ``LruTier`` CPU and/or ``RedisTier``, fastest first (may be empty).
-        lock: serializes every call (default: a lock of its own); the engine passes its own lock.
-        lease_s: the fleet's compile leases' life in the Redis tier (``StoreConfig.redis_lease_s``).
+        lower: the CPU and/or Redis tiers, fastest first (may be empty).
+        lease_s: the fleet's compile leases' life in a shared tier (``StoreConfig.redis_lease_s``).
     """
 
-    def __init__(
-        self, device: DeviceTier, lower: list[Tier], *, lock: threading.RLock | None = None, lease_s: float = 10.0
-    ) -> None:
+    def __init__(self, device: DeviceTier, lower: list[LowerTier], *, lease_s: float = 10.0) -> None:
         self.device, self.lower, self._lease_s = device, lower, lease_s
-        self.tiers: list[Tier | DeviceTier] = [device, *lower]
-        self.lock = lock or threading.RLock()
+        self.tiers: list[Tier] = [device, *lower]
         self._pinned: set[str] = set()
 
     @classmethod
-    def from_config(
-        cls,
-        config: StoreConfig,
-        *,
-        device: DeviceTier,
-        expected: serde.Expected,
-        lock: threading.RLock | None = None,
-    ) -> TieredStore:
+    def from_config(cls, config: StoreConfig, *, device: DeviceTier, expected: serde.Expected) -> TieredStore:
         # Page-locked CPU memory only for an engine on CUDA: its copies to the pool can then be asynchronous.
         # (Pinning for a CPU engine on a machine that has a GPU would lock host memory for nothing.)
-        pin = device.cache.device.type == "cuda"
-        lower: list[Tier] = []
+        pin = device.kv_device.type == "cuda"
+        lower: list[LowerTier] = []
         if config.cpu_bytes != 0:
-            lower.append(LruTier("cpu", device=torch.device("cpu"), capacity_bytes=config.cpu_bytes, pin=pin))
+            lower.append(LruTier(capacity_bytes=config.cpu_bytes, pin=pin))
         if config.redis_url is not None:
             redis = RedisTier(
                 config.redis_url,
@@ -87,9 +63,8 @@ class TieredStore:
                 read_from_replicas=config.redis_read_from_replicas,
             )
             lower.append(redis)
-        return cls(device, lower, lock=lock, lease_s=config.redis_lease_s)
+        return cls(device, lower, lease_s=config.redis_lease_s)
 
-    @_locked
     def add(self, info: ChunkInfo, block_ids: list[int], *, keep: Collection[str] = ()) -> bool:
         """Make a chunk prefilled into ``block_ids`` resident and write it through to the lower tiers,
         lowest first (the shared copy exists before the local ones).
@@ -108,11 +83,10 @@ class TieredStore:
             self.device.pin(info.cache_id)
         if not self.lower:
             return False
-        chunk = self.device.read(info.cache_id)
+        chunk = self.device.peek(info.cache_id)
         assert chunk is not None
         return any([tier.put(chunk, keep=keep) for tier in reversed(self.lower)])
 
-    @_locked
     def promote(self, chunk: ChunkKV) -> list[int]:
         """Load a chunk that ``resolve`` found in a lower tier into fresh canonical blocks of the pool
         (resident, pinned if it was pinned); returns its blocks, held once for the caller."""
@@ -121,12 +95,10 @@ class TieredStore:
             self.device.pin(chunk.cache_id)
         return blocks
 
-    @_locked
     def lower_can_fit(self, num_bytes: int, *, keep: Collection[str] = ()) -> bool:
         """Whether a lower tier can take ``num_bytes`` more without evicting pinned chunks or ``keep``."""
         return any(t.can_fit(num_bytes, keep=keep) for t in self.lower)
 
-    @_locked
     def resolve(self, cache_id: str) -> ChunkInfo | ChunkKV:
         """A resident chunk's ``ChunkInfo``, or the ``ChunkKV`` of a chunk only a lower tier holds (in
         that tier's memory; the linker promotes it into the pool).
@@ -141,8 +113,31 @@ class TieredStore:
         chunk = self._get_lower(cache_id) if isinstance(cache_id, str) else None
         if chunk is not None:
             return chunk
-        failures = [t.last_error for t in self.lower if getattr(t, "last_error", None)]
-        raise UnknownCacheIdError(
+        raise self._unknown(cache_id)
+
+    def describe(self, cache_id: str) -> ChunkDescription:
+        """What the tiers know of ``cache_id`` from metadata alone: no KV is read, nothing is promoted
+        and no hit or miss is counted (a Redis-only chunk costs one small GET, not a download).
+
+        Raises:
+            UnknownCacheIdError: no tier holds it (as ``resolve``).
+            StoreUnavailableError: Redis failed (``on_redis_error="raise"``).
+        """
+        found = [(t.name, t.extent(cache_id)) for t in self.tiers] if isinstance(cache_id, str) else []
+        held = [(name, extent) for name, extent in found if extent is not None]
+        if not held:
+            raise self._unknown(cache_id)
+        first = held[0][1]
+        return ChunkDescription(
+            cache_id=cache_id,
+            tiers=tuple(name for name, _ in held),
+            num_tokens=first.num_tokens,
+            num_bytes=first.num_bytes,
+        )
+
+    def _unknown(self, cache_id: object) -> UnknownCacheIdError:
+        failures = [t.last_error for t in self.tiers if t.last_error]
+        return UnknownCacheIdError(
             f"unknown cache id {cache_id!r}: in no tier ({', '.join(t.name for t in self.tiers)}); "
             + (f"{'; '.join(failures)}; " if failures else "")
             + "compile its document first (an evicted chunk compiles again)"
@@ -154,34 +149,31 @@ class TieredStore:
             chunk = tier.get(cache_id)
             if chunk is not None:
                 for upper in reversed(self.lower[:level]):
-                    if upper.put(chunk) and isinstance(upper, LruTier):
+                    if upper.put(chunk):
                         chunk = upper.peek(cache_id) or chunk  # the copy nearest the device
                         if cache_id in self._pinned:
                             upper.pin(cache_id)
                 return chunk
         return None
 
-    @_locked
     def get(self, cache_id: str) -> ChunkKV | None:
         """The chunk's KV from the fastest tier that holds it (a copy out of the pool for the device
         tier), on the engine's device, without promoting it; ``None`` when no tier does."""
-        chunk = self.device.read(cache_id)
+        chunk = self.device.peek(cache_id)
         if chunk is None:
             chunk = next((c for c in (t.get(cache_id) for t in self.lower) if c is not None), None)
-        return None if chunk is None else chunk.to(self.device.cache.device)
+        return None if chunk is None else chunk.to(self.device.kv_device)
 
-    @_locked
     def contains(self, cache_id: str) -> bool:
         return any(tier.contains(cache_id) for tier in self.tiers)
 
-    @_locked
     def lookup(self, cache_id: str) -> list[str]:
         """Names of the tiers that hold ``cache_id``, fastest first."""
         return [tier.name for tier in self.tiers if tier.contains(cache_id)]
 
-    @_locked
     def pin(self, cache_id: str) -> None:
-        """Never evict ``cache_id`` from the pool and the CPU tier (also once promoted into them).
+        """Never evict ``cache_id`` from the tiers that evict (the pool, the CPU tier), also once promoted
+        into them.
 
         Raises:
             UnknownCacheIdError: no tier holds it.
@@ -189,42 +181,29 @@ class TieredStore:
         if not self.contains(cache_id):
             raise UnknownCacheIdError(f"cannot pin unknown cache id {cache_id!r}")
         self._pinned.add(cache_id)
-        for tier in self._pinnable():
+        for tier in self.tiers:
             tier.pin(cache_id)
 
-    @_locked
     def unpin(self, cache_id: str) -> None:
         self._pinned.discard(cache_id)
-        for tier in self._pinnable():
+        for tier in self.tiers:
             tier.unpin(cache_id)
 
-    def is_pinned(self, cache_id: str) -> bool:
-        return cache_id in self._pinned
-
-    @_locked
     def expire(self, cache_id: str) -> bool:
         """Remove ``cache_id`` from every tier (pinned or not); ``True`` if any held it. Live requests
         that link it keep its blocks until they are released."""
         self._pinned.discard(cache_id)
         return any([tier.delete(cache_id) for tier in self.tiers])
 
-    @_locked
     def ids(self) -> list[str]:
         """Every cache id in any tier."""
         return sorted({cid for tier in self.tiers for cid in tier.ids()})
 
-    @_locked
     def stats(self) -> list[TierStats]:
         """One snapshot per tier, fastest first."""
         return [tier.stats() for tier in self.tiers]
 
     @functools.cached_property
     def fleet(self) -> FleetLeases | None:
-        """Compile-once leases and fleet counters in the Redis tier (``None`` without one)."""
-        tier = next((t for t in self.lower if isinstance(t, RedisTier)), None)
-        if tier is None:
-            return None
-        return FleetLeases(tier._client, namespace=tier.namespace, fingerprint=tier.fingerprint, lease_s=self._lease_s)
-
-    def _pinnable(self) -> list[DeviceTier | LruTier]:
-        return [self.device, *(t for t in self.lower if isinstance(t, LruTier))]
+        """Compile-once leases and fleet counters in the shared tier (``None`` without one)."""
+        return next((f for f in (t.leases(self._lease_s) for t in self.tiers) if f is not None), None)

