@@ -1,100 +1,127 @@
-"""``GET /metrics``: Prometheus text exposition (format 0.0.4), without a client library.
+"""``GET /metrics``: Prometheus exposition through ``prometheus_client``.
 
-Counters and histograms are updated on the event loop's thread only (handlers and the engine task), so
-they need no lock; store and KV-pool figures are read when scraped.
+Each ``Metrics`` has its own ``CollectorRegistry``, never the process-wide default one, so that many apps
+in one process (tests build many) neither collide on names nor share counts. Request, timing and token
+metrics are updated as events happen; store, KV-pool and engine figures are the engine's, read once per
+scrape from a snapshot callable, because only the engine's owner thread may look at its state.
 """
 
 from __future__ import annotations
 
-import bisect
-from collections import Counter
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from pic.kv import KVStats
-from pic.link.generate import Generation
 from pic.store.tier import TierStats
+
+if TYPE_CHECKING:
+    from pic import Generation
 
 # Seconds: TTFT and link times from a millisecond to a minute.
 BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TOKEN_KINDS = ("prompt", "reused", "recomputed", "generated")
+CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
-@dataclass
-class Histogram:
-    """Cumulative-bucket histogram (``le`` buckets, ``+Inf`` implied)."""
+@dataclass(frozen=True)
+class EngineFigures:
+    """What a scrape reads from the engine, taken at once so the figures agree with each other.
 
-    counts: list[int] = field(default_factory=lambda: [0] * len(BUCKETS))
-    total: float = 0.0
-    num: int = 0
+    Attributes:
+        tiers: the store's tiers (``TieredStore.stats()``).
+        kv: the KV block pool.
+        num_steps / num_batched_seqs: the engine's forwards and the sequences they carried (their ratio is
+            the mean batch).
+    """
 
-    def observe(self, value: float) -> None:
-        index = bisect.bisect_left(BUCKETS, value)
-        if index < len(BUCKETS):
-            self.counts[index] += 1
-        self.total += value
-        self.num += 1
-
-    def lines(self, name: str) -> list[str]:
-        out, running = [f"# TYPE {name} histogram"], 0
-        for bound, count in zip(BUCKETS, self.counts, strict=True):
-            running += count
-            out.append(f'{name}_bucket{{le="{bound}"}} {running}')
-        out += [f'{name}_bucket{{le="+Inf"}} {self.num}', f"{name}_sum {self.total}", f"{name}_count {self.num}"]
-        return out
+    tiers: tuple[TierStats, ...]
+    kv: KVStats
+    num_steps: int
+    num_batched_seqs: int
 
 
-@dataclass
+class EngineCollector(Collector):
+    """Scrape-time store, KV-pool and engine figures; ``figures`` is called once per ``collect()``."""
+
+    def __init__(self, figures: Callable[[], EngineFigures]) -> None:
+        self.figures = figures
+
+    def describe(self) -> Iterator[Metric]:
+        """The names alone, so registering checks them without asking the engine."""
+        return self._families(None)
+
+    def collect(self) -> Iterator[Metric]:
+        return self._families(self.figures())
+
+    @staticmethod
+    def _families(figures: EngineFigures | None) -> Iterator[Metric]:
+        for name, attr, family, doc in (
+            ("pic_store_hits", "hits", CounterMetricFamily, "Store gets that found the chunk."),
+            ("pic_store_misses", "misses", CounterMetricFamily, "Store gets that did not find the chunk."),
+            ("pic_store_entries", "num_entries", GaugeMetricFamily, "Chunks the tier holds."),
+            ("pic_store_bytes", "num_bytes", GaugeMetricFamily, "Bytes of K and V the tier holds."),
+        ):
+            metric = family(name, doc, labels=["tier"])
+            for tier in figures.tiers if figures else ():
+                metric.add_metric([tier.name], getattr(tier, attr))
+            yield metric
+        blocks = GaugeMetricFamily("pic_kv_blocks", "KV pool blocks by state.", labels=["state"])
+        if figures:
+            kv = figures.kv
+            for state, value in (
+                ("total", kv.num_blocks), ("used", kv.num_used_blocks), ("free", kv.num_free_blocks),
+                ("chunk", kv.num_chunk_blocks), ("private", kv.num_private_blocks),
+                ("shared_refs", kv.num_shared_block_refs),
+            ):  # fmt: skip
+                blocks.add_metric([state], value)
+        yield blocks
+        steps, seqs = (figures.num_steps, figures.num_batched_seqs) if figures else (None, None)
+        yield CounterMetricFamily("pic_engine_steps", "Engine forward steps.", value=steps)
+        yield CounterMetricFamily("pic_engine_batched_seqs", "Sequences carried by engine steps.", value=seqs)
+
+
 class Metrics:
-    """What the server counts: HTTP requests by route and status, per-generation timings and tokens."""
+    """What the server counts: HTTP requests by route and status, per-generation timings and tokens, and
+    the engine's figures at scrape time. Thread-safe (``prometheus_client`` locks its values), so
+    ``render`` may run in a worker thread while the event loop keeps counting."""
 
-    requests: Counter = field(default_factory=Counter)  # (route, status) -> count
-    ttft: Histogram = field(default_factory=Histogram)
-    link: Histogram = field(default_factory=Histogram)
-    tokens: Counter = field(default_factory=Counter)  # "reused" / "recomputed" / "generated" / "prompt"
+    def __init__(self, figures: Callable[[], EngineFigures]) -> None:
+        self.registry = CollectorRegistry()
+        # prometheus_client appends ``_total`` to counter names: these expose pic_http_requests_total etc.
+        self.requests = Counter(
+            "pic_http_requests", "HTTP responses by route template and status.", ["route", "status"],
+            registry=self.registry,
+        )  # fmt: skip
+        self.ttft = Histogram("pic_ttft_seconds", "Time to first token.", buckets=BUCKETS, registry=self.registry)
+        self.link = Histogram("pic_link_seconds", "Link time.", buckets=BUCKETS, registry=self.registry)
+        self.tokens = Counter("pic_tokens", "Tokens by kind.", ["kind"], registry=self.registry)
+        for kind in TOKEN_KINDS:
+            self.tokens.labels(kind)  # present at 0 before the first generation
+        self.registry.register(EngineCollector(figures))
 
     def request(self, route: str, status: int) -> None:
-        self.requests[(route, status)] += 1
+        self.requests.labels(route, str(status)).inc()
 
     def generation(self, generation: Generation) -> None:
         stats = generation.stats
         self.ttft.observe(stats.ttft_s)
         self.link.observe(stats.link_s)
-        self.tokens.update(
-            reused=stats.num_reused_tokens,
-            recomputed=stats.num_recomputed_tokens,
-            generated=stats.num_generated_tokens,
-            prompt=stats.num_prompt_tokens,
-        )
-
-    def render(self, *, tiers: list[TierStats], kv: KVStats, num_steps: int, num_batched_seqs: int) -> str:
-        """The exposition text; ``num_steps`` / ``num_batched_seqs``: the engine's forwards and the
-        sequences they carried (their ratio is the mean batch)."""
-        lines = ["# TYPE pic_http_requests_total counter"]
-        lines += [
-            f'pic_http_requests_total{{route="{r}",status="{s}"}} {n}' for (r, s), n in sorted(self.requests.items())
-        ]
-        lines += self.ttft.lines("pic_ttft_seconds") + self.link.lines("pic_link_seconds")
-        lines.append("# TYPE pic_tokens_total counter")
-        lines += [
-            f'pic_tokens_total{{kind="{k}"}} {self.tokens[k]}' for k in ("prompt", "reused", "recomputed", "generated")
-        ]
-        for metric, attr, kind in (
-            ("pic_store_hits_total", "hits", "counter"),
-            ("pic_store_misses_total", "misses", "counter"),
-            ("pic_store_entries", "num_entries", "gauge"),
-            ("pic_store_bytes", "num_bytes", "gauge"),
+        for kind, num in zip(
+            TOKEN_KINDS,
+            (stats.num_prompt_tokens, stats.num_reused_tokens, stats.num_recomputed_tokens, stats.num_generated_tokens),
+            strict=True,
         ):
-            lines.append(f"# TYPE {metric} {kind}")
-            lines += [f'{metric}{{tier="{t.name}"}} {getattr(t, attr)}' for t in tiers]
-        lines.append("# TYPE pic_kv_blocks gauge")
-        for state, value in (
-            ("total", kv.num_blocks), ("used", kv.num_used_blocks), ("free", kv.num_free_blocks),
-            ("chunk", kv.num_chunk_blocks), ("private", kv.num_private_blocks),
-            ("shared_refs", kv.num_shared_block_refs),
-        ):  # fmt: skip
-            lines.append(f'pic_kv_blocks{{state="{state}"}} {value}')
-        lines += ["# TYPE pic_engine_steps_total counter", f"pic_engine_steps_total {num_steps}"]
-        lines += ["# TYPE pic_engine_batched_seqs_total counter", f"pic_engine_batched_seqs_total {num_batched_seqs}"]
-        return "\n".join(lines) + "\n"
+            self.tokens.labels(kind).inc(num)
+
+    def render(self) -> bytes:
+        """The exposition (``CONTENT_TYPE``). Blocks while the engine answers its snapshot: call it from a
+        worker thread, not the event loop."""
+        return generate_latest(self.registry)
 
 
 class RequestCounter:
