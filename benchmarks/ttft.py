@@ -206,7 +206,7 @@ def main() -> None:
     args = parse_args()
     start = time.perf_counter()
     model, engine, docs, ids = build(args)
-    backend = engine.runner.attention_backend.value
+    backend = engine.attention_backend
     print(f"model and {len(docs)} chunks ready in {time.perf_counter() - start:.0f} s, {backend} attention")
     ttft_context(engine, model, ids, docs, args.contexts[0], args, rounds=1)  # warm-up
     rows, decodes, errors = [], {}, []
@@ -244,7 +244,7 @@ def make_report(args, rows: list[dict], decodes: dict, errors: list[str], engine
         "command": _gpu.command(),
         "model": {"family": "MistralForCausalLM, random weights", "dtype": str(args.dtype).removeprefix("torch.")}
         | args.shape,
-        "attention_backend": engine.runner.attention_backend.value,
+        "attention_backend": engine.attention_backend,
         "workload": workload | {"pool_tokens": pool_tokens(args)},
         "ttft": rows,
         "link_scaling": link_scaling(rows),

@@ -22,10 +22,21 @@ from pic import policies
 from pic.api import PIC
 from pic.check import CheckResult, check
 from pic.config import CompileOptions, PICConfig, StoreConfig
-from pic.engine import Engine, Request, RequestOutput
+from pic.engine import (
+    Engine,
+    FinishReason,
+    Generation,
+    GenerationStats,
+    Linked,
+    Request,
+    RequestOutput,
+    SamplingParams,
+    generate_together,
+)
 from pic.errors import (
     CompileOptionsMismatchError,
     ContextLengthError,
+    EngineClosedError,
     InvalidInputError,
     KVPoolExhaustedError,
     LinkedReleasedError,
@@ -40,7 +51,6 @@ from pic.errors import (
     UnsupportedModelError,
 )
 from pic.kv import KVStats
-from pic.link import FinishReason, Generation, GenerationStats, Linked, SamplingParams
 from pic.model.loading import EMBEDDED_MODEL
 
 __version__ = "0.1.0"
@@ -117,6 +127,7 @@ __all__ = [
     "CompileOptions",
     "CompileOptionsMismatchError",
     "Engine",
+    "EngineClosedError",
     "ContextLengthError",
     "FinishReason",
     "Generation",
@@ -143,6 +154,7 @@ __all__ = [
     "check",
     "compile",
     "default_engine",
+    "generate_together",
     "link",
     "link_chat",
     "load",

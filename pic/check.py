@@ -130,7 +130,7 @@ def transformers_run(
 ) -> tuple[torch.Tensor, list[int], list[float]]:
     """transformers' own run over ``ids`` ``[1, T]``: its logits at the last ``num_query`` positions (in its
     dtype, as float32), its greedy tokens (stopping at the engine's EOS) and each step's top-2 logit margin."""
-    model = engine.runner.model
+    model = engine.model
     eos = sorted(engine.eos_token_ids)
     with torch.no_grad():
         logits = model(ids).logits[0, -num_query:].float()

@@ -54,7 +54,7 @@ def _run_sweep(args: argparse.Namespace) -> int:
 
     fingerprint = None
     if args.model is not None:
-        from pic.compile.ids import model_fingerprint
+        from pic.ids import model_fingerprint
         from pic.model.loading import load_pretrained, resolve_device, resolve_dtype
 
         device = resolve_device(args.device)

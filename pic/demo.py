@@ -16,7 +16,7 @@ import torch
 
 from pic import policies
 from pic.api import PIC
-from pic.link import Linked, SamplingParams
+from pic.engine import Linked, SamplingParams
 from pic.model.loading import EMBEDDED_MODEL
 
 STORIES = (
@@ -112,7 +112,7 @@ def _chat_demo(engine: PIC, max_new_tokens: int) -> None:
 
 def _transformers_prefill_s(engine: PIC, input_ids: torch.Tensor) -> float:
     """Median seconds of transformers' own forward over the prompt (the last position's logits only)."""
-    model, ids = engine.runner.model, input_ids.to(engine.spec.device)[None]
+    model, ids = engine.model, input_ids.to(engine.spec.device)[None]
     times = []
     for _ in range(3):
         start = time.perf_counter()

@@ -49,6 +49,10 @@ class LinkedReleasedError(PicError):
     """A ``Linked`` request was used after it was generated from or released."""
 
 
+class EngineClosedError(PicError):
+    """The engine was closed (``PIC.close``) while a call waited on it, or before the call."""
+
+
 class MissingDependencyError(PicError, ImportError):
     """An optional dependency a feature needs is not installed (the message names the extra)."""
 

@@ -82,3 +82,9 @@ def check_pool(pool: BlockPool, expected_refs: dict[int, int] | None = None) -> 
     assert stats.peak_used_blocks >= num_used
     assert pool.num_free_blocks == len(queue)
     assert pool.num_available() == len(queue)
+
+
+def check_engine_pool(engine, expected_refs: dict[int, int] | None = None) -> None:
+    """``check_pool`` of an engine's pool, read while the engine is paused between two steps."""
+    with engine.paused() as core:
+        check_pool(core.pool, expected_refs)

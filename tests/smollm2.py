@@ -45,7 +45,7 @@ def smollm2() -> pic.PIC:
 
 def variant(engine: pic.PIC, **config) -> pic.PIC:
     """Another engine over the same model and tokenizer (no second load), with other options."""
-    return pic.PIC(engine.runner.model, engine.tokenizer, config=pic.PICConfig(kv_pool_tokens=POOL, **config))
+    return pic.PIC(engine.model, engine.tokenizer, config=pic.PICConfig(kv_pool_tokens=POOL, **config))
 
 
 def encode(engine: pic.PIC, text: str) -> list[int]:

@@ -20,13 +20,14 @@ from tests.models import FAMILIES
 def break_attention_scale(engine: pic.PIC, factor: float = 0.7) -> pic.PIC:
     """A realistic fault: attention run with the wrong softmax scale (a misread ``head_dim`` or
     ``query_pre_attn_scalar``). Every value stays finite and the text stays fluent; only the check sees it."""
-    runner = engine.runner
-    attend = runner._attend
+    with engine.paused() as core:
+        backend = core.runner.attention_backend
+        attend = backend.attend
 
-    def wrong_scale(q, k, v, plan, *, scaling, sliding_window):
-        return attend(q, k, v, plan, scaling=scaling * factor, sliding_window=sliding_window)
+        def wrong_scale(q, k, v, plan, *, scaling, sliding_window):
+            return attend(q, k, v, plan, scaling=scaling * factor, sliding_window=sliding_window)
 
-    runner._attend = wrong_scale
+        backend.attend = wrong_scale
     return engine
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import inspect
 import os
 import threading
-import types
 import warnings
 
 import pytest
@@ -23,9 +22,9 @@ import torch
 import pic
 import pic.kv.memory
 from pic.config import CompileOptions
+from pic.engine.sampling import SamplingParams, _multinomial_one, sample_rows, sample_tokens
 from pic.kv import BlockPool, ChunkInfo, ChunkKV, KVCache
 from pic.kv.transfer import long_tensor
-from pic.link.sampling import SamplingParams, _multinomial_one, sample_rows, sample_tokens
 from pic.store import DeviceTier, LruTier, TieredStore
 from pic.store.serde import Expected
 from tests.conftest import make_target_engine
@@ -50,17 +49,20 @@ def make_chunk(cache_id: str = "c", num_tokens: int = 10) -> ChunkKV:
     return ChunkKV(cache_id, torch.arange(num_tokens), k, v, CompileOptions())
 
 
-def make_store(device: torch.device) -> TieredStore:
-    """A pool of 16 blocks of 4 on ``device`` and an unbounded CPU tier, as ``PIC`` builds them."""
-    cache = KVCache(num_blocks=16, block_size=4, dtype=target().dtype, device=device, **SHAPE)
+def make_store(device: torch.device) -> tuple[TieredStore, BlockPool, KVCache]:
+    """A pool of 16 blocks of 4 on ``device`` and an unbounded CPU tier, as the engine builds them."""
+    pool, cache = (
+        BlockPool(16, block_size=4),
+        KVCache(num_blocks=16, block_size=4, dtype=target().dtype, device=device, **SHAPE),
+    )
     expected = Expected("f", dtype=target().dtype, max_tokens=64, vocab_size=512, **SHAPE)
-    tier = DeviceTier(BlockPool(16, block_size=4), cache)
-    return TieredStore.from_config(pic.StoreConfig(cpu_bytes=None), device=tier, expected=expected)
+    store = TieredStore.from_config(pic.StoreConfig(cpu_bytes=None), device=DeviceTier(pool, cache), expected=expected)
+    return store, pool, cache
 
 
 def test_the_cpu_tier_is_page_locked_only_for_an_engine_on_cuda():
     for device in (torch.device("cpu"), target().device):
-        store = make_store(device)
+        store, _, _ = make_store(device)
         (cpu,) = store.lower
         assert isinstance(cpu, LruTier) and cpu.put(make_chunk())
         assert cpu.peek("c").k.is_pinned() == (device.type == "cuda"), device
@@ -68,11 +70,11 @@ def test_the_cpu_tier_is_page_locked_only_for_an_engine_on_cuda():
 
 def test_write_through_to_page_locked_memory_waits_for_the_pool_writes():
     """``TieredStore.add`` copies the pool's blocks to the CPU tier (D2H); the data is there on return."""
-    store, chunk = make_store(target().device), make_chunk()
+    (store, pool, cache), chunk = make_store(target().device), make_chunk()
     k, v = chunk.k.to(target().device), chunk.v.to(target().device)
-    blocks = store.device.pool.allocate(3)
+    blocks = pool.allocate(3)
     busy_gpu()
-    store.device.cache.write(blocks, k, v)  # queued behind the busy GPU
+    cache.write(blocks, k, v)  # queued behind the busy GPU
     assert store.add(ChunkInfo("c", chunk.token_ids, chunk.options), blocks)
     copy = store.lower[0].peek("c")
     assert torch.equal(copy.k, chunk.k) and torch.equal(copy.v, chunk.v)  # read at once, no sync of ours
@@ -81,10 +83,9 @@ def test_write_through_to_page_locked_memory_waits_for_the_pool_writes():
 def test_promotion_from_page_locked_memory_survives_its_source_being_freed():
     """The H2D copy of a promotion is asynchronous; freeing its source and allocating page-locked memory
     again before it ran must not change what lands in the pool."""
-    store, chunk = make_store(target().device), make_chunk()
-    pool = store.device.pool
+    (store, pool, cache), chunk = make_store(target().device), make_chunk()
     blocks = pool.allocate(3)
-    store.device.cache.write(blocks, chunk.k.to(target().device), chunk.v.to(target().device))
+    cache.write(blocks, chunk.k.to(target().device), chunk.v.to(target().device))
     store.add(ChunkInfo("c", chunk.token_ids, chunk.options), blocks)
     pool.free(blocks)
     assert store.device.delete("c") and store.lookup("c") == ["cpu"]
@@ -95,7 +96,7 @@ def test_promotion_from_page_locked_memory_survives_its_source_being_freed():
     del source
     assert store.lower[0].delete("c")  # the last reference to the page-locked source: freed
     junk = [torch.empty(chunk.k.shape, dtype=chunk.k.dtype, pin_memory=CUDA).fill_(float("nan")) for _ in range(8)]
-    k, v = store.device.cache.read(promoted, chunk.num_tokens)
+    k, v = cache.read(promoted, chunk.num_tokens)
     assert torch.equal(k.cpu(), chunk.k) and torch.equal(v.cpu(), chunk.v), len(junk)
 
 
@@ -133,8 +134,10 @@ def test_a_pool_sized_from_free_cuda_memory_counts_the_allocator_cache_and_fits(
     assert pic.kv.memory.available_bytes(cuda) == 1400 * 48
     made = {}
     monkeypatch.setattr(pic.kv.memory, "KVCache", lambda **kwargs: made.update(kwargs) or "cache")
-    spec = types.SimpleNamespace(kv_bytes_per_token=48, device=cuda, dtype=torch.float16, **SHAPE)
-    pool, cache = pic.kv.memory.build_kv_pool(spec, pic.PICConfig(block_size=16, kv_memory_fraction=1.0))
+    pool, cache = pic.kv.memory.build_kv_pool(  # 2 x 1 x 3 x 4 x 2 = 48 bytes per token
+        num_layers=1, num_kv_heads=3, head_dim=4, dtype=torch.float16, device=cuda, block_size=16,
+        kv_pool_tokens=None, memory_fraction=1.0,
+    )  # fmt: skip
     assert cache == "cache" and made["num_blocks"] == pool.num_blocks == 1400 // 16
 
 
@@ -143,8 +146,10 @@ def test_a_default_pool_on_cuda_takes_its_share_of_the_free_memory():
     make_target_engine("stories260K", kv_pool_tokens=16)  # the model and its tables are on the GPU first
     free = pic.kv.memory.available_bytes(target().device)
     engine = make_target_engine("stories260K", kv_pool_tokens=None, kv_memory_fraction=0.05)
-    pool_bytes = engine.pool.num_blocks * engine.kv_cache.bytes_per_block
-    assert abs(pool_bytes - 0.05 * free) <= 1e-3 * free + engine.kv_cache.bytes_per_block, (pool_bytes, free)
+    with engine.paused() as core:
+        block_bytes = core.cache.bytes_per_block
+    pool_bytes = engine.kv_stats().num_blocks * block_bytes
+    assert abs(pool_bytes - 0.05 * free) <= 1e-3 * free + block_bytes, (pool_bytes, free)
     del engine
     torch.cuda.empty_cache()
 
@@ -186,28 +191,31 @@ def test_steps_sync_the_host_only_to_read_the_sampled_tokens():
     token_read = (os.path.realpath(inspect.getsourcefile(sample_rows)), range(start, start + len(lines)))
     package = os.path.dirname(os.path.realpath(pic.__file__))
     ours = tuple(os.path.join(package, p) + os.sep for p in ("engine", "link", "kv", "store"))
-    for _ in range(23):  # admission, then decode steps across block boundaries (decode blocks appended)
-        sites = [(os.path.realpath(f), n) for f, n in sync_sites(core.step)]
-        mine = [(f, n) for f, n in sites if f.startswith(ours)]
-        assert len(mine) == 1 and mine[0][0] == token_read[0] and mine[0][1] in token_read[1], sites
-    assert [len(s.output_ids) for s in core._seqs.values()] == [23] * 4
+    with engine.paused() as owned:  # this thread steps the core while its own thread waits
+        for _ in range(23):  # admission, then decode steps across block boundaries (decode blocks appended)
+            sites = [(os.path.realpath(f), n) for f, n in sync_sites(owned.step)]
+            mine = [(f, n) for f, n in sites if f.startswith(ours)]
+            assert len(mine) == 1 and mine[0][0] == token_read[0] and mine[0][1] in token_read[1], sites
+        assert [len(s.output_ids) for s in owned._seqs.values()] == [23] * 4
 
 
 @cuda_only
 def test_steps_from_a_thread_on_another_stream_run_on_the_engine_stream():
-    """Whichever stream a stepping thread has made current, the engine's forwards run on the stream it was
-    built on (so one step's pool writes are ordered before the next step's reads), with the same tokens."""
+    """Whichever stream a calling thread has made current, the engine's forwards run on its own thread's
+    stream, the default one (so one step's pool writes are ordered before the next step's reads), with the
+    same tokens."""
     engine = make_target_engine("stories260K")
     ids = engine.compile(list(DOCS))
     expected = engine.link(ids, QUERY).generate(24).token_ids
     engine_stream, streams, got = torch.cuda.current_stream(), [], {}
-    forward = engine.runner.forward
+    with engine.paused() as core:
+        forward = core.runner.forward
 
-    def recording_forward(seqs):
-        streams.append(torch.cuda.current_stream())
-        return forward(seqs)
+        def recording_forward(seqs):
+            streams.append(torch.cuda.current_stream())
+            return forward(seqs)
 
-    engine.runner.forward = recording_forward
+        core.runner.forward = recording_forward
 
     def run() -> None:
         with torch.cuda.stream(torch.cuda.Stream()):

@@ -17,10 +17,9 @@ import pytest
 
 import pic
 from pic.engine import RequestOutput
-from pic.engine.sequence import Status
 from tests.conftest import make_target_engine
 from tests.device import target, tolerances
-from tests.kv_invariants import check_pool
+from tests.kv_invariants import check_engine_pool
 from tests.models import DOCS, PREFIX, QUERY
 
 EXACT = target().exact_dtype
@@ -67,7 +66,7 @@ def test_batched_generation_equals_one_at_a_time(family):
         assert got.stats.num_recomputed_tokens == want.stats.num_recomputed_tokens
     core = engine.engine()
     assert core.num_steps - steps_before < sum(len(g.token_ids) for g in batched) / 4  # many requests per forward
-    check_pool(engine.pool, {})
+    check_engine_pool(engine, {})
 
 
 def test_iterative_interface_streams_pieces_and_aborts():
@@ -91,7 +90,7 @@ def test_iterative_interface_streams_pieces_and_aborts():
     assert aborted.stats.finish_reason is pic.FinishReason.ABORT and len(aborted.token_ids) == 10
     assert aborted.token_ids == engine.link(ids[::-1], "Then").generate(30, temperature=1.0, seed=3).token_ids[:10]
     assert not any(o.finished for o in outputs[first][:-1])
-    check_pool(engine.pool, {})
+    check_engine_pool(engine, {})
 
 
 def test_preemption_keeps_outputs_and_frees_every_block():
@@ -106,7 +105,7 @@ def test_preemption_keeps_outputs_and_frees_every_block():
     got = small.generate_many(requests)
     assert [g.token_ids for g in got] == expected
     assert sum(g.stats.num_preemptions for g in got) > 0
-    check_pool(small.pool, {})
+    check_engine_pool(small, {})
 
 
 def test_failed_requests_do_not_disturb_the_others():
@@ -122,7 +121,7 @@ def test_failed_requests_do_not_disturb_the_others():
     with pytest.raises(pic.InvalidInputError, match="no tokens"):
         engine.engine().add_request(pic.Request(ids, ""))
     assert [g.token_ids for g in engine.generate_many([good, good])] == [alone(engine, good).token_ids] * 2
-    check_pool(engine.pool, {})
+    check_engine_pool(engine, {})
 
 
 def test_a_request_larger_than_the_pool_fails_alone():
@@ -130,7 +129,7 @@ def test_a_request_larger_than_the_pool_fails_alone():
     ids = engine.compile(list(DOCS))
     with pytest.raises(pic.KVPoolExhaustedError, match="blocks"):
         engine.generate_many([pic.Request(ids, QUERY * 3)])
-    check_pool(engine.pool, {})
+    check_engine_pool(engine, {})
 
 
 def test_eight_threads_link_and_generate_at_once():
@@ -162,7 +161,7 @@ def test_eight_threads_link_and_generate_at_once():
         thread.join(timeout=120)
     assert [together.get(i) for i in range(8)] == single
     assert (core.num_batched_seqs - seqs) / (core.num_steps - steps) > 2  # batched, not one at a time
-    check_pool(engine.pool, {})
+    check_engine_pool(engine, {})
 
 
 def test_stream_pieces_equal_the_text_with_byte_tokens():
@@ -183,14 +182,12 @@ def test_batched_linking_is_close_in_the_test_dtype():
     engine = make_target_engine("stories260K")
     ids = engine.compile(list(DOCS))
     requests = mixed_requests(ids)
-    core = engine.engine()
-    steps = core.num_steps
-    seqs = [core.submit(r, watched=True, park=True) for r in requests]
-    core.run_until(lambda: all(s.status is Status.PARKED for s in seqs))
-    assert core.num_steps - steps == 1  # one forward for all their recompute passes
-    together = [engine.runner.logits(s.query_hidden) for s in seqs]
-    for seq in seqs:
-        core.release(seq)
+    steps = engine.engine().num_steps
+    linked = engine.link_many(requests)
+    assert engine.engine().num_steps - steps == 1  # one forward for all their recompute passes
+    together = [item.logits for item in linked]
+    for item in linked:
+        item.release()
     for r, logits in zip(requests, together, strict=True):
         alone_logits = engine.link(r.cache_ids, r.query, prefix=r.prefix, policy=r.policy).logits
         assert (logits - alone_logits).abs().max().item() <= tolerances().batch_logits
@@ -200,4 +197,4 @@ def test_batched_linking_is_close_in_the_test_dtype():
         assert reason is pic.FinishReason.EOS or len(got.token_ids) == request.sampling.max_new_tokens
         assert reason is not pic.FinishReason.EOS or got.token_ids[-1] in engine.eos_token_ids
         assert got.stats.num_recomputed_tokens == want.stats.num_recomputed_tokens
-    check_pool(engine.pool, {})
+    check_engine_pool(engine, {})

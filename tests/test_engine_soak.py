@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 import pic
-from tests.kv_invariants import check_pool
+from tests.kv_invariants import check_engine_pool
 from tests.models import tiny_model, tokenizer
 
 SEED = 20261122
@@ -48,6 +50,7 @@ def alone(engine: pic.PIC, request: pic.Request) -> pic.Generation:
     return linked.generate(params.max_new_tokens, temperature=params.temperature, top_k=params.top_k, seed=params.seed)
 
 
+@pytest.mark.slow
 def test_engine_soak_with_preemption_and_aborts():
     rng = random.Random(SEED)
     docs = [[rng.randrange(3, 512) for _ in range(rng.randint(10, 40))] for _ in range(12)]
@@ -80,7 +83,7 @@ def test_engine_soak_with_preemption_and_aborts():
             texts[out.request_id] += out.text
             if out.finished:
                 ended[out.request_id] = out
-        check_pool(engine.pool)
+        check_engine_pool(engine)
         step += 1
         assert step < 20_000, "the engine stopped making progress"
 
@@ -100,5 +103,5 @@ def test_engine_soak_with_preemption_and_aborts():
     assert engine.kv_stats().num_evicted_chunks > 0
     stats = engine.kv_stats()
     assert stats.num_used_blocks == 0 and stats.num_shared_block_refs == 0 and stats.num_private_blocks == 0
-    check_pool(engine.pool, {})
+    check_engine_pool(engine, {})
     print(f"{step} steps, {num_preemptions} preemptions, {reasons}, {stats}")

@@ -88,20 +88,20 @@ def test_stats(engine):
 
 
 def test_blocks_are_returned(engine):
-    free = engine.pool.num_free_blocks
+    free = engine.kv_stats().num_free_blocks
     fresh(engine).generate(max_new_tokens=40)  # decoding appended blocks; all are freed
-    assert engine.pool.num_free_blocks == free
+    assert engine.kv_stats().num_free_blocks == free
     with fresh(engine) as linked:
-        assert engine.pool.num_free_blocks < free
-    assert engine.pool.num_free_blocks == free
+        assert engine.kv_stats().num_free_blocks < free
+    assert engine.kv_stats().num_free_blocks == free
     linked = fresh(engine)
     del linked
     gc.collect()
-    assert engine.pool.num_free_blocks == free
+    assert engine.kv_stats().num_free_blocks == free
     stream = fresh(engine).stream(max_new_tokens=40)
     next(stream)
     stream.close()  # abandoning a stream releases the request too
-    assert engine.pool.num_free_blocks == free
+    assert engine.kv_stats().num_free_blocks == free
 
 
 def test_kv_pool_exhausted_mid_generation_keeps_the_tokens():
@@ -115,7 +115,7 @@ def test_kv_pool_exhausted_mid_generation_keeps_the_tokens():
     assert out.token_ids == reference and len(out.token_ids) == room + 1  # the last one needed no slot
     assert out.text == engine.tokenizer.decode(out.token_ids, skip_special_tokens=True)
     assert "".join(fresh(engine).stream(max_new_tokens=100)) == out.text  # the stream ends cleanly
-    assert engine.pool.num_free_blocks == engine.pool.num_blocks
+    assert engine.kv_stats().num_free_blocks == engine.kv_stats().num_blocks
 
 
 def test_the_embedded_model_stops_at_the_end_of_a_story(stories):
@@ -127,13 +127,13 @@ def test_the_embedded_model_stops_at_the_end_of_a_story(stories):
     assert out.stats.finish_reason is pic.FinishReason.EOS and out.token_ids[-1] == 1
     assert len(out.token_ids) < 400 and "Once upon a time" not in out.text  # no second story
     with torch.no_grad():
-        hf = stories.runner.model.generate(linked.input_ids[None], max_new_tokens=400, do_sample=False)
+        hf = stories.model.generate(linked.input_ids[None], max_new_tokens=400, do_sample=False)
     assert hf[0, linked.input_ids.shape[0] :].tolist() == out.token_ids
 
 
 def test_generate_together_is_each_alone(engine):
     """Linked requests decoded together (batched steps) get what each gets alone, sampling included."""
-    from pic.link import generate_together
+    from pic.engine import generate_together
 
     ids = engine.compile(DOCS)
     links = [
@@ -152,7 +152,7 @@ def test_generate_together_is_each_alone(engine):
 
 
 def test_generate_together_refuses_before_starting_any(engine):
-    from pic.link import generate_together
+    from pic.engine import generate_together
 
     ids = engine.compile(DOCS)
     used, unused = engine.link(ids, QUERY), engine.link(ids, QUERY)

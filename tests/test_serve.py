@@ -19,6 +19,7 @@ import pic
 from pic.serve.app import build_app
 from tests.models import DOCS, QUERY, model
 from tests.test_chat import CHATML, chat_tokenizer
+from tests.test_check import break_attention_scale
 
 KEY = "test-key"
 
@@ -103,7 +104,7 @@ def test_32_concurrent_streams_are_batched_and_correct(server, client):
     cases = [(ids[i % 3 :] + ids[: i % 3], f"{QUERY} {i}") for i in range(32)]
     expected = [engine.link(c, q).generate(max_new_tokens=10).text for c, q in cases]
     baseline = engine.kv_stats().num_private_blocks
-    core = app.state.engine.core
+    core = app.state.engine.engine.engine()
     steps_before, seqs_before = core.num_steps, core.num_batched_seqs
 
     def run(case):
@@ -123,7 +124,7 @@ def test_32_concurrent_streams_are_batched_and_correct(server, client):
 
 
 def test_client_disconnect_aborts_and_frees_blocks(server):
-    engine, core = server[1], server[2].state.engine.core
+    engine, core = server[1], server[2].state.engine.engine.engine()
     ids = _compile(server, DOCS)
     baseline, steps_before = engine.kv_stats().num_private_blocks, core.num_steps
     body = {"prompt": QUERY, "max_tokens": 400, "temperature": 0, "stream": True, "pic": {"cache_ids": ids}}
@@ -181,10 +182,7 @@ def test_serve_refuses_a_model_that_fails_the_check(monkeypatch, capsys):
     real_load = pic.load
 
     def broken_load(*args, **kwargs):
-        engine = real_load(*args, **kwargs)
-        attend = engine.runner._attend
-        engine.runner._attend = lambda q, *a, scaling, **kw: attend(q, *a, scaling=scaling * 0.7, **kw)
-        return engine
+        return break_attention_scale(real_load(*args, **kwargs))
 
     served = []
     monkeypatch.setattr(pic, "load", broken_load)
@@ -208,7 +206,7 @@ def test_metrics_in_prometheus_text(server, client):
     assert values['pic_tokens_total{kind="reused"}'] > 0 and values['pic_tokens_total{kind="recomputed"}'] > 0
     assert values['pic_kv_blocks{state="total"}'] == server[1].kv_stats().num_blocks
     assert 'pic_store_misses_total{tier="device"}' in values and 'pic_store_bytes{tier="device"}' in values
-    core = server[2].state.engine.core
+    core = server[2].state.engine.engine.engine()
     assert values["pic_engine_steps_total"] <= core.num_steps and values["pic_engine_steps_total"] >= 4
 
 
@@ -284,3 +282,24 @@ def test_chat_completion_equals_link_chat(server, client):
         assert response.status_code == 400 and "{documents}" in response.json()["error"]["message"]
         response = http.post("/v1/chat/completions", json={"messages": [{"role": "user"}]})
         assert response.status_code == 422 and "content" in response.json()["error"]["message"]
+
+
+def test_describing_a_redis_only_chunk_reads_its_metadata_not_its_kv(redis_server, redis_url):
+    """``GET /v1/chunks/{id}`` of a chunk only Redis holds: Redis sends its metadata record, not its KV
+    (counted by the Redis server itself), and nothing is promoted into the pool."""
+    from fastapi.testclient import TestClient
+
+    engine = pic.PIC(model("stories260K"), chat_tokenizer(CHATML), store=pic.StoreConfig(redis_url=redis_url))
+    [cid] = engine.compile([[(7 * i) % 500 + 3 for i in range(400)]])
+    with engine.paused() as core:
+        assert core.pool.drop(cid)  # evicted from the pool: only Redis holds it now
+    assert engine.store.lookup(cid) == ["redis"]
+    kv_bytes = 401 * engine.spec.kv_bytes_per_token  # its BOS and 400 tokens
+    redis = redis_server.client()
+    with TestClient(build_app(engine, model_name="stories260K")) as http:
+        before = redis.info("stats")["total_net_output_bytes"]
+        body = http.get(f"/v1/chunks/{cid}").json()
+        sent = redis.info("stats")["total_net_output_bytes"] - before
+    assert body == {"id": cid, "tiers": ["redis"], "num_tokens": 401, "bytes": kv_bytes}
+    assert kv_bytes > 500_000 and sent < kv_bytes / 100, sent  # the metadata and the INFO reply only
+    assert engine.store.lookup(cid) == ["redis"]  # nothing was promoted

@@ -12,7 +12,7 @@ import torch
 
 import pic
 from tests.conftest import make_engine
-from tests.kv_invariants import check_pool
+from tests.kv_invariants import check_engine_pool
 from tests.models import DOCS, PREFIX, QUERY, model, tokenizer
 
 NUM_NEW = 12
@@ -55,7 +55,8 @@ def dirty_blocks(linked: pic.Linked) -> set[int]:
 
 
 def canonical(engine: pic.PIC) -> dict[str, list[int]]:
-    return {cid: chunk.block_ids for cid, chunk in engine.pool.chunks.items()}
+    with engine.paused() as core:
+        return {cid: chunk.block_ids for cid, chunk in core.pool.chunks.items()}
 
 
 def assert_at_rest(engine: pic.PIC, num_chunks: int = len(DOCS)) -> None:
@@ -65,7 +66,7 @@ def assert_at_rest(engine: pic.PIC, num_chunks: int = len(DOCS)) -> None:
     assert stats.num_resident_chunks == num_chunks
     assert stats.num_evictable_blocks == stats.num_chunk_blocks == sum(map(len, canonical(engine).values()))
     assert stats.num_free_blocks == stats.num_blocks
-    check_pool(engine.pool, {})
+    check_engine_pool(engine, {})
 
 
 def live_refs(*requests: pic.Linked) -> dict[int, int]:
@@ -111,7 +112,7 @@ def test_live_requests_map_clean_chunk_blocks_to_one_copy(family, policy):
     stats = engine.kv_stats()
     assert stats.num_shared_block_refs == sum(r.num_shared_blocks for r in requests)
     assert stats.num_private_blocks == sum(r.num_private_blocks for r in requests) == len(private)
-    check_pool(engine.pool, live_refs(*requests))
+    check_engine_pool(engine, live_refs(*requests))
     for linked in requests:
         linked.release()
     assert_at_rest(engine)
@@ -179,7 +180,7 @@ def test_outputs_are_the_same_alone_shared_and_private(family, policy):
         )
         assert torch.equal(linked.recomputed, shared.recomputed)
         assert max_diff(linked.logits, logits) <= TOL
-    check_pool(private.pool, live_refs(*requests))
+    check_engine_pool(private, live_refs(*requests))
     assert [r.generate(max_new_tokens=NUM_NEW).token_ids for r in requests] == [t for _, t, _ in alone]
     assert_at_rest(private)
 
@@ -187,13 +188,14 @@ def test_outputs_are_the_same_alone_shared_and_private(family, policy):
 def poison(engine: pic.PIC, blocks) -> None:
     """NaN in every slot of ``blocks``, K and V, every layer."""
     index = torch.tensor(sorted(blocks), dtype=torch.long)
-    engine.kv_cache.k[:, index] = float("nan")
-    engine.kv_cache.v[:, index] = float("nan")
+    with engine.paused() as core:
+        core.cache.k[:, index] = float("nan")
+        core.cache.v[:, index] = float("nan")
 
 
 def non_chunk_blocks(engine: pic.PIC) -> set[int]:
     in_chunks = {b for blocks in canonical(engine).values() for b in blocks}
-    return set(range(engine.pool.num_blocks)) - in_chunks
+    return set(range(engine.kv_stats().num_blocks)) - in_chunks
 
 
 @pytest.mark.parametrize("policy", ["mepic", "cacheblend:0.15", "naive", "full"])
@@ -230,11 +232,12 @@ def test_nan_in_the_padding_of_canonical_blocks_is_never_read(family):
     expected = [reference(engine, ids, policy, link)[:2] for policy in policies for link in (link_first, link_second)]
     bs = engine.config.block_size
     num_padded = 0
-    for chunk in engine.pool.chunks.values():
-        padding = len(chunk.block_ids) * bs - chunk.info.num_tokens
-        engine.kv_cache.k[:, chunk.block_ids[0], :padding] = float("nan")  # front padding
-        engine.kv_cache.v[:, chunk.block_ids[0], :padding] = float("nan")
-        num_padded += padding > 0
+    with engine.paused() as core:
+        for chunk in core.pool.chunks.values():
+            padding = len(chunk.block_ids) * bs - chunk.info.num_tokens
+            core.cache.k[:, chunk.block_ids[0], :padding] = float("nan")  # front padding
+            core.cache.v[:, chunk.block_ids[0], :padding] = float("nan")
+            num_padded += padding > 0
     assert num_padded == len(DOCS)
     cases = itertools.product(policies, (link_first, link_second))
     for (policy, link), (logits, tokens) in zip(cases, expected, strict=True):
@@ -283,7 +286,7 @@ def test_an_evicted_chunk_comes_back_from_the_cpu_tier():
     for linked in (first, second):
         chunks, dirty = chunk_blocks(linked), dirty_blocks(linked)
         assert all(linked.block_ids[i] == new[cid][j] for i, (cid, j) in chunks.items() if i not in dirty)
-    check_pool(engine.pool, live_refs(first, second))
+    check_engine_pool(engine, live_refs(first, second))
     for linked, (logits, tokens) in zip((first, second), expected, strict=True):
         assert torch.isfinite(linked.logits).all() and max_diff(linked.logits, logits) <= TOL
         assert linked.generate(max_new_tokens=NUM_NEW).token_ids == tokens
@@ -324,22 +327,22 @@ def test_a_pinned_chunk_survives_pool_pressure():
         with pytest.raises(pic.KVPoolExhaustedError, match=r"needs \d+ blocks of 16 tokens but 0 of 16"):
             engine.link([pinned], QUERY, policy="mepic")  # its own chunk is there, but no private block
         assert engine.kv_stats() == before
-        check_pool(engine.pool, live_refs(big))
+        check_engine_pool(engine, live_refs(big))
     before = engine.kv_stats()
     with pytest.raises(pic.KVPoolExhaustedError, match=f"needs {room + 1} blocks of 16 tokens but {room} of 16"):
         engine.link([], long_query(room + 1), policy="naive")
     assert engine.kv_stats() == before and engine.store.lookup(pinned) == ["device"]
-    check_pool(engine.pool, {})
+    check_engine_pool(engine, {})
 
     linked = engine.link([pinned], QUERY, policy="mepic")  # the pinned chunk still serves links
-    num_chunk_blocks = len(engine.pool.chunks[pinned].block_ids)  # it starts the prompt: nothing recomputed
+    num_chunk_blocks = len(canonical(engine)[pinned])  # it starts the prompt: nothing recomputed
     assert linked.num_shared_blocks == num_chunk_blocks and max_diff(linked.logits, logits) <= TOL
     assert linked.generate(max_new_tokens=NUM_NEW).token_ids == tokens
 
     engine.store.unpin(pinned)
     with engine.link([], long_query(room + 1), policy="naive"):  # now it is evicted like any other
         assert not canonical(engine) and engine.store.lookup(pinned) == []
-    check_pool(engine.pool, {})
+    check_engine_pool(engine, {})
 
 
 @pytest.mark.parametrize("policy", ["naive", "legolink0", "cacheblend:0.15"])
@@ -352,7 +355,7 @@ def test_a_chunk_linked_twice_in_one_prompt(policy):
     refs = live_refs(linked)
     if policy == "naive":  # both copies of the chunk map its canonical blocks: two references each
         assert all(refs[b] == 2 for b in canonical(shared)[ids[0]])
-    check_pool(shared.pool, refs)
+    check_engine_pool(shared, refs)
     assert max_diff(linked.logits, expected.logits) <= TOL
     assert linked.generate(max_new_tokens=NUM_NEW).token_ids == expected.generate(max_new_tokens=NUM_NEW).token_ids
     assert_at_rest(shared)
@@ -364,15 +367,15 @@ def test_expiring_a_chunk_in_use_leaves_its_blocks_to_the_live_request():
     logits, tokens, _ = reference(engine, ids, "naive", link_first)
     live = link_first(engine, ids, "naive")  # maps every chunk block
     old = canonical(engine)[ids[1]]
-    assert engine.store.expire(ids[1]) and ids[1] not in engine.pool.chunks
-    check_pool(engine.pool, live_refs(live))
+    assert engine.store.expire(ids[1]) and ids[1] not in canonical(engine)
+    check_engine_pool(engine, live_refs(live))
     assert engine.kv_stats().num_private_blocks == live.num_private_blocks + len(old)  # the request's alone now
     with pytest.raises(pic.UnknownCacheIdError):
         link_first(engine, ids, "naive")
     assert engine.compile(list(DOCS)) == ids
     assert not set(canonical(engine)[ids[1]]) & set(old)  # compiled again into other blocks
     again = link_first(engine, ids, "naive")
-    check_pool(engine.pool, live_refs(live, again))
+    check_engine_pool(engine, live_refs(live, again))
     for linked in (live, again):
         assert max_diff(linked.logits, logits) <= TOL
         assert linked.generate(max_new_tokens=NUM_NEW).token_ids == tokens

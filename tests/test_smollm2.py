@@ -98,8 +98,9 @@ def test_cached_kv_is_transformers_cache_of_the_chunk(smollm2):
     chunk = smollm2.store.get(cid)
     assert chunk.token_ids.tolist() == encode(smollm2, DOCS[1])  # no BOS
     with torch.no_grad():
-        cache = smollm2.runner.model(chunk.token_ids[None], use_cache=True).past_key_values
-    cos, sin = smollm2.runner.rope(torch.arange(chunk.num_tokens))
+        cache = smollm2.model(chunk.token_ids[None], use_cache=True).past_key_values
+    with smollm2.paused() as core:
+        cos, sin = core.runner.rope(torch.arange(chunk.num_tokens))
     for layer in range(smollm2.spec.num_layers):
         k_nope = chunk.k[layer].transpose(0, 1)[None]  # [1, Hkv, L, D]
         _, k_rope = apply_rotary_pos_emb(k_nope, k_nope, cos[None], sin[None])

@@ -1,8 +1,19 @@
-"""The batched engine: one thread at a time owns its state; requests run many per forward."""
+"""The batched engine: one thread owns its state; requests from any thread run many per forward."""
 
 from pic.engine.engine import Engine
-from pic.engine.linker import Linker
+from pic.engine.generation import FinishReason, Generation, GenerationStats
+from pic.engine.linked import Linked, generate_together
 from pic.engine.request import Request, RequestOutput
-from pic.engine.scheduler import ScheduledBatch, Scheduler
+from pic.engine.sampling import SamplingParams
 
-__all__ = ["Engine", "Linker", "Request", "RequestOutput", "ScheduledBatch", "Scheduler"]
+__all__ = [
+    "Engine",
+    "FinishReason",
+    "Generation",
+    "GenerationStats",
+    "Linked",
+    "Request",
+    "RequestOutput",
+    "SamplingParams",
+    "generate_together",
+]

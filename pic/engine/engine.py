@@ -1,279 +1,294 @@
-"""The engine: owns the scheduler, the pool and the runner, and steps them; one forward per step.
+"""``Engine``: continuous batching of linked requests, run by a thread of its own.
 
-Every step runs, in one batched forward, the recompute passes of the requests it admits and the next
-token of every running one, then samples each request's next token with its own options and
-generator (logits only for the rows it samples) and detokenizes incrementally. Other threads never
-touch its state: ``add_request``, ``abort`` and the facade hand work to an inbox that the stepping
-thread drains at the start of each step (see ``Driver``).
+The engine builds its parts from the configs (``build_core``) and hands them to one owner thread
+(``pic.engine.owner``). Every method here runs in the caller's thread: it validates and tokenizes, then
+sends the owner a typed command and waits on the answer or on the request's outputs. Any number of
+threads may call it at once; their requests share the owner's forwards. ``close()`` (or dropping the
+engine) stops the thread.
 """
 
 from __future__ import annotations
 
-import itertools
-import logging
+import contextlib
 import threading
 import time
-from collections import deque
-from collections.abc import Callable
+import weakref
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 
 import torch
+from tqdm.auto import tqdm
 
-from pic.config import PICConfig
-from pic.engine.detokenizer import Detokenizer
-from pic.engine.driver import Driver
-from pic.engine.linker import Linker
-from pic.engine.outputs import finish_output, token_output
-from pic.engine.request import Request, RequestOutput, prompt_ids
-from pic.engine.scheduler import ScheduledBatch, Scheduler
-from pic.engine.sequence import Sequence, Status, decode_inputs
-from pic.link import SamplingParams
-from pic.link.generate import FinishReason
-from pic.link.policies import Policy
-from pic.link.sampling import sample_rows
-from pic.model import ModelRunner
+from pic.compile import TextOrTokens, tokenizer_adds_bos
+from pic.config import CompileOptions, PICConfig, StoreConfig
+from pic.engine.build import build_core
+from pic.engine.commands import Abort, Compile, Pause, Query, Submit
+from pic.engine.core import CompileJob, EngineCore
+from pic.engine.generation import Generation
+from pic.engine.linked import Linked
+from pic.engine.owner import OwnerThread
+from pic.engine.prepare import Preparer, documents
+from pic.engine.request import OutputSink, Request, RequestOutput
+from pic.engine.stepper import Stepper
+from pic.engine.store_view import StoreView
+from pic.engine.streams import RequestStream
+from pic.ids import model_fingerprint
+from pic.kv import KVStats
+from pic.link import policies
+from pic.model import ModelSpec
+from pic.model.loading import model_eos_ids
+from pic.model.runner import AttentionObserver
 
-log = logging.getLogger("pic")
+# Running at least this many requests shows a progress bar (unless ``progress`` says otherwise).
+_PROGRESS_MIN_REQUESTS = 8
 
 
 class Engine:
-    """Continuous batching of linked requests over one model, KV pool and chunk store.
+    """Compile chunks, link them with queries, generate: many requests per forward, from any thread.
 
-    Use it iteratively (``add_request``, then ``step`` until ``has_unfinished()`` is false), or through
-    ``PIC``'s synchronous facade (``link``, ``generate_many``), which drives it for you. Only one thread
-    steps at a time; ``add_request`` and ``abort`` may be called from any thread.
+    Args:
+        model: a supported ``*ForCausalLM`` (Llama, Mistral, Qwen2, Qwen3 families), on its device.
+        tokenizer: its tokenizer.
+        config: engine options (``PICConfig``); ``self.config`` holds them with ``add_bos`` resolved.
+        store: where chunks live besides the KV pool (``StoreConfig``: CPU and Redis tiers; default: none).
+
+    Raises:
+        UnsupportedModelError: the model has no rotary embeddings or an unsupported layer layout.
+        InvalidInputError: a KV pool larger than the device's free memory.
     """
 
     def __init__(
         self,
-        runner: ModelRunner,
+        model: torch.nn.Module,
         tokenizer: object,
-        linker: Linker,
         *,
-        config: PICConfig,
-        default_policy: Policy,
-        bos_token_id: int | None,
-        eos_token_ids: frozenset[int],
-        lock: threading.RLock,
+        config: PICConfig | None = None,
+        store: StoreConfig | None = None,
     ) -> None:
-        self.runner, self.tokenizer, self.linker = runner, tokenizer, linker
-        self.config, self.default_policy = config, default_policy
-        self.bos_token_id, self.eos_token_ids = bos_token_id, eos_token_ids
-        self.scheduler = Scheduler(
-            linker, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens
-        )
-        self.lock = lock  # held for each step; the store's methods take it too
-        self.driver = Driver()
-        self.num_steps = self.num_batched_seqs = 0  # steps that ran a forward, and the sequences in them
-        # Work handed in by any thread, run by the owner at the start of a step. Deque appends and pops are
-        # atomic, so handing work in takes no lock.
-        self._inbox: deque[Callable[[], RequestOutput | None]] = deque()
-        self._releases: deque[Sequence] = deque()
-        self._stepping = False
-        self._seqs: dict[int, Sequence] = {}
-        self._ids = itertools.count()
-        # Every step queues its kernels on one CUDA stream, whichever thread steps (a thread may have made
-        # another stream current): the KV one step writes is then written before a later step reads it.
-        device = runner.spec.device
-        self._stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+        config = config or PICConfig()
+        if config.add_bos is None:  # the model's prompts start with a BOS exactly when its tokenizer writes one
+            config = config.model_copy(update={"add_bos": tokenizer_adds_bos(tokenizer)})
+        eos = config.eos_token_ids
+        self.config, self.model, self.tokenizer = config, model, tokenizer
+        self.fingerprint = model_fingerprint(model)
+        self.bos_token_id: int | None = getattr(tokenizer, "bos_token_id", None)
+        self.eos_token_ids = frozenset(model_eos_ids(model, tokenizer) if eos is None else eos)
+        core = build_core(
+            model, tokenizer, config=config, store=store or StoreConfig(), fingerprint=self.fingerprint,
+            bos_token_id=self.bos_token_id, eos_token_ids=self.eos_token_ids,
+        )  # fmt: skip
+        self.spec: ModelSpec = core.runner.spec
+        self.attention_backend: str = core.runner.attention_backend.name  # "torch" or "triton"
+        self._owner = OwnerThread(core)
+        self.store = StoreView(self._owner, fleet=core.store.fleet)
+        self._finalizer = weakref.finalize(self, self._owner.close)
+        self._prepare = Preparer(tokenizer, self.spec, config=config, bos_token_id=self.bos_token_id)
+        self._stepper = Stepper(self._owner, self._prepare)
+        self.default_policy = self._prepare.default_policy
 
-    # -- handing work in (any thread) --------------------------------------------------------------
+    # -- linking and generating ----------------------------------------------------------------------
 
-    def add_request(self, request: Request) -> int:
-        """Queue a request; returns its id. Its outputs come from ``step``.
+    def link(
+        self,
+        cache_ids: Sequence[str],
+        query: TextOrTokens,
+        *,
+        prefix: TextOrTokens = "",
+        policy: str | policies.Policy | None = None,
+    ) -> Linked:
+        """Link cached chunks with a query (prompt: ``prefix + chunks + query``) and run the
+        recompute pass, so the first token's logits are ready on return.
+
+        Raises:
+            UnknownCacheIdError: an id no store tier holds.
+            StoreUnavailableError: Redis failed (``StoreConfig.on_redis_error="raise"``).
+            CompileOptionsMismatchError: a chunk compiled with other options than ``policy`` needs.
+            InvalidInputError: an empty query, a bad token id.
+            ContextLengthError: the linked prompt is longer than the model's context.
+            KVPoolExhaustedError: the KV pool cannot hold the request beside the live ones (nothing
+                is taken; the message gives the blocks needed and available).
+        """
+        return self.link_many([Request(cache_ids, query, prefix=prefix, policy=policy)])[0]
+
+    def link_many(self, requests: Sequence[Request]) -> list[Linked]:
+        """``link`` for several requests at once: their recompute passes share forwards. Their sampling
+        options are not used (``Linked.generate`` takes its own). If one fails, the others are released
+        and its error is raised."""
+        start = time.perf_counter()
+        streams = [RequestStream(self._owner.alive) for _ in requests]
+        news = [self._prepare.new_request(r, sink=s, sampling=None) for r, s in zip(requests, streams, strict=True)]
+        self._owner.send(Submit(tuple(news)))
+        try:
+            firsts = [stream.get() for stream in streams]
+        except BaseException:  # interrupted: nobody will hold these requests, so free them
+            for new in news:
+                self._owner.send(Abort(new.request_id))
+            raise
+        link_s = time.perf_counter() - start
+        linked = [
+            Linked(first, owner=self._owner, engine=self, policy=new.policy, stream=stream, link_s=link_s)
+            for new, stream, first in zip(news, streams, firsts, strict=True)
+            if not isinstance(first, RequestOutput)
+        ]
+        failed = next((first.error for first in firsts if isinstance(first, RequestOutput)), None)
+        if failed is not None:
+            for item in linked:
+                item.release()
+            raise failed
+        return linked
+
+    def generate_many(self, requests: Sequence[Request], *, progress: bool | None = None) -> list[Generation]:
+        """Run many requests together (continuous batching) and return their generations, in order.
+
+        Args:
+            requests: ``pic.Request`` objects (chunks, query, policy and sampling options each).
+            progress: show a progress bar (``None``, the default: for 8 or more requests).
+
+        A request's generation is what it gets alone, whatever it is batched with. Every request is
+        validated before any runs (a bad one raises ``InvalidInputError`` and none runs); every request
+        runs to its end; then the first failure, if any, is raised (see ``link`` for the errors).
+        """
+        streams = [RequestStream(self._owner.alive) for _ in requests]
+        news = [
+            self._prepare.new_request(r, sink=s, sampling=r.sampling) for r, s in zip(requests, streams, strict=True)
+        ]
+        self._owner.send(Submit(tuple(news)))
+        show = progress if progress is not None else len(news) >= _PROGRESS_MIN_REQUESTS
+        lasts: list[RequestOutput] = []
+        try:
+            with tqdm(total=len(news), desc="pic generate", unit="request", disable=not show) as bar:
+                for stream in streams:
+                    lasts.append(_last(stream))
+                    bar.update(1)
+        finally:
+            for new in news[len(lasts) :]:  # interrupted: stop the rest
+                self._owner.send(Abort(new.request_id))
+        failed = next((out.error for out in lasts if out.error is not None), None)
+        if failed is not None:
+            raise failed
+        return [out.generation for out in lasts]
+
+    # -- compiling -----------------------------------------------------------------------------------
+
+    def compile(
+        self,
+        docs: TextOrTokens | Sequence[TextOrTokens],
+        *,
+        policy: str | policies.Policy | None = None,
+        progress: bool | None = None,
+    ) -> list[str]:
+        """Prefill each document alone and cache its KV; returns one cache id per document.
+
+        Args:
+            docs: a string, a list of strings, or a list of token-id lists (content tokens: the
+                BOS is added per the compile options). Bytes are refused: decode them first.
+            policy: the policy the chunks will be linked with, when it needs compile options
+                (LegoLink-0); default: the engine's default policy.
+            progress: show a progress bar (``None``, the default: when compiling 8 or more new chunks).
+
+        Ids are content addresses: compiling a document that is already cached does no work, and
+        compiling one whose chunk was evicted compiles it again. Each chunk is prefilled straight into
+        canonical blocks of the KV pool (resident: the device tier) and written through to the CPU
+        and Redis tiers. Every id returned is held by some tier when ``compile`` returns: the call
+        never evicts its own chunks to make room for its other chunks. Workers sharing a Redis tier
+        compile each chunk once between them (``pic.store.lease``).
+
+        Raises:
+            InvalidInputError: no documents, an empty document, a bad token id, bytes.
+            ContextLengthError: a document that leaves no room for a query in the model's context.
+            StoreUnavailableError: Redis failed (``StoreConfig.on_redis_error="raise"``).
+            KVPoolExhaustedError: the new chunks do not fit in the KV pool beside the chunks in use and,
+                where no lower tier can take them, beside each other (checked before any work).
+        """
+        options = self.compile_options(policy)
+        found = documents(self.tokenizer, docs, options=options, spec=self.spec, fingerprint=self.fingerprint)
+
+        def compile_ids(todo: Sequence[str]) -> list[str]:
+            job = CompileJob(tokens=found.tokens, options=options, todo=tuple(todo), progress=progress)
+            return self._owner.call(lambda reply: Compile(job, reply))
+
+        fleet = self.store.fleet
+        if fleet is None:
+            compile_ids(found.ids)
+        else:
+            fleet.compile_once(found.ids, has_chunk=self.store.contains, compile=compile_ids)
+        return found.ids
+
+    def compile_options(self, policy: str | policies.Policy | None = None) -> CompileOptions:
+        """The options chunks are compiled with for ``policy`` (they are part of the cache id).
+
+        Raises:
+            PolicyError: a policy that needs extra BOS tokens with a tokenizer that has none.
+        """
+        return self._prepare.compile_options(policy)
+
+    # -- other clients (the server) ---------------------------------------------------------------------
+
+    def submit(self, request: Request, *, sink: OutputSink) -> int:
+        """Queue a request whose outputs go to ``sink`` (``put`` is called from the engine's thread and must
+        not block: a queue; ``pic.engine.streams`` has one for threads and one for asyncio); returns its id.
 
         Raises:
             InvalidInputError: an empty query, a bad token id.
         """
-        return self.submit(request, watched=False).request_id
+        new = self._prepare.new_request(request, sink=sink, sampling=request.sampling)
+        self._owner.send(Submit((new,)))
+        return new.request_id
 
-    def abort(self, request_id: int) -> None:
-        """Stop a request at the next step (a final ``RequestOutput`` with ``FinishReason.ABORT``)."""
-        self._inbox.append(lambda: self._abort(self._seqs.get(request_id)))
+    # -- inspection and lifetime ---------------------------------------------------------------------
 
-    def submit(self, request: Request, *, watched: bool, park: bool = False) -> Sequence:
-        """Tokenize and queue a request; ``park`` stops it after its recompute pass (``PIC.link``)."""
-        prefix_ids, query_ids = prompt_ids(
-            request,
-            self.tokenizer,
-            vocab_size=self.runner.spec.vocab_size,
-            bos_token_id=self.bos_token_id if self.config.add_bos else None,
-        )
-        seq = Sequence(
-            next(self._ids),
-            cache_ids=request.cache_ids,
-            prefix_ids=prefix_ids,
-            query_ids=query_ids,
-            policy=request.policy or self.default_policy,
-            sampling=None if park else request.sampling,
-            watched=watched,
-        )
-        if not park:
-            self._start_generation(seq, request.sampling)
-        self._inbox.append(lambda: self._add(seq))
-        return seq
+    def kv_stats(self) -> KVStats:
+        """Blocks of the KV pool: free, used, resident chunk blocks, shared references, private, peak."""
+        return self._owner.ask(Query.KV_STATS)
 
-    def resume(self, seq: Sequence, params: SamplingParams) -> None:
-        """Start generating from a parked sequence."""
-        self._inbox.append(lambda: self._resume(seq, params))
+    def reset_peak(self) -> None:
+        """Restart ``KVStats.peak_used_blocks`` from the blocks in use now."""
+        self._owner.ask(Query.RESET_PEAK)
 
-    def release(self, seq: Sequence) -> None:
-        """Free a sequence's blocks (abort it if it is still generating): now if no thread is stepping the
-        engine, else at the start of the next step. Safe from a finalizer, in any thread."""
-        self._releases.append(seq)
-        self.driver.try_run(self._drain_releases)
-
-    def call(self, fn: Callable[[], object]) -> object:
-        """Run ``fn`` on the thread that owns the engine, between two steps; returns its result."""
-        future: Future = Future()
-
-        def run() -> None:
-            try:
-                future.set_result(fn())
-            except Exception as exc:
-                future.set_exception(exc)
-
-        self._inbox.append(run)
-        self.run_until(future.done)
-        return future.result()
-
-    def run_until(self, done: Callable[[], bool]) -> None:
-        """Step until ``done()`` (or wait while another thread steps)."""
-        self.driver.run_until(done, step=self.step, has_work=self.has_unfinished)
-
-    def has_unfinished(self) -> bool:
-        """Whether a request is queued or running (parked ones do not count) or work was handed in."""
-        return bool(self._inbox or self._releases) or self.scheduler.has_unfinished()
-
-    # -- stepping (the owning thread) ---------------------------------------------------------------
-
-    def step(self) -> list[RequestOutput]:
-        """Admit, run one batched forward, sample; returns what each request produced."""
-        with self.lock, torch.cuda.stream(self._stream):  # no-op off CUDA (None)
-            outputs = self._drain_releases() + self._drain_inbox()
-            self._stepping = True
-            try:
-                batch = self.scheduler.schedule()
-                outputs += [self._finish(seq, why) for seq, why in batch.failed]
-                if batch.prefills or batch.decodes or batch.resumed:
-                    outputs += self._run(batch)
-            finally:
-                self._stepping = False
-            self._deliver(outputs)
-        self.driver.step_done()
-        return outputs
-
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            seq = self._seqs[out.request_id]
-            if seq.watched:
-                seq.outbox.append(out)
-            if out.finished:
-                del self._seqs[out.request_id]
-
-    def _drain_releases(self) -> list[RequestOutput]:
-        """Abort the sequences handed to ``release`` (not from inside a step: a finalizer may run there)."""
-        outputs = []
-        with self.lock:
-            while self._releases and not self._stepping:
-                out = self._abort(self._releases.popleft())
-                if out is not None:
-                    outputs.append(out)
-            self._deliver(outputs)
-        return outputs
-
-    def _drain_inbox(self) -> list[RequestOutput]:
-        outputs = []
-        while self._inbox:
-            out = self._inbox.popleft()()
-            if out is not None:
-                outputs.append(out)
-        return outputs
-
-    def _add(self, seq: Sequence) -> None:
-        self._seqs[seq.request_id] = seq
-        self.scheduler.add(seq)
-
-    def _resume(self, seq: Sequence, params: SamplingParams) -> None:
-        self._start_generation(seq, params)
-        seq.sampling, seq.resumed_s = params, time.perf_counter()
-        self.scheduler.add(seq)
-
-    def _abort(self, seq: Sequence | None) -> RequestOutput | None:
-        return None if seq is None or seq.is_finished else self._finish(seq, FinishReason.ABORT)
-
-    def _run(self, batch: ScheduledBatch) -> list[RequestOutput]:
-        """The forward over the batch's passes and decode tokens, then one token per sampling sequence."""
-        start = time.perf_counter()
-        for seq in batch.prefills:
-            seq.scheduled_s = seq.scheduled_s or start
-        device = self.runner.spec.device
-        inputs = [seq.pass_.seq_input() for seq in batch.prefills] + decode_inputs(batch.decodes, device)
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[EngineCore]:
+        """Stop the engine between two steps and lend its core to the caller (tests and debugging read
+        the pool, store and runner here); the engine goes on when the block exits."""
+        entered, resume = Future(), threading.Event()
+        self._owner.send(Pause(entered, resume))
         try:
-            hidden = self.runner.forward(inputs) if inputs else []
-        except Exception as exc:  # the batch's requests fail; the engine and every other request go on
-            log.exception("pic: a forward failed")
-            return [self._finish(seq, exc) for seq in batch.prefills + batch.decodes]
-        self.num_steps += bool(inputs)
-        self.num_batched_seqs += len(inputs)
-        now = time.perf_counter()
-        rows: list[tuple[Sequence, torch.Tensor]] = []
-        outputs = []
-        for seq, h in zip(batch.prefills, hidden, strict=False):
-            self.linker.pass_done(seq)
-            seq.linked_s = seq.linked_s or now
-            if seq.sampling is None:  # PIC.link: park with the query's hidden states (Linked.logits)
-                seq.query_hidden, seq.status = h, Status.PARKED
-            else:
-                rows.append((seq, h[-1]))
-        rows += [(seq, h[-1]) for seq, h in zip(batch.decodes, hidden[len(batch.prefills) :], strict=True)]
-        rows += [(seq, seq.query_hidden[-1]) for seq in batch.resumed]
-        for seq, _ in rows:
-            if seq.sampling.max_new_tokens == 0:
-                outputs.append(self._finish(seq, FinishReason.LENGTH))
-        rows = [(seq, h) for seq, h in rows if not seq.is_finished]
-        for (seq, _), token in zip(rows, self._sample(rows), strict=True):
-            outputs.append(self._append(seq, token))
-        return outputs
+            yield self._owner.wait(entered)
+        finally:
+            resume.set()
 
-    def _sample(self, rows: list[tuple[Sequence, torch.Tensor]]) -> list[int]:
-        """Each row's next token, with its sequence's options and generator; logits of these rows only."""
-        if not rows:
-            return []
-        logits = self.runner.logits(torch.stack([h for _, h in rows]))  # [B, vocab_size] float32
-        return sample_rows(logits, [seq.sampling for seq, _ in rows], [seq.generator for seq, _ in rows])
+    @contextlib.contextmanager
+    def observe_attention(self, observer: AttentionObserver) -> Iterator[None]:
+        """Within the block, every layer of every forward calls ``observer`` (on the engine's thread) with
+        its attention's inputs: ``ModelRunner.observe_attention``, for analysis such as
+        ``pic.evaluation.sinks``. Not reentrant."""
+        with self.paused() as core:
+            observing = core.runner.observe_attention(observer)
+            observing.__enter__()
+        try:
+            yield
+        finally:
+            with self.paused():
+                observing.__exit__(None, None, None)
 
-    def _append(self, seq: Sequence, token: int) -> RequestOutput:
-        """Record a sampled token; finish the sequence when it ends the generation."""
-        seq.first_token_s = seq.first_token_s or time.perf_counter()
-        seq.output_ids.append(token)
-        if token in self.eos_token_ids:
-            return self._finish(seq, FinishReason.EOS, token=token)
-        text = seq.detokenizer.add(token)
-        if seq.detokenizer.stopped:
-            reason = FinishReason.STOP
-        elif len(seq.output_ids) >= seq.sampling.max_new_tokens:
-            reason = FinishReason.LENGTH
-        elif seq.num_prompt_tokens + len(seq.output_ids) >= self.runner.spec.max_context:
-            reason = FinishReason.CONTEXT
-        else:
-            seq.status = Status.RUNNING
-            return token_output(seq, text, token)
-        return self._finish(seq, reason, text=text, token=token)
+    def engine(self) -> Stepper:
+        """The iterative interface: ``add_request``, ``step``, ``abort``, ``has_unfinished``, and the
+        engine's step counters (one object per engine)."""
+        return self._stepper
 
-    def _finish(
-        self, seq: Sequence, why: FinishReason | Exception, *, text: str = "", token: int | None = None
-    ) -> RequestOutput:
-        """Free the sequence's blocks and build its last output."""
-        self.scheduler.remove(seq)
-        self.linker.release(seq)
-        if why is FinishReason.KV_POOL:
-            log.warning(
-                "pic: request %d stopped after %d tokens: the KV pool is full", seq.request_id, len(seq.output_ids)
-            )
-        return finish_output(seq, why, text=text, token=token)
+    def close(self) -> None:
+        """Stop the engine's thread and free its requests (open ones fail with ``EngineClosedError``);
+        later calls raise ``EngineClosedError``. Idempotent; dropping the engine does the same."""
+        self._finalizer()
 
-    def _start_generation(self, seq: Sequence, params: SamplingParams) -> None:
-        seq.detokenizer = Detokenizer(self.tokenizer, stop=params.stop)
-        if params.seed is not None:
-            seq.generator = torch.Generator(device=self.runner.spec.device).manual_seed(params.seed)
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _last(stream: RequestStream) -> RequestOutput:
+    """Wait for a request's last output."""
+    while not (out := stream.get()).finished:
+        pass
+    return out

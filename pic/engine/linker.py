@@ -6,17 +6,13 @@ method runs on the thread stepping the engine.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
-from pic.config import CompileOptions
 from pic.engine.sequence import Sequence
 from pic.errors import CompileOptionsMismatchError, ContextLengthError
-from pic.kv import ChunkInfo, ChunkKV
+from pic.kv import BlockPool, ChunkInfo, ChunkKV, KVCache
 from pic.link import lay_out
 from pic.link.assemble import AssemblyPlan, assemble, plan_assembly
-from pic.link.policies import Policy
 from pic.link.recompute import RecomputePass
 from pic.model import ModelSpec
 from pic.store import TieredStore
@@ -26,24 +22,25 @@ class Linker:
     """Block-level work on sequences.
 
     Args:
-        store: the chunk store; its device tier is the KV pool.
+        pool, cache: the KV pool's allocator and tensors.
+        store: the chunk store (resolves cache ids; promotes chunks from the lower tiers into ``pool``).
         spec: the model's shapes (layers, context).
-        compile_options: the options chunks must have been compiled with for a policy.
         block_size: tokens per block.
         share_chunk_blocks: map clean chunk blocks without copying (``PICConfig.share_chunk_blocks``).
     """
 
     def __init__(
         self,
+        pool: BlockPool,
+        cache: KVCache,
         store: TieredStore,
         spec: ModelSpec,
         *,
-        compile_options: Callable[[Policy], CompileOptions],
         block_size: int,
         share_chunk_blocks: bool,
     ) -> None:
-        self.store, self.pool, self.spec = store, store.device.pool, spec
-        self._compile_options, self._block_size, self._share = compile_options, block_size, share_chunk_blocks
+        self.store, self.pool, self.cache, self.spec = store, pool, cache, spec
+        self._block_size, self._share = block_size, share_chunk_blocks
 
     def plan(self, seq: Sequence) -> AssemblyPlan:
         """What admitting ``seq`` takes from the pool now; resolves its chunks (again, after an eviction)
@@ -54,7 +51,7 @@ class Linker:
             PolicyError: the request cannot run (it fails; nothing was taken).
         """
         evicted = seq.chunks and any(
-            isinstance(c, ChunkInfo) and not self.store.device.contains(c.cache_id) for c in seq.chunks
+            isinstance(c, ChunkInfo) and not self.pool.is_resident(c.cache_id) for c in seq.chunks
         )
         if seq.chunks is None or evicted:
             seq.chunks = self._resolve(seq)
@@ -71,7 +68,7 @@ class Linker:
             seq.selected = seq.policy.recompute_mask(seq.layout)
         dynamic = seq.policy.is_dynamic
         dirty = seq.selected if self._share and not dynamic else torch.ones_like(seq.selected)
-        return plan_assembly(self.store, seq.layout, seq.chunks, dirty)
+        return plan_assembly(self.pool, seq.layout, seq.chunks, dirty)
 
     def can_admit(self, plan: AssemblyPlan, seq: Sequence) -> bool:
         return self.pool.num_available(holding=self._to_hold(plan, seq)) >= plan.num_blocks_needed
@@ -85,7 +82,7 @@ class Linker:
 
     def admit(self, plan: AssemblyPlan, seq: Sequence, *, num_output_rows: int) -> None:
         """Take the blocks (shared chunk blocks mapped, dirty ones copied) and set up the recompute pass."""
-        assembly = assemble(self.store, plan, held=seq.held)
+        assembly = assemble(self.pool, self.cache, self.store, plan, held=seq.held)
         seq.held = {}
         seq.kv = assembly.req
         if seq.first_pass is None:
@@ -119,7 +116,7 @@ class Linker:
     def preempt(self, seq: Sequence) -> None:
         """Free the sequence's blocks but keep its chunks resident (held) until it is admitted again."""
         for cid in dict.fromkeys(seq.cache_ids):
-            if cid not in seq.held and self.store.device.contains(cid):
+            if cid not in seq.held and self.pool.is_resident(cid):
                 seq.held[cid] = self.pool.hold(cid)
         seq.kv.release()
         seq.kv, seq.pass_ = None, None
@@ -138,7 +135,7 @@ class Linker:
         self.pool.free(b for blocks in held.values() for b in blocks)
 
     def _resolve(self, seq: Sequence) -> list[ChunkInfo | ChunkKV]:
-        options = self._compile_options(seq.policy)
+        options = seq.compile_options
         chunks = []
         for cid in seq.cache_ids:
             chunk = self.store.resolve(cid)

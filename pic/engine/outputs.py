@@ -4,15 +4,33 @@ from __future__ import annotations
 
 import time
 
-from pic.engine.request import RequestOutput
+import torch
+
+from pic.engine.generation import FinishReason, Generation, GenerationStats
+from pic.engine.request import LinkOutput, RequestOutput
 from pic.engine.sequence import Sequence, Status
-from pic.link import Generation, GenerationStats
-from pic.link.generate import FinishReason
 
 
 def token_output(seq: Sequence, text: str, token: int) -> RequestOutput:
     """A step's output for a sequence that goes on."""
     return RequestOutput(request_id=seq.request_id, text=text, token_ids=(token,), finished=False)
+
+
+def link_output(seq: Sequence, hidden: torch.Tensor) -> LinkOutput:
+    """Park a sequence whose recompute pass ran (``PIC.link``), with its query's final hidden states
+    ``hidden`` ``[num_query_tokens, hidden_size]``."""
+    seq.query_hidden, seq.status = hidden, Status.PARKED
+    result = seq.first_pass
+    return LinkOutput(
+        request_id=seq.request_id,
+        layout=seq.layout,
+        recomputed=result.recomputed,
+        recomputed_by_layer=result.recomputed_by_layer,
+        num_shared_blocks=seq.num_shared_blocks,
+        num_private_blocks=seq.num_private_blocks,
+        block_ids=tuple(seq.kv.blocks),
+        query_hidden=hidden,
+    )
 
 
 def finish_output(
@@ -31,7 +49,7 @@ def finish_output(
         out = RequestOutput(
             request_id=seq.request_id, text=text, token_ids=tokens, finished=True, generation=seq.generation
         )
-    seq.status = Status.FINISHED  # last: facade threads read the results once they see it
+    seq.status = Status.FINISHED
     return out
 
 

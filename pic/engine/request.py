@@ -1,24 +1,33 @@
-"""What a user hands the engine (``Request``) and what a step hands back (``RequestOutput``)."""
+"""What a user hands the engine (``Request``) and what the engine hands back (``RequestOutput``, ``LinkOutput``)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
-from pic.compile import TextOrTokens, cache_id_list, encode
-from pic.errors import InvalidInputError
-from pic.link import Generation, SamplingParams, policies
+import torch
+from typing_extensions import Unpack
+
+from pic.compile import TextOrTokens
+from pic.config import CompileOptions
+from pic.engine.generation import Generation
+from pic.engine.sampling import SamplingOptions, SamplingParams, sampling_params
+from pic.ids import cache_id_list
+from pic.link import Layout, policies
+from pic.link.policies import Policy
 
 
 class Request:
     """One generation: link ``cache_ids`` with ``query`` (after ``prefix``) under ``policy``, then generate.
 
-    The prompt is ``prefix + chunk_1 + ... + chunk_n + query``, as in ``PIC.link``; the sampling options
-    are ``Linked.generate``'s (``SamplingParams``). A request's output does not depend on what it is
-    batched with: seeded sampling uses the request's own generator.
+    The prompt is ``prefix + chunk_1 + ... + chunk_n + query``, as in ``PIC.link``. Sampling is either a
+    ``SamplingParams`` (``sampling=``) or its fields as keywords (``max_new_tokens=32, temperature=0.8``).
+    A request's output does not depend on what it is batched with: seeded sampling uses the request's own
+    generator.
 
     Raises:
-        InvalidInputError: cache ids that are not strings, a bad sampling option.
+        InvalidInputError: cache ids that are not strings, a bad or unknown sampling option.
         PolicyError: an unknown policy spec.
     """
 
@@ -29,19 +38,13 @@ class Request:
         *,
         prefix: TextOrTokens = "",
         policy: str | policies.Policy | None = None,
-        max_new_tokens: int = 64,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
+        sampling: SamplingParams | None = None,
+        **options: Unpack[SamplingOptions],
     ) -> None:
         self.cache_ids = cache_id_list(cache_ids)
         self.query, self.prefix = query, prefix
         self.policy = None if policy is None else policies.resolve(policy)
-        self.sampling = SamplingParams(
-            max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop
-        )
+        self.sampling = sampling_params(sampling, options)
 
     def __repr__(self) -> str:
         return f"Request(num_chunks={len(self.cache_ids)}, query={self.query!r}, policy={self.policy}, {self.sampling})"
@@ -68,20 +71,60 @@ class RequestOutput:
     generation: Generation | None = None
     error: Exception | None = None
 
+    @classmethod
+    def failure(cls, request_id: int, error: Exception) -> RequestOutput:
+        """The last output of a request that ends with ``error`` before it produced anything."""
+        return cls(request_id=request_id, text="", token_ids=(), finished=True, error=error)
 
-def prompt_ids(
-    request: Request, tokenizer: object, *, vocab_size: int, bos_token_id: int | None
-) -> tuple[list[int], list[int]]:
-    """The request's prefix and query token ids. The BOS (``None``: none) goes first: on the prefix, or
-    on the query when there is neither a prefix nor a chunk (a chunk brings its own).
 
-    Raises:
-        InvalidInputError: an empty query, a bad token id.
+@dataclass(frozen=True)
+class LinkOutput:
+    """A linked request after its recompute pass, parked until it is generated from or released (``PIC.link``).
+
+    Attributes:
+        request_id: the engine's id.
+        layout: where every segment sits in the request's blocks.
+        recomputed: ``[T]`` bool (CPU), the tokens that ran the last layer fresh.
+        recomputed_by_layer: tokens run fresh in each layer, first layer first.
+        num_shared_blocks / num_private_blocks: the request's block table, aliased / owned.
+        block_ids: its physical blocks, in slot order.
+        query_hidden: ``[num_query_tokens, hidden_size]`` the query's final hidden states (model dtype).
     """
-    query_ids = encode(tokenizer, request.query, what="query", vocab_size=vocab_size)
-    prefix_ids = encode(tokenizer, request.prefix, what="prefix", vocab_size=vocab_size)
-    if not query_ids:
-        raise InvalidInputError(f"query {request.query!r} has no tokens; link needs at least one query token")
-    if bos_token_id is not None and (prefix_ids or not request.cache_ids):
-        (prefix_ids if prefix_ids else query_ids).insert(0, bos_token_id)
-    return prefix_ids, query_ids
+
+    request_id: int
+    layout: Layout
+    recomputed: torch.Tensor
+    recomputed_by_layer: tuple[int, ...]
+    num_shared_blocks: int
+    num_private_blocks: int
+    block_ids: tuple[int, ...]
+    query_hidden: torch.Tensor
+
+
+class OutputSink(Protocol):
+    """Where a request's outputs go, from the engine's thread: ``put`` must not block (a queue)."""
+
+    def put(self, item: RequestOutput | LinkOutput) -> None: ...
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A request's token ids, validated by the caller's thread before the engine sees the request."""
+
+    cache_ids: list[str]
+    prefix_ids: list[int]
+    query_ids: list[int]
+
+
+@dataclass(frozen=True)
+class NewRequest:
+    """A request, tokenized by its caller. ``sampling=None`` parks it after its recompute pass (``link``);
+    ``paced`` ones run only in steps their client asks for (``Engine.step``) or that other requests need."""
+
+    request_id: int
+    prompt: Prompt
+    policy: Policy
+    compile_options: CompileOptions
+    sampling: SamplingParams | None
+    sink: OutputSink
+    paced: bool = False

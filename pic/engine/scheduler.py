@@ -15,10 +15,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from pic.engine.generation import FinishReason
 from pic.engine.linker import Linker
 from pic.engine.sequence import Sequence, Status
 from pic.errors import KVPoolExhaustedError, PicError
-from pic.link.generate import FinishReason
 
 
 @dataclass
@@ -37,10 +37,6 @@ class ScheduledBatch:
     decodes: list[Sequence] = field(default_factory=list)
     resumed: list[Sequence] = field(default_factory=list)
     failed: list[tuple[Sequence, Exception | FinishReason]] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.decodes) + sum(s.pass_.num_tokens for s in self.prefills)
 
 
 class Scheduler:

@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import enum
 import time
-from collections import deque
 
 import torch
 
 from pic.engine.detokenizer import Detokenizer
-from pic.engine.request import RequestOutput
+from pic.engine.generation import FinishReason, Generation
+from pic.engine.request import NewRequest, OutputSink
+from pic.engine.sampling import SamplingParams
 from pic.kv import ChunkInfo, ChunkKV, RequestKV
 from pic.kv.transfer import to_device
-from pic.link import Generation, Layout, SamplingParams
-from pic.link.generate import FinishReason
-from pic.link.policies import Policy
+from pic.link import Layout
 from pic.link.recompute import PassResult, RecomputePass
 from pic.model import SeqInput
 
@@ -29,31 +28,20 @@ class Status(enum.Enum):
 class Sequence:
     """One request: its prompt pieces, its KV once admitted, its tokens, timings, and how it ended.
 
-    Only the thread stepping the engine changes a sequence; facade threads read ``status``,
-    ``outbox`` and the results once the step that set them notifies them.
+    Only the engine's own thread (``EngineCore``) creates, reads or changes a sequence: other threads
+    see what it puts in ``sink``.
 
-    Args:
-        request_id: the engine's id.
-        cache_ids, prefix_ids, query_ids: the prompt (BOS already placed).
-        policy: the recompute policy.
-        sampling: how to generate; ``None`` parks the sequence after its recompute pass.
-        watched: a facade thread waits on it: outputs are kept in ``outbox``.
+    ``new`` is the request as its client sent it (``sampling=None``: park after the recompute pass).
     """
 
-    def __init__(
-        self,
-        request_id: int,
-        *,
-        cache_ids: list[str],
-        prefix_ids: list[int],
-        query_ids: list[int],
-        policy: Policy,
-        sampling: SamplingParams | None,
-        watched: bool,
-    ) -> None:
-        self.request_id = request_id
-        self.cache_ids, self.prefix_ids, self.query_ids = cache_ids, prefix_ids, query_ids
-        self.policy, self.sampling, self.watched = policy, sampling, watched
+    def __init__(self, new: NewRequest) -> None:
+        self.request_id = new.request_id
+        prompt = new.prompt
+        self.cache_ids, self.prefix_ids, self.query_ids = prompt.cache_ids, prompt.prefix_ids, prompt.query_ids
+        self.policy, self.compile_options = new.policy, new.compile_options
+        self.sampling: SamplingParams | None = new.sampling
+        self.sink: OutputSink = new.sink
+        self.paced = new.paced
         self.status = Status.WAITING
         self.arrival_s = time.perf_counter()
         self.scheduled_s: float | None = None  # first admitted
@@ -78,7 +66,6 @@ class Sequence:
         self.finish_reason: FinishReason | None = None
         self.generation: Generation | None = None
         self.error: Exception | None = None
-        self.outbox: deque[RequestOutput] = deque()
 
     @property
     def num_prompt_tokens(self) -> int:

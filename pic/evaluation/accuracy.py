@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from tqdm.auto import tqdm
 
 from pic.api import PIC
+from pic.engine import Linked, generate_together
 from pic.errors import PicError
 from pic.evaluation.accuracy_report import AccuracyReport, AccuracyScore, wilson_interval
 from pic.evaluation.answers import AnswerScore, score_answer
@@ -25,7 +26,6 @@ from pic.evaluation.fidelity import DEFAULT_POLICIES, LinkMeasurement, checked_p
 from pic.evaluation.qa import QACase, QAKind, QAWorkload, qa_workload
 from pic.evaluation.report import model_fields
 from pic.evaluation.sinks import CaseSinks, measure_sinks, summarize_sinks
-from pic.link import Linked, generate_together
 from pic.link.policies import FullRecompute, Policy
 
 

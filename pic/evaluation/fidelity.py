@@ -15,10 +15,10 @@ import torch
 from tqdm.auto import tqdm
 
 from pic.api import PIC
+from pic.engine import Linked
 from pic.errors import PicError
 from pic.evaluation.report import FidelityReport, PolicyScore, model_fields
 from pic.evaluation.workload import Case, Workload, sample_workload
-from pic.link import Linked
 from pic.link.policies import FullRecompute, Policy, resolve
 
 # Parameters of each policy family, from light to heavy: the points of the KL-vs-recompute plot.

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import torch
 
 from pic.api import PIC
-from pic.attention.plan import BatchPlan
+from pic.attention import AttentionBatch
 from pic.attention.reference import attention_weights
-from pic.link import Linked
+from pic.engine import Linked
 from pic.link.policies import Policy
 
 
@@ -68,7 +68,7 @@ def measure_sinks(engine: PIC, link: Callable[[Policy], Linked], policies: Seque
         num_query = layout.query.num_tokens
         per_layer: dict[int, torch.Tensor] = {}
         observe = functools.partial(_observe, per_layer, num_tokens=layout.num_tokens, num_query=num_query)
-        with engine.runner.observe_attention(observe):
+        with engine.observe_attention(observe):
             link(policy).release()
         layers = [per_layer[i] for i in sorted(per_layer)]
         out[policy.spec] = CaseSinks(
@@ -84,7 +84,7 @@ def _observe(
     layer: int,
     q: torch.Tensor,
     k_cache: torch.Tensor,
-    plan: BatchPlan,
+    plan: AttentionBatch,
     scaling: float,
     window: int | None,
     *,

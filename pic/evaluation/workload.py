@@ -115,7 +115,7 @@ def _sample_text(
     engine: PIC, num_texts: int, num_tokens: int, gen: torch.Generator, *, progress: bool
 ) -> list[list[int]]:
     """``num_texts`` passages of ``num_tokens`` tokens sampled from BOS with the HF model's own cache."""
-    model, device = engine.runner.model, engine.spec.device
+    model, device = engine.model, engine.spec.device
     banned = [t for t in (engine.bos_token_id, *engine.eos_token_ids) if t is not None]
     start = engine.bos_token_id if engine.bos_token_id is not None else 0
     if num_tokens + 1 > engine.spec.max_context:

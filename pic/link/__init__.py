@@ -1,19 +1,5 @@
-"""Linking cached chunks with a query: layout, policies, the recompute pass and generation."""
+"""Linking cached chunks with a query, the algorithm: layout, assembly, the recompute pass, policies, chat."""
 
-from pic.link.generate import FinishReason, Generation, GenerationStats
 from pic.link.layout import Layout, Segment, SegmentKind, lay_out
-from pic.link.linked import Linked, generate_together
-from pic.link.sampling import SamplingParams
 
-__all__ = [
-    "FinishReason",
-    "Generation",
-    "GenerationStats",
-    "Layout",
-    "Linked",
-    "SamplingParams",
-    "Segment",
-    "SegmentKind",
-    "generate_together",
-    "lay_out",
-]
+__all__ = ["Layout", "Segment", "SegmentKind", "lay_out"]

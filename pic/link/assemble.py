@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pic.kv import ChunkInfo, ChunkKV, KVCache, RequestKV, blocks_for
+from pic.kv import BlockPool, ChunkInfo, ChunkKV, KVCache, RequestKV, blocks_for
 from pic.link.layout import Layout
 from pic.store import TieredStore
 
@@ -78,7 +78,7 @@ class AssemblyPlan:
 
 
 def plan_assembly(
-    store: TieredStore, layout: Layout, chunks: Sequence[ChunkInfo | ChunkKV], dirty: torch.Tensor
+    pool: BlockPool, layout: Layout, chunks: Sequence[ChunkInfo | ChunkKV], dirty: torch.Tensor
 ) -> AssemblyPlan:
     """Count what ``assemble`` will take (see the module docstring).
 
@@ -88,12 +88,11 @@ def plan_assembly(
         dirty: ``[T]`` bool (CPU), tokens whose KV the request writes: the blocks holding a dirty
             chunk token are private copies. All True gives every request its own copy of everything.
     """
-    device = store.device
     num_blocks = blocks_for(layout.num_slots, layout.block_size)
     chunk_blocks = _chunk_blocks(layout)
     dirty_blocks = set((layout.slots[dirty & layout.cached] // layout.block_size).tolist())
     shared = {i: where for i, where in chunk_blocks.items() if i not in dirty_blocks}
-    to_promote = {c.cache_id: c for c in chunks if isinstance(c, ChunkKV) and not device.contains(c.cache_id)}
+    to_promote = {c.cache_id: c for c in chunks if isinstance(c, ChunkKV) and not pool.is_resident(c.cache_id)}
     resident = tuple(cid for cid in dict.fromkeys(c.cache_id for c in chunks) if cid not in to_promote)
     return AssemblyPlan(
         layout=layout,
@@ -103,21 +102,30 @@ def plan_assembly(
         to_promote=to_promote,
         resident=resident,
         num_private=num_blocks - len(shared),
-        num_promoted_blocks=sum(device.num_blocks_for(c.num_tokens) for c in to_promote.values()),
+        num_promoted_blocks=sum(blocks_for(c.num_tokens, layout.block_size) for c in to_promote.values()),
     )
 
 
-def assemble(store: TieredStore, plan: AssemblyPlan, *, held: dict[str, list[int]] | None = None) -> Assembly:
+def assemble(
+    pool: BlockPool,
+    cache: KVCache,
+    store: TieredStore,
+    plan: AssemblyPlan,
+    *,
+    held: dict[str, list[int]] | None = None,
+) -> Assembly:
     """Hold or promote the chunks, then build the block table (see the module docstring).
 
     Args:
+        pool, cache: the KV pool the request takes blocks from, and its tensors.
+        store: promotes the chunks a lower tier holds into fresh canonical blocks of ``pool``.
         held: chunks whose canonical blocks the caller already holds a reference to (a preempted
             request keeps its chunks resident while it waits); the request takes those references over.
 
     Raises:
         KVPoolExhaustedError: the pool cannot hold the request; nothing is taken.
     """
-    pool, device, layout = store.device.pool, store.device, plan.layout
+    layout = plan.layout
     held = dict(held or {})
     to_hold = [cid for cid in plan.resident if cid not in held]
     pool.check_available(plan.num_blocks_needed, holding=to_hold, what=plan.describe())
@@ -136,18 +144,18 @@ def assemble(store: TieredStore, plan: AssemblyPlan, *, held: dict[str, list[int
         table, copies = _table(num_blocks, plan.shared, plan.chunk_blocks, canonical, private)
         mapped = [table[i] for i in plan.shared]
         pool.incref(mapped)
-        device.cache.copy_blocks([src for src, _ in copies], [dst for _, dst in copies])
+        cache.copy_blocks([src for src, _ in copies], [dst for _, dst in copies])
     except BaseException:
         pool.free(mapped)
         pool.free(private)
         pool.free(b for blocks in taken.values() for b in blocks)
         raise
     req = RequestKV(
-        pool, device.cache, table, num_slots=layout.num_slots, held=[b for blocks in held.values() for b in blocks]
+        pool, cache, table, num_slots=layout.num_slots, held=[b for blocks in held.values() for b in blocks]
     )
     return Assembly(
         req=req,
-        source_rows=_source_rows(layout, canonical, device.cache),
+        source_rows=_source_rows(layout, canonical, cache),
         num_shared_blocks=len(plan.shared),
         num_private_blocks=plan.num_private,
     )

@@ -3,14 +3,13 @@
 Routes: ``GET /health``, ``GET /v1/models``, ``POST /v1/chunks``, ``GET/DELETE /v1/chunks/{id}``,
 ``POST /v1/completions`` (streaming as server-sent events). The extra body field ``pic`` names the chunks
 a completion links before its prompt (see ``schemas.PicOptions``). Handlers validate, hand work to the
-engine (``AsyncEngine``: one task steps it) and format; compiles and store reads run in worker threads,
-which the engine's own locking serialises with its steps.
+engine (``AsyncEngine``: the engine's own thread steps it and hands outputs to the loop) and format; compiles and
+store calls wait in worker threads while the engine's thread runs them between two steps.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
 import uuid
@@ -18,16 +17,16 @@ from collections.abc import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pic.api import PIC
 from pic.engine import Request as PicRequest
 from pic.engine import RequestOutput
+from pic.engine.generation import FinishReason, Generation
 from pic.errors import PicError
-from pic.link.generate import FinishReason, Generation
 from pic.serve.http import Guard, error_response, pic_error_response
 from pic.serve.loop import AsyncEngine
-from pic.serve.metrics import Metrics, RequestCounter
+from pic.serve.metrics import CONTENT_TYPE, EngineFigures, Metrics, RequestCounter
 from pic.serve.schemas import ChatBody, ChunksBody, CompletionBody, Sampling
 
 _FINISH = {FinishReason.EOS: "stop", FinishReason.STOP: "stop"}  # every other reason: "length"
@@ -35,15 +34,17 @@ _FINISH = {FinishReason.EOS: "stop", FinishReason.STOP: "stop"}  # every other r
 
 def build_app(engine: PIC, *, model_name: str, api_key: str | None = None, max_body_bytes: int = 8 << 20) -> FastAPI:
     """The app over ``engine``; ``app.state.engine`` is its ``AsyncEngine``, ``app.state.metrics`` its counters."""
-    aengine, metrics = AsyncEngine(engine), Metrics()
+    aengine = AsyncEngine(engine)
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
-        aengine.start()
-        yield
-        await aengine.stop()
+    def figures() -> EngineFigures:
+        steps = engine.engine()
+        return EngineFigures(
+            tiers=tuple(engine.store.stats()), kv=engine.kv_stats(), num_steps=steps.num_steps,
+            num_batched_seqs=steps.num_batched_seqs,
+        )  # fmt: skip
 
-    app = FastAPI(title="pic", lifespan=lifespan)
+    metrics = Metrics(figures)
+    app = FastAPI(title="pic")
     app.state.engine, app.state.metrics = aengine, metrics
     app.add_exception_handler(PicError, lambda _request, exc: pic_error_response(exc))
     app.add_exception_handler(RequestValidationError, _validation_error)
@@ -59,12 +60,8 @@ def build_app(engine: PIC, *, model_name: str, api_key: str | None = None, max_b
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "pic"}]}
 
     @app.get("/metrics")
-    async def prometheus() -> PlainTextResponse:
-        tiers = await asyncio.to_thread(engine.store.stats)
-        kv = await asyncio.to_thread(engine.kv_stats)
-        core = aengine.core
-        text = metrics.render(tiers=tiers, kv=kv, num_steps=core.num_steps, num_batched_seqs=core.num_batched_seqs)
-        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+    async def prometheus() -> Response:
+        return Response(await asyncio.to_thread(metrics.render), media_type=CONTENT_TYPE)
 
     @app.post("/v1/chunks")
     async def compile_chunks(body: ChunksBody) -> dict:
@@ -73,10 +70,8 @@ def build_app(engine: PIC, *, model_name: str, api_key: str | None = None, max_b
 
     @app.get("/v1/chunks/{cache_id}")
     async def chunk_info(cache_id: str) -> dict:
-        chunk = await asyncio.to_thread(engine.store.resolve, cache_id)  # UnknownCacheIdError: 404
-        tiers = await asyncio.to_thread(engine.store.lookup, cache_id)
-        num_bytes = chunk.num_tokens * engine.spec.kv_bytes_per_token
-        return {"id": cache_id, "tiers": tiers, "num_tokens": chunk.num_tokens, "bytes": num_bytes}
+        chunk = await asyncio.to_thread(engine.store.describe, cache_id)  # metadata only; UnknownCacheIdError: 404
+        return {"id": cache_id, "tiers": list(chunk.tiers), "num_tokens": chunk.num_tokens, "bytes": chunk.num_bytes}
 
     @app.delete("/v1/chunks/{cache_id}")
     async def delete_chunk(cache_id: str) -> dict:

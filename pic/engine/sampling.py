@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TypedDict
+
 import torch
 from pydantic import Field, field_validator
 
 from pic.config import _Frozen, as_tuple
+from pic.errors import InvalidInputError
 from pic.kv.transfer import long_tensor
 
 
 class SamplingParams(_Frozen):
-    """Options of ``Linked.generate`` / ``Linked.stream``.
+    """How to generate: the options of ``Request``, ``Linked.generate`` and ``Linked.stream``, validated
+    once where they enter and carried unchanged to the sampler.
 
     Numbers are validated strictly (``max_new_tokens="10"`` and ``temperature=float("inf")`` are
     ``InvalidInputError``s).
@@ -44,6 +49,32 @@ class SamplingParams(_Frozen):
         if any(not s for s in value):
             raise ValueError("stop strings must be non-empty")
         return value
+
+
+class SamplingOptions(TypedDict, total=False):
+    """``SamplingParams``' fields as keyword arguments (``generate(32, temperature=0.8, seed=1)``)."""
+
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop: str | Sequence[str] | None
+
+
+def sampling_params(params: SamplingParams | None, options: dict) -> SamplingParams:
+    """``params``, or one built from keyword ``options`` (not both).
+
+    Raises:
+        InvalidInputError: a bad or unknown option, or both ``params`` and options.
+    """
+    if params is None:
+        return SamplingParams(**options)
+    if options:
+        raise InvalidInputError(f"pass sampling options or a SamplingParams, not both (got {sorted(options)})")
+    if not isinstance(params, SamplingParams):
+        raise InvalidInputError(f"sampling is {params!r:.80}; expected a pic.SamplingParams")
+    return params
 
 
 def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:

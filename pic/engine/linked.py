@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Generator, Iterator, Sequence
-from typing import TYPE_CHECKING
 
 import torch
+from typing_extensions import Unpack
 
-from pic.errors import InvalidInputError, LinkedReleasedError
-from pic.link.generate import Generation
-from pic.link.sampling import SamplingParams
-
-if TYPE_CHECKING:
-    from pic.engine import Engine
-    from pic.engine.sequence import Sequence as EngineSequence
+from pic.engine.commands import Abort, Query, Resume
+from pic.engine.generation import Generation
+from pic.engine.owner import OwnerThread
+from pic.engine.request import LinkOutput, RequestOutput
+from pic.engine.sampling import SamplingOptions, SamplingParams, sampling_params
+from pic.engine.streams import RequestStream
+from pic.errors import EngineClosedError, InvalidInputError, LinkedReleasedError
+from pic.link.policies import Policy
 
 
 class Linked:
@@ -36,46 +37,53 @@ class Linked:
             writes into (copy-on-write); decode blocks are added as it generates.
 
     The request's KV blocks are held until ``generate`` / ``stream`` finishes, ``release`` is
-    called, the ``with`` block exits, or the object is garbage-collected.
+    called, the ``with`` block exits, or the object is garbage-collected. Any thread may use it.
     """
 
-    def __init__(self, engine: Engine, seq: EngineSequence, *, link_s: float) -> None:
-        result = seq.first_pass
-        self.layout = seq.layout
-        self.input_ids = seq.layout.token_ids
-        self.recomputed = result.recomputed
-        self.num_recomputed = int(result.recomputed.sum())
-        self.recomputed_by_layer = result.recomputed_by_layer
-        self.policy = seq.policy
+    def __init__(
+        self,
+        link: LinkOutput,
+        *,
+        owner: OwnerThread,
+        engine: object,
+        policy: Policy,
+        stream: RequestStream,
+        link_s: float,
+    ) -> None:
+        self.layout = link.layout
+        self.input_ids = link.layout.token_ids
+        self.recomputed = link.recomputed
+        self.num_recomputed = int(link.recomputed.sum())
+        self.recomputed_by_layer = link.recomputed_by_layer
+        self.policy = policy
         self.link_s = link_s
-        self.num_shared_blocks = seq.num_shared_blocks
-        self.num_private_blocks = seq.num_private_blocks
-        self._engine, self._seq = engine, seq
-        self._hidden = seq.query_hidden  # [num_query_tokens, hidden_size]
+        self.num_shared_blocks = link.num_shared_blocks
+        self.num_private_blocks = link.num_private_blocks
+        self._engine = engine  # the Engine: kept alive while the request is (dropping it closes it)
+        self._owner = owner
+        self._request_id, self._stream, self._block_ids = link.request_id, stream, list(link.block_ids)
+        self._hidden = link.query_hidden  # [num_query_tokens, hidden_size]
         self._logits: torch.Tensor | None = None
-        self._block_ids = list(seq.kv.blocks)
         self._started = False
-        self._finalizer = weakref.finalize(self, engine.release, seq)
+        self._finalizer = weakref.finalize(self, _abort_quietly, self._owner, link.request_id)
 
     @property
     def logits(self) -> torch.Tensor:
         """``[num_query_tokens, vocab_size]`` float32, next-token logits at every query position (the
         last row predicts the first new token); computed on first access."""
         if self._logits is None:
-            self._logits = self._engine.runner.logits(self._hidden)
+            self._logits = self._owner.ask(Query.LOGITS, self._hidden)
         return self._logits
 
     def generate(
         self,
-        max_new_tokens: int = 64,
+        max_new_tokens: int | None = None,
         *,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
+        sampling: SamplingParams | None = None,
+        **options: Unpack[SamplingOptions],
     ) -> Generation:
-        """Generate (greedy unless ``temperature > 0``) and release the request. See ``SamplingParams``.
+        """Generate (greedy unless ``temperature > 0``) and release the request. Options: ``SamplingParams``'
+        fields as keywords (``generate(32, temperature=0.8, seed=1)``), or one ``sampling=SamplingParams(...)``.
 
         Generation stops at ``max_new_tokens``, an EOS token, a stop string, the model's context, or
         when the KV pool has no block left for the next token; the tokens generated so far are
@@ -85,56 +93,55 @@ class Linked:
             InvalidInputError: a bad sampling option (the request stays usable).
             LinkedReleasedError: the request was already generated from or released.
         """
-        seq = self._start(
-            max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop
-        )
-        self._engine.run_until(lambda: seq.is_finished)
+        self._start(_params(max_new_tokens, sampling, options))
         return self._result()
 
     def stream(
         self,
-        max_new_tokens: int = 64,
+        max_new_tokens: int | None = None,
         *,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
+        sampling: SamplingParams | None = None,
+        **options: Unpack[SamplingOptions],
     ) -> Iterator[str]:
         """Like ``generate``, yielding text pieces as they are final; their concatenation is the text.
 
         The stream ends cleanly whatever stops it (``Generation.stats.finish_reason`` of ``generate``
         says why); closing it early aborts the generation and releases the request."""
-        seq = self._start(
-            max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop
-        )
-        return self._pieces(seq)
+        self._start(_params(max_new_tokens, sampling, options))
+        return self._pieces()
 
-    def _start(self, **options: object) -> EngineSequence:
-        params = SamplingParams(**options)
+    def _start(self, params: SamplingParams) -> None:
         if self._started or not self._finalizer.alive:
             raise LinkedReleasedError("this Linked request was already generated from or released; link it again")
         self._started = True
-        self._seq.link_s = self.link_s
-        self._engine.resume(self._seq, params)
-        return self._seq
+        self._owner.send(Resume(self._request_id, params, self.link_s, self._stream))
 
-    def _pieces(self, seq: EngineSequence) -> Generator[str, None, Generation]:
+    def _next(self) -> RequestOutput:
+        out = self._stream.get()
+        assert isinstance(out, RequestOutput), out
+        if out.finished:
+            self._finalizer.detach()  # its blocks are free already
+        return out
+
+    def _result(self) -> Generation:
+        while not (out := self._next()).finished:
+            pass
+        if out.error is not None:
+            raise out.error
+        return out.generation
+
+    def _pieces(self) -> Generator[str, None, Generation]:
         try:
             while True:
-                self._engine.run_until(lambda: bool(seq.outbox))
-                out = seq.outbox.popleft()
+                out = self._next()
                 if out.text:
                     yield out.text
                 if out.finished:
-                    return self._result()
+                    if out.error is not None:
+                        raise out.error
+                    return out.generation
         finally:
             self.release()
-
-    def _result(self) -> Generation:
-        if self._seq.error is not None:
-            raise self._seq.error
-        return self._seq.generation
 
     @property
     def block_ids(self) -> list[int]:
@@ -144,9 +151,15 @@ class Linked:
 
     def release(self) -> None:
         """Free the request's blocks now (idempotent); aborts a generation still running."""
-        self._finalizer()
-        seq = self._seq
-        self._engine.run_until(lambda: seq.is_finished)
+        if self._finalizer.detach() is None:
+            return  # released, or finished
+        if self._owner.is_owner:
+            self._owner.send(Abort(self._request_id))
+            return
+        try:
+            self._owner.call(lambda reply: Abort(self._request_id, reply))
+        except EngineClosedError:
+            pass  # a closed engine freed everything
 
     def __enter__(self) -> Linked:
         return self
@@ -161,9 +174,12 @@ class Linked:
         )
 
 
-def generate_together(linked: Sequence[Linked], max_new_tokens: int = 64, **options: object) -> list[Generation]:
+def generate_together(
+    linked: Sequence[Linked], max_new_tokens: int | None = None, *, sampling: SamplingParams | None = None,
+    **options: Unpack[SamplingOptions],
+) -> list[Generation]:  # fmt: skip
     """``generate`` for several linked requests of one engine at once: they decode in shared forward steps
-    (the engine batches them), and each gets the generation it gets alone. ``options``: ``generate``'s.
+    (the engine batches them), and each gets the generation it gets alone. Options: ``generate``'s.
 
     Raises:
         InvalidInputError: a bad sampling option, or requests of more than one engine (before any starts).
@@ -171,13 +187,27 @@ def generate_together(linked: Sequence[Linked], max_new_tokens: int = 64, **opti
     """
     if not linked:
         return []
-    engine = linked[0]._engine
-    num_engines = len({id(item._engine) for item in linked})
+    num_engines = len({id(item._owner) for item in linked})
     if num_engines > 1:
         raise InvalidInputError(f"generate_together takes requests of one engine, got requests of {num_engines}")
-    SamplingParams(max_new_tokens=max_new_tokens, **options)
+    params = _params(max_new_tokens, sampling, options)
     if any(item._started or not item._finalizer.alive for item in linked):
         raise LinkedReleasedError("a Linked request was already generated from or released; link it again")
-    seqs = [item._start(max_new_tokens=max_new_tokens, **options) for item in linked]
-    engine.run_until(lambda: all(seq.is_finished for seq in seqs))
+    for item in linked:
+        item._start(params)
     return [item._result() for item in linked]
+
+
+def _params(max_new_tokens: int | None, sampling: SamplingParams | None, options: dict) -> SamplingParams:
+    if max_new_tokens is not None:
+        options = {"max_new_tokens": max_new_tokens, **options}
+    return sampling_params(sampling, options)
+
+
+def _abort_quietly(owner: OwnerThread, request_id: int) -> None:
+    """The finalizer of a ``Linked`` dropped unreleased (any thread, even the engine's own, mid-step): queue
+    the release; never wait, never raise."""
+    try:
+        owner.send(Abort(request_id))
+    except EngineClosedError:
+        pass

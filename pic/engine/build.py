@@ -1,0 +1,57 @@
+"""The composition root: a model and tokenizer, plus the configs, become a ready ``EngineCore``."""
+
+from __future__ import annotations
+
+import torch
+
+from pic.config import PICConfig, StoreConfig
+from pic.engine.core import EngineCore
+from pic.engine.linker import Linker
+from pic.kv.memory import build_kv_pool
+from pic.model import ModelRunner
+from pic.store import TieredStore
+from pic.store.device import DeviceTier
+from pic.store.serde import Expected
+
+
+def build_core(
+    model: torch.nn.Module,
+    tokenizer: object,
+    *,
+    config: PICConfig,
+    store: StoreConfig,
+    fingerprint: str,
+    bos_token_id: int | None,
+    eos_token_ids: frozenset[int],
+) -> EngineCore:
+    """Runner, KV pool and tensors, store tiers and linker, wired into one core.
+
+    Raises:
+        UnsupportedModelError: the model has no rotary embeddings or an unsupported layer layout.
+        InvalidInputError: a KV pool larger than the device's free memory; a bad attention backend.
+        StoreUnavailableError: an unreachable Redis (``on_redis_error="raise"``).
+    """
+    runner = ModelRunner(model, attention_backend=config.attention_backend)
+    spec = runner.spec
+    expected = Expected(
+        fingerprint=fingerprint,
+        num_layers=spec.num_layers,
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        dtype=spec.dtype,
+        max_tokens=spec.max_context,
+        vocab_size=spec.vocab_size,
+    )
+    pool, cache = build_kv_pool(
+        num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, dtype=spec.dtype,
+        device=spec.device, block_size=config.block_size, kv_pool_tokens=config.kv_pool_tokens,
+        memory_fraction=config.kv_memory_fraction,
+    )  # fmt: skip
+    tiers = TieredStore.from_config(store, device=DeviceTier(pool, cache), expected=expected)
+    linker = Linker(
+        pool, cache, tiers, spec, block_size=config.block_size, share_chunk_blocks=config.share_chunk_blocks
+    )
+    return EngineCore(
+        runner=runner, tokenizer=tokenizer, pool=pool, cache=cache, store=tiers, linker=linker, config=config,
+        bos_token_id=bos_token_id, eos_token_ids=eos_token_ids,
+    )  # fmt: skip

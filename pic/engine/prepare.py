@@ -1,0 +1,126 @@
+"""What a caller's thread does before the engine sees its call: resolve options, validate, tokenize, address.
+
+All of it is pure (the tokenizer is only read), so it runs in the caller's thread and a bad input fails
+there, before any command reaches the engine and without touching its state.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pic.compile import TextOrTokens, encode, encode_documents
+from pic.config import CompileOptions, PICConfig
+from pic.engine.request import NewRequest, OutputSink, Prompt, Request
+from pic.engine.sampling import SamplingParams
+from pic.errors import ContextLengthError, InvalidInputError, PolicyError
+from pic.ids import chunk_id
+from pic.link import policies
+from pic.model import ModelSpec
+
+
+def compile_options(policy: policies.Policy, *, add_bos: bool, bos_token_id: int | None) -> CompileOptions:
+    """The options chunks are compiled with for ``policy`` (part of their cache ids).
+
+    Raises:
+        PolicyError: a policy that needs extra BOS tokens with a tokenizer that has none.
+    """
+    options = policy.compile_options(CompileOptions(add_bos=add_bos))
+    if bos_token_id is None:  # no BOS to add: normalise so ids do not depend on the flag
+        if options.num_extra_bos:
+            raise PolicyError(f"policy {policy.spec!r} needs extra BOS tokens but the tokenizer has no BOS token")
+        options = options.model_copy(update={"add_bos": False})
+    return options
+
+
+@dataclass(frozen=True)
+class Documents:
+    """A ``compile`` call's documents: ``ids``, one per document (repeats included), and each distinct
+    chunk's content ``tokens`` under its id."""
+
+    ids: list[str]
+    tokens: dict[str, list[int]]
+
+
+def documents(
+    tokenizer: object,
+    docs: TextOrTokens | Sequence[TextOrTokens],
+    *,
+    options: CompileOptions,
+    spec: ModelSpec,
+    fingerprint: str,
+) -> Documents:
+    """Each document's content tokens and cache id.
+
+    Raises:
+        InvalidInputError: no documents, an empty document, a bad token id, bytes.
+        ContextLengthError: a document that leaves no room for its BOS tokens and a query token.
+    """
+    token_lists = encode_documents(tokenizer, docs, vocab_size=spec.vocab_size)
+    most = spec.max_context - options.add_bos - max(1, options.num_extra_bos)
+    for i, tokens in enumerate(token_lists):
+        if len(tokens) > most:
+            raise ContextLengthError(
+                f"document {i} has {len(tokens)} tokens; at most {most} fit the {spec.max_context}-token context "
+                f"of {spec.architecture} with its {options.add_bos + options.num_extra_bos} BOS tokens and at "
+                f"least one query token; split it into smaller chunks"
+            )
+    ids = [chunk_id(fingerprint, tokens, options) for tokens in token_lists]
+    return Documents(ids=ids, tokens=dict(zip(ids, token_lists, strict=True)))
+
+
+def prompt_ids(request: Request, tokenizer: object, *, vocab_size: int, bos_token_id: int | None) -> Prompt:
+    """The request's prefix and query token ids. The BOS (``None``: none) goes first: on the prefix, or
+    on the query when there is neither a prefix nor a chunk (a chunk brings its own).
+
+    Raises:
+        InvalidInputError: an empty query, a bad token id.
+    """
+    query_ids = encode(tokenizer, request.query, what="query", vocab_size=vocab_size)
+    prefix_ids = encode(tokenizer, request.prefix, what="prefix", vocab_size=vocab_size)
+    if not query_ids:
+        raise InvalidInputError(f"query {request.query!r} has no tokens; link needs at least one query token")
+    if bos_token_id is not None and (prefix_ids or not request.cache_ids):
+        (prefix_ids if prefix_ids else query_ids).insert(0, bos_token_id)
+    return Prompt(cache_ids=list(request.cache_ids), prefix_ids=prefix_ids, query_ids=query_ids)
+
+
+class Preparer:
+    """Turns a caller's request into the ``NewRequest`` the engine's thread runs: policy resolved, compile
+    options derived, prompt tokenized, id assigned (shared by ``Engine`` and its ``Stepper``).
+
+    Args:
+        tokenizer, spec: the model's tokenizer and shapes.
+        config: the engine's options (``add_bos`` resolved).
+        bos_token_id: the tokenizer's BOS (``None``: none).
+    """
+
+    def __init__(self, tokenizer: object, spec: ModelSpec, *, config: PICConfig, bos_token_id: int | None) -> None:
+        self.tokenizer, self.spec, self.config, self.bos_token_id = tokenizer, spec, config, bos_token_id
+        self.default_policy = policies.resolve(config.default_policy)
+        self._ids = itertools.count()
+
+    def policy(self, policy: str | policies.Policy | None) -> policies.Policy:
+        return self.default_policy if policy is None else policies.resolve(policy)
+
+    def compile_options(self, policy: str | policies.Policy | None) -> CompileOptions:
+        return compile_options(self.policy(policy), add_bos=self.config.add_bos, bos_token_id=self.bos_token_id)
+
+    def new_request(
+        self, request: Request, *, sink: OutputSink, sampling: SamplingParams | None, paced: bool = False
+    ) -> NewRequest:
+        """Raises:
+        InvalidInputError: an empty query, a bad token id or text. PolicyError: as ``compile_options``.
+        """
+        prompt = prompt_ids(
+            request,
+            self.tokenizer,
+            vocab_size=self.spec.vocab_size,
+            bos_token_id=self.bos_token_id if self.config.add_bos else None,
+        )
+        policy = self.policy(request.policy)
+        return NewRequest(
+            request_id=next(self._ids), prompt=prompt, policy=policy, compile_options=self.compile_options(policy),
+            sampling=sampling, sink=sink, paced=paced,
+        )  # fmt: skip

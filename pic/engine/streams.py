@@ -1,0 +1,69 @@
+"""Sinks that carry a request's outputs from the engine's thread to the thread or event loop waiting on them."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import TypeVar
+
+from pic.engine.request import LinkOutput, RequestOutput
+from pic.errors import EngineClosedError
+
+Item = RequestOutput | LinkOutput
+_T = TypeVar("_T")
+# A waiting thread wakes this often to check that the engine's thread is alive (a closed engine answers
+# everything it was asked before its thread ends; this only matters if that thread died of a bug).
+_LIVENESS_S = 1.0
+
+
+def wait(future: Future[_T], alive: Callable[[], bool]) -> _T:
+    """``future.result()``, or ``EngineClosedError`` once the engine's thread is gone."""
+    while True:
+        try:
+            return future.result(timeout=_LIVENESS_S)
+        except TimeoutError:
+            if not alive():
+                raise EngineClosedError("the engine's thread ended before answering") from None
+
+
+class RequestStream:
+    """One request's outputs, for a thread that waits on them (``link``, ``generate``, ``stream``)."""
+
+    def __init__(self, alive: Callable[[], bool]) -> None:
+        self._queue: queue.SimpleQueue[Item] = queue.SimpleQueue()
+        self._alive = alive
+
+    def put(self, item: Item) -> None:
+        self._queue.put(item)
+
+    def get(self) -> Item:
+        """The next output, waiting for it.
+
+        Raises:
+            EngineClosedError: the engine's thread ended without sending it.
+        """
+        while True:
+            try:
+                return self._queue.get(timeout=_LIVENESS_S)
+            except queue.Empty:
+                if not self._alive():
+                    raise EngineClosedError("the engine's thread ended before the request did") from None
+
+
+class AsyncRequestStream:
+    """One request's outputs, for a coroutine on ``loop`` (the server): ``put`` hands each over thread-safely."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._queue: asyncio.Queue[Item] = asyncio.Queue()
+
+    def put(self, item: Item) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed: nobody waits any more
+            pass
+
+    async def get(self) -> Item:
+        return await self._queue.get()
