@@ -235,6 +235,11 @@ class Engine:
         self._owner.send(Submit((new,)))
         return new.request_id
 
+    def abort(self, request_id: int) -> None:
+        """Stop a request of ``submit`` and free its blocks (a final output with ``FinishReason.ABORT``);
+        an id that already finished is ignored."""
+        self._owner.send(Abort(request_id))
+
     # -- inspection and lifetime ---------------------------------------------------------------------
 
     def kv_stats(self) -> KVStats:

@@ -55,7 +55,7 @@ class RequestOutput:
     """What one step produced for one request.
 
     Attributes:
-        request_id: the id ``Engine.add_request`` returned.
+        request_id: the id ``Stepper.add_request`` or ``Engine.submit`` returned.
         text: text that became final in this step (the pieces of a request concatenate to its text).
         token_ids: tokens sampled in this step (0 or 1).
         finished: the request is done (finished, failed or aborted) and its blocks are freed.
