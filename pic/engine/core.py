@@ -23,7 +23,7 @@ from pic.engine.detokenizer import Detokenizer
 from pic.engine.generation import FinishReason
 from pic.engine.linker import Linker
 from pic.engine.outputs import finish_output, link_output, token_output
-from pic.engine.request import NewRequest, RequestOutput
+from pic.engine.request import NewRequest, OutputSink, RequestOutput
 from pic.engine.sampling import SamplingParams, sample_rows
 from pic.engine.scheduler import ScheduledBatch, Scheduler
 from pic.engine.sequence import Sequence, Status, decode_inputs
@@ -101,13 +101,14 @@ class EngineCore:
             self._start_generation(seq, seq.sampling)
         self.scheduler.add(seq)
 
-    def resume(self, request_id: int, params: SamplingParams, *, link_s: float) -> bool:
-        """Start generating from a parked sequence (``Linked.generate``); whether it was parked."""
+    def resume(self, request_id: int, params: SamplingParams, *, link_s: float, sink: OutputSink) -> bool:
+        """Start generating from a parked sequence (``Linked.generate``), its outputs going to ``sink`` from
+        now on; whether it was parked."""
         seq = self._seqs.get(request_id)
         if seq is None or seq.status is not Status.PARKED:
             return False
         self._start_generation(seq, params)
-        seq.sampling, seq.link_s, seq.resumed_s = params, link_s, time.perf_counter()
+        seq.sampling, seq.link_s, seq.resumed_s, seq.sink = params, link_s, time.perf_counter(), sink
         self.scheduler.add(seq)
         return True
 

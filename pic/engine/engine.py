@@ -115,7 +115,7 @@ class Engine:
         options are not used (``Linked.generate`` takes its own). If one fails, the others are released
         and its error is raised."""
         start = time.perf_counter()
-        streams = [RequestStream(self._owner.alive) for _ in requests]
+        streams = [RequestStream(self._owner.alive, last_only=True) for _ in requests]
         news = [self._prepare.new_request(r, sink=s, sampling=None) for r, s in zip(requests, streams, strict=True)]
         self._owner.send(Submit(tuple(news)))
         try:
@@ -148,7 +148,7 @@ class Engine:
         validated before any runs (a bad one raises ``InvalidInputError`` and none runs); every request
         runs to its end; then the first failure, if any, is raised (see ``link`` for the errors).
         """
-        streams = [RequestStream(self._owner.alive) for _ in requests]
+        streams = [RequestStream(self._owner.alive, last_only=True) for _ in requests]
         news = [
             self._prepare.new_request(r, sink=s, sampling=r.sampling) for r, s in zip(requests, streams, strict=True)
         ]

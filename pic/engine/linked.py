@@ -93,7 +93,7 @@ class Linked:
             InvalidInputError: a bad sampling option (the request stays usable).
             LinkedReleasedError: the request was already generated from or released.
         """
-        self._start(_params(max_new_tokens, sampling, options))
+        self._start(_params(max_new_tokens, sampling, options), pieces=False)
         return self._result()
 
     def stream(
@@ -107,13 +107,15 @@ class Linked:
 
         The stream ends cleanly whatever stops it (``Generation.stats.finish_reason`` of ``generate``
         says why); closing it early aborts the generation and releases the request."""
-        self._start(_params(max_new_tokens, sampling, options))
+        self._start(_params(max_new_tokens, sampling, options), pieces=True)
         return self._pieces()
 
-    def _start(self, params: SamplingParams) -> None:
+    def _start(self, params: SamplingParams, *, pieces: bool) -> None:
+        """Resume the request; its outputs come to a new stream (every piece, or only the last one)."""
         if self._started or not self._finalizer.alive:
             raise LinkedReleasedError("this Linked request was already generated from or released; link it again")
         self._started = True
+        self._stream = RequestStream(self._owner.alive, last_only=not pieces)
         self._owner.send(Resume(self._request_id, params, self.link_s, self._stream))
 
     def _next(self) -> RequestOutput:
@@ -194,7 +196,7 @@ def generate_together(
     if any(item._started or not item._finalizer.alive for item in linked):
         raise LinkedReleasedError("a Linked request was already generated from or released; link it again")
     for item in linked:
-        item._start(params)
+        item._start(params, pieces=False)
     return [item._result() for item in linked]
 
 

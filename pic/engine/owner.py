@@ -125,7 +125,7 @@ def _run(core: EngineCore, command: Command) -> object:
         for new in command.requests:
             core.add(new)
     elif isinstance(command, Resume):
-        if not core.resume(command.request_id, command.params, link_s=command.link_s):
+        if not core.resume(command.request_id, command.params, link_s=command.link_s, sink=command.sink):
             error = LinkedReleasedError("this Linked request was already released; link it again")
             command.sink.put(RequestOutput.failure(command.request_id, error))
     elif isinstance(command, Abort):

@@ -29,13 +29,19 @@ def wait(future: Future[_T], alive: Callable[[], bool]) -> _T:
 
 
 class RequestStream:
-    """One request's outputs, for a thread that waits on them (``link``, ``generate``, ``stream``)."""
+    """One request's outputs, for a thread that waits on them (``link``, ``generate``, ``stream``).
 
-    def __init__(self, alive: Callable[[], bool]) -> None:
+    ``last_only`` keeps only what ends a wait (a ``LinkOutput``, a finished output): a caller that wants
+    the generation, not its pieces, is then woken once, not once per token.
+    """
+
+    def __init__(self, alive: Callable[[], bool], *, last_only: bool = False) -> None:
         self._queue: queue.SimpleQueue[Item] = queue.SimpleQueue()
-        self._alive = alive
+        self._alive, self._last_only = alive, last_only
 
     def put(self, item: Item) -> None:
+        if self._last_only and isinstance(item, RequestOutput) and not item.finished:
+            return
         self._queue.put(item)
 
     def get(self) -> Item:
