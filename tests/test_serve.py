@@ -30,11 +30,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server():
-    """A uvicorn server on a free loopback port, serving stories260K; yields ``(base_url, engine, app)``."""
-    engine = pic.PIC(model("stories260K"), chat_tokenizer(CHATML))  # a copy of the tokenizer, with a template
-    app = build_app(engine, model_name="stories260K", api_key=KEY, max_body_bytes=64 << 10)
+@contextlib.contextmanager
+def _running(app):
+    """``app`` on a uvicorn server on a free loopback port; yields its base URL."""
     port = _free_port()
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
@@ -43,9 +41,20 @@ def server():
     while not srv.started:
         assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
         time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}", engine, app
-    srv.should_exit = True
-    thread.join(10)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        srv.should_exit = True
+        thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def server():
+    """A uvicorn server on a free loopback port, serving stories260K; yields ``(base_url, engine, app)``."""
+    engine = pic.PIC(model("stories260K"), chat_tokenizer(CHATML))  # a copy of the tokenizer, with a template
+    app = build_app(engine, model_name="stories260K", api_key=KEY, max_body_bytes=64 << 10)
+    with _running(app) as url:
+        yield url, engine, app
 
 
 @pytest.fixture(scope="module")
@@ -136,6 +145,36 @@ def test_client_disconnect_aborts_and_frees_blocks(server):
         assert time.monotonic() < deadline, "the aborted request's blocks were not freed"
         time.sleep(0.05)
     assert core.num_steps - steps_before < 200  # aborted, not run to its 400 tokens
+
+
+def test_a_client_that_leaves_a_non_streaming_completion_aborts_it():
+    """A client that stops waiting for a (non-streaming) completion: the request is aborted and its blocks
+    freed, as for a stream, instead of running to its ``max_tokens``."""
+    engine = pic.PIC(model("stories260K"), chat_tokenizer(CHATML), config=pic.PICConfig(eos_token_ids=()))
+    ids = engine.compile(list(DOCS))
+    steps = engine.engine()
+    body = {"prompt": QUERY, "max_tokens": 450, "temperature": 0, "pic": {"cache_ids": ids}}
+    with _running(build_app(engine, model_name="stories260K")) as url:
+        before = steps.num_steps
+        with pytest.raises(httpx.TimeoutException), httpx.Client(base_url=url, timeout=0.2) as http:
+            http.post("/v1/completions", json=body)
+        deadline = time.monotonic() + 20
+        while engine.kv_stats().num_private_blocks:
+            assert time.monotonic() < deadline, "the abandoned request's blocks were not freed"
+            time.sleep(0.02)
+        assert steps.num_steps - before < 400  # aborted, not run to its 450 tokens
+        assert engine.kv_stats().num_used_blocks == 0
+
+
+def test_a_large_bad_body_gets_a_short_error(server):
+    """A 422 names the bad field and echoes its value cut short, not the whole body (issue 21, item 6)."""
+    with _http(server) as http:
+        response = http.post("/v1/completions", json={"model": "m", "notes": "x" * 50_000})
+        many = http.post("/v1/completions", json={"prompt": "x", "stop": [1] * 4, "n": 2, "temperature": "a"})
+    assert response.status_code == 422 and len(response.content) < 1000, len(response.content)
+    message = response.json()["error"]["message"]
+    assert message.startswith("prompt={'model': 'm', 'notes': 'xxx") and "characters): Field required" in message
+    assert many.status_code == 422 and "n=2: n=2" not in many.json()["error"]["message"]
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,7 @@ store calls wait in worker threads while the engine's thread runs them between t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -80,19 +81,34 @@ def build_app(engine: PIC, *, model_name: str, api_key: str | None = None, max_b
         return {"id": cache_id, "deleted": True}
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionBody):
-        return await _respond(await _pic_request(engine, body, body.prompt), body, chat=False)
+    async def completions(body: CompletionBody, http: Request):
+        return await _respond(await _pic_request(engine, body, body.prompt), body, http, chat=False)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatBody):
+    async def chat_completions(body: ChatBody, http: Request):
         messages = [m.model_dump() for m in body.messages]
         prefix, query = engine.chat_segments(messages)
         body.max_tokens = body.max_completion_tokens or body.max_tokens
-        return await _respond(await _pic_request(engine, body, query, prefix=prefix), body, chat=True)
+        return await _respond(await _pic_request(engine, body, query, prefix=prefix), body, http, chat=True)
 
-    async def _respond(request: PicRequest, body: Sampling, *, chat: bool):
+    async def _respond(request: PicRequest, body: Sampling, http: Request, *, chat: bool):
+        """The response: an event stream, or (until the client leaves: then the request is aborted) a body."""
+        if body.stream:
+            return await _reply(request, body, chat=chat)
+        reply = asyncio.ensure_future(_reply(request, body, chat=chat))
+        gone = asyncio.ensure_future(_disconnected(http))
+        await asyncio.wait((reply, gone), return_when=asyncio.FIRST_COMPLETED)
+        gone.cancel()
+        if not reply.done():  # the client left: cancelling the reply closes its outputs, which aborts the request
+            reply.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reply
+            return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
+        return reply.result()
+
+    async def _reply(request: PicRequest, body: Sampling, *, chat: bool):
         outputs, streaming = aengine.generate(request), False
-        try:  # a handler cancelled before it returns (the client left) closes the outputs: an abort
+        try:  # cancelled before it returns (the client left): closing the outputs aborts the request
             first = await anext(outputs)  # a request that fails does so before its first token: a JSON error
             if first.error is not None:
                 return pic_error_response(first.error)
@@ -133,6 +149,12 @@ async def _pic_request(engine: PIC, body: Sampling, prompt: str, *, prefix: str 
         seed=body.seed,
         stop=body.stop,
     )
+
+
+async def _disconnected(http: Request) -> None:
+    """Return when the client has gone (the body was read already: what arrives next is the disconnect)."""
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _usage(generation: Generation | None) -> dict:
@@ -203,7 +225,20 @@ def _validation_error(_request: Request, exc: RequestValidationError) -> JSONRes
     if not_json:
         return error_response(400, "the request body is not a valid JSON object")
     problems = []
-    for err in errors:
+    for err in errors[:_MAX_PROBLEMS]:
         where = ".".join(str(p) for p in err["loc"] if p != "body")
-        problems.append(f"{where}={err.get('input')!r}: {err['msg'].removeprefix('Value error, ')}")
+        problems.append(f"{where}={_echo(err.get('input'))}: {err['msg'].removeprefix('Value error, ')}")
+    if len(errors) > _MAX_PROBLEMS:
+        problems.append(f"and {len(errors) - _MAX_PROBLEMS} more")
     return error_response(422, "; ".join(problems), param=str(errors[0]["loc"][-1]) if errors else None)
+
+
+# An error names at most this many problems, each value echoed in at most this many characters: a large
+# bad body gets a short answer, not a copy of itself.
+_MAX_PROBLEMS, _MAX_ECHO = 8, 80
+
+
+def _echo(value: object) -> str:
+    """``repr(value)``, cut to ``_MAX_ECHO`` characters (with the length it had)."""
+    text = repr(value)
+    return text if len(text) <= _MAX_ECHO else f"{text[:_MAX_ECHO]}... ({len(text)} characters)"

@@ -47,7 +47,7 @@ class Sampling(_Body):
     @classmethod
     def _one_choice(cls, value: int) -> int:
         if value != 1:
-            raise ValueError(f"n={value}: this server generates one choice per request (n=1)")
+            raise ValueError("this server generates one choice per request (n=1)")
         return value
 
     @field_validator("stop")
