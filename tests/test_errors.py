@@ -296,3 +296,23 @@ def test_gpt_neox_is_named_a_rope_model_with_another_layout():
     )
     with pytest.raises(pic.UnsupportedModelError, match="'gpt_neox'.*is a RoPE model whose layer layout"):
         pic.PIC(GPTNeoXForCausalLM(config), tokenizer())
+
+
+def test_nonsense_arguments_are_refused_with_the_value_named(engine):
+    """Issue 21, items 7 and 9: each of these was accepted, ignored or a raw exception."""
+    ids = engine.compile(list(DOCS))
+    with pytest.raises(pic.InvalidInputError, match="no tokens"):
+        pic.Request(ids, "")  # refused when built, as the README says
+    with pytest.raises(pic.InvalidInputError, match=r"requests\[0\] is 'x'"):
+        engine.generate_many(["x"])
+    with pytest.raises(pic.InvalidInputError, match="request id 'x' is not an int"):
+        engine.engine().abort("x")
+    with pytest.raises(pic.InvalidInputError, match="request id 'x' is not an int"):
+        engine.abort("x")
+    with pytest.raises(pic.InvalidInputError, match="cache id 123 is not a string"):
+        engine.store.pin(123)
+    with pytest.raises(pic.PolicyError, match="k given twice"):
+        pic.policies.resolve("legolink:16,k=4")
+    with pytest.raises(pic.InvalidInputError, match="add_generation_prompt is 'yes'"):
+        engine.chat_segments([{"role": "user", "content": "hi"}], add_generation_prompt="yes")
+    assert engine.kv_stats().num_used_blocks == 0 and sorted(engine.store.ids()) == sorted(ids)

@@ -67,8 +67,8 @@ def test_releases_in_one_thread_never_break_generations_in_others():
 
 @pytest.mark.parametrize("bad", ["", [10**6], "a\ud800b"], ids=["empty", "out-of-vocab", "lone-surrogate"])
 def test_a_bad_request_in_generate_many_is_refused_before_any_runs(bad):
-    """The second reproduction: a bad request after a good one raises ``InvalidInputError``, runs nothing,
-    and the engine goes on serving."""
+    """The second reproduction: a bad request after a good one raises ``InvalidInputError`` (an empty query
+    already when the request is built), runs nothing, and the engine goes on serving."""
     engine = make_target_engine("stories260K", dtype=EXACT)
     ids = engine.compile(list(DOCS))
     good = pic.Request(ids, QUERY, max_new_tokens=8)
@@ -205,8 +205,8 @@ class Stress:
 
     def bad_generate_many(self) -> None:
         good = self.cases[self.pick()]
-        bad = self.rng.choice([pic.Request(good.cache_ids, ""), pic.Request(["0" * 32], QUERY)])
-        error = pic.InvalidInputError if bad.query == "" else pic.UnknownCacheIdError
+        bad = self.rng.choice([pic.Request(good.cache_ids, [10**6]), pic.Request(["0" * 32], QUERY)])
+        error = pic.InvalidInputError if bad.query == [10**6] else pic.UnknownCacheIdError
         with pytest.raises(error):
             self.engine.generate_many([good, bad, good])
 

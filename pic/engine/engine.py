@@ -28,10 +28,11 @@ from pic.engine.generation import Generation
 from pic.engine.linked import Linked
 from pic.engine.owner import OwnerThread
 from pic.engine.prepare import Preparer, documents
-from pic.engine.request import OutputSink, Request, RequestOutput
+from pic.engine.request import OutputSink, Request, RequestOutput, check_request_id
 from pic.engine.stepper import Stepper
 from pic.engine.store_view import StoreView
 from pic.engine.streams import RequestStream
+from pic.errors import InvalidInputError
 from pic.ids import model_fingerprint
 from pic.kv import KVStats
 from pic.link import policies
@@ -114,6 +115,7 @@ class Engine:
         """``link`` for several requests at once: their recompute passes share forwards. Their sampling
         options are not used (``Linked.generate`` takes its own). If one fails, the others are released
         and its error is raised."""
+        _check_requests(requests)
         start = time.perf_counter()
         streams = [RequestStream(self._owner.alive, last_only=True) for _ in requests]
         news = [self._prepare.new_request(r, sink=s, sampling=None) for r, s in zip(requests, streams, strict=True)]
@@ -148,6 +150,7 @@ class Engine:
         validated before any runs (a bad one raises ``InvalidInputError`` and none runs); every request
         runs to its end; then the first failure, if any, is raised (see ``link`` for the errors).
         """
+        _check_requests(requests)
         streams = [RequestStream(self._owner.alive, last_only=True) for _ in requests]
         news = [
             self._prepare.new_request(r, sink=s, sampling=r.sampling) for r, s in zip(requests, streams, strict=True)
@@ -237,8 +240,12 @@ class Engine:
 
     def abort(self, request_id: int) -> None:
         """Stop a request of ``submit`` and free its blocks (a final output with ``FinishReason.ABORT``);
-        an id that already finished is ignored."""
-        self._owner.send(Abort(request_id))
+        an id that already finished is ignored.
+
+        Raises:
+            InvalidInputError: ``request_id`` is not a request id (an int).
+        """
+        self._owner.send(Abort(check_request_id(request_id)))
 
     # -- inspection and lifetime ---------------------------------------------------------------------
 
@@ -290,6 +297,15 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _check_requests(requests: object) -> None:
+    """Raises: InvalidInputError: ``requests`` is not a sequence of ``pic.Request`` (naming the first that is not)."""
+    if not isinstance(requests, Sequence) or isinstance(requests, str):
+        raise InvalidInputError(f"requests is {requests!r:.80}; expected a list of pic.Request")
+    bad = next((i for i, r in enumerate(requests) if not isinstance(r, Request)), None)
+    if bad is not None:
+        raise InvalidInputError(f"requests[{bad}] is {requests[bad]!r:.80}; expected a pic.Request")
 
 
 def _last(stream: RequestStream) -> RequestOutput:

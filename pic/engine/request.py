@@ -13,6 +13,7 @@ from pic.compile import TextOrTokens
 from pic.config import CompileOptions
 from pic.engine.generation import Generation
 from pic.engine.sampling import SamplingOptions, SamplingParams, sampling_params
+from pic.errors import InvalidInputError
 from pic.ids import cache_id_list
 from pic.link import Layout, policies
 from pic.link.policies import Policy
@@ -27,7 +28,7 @@ class Request:
     generator.
 
     Raises:
-        InvalidInputError: cache ids that are not strings, a bad or unknown sampling option.
+        InvalidInputError: cache ids that are not strings, an empty query, a bad or unknown sampling option.
         PolicyError: an unknown policy spec.
     """
 
@@ -42,6 +43,8 @@ class Request:
         **options: Unpack[SamplingOptions],
     ) -> None:
         self.cache_ids = cache_id_list(cache_ids)
+        if isinstance(query, str | list | tuple) and len(query) == 0:
+            raise InvalidInputError(f"query {query!r} has no tokens; link needs at least one query token")
         self.query, self.prefix = query, prefix
         self.policy = None if policy is None else policies.resolve(policy)
         self.sampling = sampling_params(sampling, options)
@@ -128,3 +131,10 @@ class NewRequest:
     sampling: SamplingParams | None
     sink: OutputSink
     paced: bool = False
+
+
+def check_request_id(request_id: object) -> int:
+    """Raises: InvalidInputError: ``request_id`` is not an int (an id ``submit`` / ``add_request`` returned)."""
+    if not isinstance(request_id, int) or isinstance(request_id, bool):
+        raise InvalidInputError(f"request id {request_id!r:.80} is not an int (an id that submit/add_request returned)")
+    return request_id

@@ -8,7 +8,7 @@ import queue
 from pic.engine.commands import Abort, Query, Step, Submit
 from pic.engine.owner import OwnerThread
 from pic.engine.prepare import Preparer
-from pic.engine.request import Request, RequestOutput
+from pic.engine.request import Request, RequestOutput, check_request_id
 
 
 class Stepper:
@@ -56,8 +56,12 @@ class Stepper:
         return bool(self._open)
 
     def abort(self, request_id: int) -> None:
-        """Stop a request at the next step (a final ``RequestOutput`` with ``FinishReason.ABORT``)."""
-        self._owner.send(Abort(request_id))
+        """Stop a request at the next step (a final ``RequestOutput`` with ``FinishReason.ABORT``).
+
+        Raises:
+            InvalidInputError: ``request_id`` is not an int.
+        """
+        self._owner.send(Abort(check_request_id(request_id)))
 
     @property
     def num_steps(self) -> int:

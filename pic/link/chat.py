@@ -35,6 +35,8 @@ def split_chat(
             marker), several ``{documents}`` markers, a tokenizer without a chat template, or a
             template that fails on the messages or does not keep the placeholder exactly once.
     """
+    if not isinstance(add_generation_prompt, bool):
+        raise InvalidInputError(f"add_generation_prompt is {add_generation_prompt!r:.80}; expected True or False")
     check_messages(messages)
     template = getattr(tokenizer, "chat_template", None)
     if not template or not hasattr(tokenizer, "apply_chat_template"):

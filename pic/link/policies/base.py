@@ -126,6 +126,8 @@ class Policy(BaseModel, ABC):
             key = key.strip()
             if key not in cls.model_fields:
                 raise PolicyError(f"policy {cls.name!r} has no field {key!r} (fields: {fields})")
+            if key in values:
+                raise PolicyError(f"policy {cls.name!r}: {key} given twice in {arg!r}")
             try:  # spec values are text: parse them as the field's type, then validate strictly
                 values[key] = TypeAdapter(cls.model_fields[key].annotation).validate_python(value.strip(), strict=False)
             except ValidationError as exc:
