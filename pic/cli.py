@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from pic import __version__
+from pic.cli_args import positive_float, redis_url
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -19,7 +20,7 @@ def _parser() -> argparse.ArgumentParser:
     _model_options(check)
     check.add_argument("--max-new-tokens", type=positive_int, default=8, help="greedy tokens to compare (default 8)")
     check.add_argument(
-        "--tolerance", type=float, default=None, help="largest allowed logit difference (default: per dtype)"
+        "--tolerance", type=positive_float, default=None, help="largest allowed logit difference (default: per dtype)"
     )
     from pic.evaluation.cli import add_parser as add_eval
 
@@ -37,7 +38,9 @@ def _store_parser(commands: argparse._SubParsersAction) -> None:
     sweep = actions.add_parser(
         "sweep", help="report (and remove) orphan parts, broken entries and other models' entries in Redis"
     )
-    sweep.add_argument("--redis-url", required=True, help="the store's Redis URL (as StoreConfig.redis_url)")
+    sweep.add_argument(
+        "--redis-url", type=redis_url, required=True, help="the store's Redis URL (as StoreConfig.redis_url)"
+    )
     sweep.add_argument("--namespace", default="pic", help="key prefix (default: pic)")
     sweep.add_argument("--model", default=None, help="HF model name or path whose entries to keep (its fingerprint)")
     sweep.add_argument("--gguf-file", default=None, help="a GGUF file inside the --model folder or Hub repository")

@@ -14,7 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pic.errors import InvalidInputError
-from pic.redis_url import CLUSTER, SENTINEL, parse
+from pic.redis_url import CLUSTER, SENTINEL, check_single, parse
 
 
 def describe_validation_error(model: type[BaseModel], exc: ValidationError) -> str:
@@ -160,11 +160,12 @@ class StoreConfig(_Frozen):
 
     @model_validator(mode="after")
     def _parse_redis_url(self) -> StoreConfig:
-        """Check a cluster or sentinel URL now, not when the engine first connects. An "after" check
+        """Check a Redis URL now, not when the engine first connects. An "after" check
         reports only its message, which masks the password (a field check would echo the raw URL)."""
-        if self.redis_url is not None and self.redis_url.startswith((f"{CLUSTER}://", f"{SENTINEL}://")):
+        url = self.redis_url
+        if url is not None and not url.startswith("unix://"):
             try:
-                parse(self.redis_url)
+                parse(url) if url.startswith((f"{CLUSTER}://", f"{SENTINEL}://")) else check_single(url)
             except InvalidInputError as exc:
                 raise ValueError(str(exc)) from None
         return self

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from urllib.parse import unquote
+from urllib.parse import unquote, urlsplit
 
 from pic.errors import InvalidInputError
 
@@ -70,6 +70,27 @@ def parse(url: str) -> MultiNodeUrl:
         raise _bad(url, "a sentinel URL ends in /service_name (letters, digits, '_', '.', '-')")
     nodes = [_host_port(url, h) for h in hosts.split(",")]
     return MultiNodeUrl(user=user, password=password, nodes=nodes, service=service if kind == SENTINEL else None)
+
+
+def check_single(url: str) -> None:
+    """Check a ``redis://`` / ``rediss://`` URL's port (1-65535) and database (digits), which redis-py
+    would refuse later with a bare ``ValueError``, or (a database ``/abc``) silently read as 0.
+
+    Raises:
+        InvalidInputError: naming the part, with the password masked.
+    """
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        raise _bad(url, "the port is not a number from 1 to 65535") from None
+    if port == 0:
+        raise _bad(url, "the port is not a number from 1 to 65535")
+    if not parts.hostname:
+        raise _bad(url, "no host")
+    database = parts.path.strip("/")
+    if database and not database.isdigit():
+        raise _bad(url, f"the database {database!r} is not a number (redis://host:port/0)")
 
 
 def _host_port(url: str, text: str) -> tuple[str, int]:

@@ -42,3 +42,35 @@ def test_unavailable_device_is_an_error_message_not_a_traceback(capsys, device):
 def test_missing_model_is_an_error_message(capsys):
     assert main(["demo", "--model", "/nonexistent/model"]) == 1
     assert capsys.readouterr().err.strip() == "pic: error: cannot load model '/nonexistent/model': no such folder"
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["serve", "--port", "99999"], "'99999' is not a port"),
+        (["serve", "--port", "-1"], "'-1' is not a port"),
+        (["serve", "--api-key", ""], "--api-key: an empty value"),
+        (["serve", "--max-body-bytes", "0"], "'0' is not a positive integer"),
+        (["serve", "--max-body-bytes", "-1"], "'-1' is not a positive integer"),
+        (["serve", "--redis-url", "redis://h:6390/abc"], "the database 'abc' is not a number"),
+        (["check", "--tolerance", "nan"], "'nan' is not a finite number above 0"),
+        (["store", "sweep", "--redis-url", "http://x"], "--redis-url: redis_url='http://x'"),
+        (["store", "sweep", "--redis-url", "redis://:secret@127.0.0.1:99999"], "the port is not a number"),
+    ],
+)
+def test_bad_arguments_are_refused_before_anything_loads(argv, named, capsys):
+    """Issue 21, items 7 and 9: an argparse error naming the value (exit 2), not a traceback after start-up."""
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and named in err and "Traceback" not in err and "secret" not in err
+
+
+@pytest.mark.parametrize(
+    ("url", "named"),
+    [("redis://127.0.0.1:99999", "the port"), ("redis://:pw@host:0", "the port"), ("redis://h:1/abc", "'abc'")],
+)
+def test_store_config_checks_single_node_urls(url, named):
+    with pytest.raises(pic.InvalidInputError, match=named):
+        pic.StoreConfig(redis_url=url)
+    assert pic.StoreConfig(redis_url="redis://h:6379/3").redis_url == "redis://h:6379/3"

@@ -5,14 +5,18 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pic.cli_args import nonempty, port, positive_int, redis_url
+
 
 def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server with cache ids")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all routes but /health)")
-    serve.add_argument("--redis-url", default=None, help="a Redis shared by a fleet of servers")
-    serve.add_argument("--max-body-bytes", type=int, default=8 << 20, help="larger request bodies get a 413")
+    serve.add_argument("--port", type=port, default=8000)
+    serve.add_argument(
+        "--api-key", type=nonempty, default=None, help="require 'Authorization: Bearer KEY' (all routes but /health)"
+    )
+    serve.add_argument("--redis-url", type=redis_url, default=None, help="a Redis shared by a fleet of servers")
+    serve.add_argument("--max-body-bytes", type=positive_int, default=8 << 20, help="larger request bodies get a 413")
     serve.add_argument("--skip-check", action="store_true", help="serve even if the start-up `pic check` fails")
     return serve
 

@@ -1,0 +1,58 @@
+"""Argument types of the ``pic`` command line: a bad value is an argparse error naming it (exit 2), before
+any model loads, never a traceback after a minute of start-up."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+
+def port(text: str) -> int:
+    """A TCP port, 1-65535."""
+    value = _int(text)
+    if not 0 < value < 65536:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port (1-65535)")
+    return value
+
+
+def positive_int(text: str) -> int:
+    value = _int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A finite number above 0 (``nan`` and ``inf`` refused)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number above 0")
+    return value
+
+
+def nonempty(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty value (it would match nothing, or everything)")
+    return text
+
+
+def redis_url(text: str) -> str:
+    """A Redis URL as ``StoreConfig.redis_url`` takes it (the message masks a password)."""
+    from pic.config import StoreConfig
+    from pic.errors import InvalidInputError
+
+    try:
+        StoreConfig(redis_url=text)
+    except InvalidInputError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("invalid StoreConfig: ")) from None
+    return text
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
