@@ -24,7 +24,7 @@ from pic.engine.generation import FinishReason
 from pic.engine.linker import Linker
 from pic.engine.outputs import finish_output, link_output, token_output
 from pic.engine.request import NewRequest, OutputSink, RequestOutput
-from pic.engine.sampling import SamplingParams, sample_rows
+from pic.engine.sampling import SamplingParams, sample_rows, seeded_generator
 from pic.engine.scheduler import ScheduledBatch, Scheduler
 from pic.engine.sequence import Sequence, Status, decode_inputs
 from pic.kv import BlockPool, KVCache
@@ -237,4 +237,4 @@ class EngineCore:
     def _start_generation(self, seq: Sequence, params: SamplingParams) -> None:
         seq.detokenizer = Detokenizer(self.tokenizer, stop=params.stop)
         if params.seed is not None:
-            seq.generator = torch.Generator(device=self.runner.spec.device).manual_seed(params.seed)
+            seq.generator = seeded_generator(params.seed, self.runner.spec.device)

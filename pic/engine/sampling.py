@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from typing import TypedDict
 
@@ -75,6 +76,19 @@ def sampling_params(params: SamplingParams | None, options: dict) -> SamplingPar
     if not isinstance(params, SamplingParams):
         raise InvalidInputError(f"sampling is {params!r:.80}; expected a pic.SamplingParams")
     return params
+
+
+def seeded_generator(seed: int, device: torch.device) -> torch.Generator:
+    """A generator on ``device`` seeded with ``seed`` (``0 <= seed < 2**64``).
+
+    The CPU's generator (mt19937) keeps only the low 32 bits of a seed, so seeds ``s``, ``s + 2**32``,
+    ``s + 2**40`` ... would sample the same tokens; there a seed from ``2**32`` up is hashed to 32 bits
+    first, so distinct seeds give the same samples only by chance (about 2**-32), and seeds below
+    ``2**32`` keep the samples they always had. CUDA's generator (Philox) takes all 64 bits.
+    """
+    if device.type == "cpu" and seed >= 2**32:
+        seed = int.from_bytes(hashlib.blake2b(seed.to_bytes(8, "little"), digest_size=4).digest(), "little")
+    return torch.Generator(device=device).manual_seed(seed)
 
 
 def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
