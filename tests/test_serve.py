@@ -136,7 +136,14 @@ def test_client_disconnect_aborts_and_frees_blocks(server):
     engine, core = server[1], server[2].state.engine.engine.engine()
     ids = _compile(server, DOCS)
     baseline, steps_before = engine.kv_stats().num_private_blocks, core.num_steps
-    body = {"prompt": QUERY, "max_tokens": 400, "temperature": 0, "stream": True, "pic": {"cache_ids": ids}}
+    body = {
+        "model": "stories260K",
+        "prompt": QUERY,
+        "max_tokens": 400,
+        "temperature": 0,
+        "stream": True,
+        "pic": {"cache_ids": ids},
+    }
     with _http(server) as http, http.stream("POST", "/v1/completions", json=body) as response:
         assert response.status_code == 200
         next(response.iter_lines())  # the first event: the request is running
@@ -153,7 +160,7 @@ def test_a_client_that_leaves_a_non_streaming_completion_aborts_it():
     engine = pic.PIC(model("stories260K"), chat_tokenizer(CHATML), config=pic.PICConfig(eos_token_ids=()))
     ids = engine.compile(list(DOCS))
     steps = engine.engine()
-    body = {"prompt": QUERY, "max_tokens": 450, "temperature": 0, "pic": {"cache_ids": ids}}
+    body = {"model": "stories260K", "prompt": QUERY, "max_tokens": 450, "temperature": 0, "pic": {"cache_ids": ids}}
     with _running(build_app(engine, model_name="stories260K")) as url:
         before = steps.num_steps
         with pytest.raises(httpx.TimeoutException), httpx.Client(base_url=url, timeout=0.2) as http:
@@ -170,7 +177,9 @@ def test_a_large_bad_body_gets_a_short_error(server):
     """A 422 names the bad field and echoes its value cut short, not the whole body (issue 21, item 6)."""
     with _http(server) as http:
         response = http.post("/v1/completions", json={"model": "m", "notes": "x" * 50_000})
-        many = http.post("/v1/completions", json={"prompt": "x", "stop": [1] * 4, "n": 2, "temperature": "a"})
+        many = http.post(
+            "/v1/completions", json={"model": "stories260K", "prompt": "x", "stop": [1] * 4, "n": 2, "temperature": "a"}
+        )
     assert response.status_code == 422 and len(response.content) < 1000, len(response.content)
     message = response.json()["error"]["message"]
     assert message.startswith("prompt={'model': 'm', 'notes': 'xxx") and "characters): Field required" in message
@@ -180,15 +189,31 @@ def test_a_large_bad_body_gets_a_short_error(server):
 @pytest.mark.parametrize(
     ("body", "status", "named"),
     [
-        ({"prompt": "x", "pic": {"cache_ids": ["nope"]}}, 404, "'nope'"),
-        ({"prompt": "x", "temperature": 5}, 422, "temperature=5"),
-        ({"prompt": "x", "top_p": 0}, 422, "top_p=0"),
-        ({"prompt": "x", "max_tokens": 0}, 422, "max_tokens=0"),
-        ({"prompt": "x", "n": 2}, 422, "n=2"),
-        ({"prompt": "x", "pic": {"policy": "nonsense"}}, 400, "nonsense"),
-        ({"prompt": "x", "pic": {"bogus": 1}}, 422, "bogus"),
-        ({"prompt": "one two " * 400}, 400, "context"),
-        ({"max_tokens": 3}, 422, "prompt"),
+        ({"model": "stories260K", "prompt": "x", "pic": {"cache_ids": ["nope"]}}, 404, "'nope'"),
+        ({"model": "stories260K", "prompt": "x", "temperature": 5}, 422, "temperature=5"),
+        ({"model": "stories260K", "prompt": "x", "top_p": 0}, 422, "top_p=0"),
+        ({"model": "stories260K", "prompt": "x", "max_tokens": 0}, 422, "max_tokens=0"),
+        ({"model": "stories260K", "prompt": "x", "n": 2}, 422, "n=2"),
+        ({"model": "stories260K", "prompt": "x", "pic": {"policy": "nonsense"}}, 400, "nonsense"),
+        ({"model": "stories260K", "prompt": "x", "pic": {"bogus": 1}}, 422, "bogus"),
+        ({"model": "stories260K", "prompt": "one two " * 400}, 400, "context"),
+        ({"model": "stories260K", "max_tokens": 3}, 422, "prompt"),
+        # issue 21, item 8: JSON types taken strictly, as the Python API takes them
+        ({"model": "stories260K", "prompt": "x", "max_tokens": "4"}, 422, "max_tokens='4'"),
+        ({"model": "stories260K", "prompt": "x", "max_tokens": True}, 422, "max_tokens=True"),
+        ({"model": "stories260K", "prompt": "x", "max_tokens": 4.0}, 422, "max_tokens=4.0"),
+        ({"model": "stories260K", "prompt": "x", "temperature": "0.5"}, 422, "temperature='0.5'"),
+        ({"model": "stories260K", "prompt": "x", "seed": "1"}, 422, "seed='1'"),
+        ({"model": "stories260K", "prompt": "x", "stream": "yes"}, 422, "stream='yes'"),
+        ({"model": "stories260K", "prompt": "x", "stream": 1}, 422, "stream=1"),
+        # parameters this server does not honour, asking for something
+        ({"model": "stories260K", "prompt": "x", "logprobs": 5}, 400, "logprobs=5: not supported"),
+        ({"model": "stories260K", "prompt": "x", "echo": True}, 400, "echo=True"),
+        ({"model": "stories260K", "prompt": "x", "frequency_penalty": 0.5}, 400, "frequency_penalty=0.5"),
+        ({"model": "stories260K", "prompt": "x", "tools": [{"type": "function"}]}, 400, "tools="),
+        ({"model": "stories260K", "prompt": "x", "best_of": 3, "suffix": "y"}, 400, "best_of=3, suffix='y'"),
+        ({"model": "gpt-4", "prompt": "x"}, 404, "'gpt-4' is not served here"),
+        ({"prompt": "x"}, 422, "model"),
     ],
 )
 def test_bad_input_gets_its_status_and_names_the_value(server, body, status, named):
@@ -196,6 +221,24 @@ def test_bad_input_gets_its_status_and_names_the_value(server, body, status, nam
         response = http.post("/v1/completions", json=body)
     assert response.status_code == status, response.text
     assert named in response.json()["error"]["message"]
+
+
+def test_neutral_values_unknown_routes_top_k_and_chat_prefix(server):
+    """Unsupported parameters at their neutral values pass; an unknown route is OpenAI's 404; ``top_k`` is
+    honoured; ``pic.prefix`` on chat is refused (the chat template writes that text)."""
+    engine = server[1]
+    ids = _compile(server, DOCS)
+    neutral = {"logprobs": None, "echo": False, "frequency_penalty": 0, "presence_penalty": 0, "logit_bias": {}}
+    body = {"model": "stories260K", "prompt": QUERY, "max_tokens": 8, "temperature": 1.0, "top_k": 3, "seed": 7}
+    want = engine.link(ids, QUERY).generate(8, temperature=1.0, top_k=3, seed=7).text
+    with _http(server) as http:
+        got = http.post("/v1/completions", json={**body, **neutral, "pic": {"cache_ids": ids}})
+        assert got.status_code == 200 and got.json()["choices"][0]["text"] == want
+        missing = http.get("/v1/nothing")
+        assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
+        chat = {"model": "stories260K", "messages": [{"role": "user", "content": "hi"}], "pic": {"prefix": "p"}}
+        prefixed = http.post("/v1/chat/completions", json=chat)
+        assert prefixed.status_code == 422 and "pic.prefix does not apply" in prefixed.json()["error"]["message"]
 
 
 def test_auth_body_limit_and_malformed_json(server):
@@ -317,9 +360,11 @@ def test_chat_completion_equals_link_chat(server, client):
     assert out.choices[0].message.content == engine.link_chat(ids, moved).generate(max_new_tokens=12).text
     with _http(server) as http:
         twice = [{"role": "user", "content": "{documents} and {documents}"}]
-        response = http.post("/v1/chat/completions", json={"messages": twice, "pic": extra["pic"]})
+        response = http.post(
+            "/v1/chat/completions", json={"model": "stories260K", "messages": twice, "pic": extra["pic"]}
+        )
         assert response.status_code == 400 and "{documents}" in response.json()["error"]["message"]
-        response = http.post("/v1/chat/completions", json={"messages": [{"role": "user"}]})
+        response = http.post("/v1/chat/completions", json={"model": "stories260K", "messages": [{"role": "user"}]})
         assert response.status_code == 422 and "content" in response.json()["error"]["message"]
 
 

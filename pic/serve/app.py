@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pic.api import PIC
 from pic.engine import Request as PicRequest
@@ -49,6 +50,7 @@ def build_app(engine: PIC, *, model_name: str, api_key: str | None = None, max_b
     app.state.engine, app.state.metrics = aengine, metrics
     app.add_exception_handler(PicError, lambda _request, exc: pic_error_response(exc))
     app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_middleware(RequestCounter, metrics=metrics)
     app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes)  # outermost: before counting
 
@@ -82,10 +84,14 @@ def build_app(engine: PIC, *, model_name: str, api_key: str | None = None, max_b
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, http: Request):
+        if body.model != model_name:
+            return _unknown_model(body.model, model_name)
         return await _respond(await _pic_request(engine, body, body.prompt), body, http, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatBody, http: Request):
+        if body.model != model_name:
+            return _unknown_model(body.model, model_name)
         messages = [m.model_dump() for m in body.messages]
         prefix, query = engine.chat_segments(messages)
         body.max_tokens = body.max_completion_tokens or body.max_tokens
@@ -146,6 +152,7 @@ async def _pic_request(engine: PIC, body: Sampling, prompt: str, *, prefix: str 
         max_new_tokens=body.max_tokens or engine.spec.max_context,
         temperature=body.temperature,
         top_p=body.top_p,
+        top_k=body.top_k,
         seed=body.seed,
         stop=body.stop,
     )
@@ -218,9 +225,26 @@ async def _events(
         await rest.aclose()
 
 
+def _unknown_model(asked: str, served: str) -> JSONResponse:
+    """OpenAI's 404 for a model this server does not serve."""
+    return error_response(
+        404, f"model {asked!r:.80} is not served here; this server serves {served!r}", kind="model_not_found"
+    )
+
+
+def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """Starlette's own errors (an unknown route, a wrong method) in OpenAI's error shape."""
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return error_response(exc.status_code, f"{exc.detail}: {_request.method} {_request.url.path}", kind=kind)
+
+
 def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
-    """422 naming each bad field and value; a body that is not JSON at all is a 400."""
+    """422 naming each bad field and value; a body that is not JSON at all, and a parameter this server does
+    not support, are 400s."""
     errors = exc.errors()
+    unsupported = [e for e in errors if e.get("type") == "unsupported_parameter"]
+    if unsupported:
+        return error_response(400, unsupported[0]["msg"])
     not_json = any(e.get("type") == "json_invalid" or tuple(e["loc"]) == ("body",) for e in errors)
     if not_json:
         return error_response(400, "the request body is not a valid JSON object")

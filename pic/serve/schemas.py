@@ -1,16 +1,39 @@
 """Request bodies of the OpenAI-compatible routes, validated (pydantic) before anything reaches the engine.
 
-Unknown fields are ignored, as OpenAI's clients send some this server has no use for (``user``,
-``logprobs=None`` ...); fields it cannot honour are refused with a message naming them (``n`` > 1).
+Values are taken as JSON types, strictly (``"max_tokens": "4"``, ``true`` or ``4.0`` is refused, as the Python
+API refuses them). Unknown fields are ignored, as OpenAI's clients send some this server has no use for
+(``user`` ...); OpenAI parameters it does not honour are refused with a 400 naming them when they ask for
+something (``logprobs: 5``, ``frequency_penalty: 0.5``), and accepted at their neutral value (``null``, 0,
+``false``), so that a request never silently gets less than it asked for.
 """
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+# OpenAI parameters this server does not implement, with the values that ask for nothing.
+UNSUPPORTED: dict[str, tuple[object, ...]] = {
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "echo": (None, False),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "frequency_penalty": (None, 0),
+    "presence_penalty": (None, 0),
+    "logit_bias": (None, {}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+}
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class PicOptions(_Body):
@@ -32,16 +55,31 @@ class PicOptions(_Body):
 
 
 class Sampling(_Body):
-    """OpenAI's sampling fields (their defaults: temperature 1, top_p 1)."""
+    """OpenAI's sampling fields (their defaults: temperature 1, top_p 1), and ``top_k`` (0: off)."""
 
+    model: str
     max_tokens: int | None = Field(default=16, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)
     seed: int | None = None
     stop: str | list[str] | None = None
     n: int = 1
     stream: bool = False
     pic: PicOptions = Field(default_factory=PicOptions)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            asked = [key for key, neutral in UNSUPPORTED.items() if key in data and data[key] not in neutral]
+            if asked:
+                raise PydanticCustomError(
+                    "unsupported_parameter",
+                    "{names}: not supported by this server (leave them out)",
+                    {"names": ", ".join(f"{key}={data[key]!r:.40}" for key in asked)},
+                )
+        return data
 
     @field_validator("n")
     @classmethod
@@ -59,7 +97,6 @@ class Sampling(_Body):
 
 
 class CompletionBody(Sampling):
-    model: str | None = None
     prompt: str
 
 
@@ -82,6 +119,12 @@ class ChatBody(Sampling):
     """``POST /v1/chat/completions``: the documents go where ``pic.link_chat`` puts them (the start of the first
     user message, or a ``{documents}`` marker); ``pic.prefix`` does not apply."""
 
-    model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1, max_length=1024)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+
+    @field_validator("pic")
+    @classmethod
+    def _no_prefix(cls, value: PicOptions) -> PicOptions:
+        if value.prefix:
+            raise ValueError("pic.prefix does not apply to chat: the chat template writes the text before the chunks")
+        return value
