@@ -387,3 +387,24 @@ def test_describing_a_redis_only_chunk_reads_its_metadata_not_its_kv(redis_serve
     assert body == {"id": cid, "tiers": ["redis"], "num_tokens": 401, "bytes": kv_bytes}
     assert kv_bytes > 500_000 and sent < kv_bytes / 100, sent  # the metadata and the INFO reply only
     assert engine.store.lookup(cid) == ["redis"]  # nothing was promoted
+
+
+def test_a_huge_prompt_is_refused_without_tokenizing_and_the_server_stays_responsive():
+    """Issue 21, item 2: a 7 MB prompt (under the 8 MiB body limit) once took 13-28 s to refuse, blocked the
+    event loop (``/health`` 9.7 s) and grew the server by ~400 MB. Now text longer than any prompt that fits
+    the context can hold is refused before tokenizing, and tokenizing runs off the event loop."""
+    from fastapi.testclient import TestClient
+
+    engine = pic.PIC(model("stories260K"), chat_tokenizer(CHATML))
+    huge = {"model": "stories260K", "prompt": "one two " * 875_000, "max_tokens": 4}  # 7 MB
+    with TestClient(build_app(engine, model_name="stories260K")) as http:
+        start = time.perf_counter()
+        refused = http.post("/v1/completions", json=huge)
+        elapsed = time.perf_counter() - start
+        assert refused.status_code == 400 and "refused without tokenizing" in refused.json()["error"]["message"]
+        assert elapsed < 5, elapsed  # parsing 7 MB of JSON, not tokenizing it (that took 13-28 s)
+        chunks = http.post("/v1/chunks", json={"documents": ["word " * 200_000]})
+        assert chunks.status_code == 400 and "document 0 has 1000000 characters" in chunks.json()["error"]["message"]
+        assert http.get("/health").status_code == 200
+    with pytest.raises(pic.ContextLengthError, match="refused without tokenizing"):
+        engine.link([], "x " * 1_000_000)

@@ -2,7 +2,7 @@
 
 from pic.compile.compiler import WriteThrough, compile_chunks
 from pic.compile.prefill import prefill_chunk
-from pic.compile.tokens import TextOrTokens, encode, encode_documents, tokenizer_adds_bos
+from pic.compile.tokens import TextOrTokens, encode, encode_documents, max_token_chars, tokenizer_adds_bos
 
 __all__ = [
     "TextOrTokens",
@@ -10,6 +10,7 @@ __all__ = [
     "compile_chunks",
     "encode",
     "encode_documents",
+    "max_token_chars",
     "prefill_chunk",
     "tokenizer_adds_bos",
 ]

@@ -6,12 +6,12 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
-from pic.errors import InvalidInputError
+from pic.errors import ContextLengthError, InvalidInputError
 
 TextOrTokens = str | Sequence[int] | torch.Tensor
 
 
-def encode(tokenizer, value: TextOrTokens, *, what: str, vocab_size: int) -> list[int]:
+def encode(tokenizer, value: TextOrTokens, *, what: str, vocab_size: int, max_chars: int | None = None) -> list[int]:
     """Token ids of ``value``: text is tokenized without special tokens, ids are checked.
 
     Args:
@@ -27,6 +27,11 @@ def encode(tokenizer, value: TextOrTokens, *, what: str, vocab_size: int) -> lis
             f"e.g. value.decode('utf-8')) or a list of token ids"
         )
     if isinstance(value, str):
+        if max_chars is not None and len(value) > max_chars:
+            raise ContextLengthError(
+                f"{what} has {len(value)} characters, more than the {max_chars} that any prompt fitting the "
+                f"model's context can hold (refused without tokenizing it); split or shorten it"
+            )
         _check_encodable(value, what)
         return list(tokenizer(value, add_special_tokens=False)["input_ids"])
     if isinstance(value, torch.Tensor):
@@ -60,7 +65,7 @@ def _short(value: object) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def encode_documents(tokenizer, docs: object, *, vocab_size: int) -> list[list[int]]:
+def encode_documents(tokenizer, docs: object, *, vocab_size: int, max_chars: int | None = None) -> list[list[int]]:
     """Token ids of every document of ``docs``: one text, one tensor of ids, or an iterable of texts
     or token-id lists (not one flat list of ints: that would be ambiguous).
 
@@ -75,11 +80,20 @@ def encode_documents(tokenizer, docs: object, *, vocab_size: int) -> list[list[i
         raise InvalidInputError(f"docs is {_short(docs)}; expected a non-empty list of documents")
     lists = []
     for i, doc in enumerate(docs):
-        tokens = encode(tokenizer, doc, what=f"document {i}", vocab_size=vocab_size)
+        tokens = encode(tokenizer, doc, what=f"document {i}", vocab_size=vocab_size, max_chars=max_chars)
         if not tokens:
             raise InvalidInputError(f"document {i} ({_short(doc)}) has no tokens")
         lists.append(tokens)
     return lists
+
+
+def max_token_chars(tokenizer: object) -> int:
+    """The most characters one token of ``tokenizer`` stands for (its longest vocabulary entry; byte-level
+    and sentencepiece vocabularies spell a token with at least as many characters as it decodes to).
+    ``max_context * max_token_chars`` characters therefore hold more tokens than the context: text longer
+    than that is refused before the (slow, memory-hungry) tokenizer sees it."""
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    return max((len(token) for token in vocab), default=64)
 
 
 def _check_encodable(text: str, what: str) -> None:

@@ -204,7 +204,10 @@ class Engine:
                 where no lower tier can take them, beside each other (checked before any work).
         """
         options = self.compile_options(policy)
-        found = documents(self.tokenizer, docs, options=options, spec=self.spec, fingerprint=self.fingerprint)
+        found = documents(
+            self.tokenizer, docs, options=options, spec=self.spec, fingerprint=self.fingerprint,
+            max_chars=self._prepare.max_chars,
+        )  # fmt: skip
 
         def compile_ids(todo: Sequence[str]) -> list[str]:
             job = CompileJob(tokens=found.tokens, options=options, todo=tuple(todo), progress=progress)

@@ -10,7 +10,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pic.compile import TextOrTokens, encode, encode_documents
+from pic.compile import TextOrTokens, encode, encode_documents, max_token_chars
 from pic.config import CompileOptions, PICConfig
 from pic.engine.request import NewRequest, OutputSink, Prompt, Request
 from pic.engine.sampling import SamplingParams
@@ -50,6 +50,7 @@ def documents(
     options: CompileOptions,
     spec: ModelSpec,
     fingerprint: str,
+    max_chars: int | None = None,
 ) -> Documents:
     """Each document's content tokens and cache id.
 
@@ -57,7 +58,7 @@ def documents(
         InvalidInputError: no documents, an empty document, a bad token id, bytes.
         ContextLengthError: a document that leaves no room for its BOS tokens and a query token.
     """
-    token_lists = encode_documents(tokenizer, docs, vocab_size=spec.vocab_size)
+    token_lists = encode_documents(tokenizer, docs, vocab_size=spec.vocab_size, max_chars=max_chars)
     most = spec.max_context - options.add_bos - max(1, options.num_extra_bos)
     for i, tokens in enumerate(token_lists):
         if len(tokens) > most:
@@ -70,15 +71,17 @@ def documents(
     return Documents(ids=ids, tokens=dict(zip(ids, token_lists, strict=True)))
 
 
-def prompt_ids(request: Request, tokenizer: object, *, vocab_size: int, bos_token_id: int | None) -> Prompt:
+def prompt_ids(
+    request: Request, tokenizer: object, *, vocab_size: int, bos_token_id: int | None, max_chars: int | None = None
+) -> Prompt:
     """The request's prefix and query token ids. The BOS (``None``: none) goes first: on the prefix, or
     on the query when there is neither a prefix nor a chunk (a chunk brings its own).
 
     Raises:
         InvalidInputError: an empty query, a bad token id.
     """
-    query_ids = encode(tokenizer, request.query, what="query", vocab_size=vocab_size)
-    prefix_ids = encode(tokenizer, request.prefix, what="prefix", vocab_size=vocab_size)
+    query_ids = encode(tokenizer, request.query, what="query", vocab_size=vocab_size, max_chars=max_chars)
+    prefix_ids = encode(tokenizer, request.prefix, what="prefix", vocab_size=vocab_size, max_chars=max_chars)
     if not query_ids:
         raise InvalidInputError(f"query {request.query!r} has no tokens; link needs at least one query token")
     if bos_token_id is not None and (prefix_ids or not request.cache_ids):
@@ -99,6 +102,9 @@ class Preparer:
     def __init__(self, tokenizer: object, spec: ModelSpec, *, config: PICConfig, bos_token_id: int | None) -> None:
         self.tokenizer, self.spec, self.config, self.bos_token_id = tokenizer, spec, config, bos_token_id
         self.default_policy = policies.resolve(config.default_policy)
+        # Longer text cannot fit the context, so it is refused untokenized (twice the bound: a normalizer may
+        # compose characters, "e" + U+0301 -> "é", before the tokens are counted).
+        self.max_chars = 2 * spec.max_context * max_token_chars(tokenizer)
         self._ids = itertools.count()
 
     def policy(self, policy: str | policies.Policy | None) -> policies.Policy:
@@ -118,6 +124,7 @@ class Preparer:
             self.tokenizer,
             vocab_size=self.spec.vocab_size,
             bos_token_id=self.bos_token_id if self.config.add_bos else None,
+            max_chars=self.max_chars,
         )
         policy = self.policy(request.policy)
         return NewRequest(

@@ -93,7 +93,7 @@ def build_app(engine: PIC, *, model_name: str, api_key: str | None = None, max_b
         if body.model != model_name:
             return _unknown_model(body.model, model_name)
         messages = [m.model_dump() for m in body.messages]
-        prefix, query = engine.chat_segments(messages)
+        prefix, query = await asyncio.to_thread(engine.chat_segments, messages)  # renders: off the loop
         body.max_tokens = body.max_completion_tokens or body.max_tokens
         return await _respond(await _pic_request(engine, body, query, prefix=prefix), body, http, chat=True)
 

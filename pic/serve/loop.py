@@ -24,7 +24,7 @@ class AsyncEngine:
             InvalidInputError: an empty query, a bad token id (before anything runs).
         """
         stream = AsyncRequestStream(asyncio.get_running_loop())
-        request_id = self.engine.submit(request, sink=stream)
+        request_id = await asyncio.to_thread(self.engine.submit, request, sink=stream)  # tokenizes: off the loop
         finished = False
         try:
             while not finished:
