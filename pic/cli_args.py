@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import math
 
+MAX_CASES = 100_000
+
 
 def port(text: str) -> int:
     """A TCP port, 1-65535."""
@@ -20,6 +22,21 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
     return value
+
+
+def cases(text: str) -> int:
+    """A number of evaluation cases, 1 to ``MAX_CASES`` (a typo's 100,000,000 would allocate for each first)."""
+    value = positive_int(text)
+    if value > MAX_CASES:
+        raise argparse.ArgumentTypeError(f"{text!r} cases is more than {MAX_CASES:,}")
+    return value
+
+
+def file_stem(text: str) -> str:
+    """A file name without a folder (``--name``): no separator, not ``.`` or ``..``, not empty."""
+    if not text or text in (".", "..") or "/" in text or "\\" in text or "\0" in text:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a plain file name (use --out for the folder)")
+    return text
 
 
 def positive_float(text: str) -> float:

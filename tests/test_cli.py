@@ -74,3 +74,40 @@ def test_store_config_checks_single_node_urls(url, named):
     with pytest.raises(pic.InvalidInputError, match=named):
         pic.StoreConfig(redis_url=url)
     assert pic.StoreConfig(redis_url="redis://h:6379/3").redis_url == "redis://h:6379/3"
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["eval", "fidelity", "--cases", "100000000"], "is more than 100,000"),
+        (["eval", "fidelity", "--name", "../../etc/x"], "'../../etc/x' is not a plain file name"),
+        (["eval", "accuracy", "--name", ""], "'' is not a plain file name"),
+    ],
+)
+def test_eval_arguments_are_checked_before_anything_loads(argv, named, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2 and named in capsys.readouterr().err
+
+
+def test_eval_checks_its_output_folder_first_and_succeeds_without_matplotlib(tmp_path, monkeypatch, capsys):
+    """Issue 21, item 7: an unwritable ``--out`` fails before sampling; a run without matplotlib prints its
+    table and writes its JSON, says there is no plot, and exits 0 (it succeeded)."""
+    import pic.evaluation.command as command
+    from pic.errors import MissingDependencyError
+
+    sampled = []
+    monkeypatch.setattr(command, "sample_workload", lambda *a, **k: sampled.append(1) or pytest.fail("sampled"))
+    assert main(["eval", "fidelity", "--cases", "2", "--out", "/proc/forbidden"]) == 1
+    assert "cannot write the results to '/proc/forbidden'" in capsys.readouterr().err and not sampled
+    monkeypatch.undo()
+
+    def no_matplotlib(*args, **kwargs):
+        raise MissingDependencyError("the evaluation plots need matplotlib: pip install 'pic[eval]'")
+
+    monkeypatch.setattr(command, "plot_fidelity", no_matplotlib)
+    argv = ["eval", "fidelity", "--cases", "2", "--policies", "naive", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert "no plot: the evaluation plots need matplotlib" in captured.err and "naive" in captured.out
+    assert (tmp_path / "fidelity.json").exists() and not (tmp_path / "fidelity.png").exists()

@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
+from pic.cli_args import cases, file_stem
+
 # Where `pic eval` writes unless told: a folder of the user's, never the repository's results.
 DEFAULT_EVAL_DIR = "pic-eval"
 _ADD_BOS = {"auto": None, "on": True, "off": False}
@@ -27,12 +29,12 @@ def add_parser(
     fidelity.add_argument(
         "--workload", default=None, help='JSONL of {"chunks": [...], "query": ...} (default: sampled)'
     )
-    fidelity.add_argument("--cases", type=positive_int, default=30, help="cases to sample (default workload only)")
+    fidelity.add_argument("--cases", type=cases, default=30, help="cases to sample (default workload only)")
     fidelity.add_argument("--seed", type=non_negative_int, default=0, help="sampling seed (default workload only)")
     accuracy = evaluations.add_parser(
         "accuracy", help="multi-document QA accuracy per policy, beside fidelity, cost and attention sinks"
     )
-    accuracy.add_argument("--cases", type=positive_int, default=200, help="questions (default 200)")
+    accuracy.add_argument("--cases", type=cases, default=200, help="questions (default 200)")
     accuracy.add_argument("--documents", type=positive_int, default=4, help="documents per question (default 4)")
     accuracy.add_argument("--sentences", type=positive_int, default=5, help="filler sentences per document (default 5)")
     accuracy.add_argument("--two-docs-share", type=float, default=0.2, help="share of two-document questions (0.2)")
@@ -56,7 +58,7 @@ def add_parser(
             default=DEFAULT_EVAL_DIR,
             help=f"folder for <name>.json and <name>.png (default: ./{DEFAULT_EVAL_DIR})",
         )
-        parser.add_argument("--name", default=name, help=f"file name stem (default: {name})")
+        parser.add_argument("--name", type=file_stem, default=name, help=f"file name stem (default: {name})")
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, object]:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from pic.api import PIC
-from pic.errors import PicError
+from pic.errors import InvalidInputError, MissingDependencyError, PicError
 from pic.evaluation.accuracy import evaluate_accuracy
 from pic.evaluation.accuracy_report import AccuracyReport
 from pic.evaluation.fidelity import checked_policies, evaluate_fidelity
@@ -39,6 +39,7 @@ def run_fidelity(
     ``<out_dir>/<name>.json`` and ``<out_dir>/<name>.png``; prints the Markdown table and the paths.
     Progress goes to stderr."""
     say = _sayer("fidelity")
+    _check_out(out_dir, name)  # an unwritable folder fails now, not after the sampling
     checked = checked_policies(engine, policies)  # a bad spec fails now, not after the workload
     if workload:
         cases = load_workload(workload)
@@ -66,6 +67,7 @@ def run_accuracy(
     """``evaluate_accuracy`` on ``workload``, written as ``run_fidelity`` writes (JSON after every case,
     the table, the PNG)."""
     say = _sayer("accuracy")
+    _check_out(out_dir, name)
     checked = checked_policies(engine, policies)
 
     def evaluate(on_case: Callable[[AccuracyReport], None]) -> AccuracyReport:
@@ -106,9 +108,28 @@ def _run(
         raise
     print(report.table())  # the JSON is the finished report: on_case wrote it after the last case
     print(f"\nwrote {json_path}")
-    plot(report, png_path)  # needs matplotlib (the eval extra); the table and JSON come first
+    try:
+        plot(report, png_path)  # needs matplotlib (the eval extra); the table and JSON come first
+    except MissingDependencyError as exc:  # the evaluation succeeded: its results are written
+        say(f"no plot: {exc}")
+        return report
     print(f"wrote {png_path}")
     return report
+
+
+def _check_out(out_dir: str | os.PathLike, name: str) -> None:
+    """Make ``out_dir`` and check that ``<name>.json`` can be written there, before any work.
+
+    Raises:
+        InvalidInputError: naming the folder and why (it cannot be made, or written).
+    """
+    probe = Path(out_dir) / f".{name}.probe"
+    try:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise InvalidInputError(f"cannot write the results to {str(out_dir)!r}: {exc.strerror or exc}") from None
 
 
 def _write_json(report: Report, path: Path) -> None:
