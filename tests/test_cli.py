@@ -54,6 +54,7 @@ def test_missing_model_is_an_error_message(capsys):
         (["serve", "--max-body-bytes", "-1"], "'-1' is not a positive integer"),
         (["serve", "--redis-url", "redis://h:6390/abc"], "the database 'abc' is not a number"),
         (["check", "--tolerance", "nan"], "'nan' is not a finite number above 0"),
+        (["serve", "--on-redis-error", "ignore"], "invalid choice: 'ignore'"),
         (["store", "sweep", "--redis-url", "http://x"], "--redis-url: redis_url='http://x'"),
         (["store", "sweep", "--redis-url", "redis://:secret@127.0.0.1:99999"], "the port is not a number"),
     ],

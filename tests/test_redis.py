@@ -261,3 +261,31 @@ def test_keys_are_namespaced_by_model(redis_server, redis_url):
 def test_bad_store_config():
     with pytest.raises(pic.InvalidInputError, match="redis_url"):
         pic.PIC(model("stories260K"), tokenizer(), store=pic.StoreConfig(redis_url="http://x"))
+
+
+def test_a_redis_outage_leaves_monitoring_describing_and_the_device_tier_working(tmp_path):
+    """Issue 21, item 4: with Redis down (``on_redis_error="raise"``), ``/metrics`` reports the tier down
+    and keeps working, a resident chunk is still described, and a failed expire changes nothing."""
+    from fastapi.testclient import TestClient
+
+    from pic.serve.app import build_app
+
+    server = new_redis_server(tmp_path).start()
+    engine = pic.PIC(model("stories260K"), tokenizer(), store=pic.StoreConfig(redis_url=server.url))
+    ids = engine.compile(list(DOCS))
+    server.stop()
+    tiers = {t.name: t for t in engine.store.stats()}  # no exception: monitoring needs it now
+    assert tiers["redis"].up is False and tiers["device"].up and tiers["redis"].errors >= 1
+    assert engine.store.describe(ids[0]).tiers == ("device",)
+    with pytest.raises(pic.StoreUnavailableError):
+        engine.store.expire(ids[0])
+    with engine.paused() as core:
+        assert core.pool.is_resident(ids[0])  # Redis goes first: nothing was removed
+    with TestClient(build_app(engine, model_name="stories260K")) as http:
+        text = http.get("/metrics").text
+        assert 'pic_store_up{tier="redis"} 0.0' in text and 'pic_store_up{tier="device"} 1.0' in text
+        assert http.get(f"/v1/chunks/{ids[0]}").json()["tiers"] == ["device"]
+        assert http.delete(f"/v1/chunks/{ids[0]}").status_code == 503
+    server.start()  # back (empty: no persistence)
+    assert engine.store.expire(ids[0]) and engine.store.lookup(ids[0]) == []
+    server.stop()

@@ -16,6 +16,10 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "--api-key", type=nonempty, default=None, help="require 'Authorization: Bearer KEY' (all routes but /health)"
     )
     serve.add_argument("--redis-url", type=redis_url, default=None, help="a Redis shared by a fleet of servers")
+    serve.add_argument(
+        "--on-redis-error", choices=("raise", "miss"), default="raise",
+        help="when Redis fails: raise (503) or miss (serve from the upper tiers, log it)",
+    )  # fmt: skip
     serve.add_argument("--max-body-bytes", type=positive_int, default=8 << 20, help="larger request bodies get a 413")
     serve.add_argument("--skip-check", action="store_true", help="serve even if the start-up `pic check` fails")
     return serve
@@ -33,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
     from pic.check import check
     from pic.serve.app import build_app
 
-    store = pic.StoreConfig(redis_url=args.redis_url) if args.redis_url else None
+    store = pic.StoreConfig(redis_url=args.redis_url, on_redis_error=args.on_redis_error) if args.redis_url else None
     model = args.model or pic.EMBEDDED_MODEL
     engine = pic.load(model, device=args.device, dtype=args.dtype, gguf_file=args.gguf_file, store=store)
     name = str(args.model) if args.model else engine.model_name

@@ -65,10 +65,12 @@ class EngineCollector(Collector):
             ("pic_store_misses", "misses", CounterMetricFamily, "Store gets that did not find the chunk."),
             ("pic_store_entries", "num_entries", GaugeMetricFamily, "Chunks the tier holds."),
             ("pic_store_bytes", "num_bytes", GaugeMetricFamily, "Bytes of K and V the tier holds."),
+            ("pic_store_up", "up", GaugeMetricFamily, "1 when the tier answered this scrape, 0 when it is down."),
+            ("pic_store_errors", "errors", CounterMetricFamily, "Tier operations that failed."),
         ):
             metric = family(name, doc, labels=["tier"])
             for tier in figures.tiers if figures else ():
-                metric.add_metric([tier.name], getattr(tier, attr))
+                metric.add_metric([tier.name], float(getattr(tier, attr)))
             yield metric
         blocks = GaugeMetricFamily("pic_kv_blocks", "KV pool blocks by state.", labels=["state"])
         if figures:

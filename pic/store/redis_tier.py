@@ -216,15 +216,26 @@ class RedisTier:
     def ids(self) -> list[str]:
         """Ids with metadata on the server (a cluster client scans every master)."""
         with self._guard():
-            keys = self._client.scan_iter(match=_glob(self._prefix) + "*:meta", count=1000)
-            return sorted(k.decode()[len(self._prefix) : -len(":meta")] for k in keys)
+            return self._scan_ids()
         return []
 
+    def _scan_ids(self) -> list[str]:
+        keys = self._client.scan_iter(match=_glob(self._prefix) + "*:meta", count=1000)
+        return sorted(k.decode()[len(self._prefix) : -len(":meta")] for k in keys)
+
     def stats(self) -> TierStats:
-        """This process's counters, with the entries and bytes found on the server (a scan)."""
+        """This process's counters, with the entries and bytes found on the server (a scan). Never raises:
+        monitoring needs it most while Redis is down (``up=False`` then, whatever ``on_error`` says)."""
         stats = dataclasses.replace(self._stats)
-        with self._guard():
-            ids = self.ids()
+        try:
+            self._count_entries(stats)
+        except StoreUnavailableError:  # counted and remembered (last_error) by the guard
+            return dataclasses.replace(self._stats, up=False)
+        return stats
+
+    def _count_entries(self, stats: TierStats) -> None:
+        with _Guard(self, always_raise=True):
+            ids = self._scan_ids()
             pipe = self._client.pipeline(transaction=False)  # one GET per key: MGET is CROSSSLOT on a cluster
             for cache_id in ids:
                 pipe.get(self._key(cache_id))
@@ -235,7 +246,6 @@ class RedisTier:
                     continue
                 stats.num_entries += 1
                 stats.num_bytes += 2 * meta.tensor_bytes
-        return stats
 
     def _guard(self) -> _Guard:
         return _Guard(self)
@@ -244,8 +254,8 @@ class RedisTier:
 class _Guard:
     """Turns a Redis failure inside ``with`` into ``StoreUnavailableError`` or a logged, swallowed miss."""
 
-    def __init__(self, tier: RedisTier) -> None:
-        self._tier = tier
+    def __init__(self, tier: RedisTier, *, always_raise: bool = False) -> None:
+        self._tier, self._always_raise = tier, always_raise
 
     def __enter__(self) -> None:
         self._tier._last_error = None
@@ -256,7 +266,7 @@ class _Guard:
         tier = self._tier
         tier._last_error = f"Redis at {tier.url} failed: {type(exc).__name__}: {exc}"
         tier._stats.errors += 1
-        if tier._on_error == "raise":
+        if tier._on_error == "raise" or self._always_raise:
             raise StoreUnavailableError(tier._last_error) from exc
         log.warning("pic: %s; serving from the upper tiers", tier._last_error)
         return True

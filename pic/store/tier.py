@@ -32,6 +32,7 @@ class TierStats:
         hits / misses: ``get`` calls that found / did not find the chunk.
         evictions: chunks evicted to make room (LRU tiers only).
         errors: operations that failed (Redis unreachable, corrupt entries dropped).
+        up: the tier answered this snapshot (``False``: Redis unreachable; the counts are this process's).
     """
 
     name: str
@@ -42,6 +43,7 @@ class TierStats:
     misses: int = 0
     evictions: int = 0
     errors: int = 0
+    up: bool = True
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ import functools
 from collections.abc import Collection
 
 from pic.config import StoreConfig
-from pic.errors import UnknownCacheIdError
+from pic.errors import StoreUnavailableError, UnknownCacheIdError
 from pic.kv import ChunkInfo, ChunkKV
 from pic.store import serde
 from pic.store.description import ChunkDescription
@@ -123,10 +123,17 @@ class TieredStore:
             UnknownCacheIdError: no tier holds it (as ``resolve``).
             StoreUnavailableError: Redis failed (``on_redis_error="raise"``).
         """
-        found = [(t.name, t.extent(cache_id)) for t in self.tiers] if isinstance(cache_id, str) else []
-        held = [(name, extent) for name, extent in found if extent is not None]
+        held, failed = [], None
+        for tier in self.tiers if isinstance(cache_id, str) else ():
+            try:
+                extent = tier.extent(cache_id)
+            except StoreUnavailableError as exc:  # described by the tiers that answer, if any holds it
+                failed = failed or exc
+                continue
+            if extent is not None:
+                held.append((tier.name, extent))
         if not held:
-            raise self._unknown(cache_id)
+            raise failed or self._unknown(cache_id)
         first = held[0][1]
         return ChunkDescription(
             cache_id=cache_id,
@@ -191,9 +198,17 @@ class TieredStore:
 
     def expire(self, cache_id: str) -> bool:
         """Remove ``cache_id`` from every tier (pinned or not); ``True`` if any held it. Live requests
-        that link it keep its blocks until they are released."""
+        that link it keep its blocks until they are released.
+
+        The lowest tier goes first: if Redis fails (``on_redis_error="raise"``), nothing has changed yet;
+        with ``"miss"`` the other tiers still drop it and the failure is logged.
+
+        Raises:
+            StoreUnavailableError: Redis failed (``on_redis_error="raise"``); every tier still holds it.
+        """
+        found = [tier.delete(cache_id) for tier in reversed(self.tiers)]
         self._pinned.discard(cache_id)
-        return any([tier.delete(cache_id) for tier in self.tiers])
+        return any(found)
 
     def ids(self) -> list[str]:
         """Every cache id in any tier."""
