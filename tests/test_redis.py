@@ -289,3 +289,19 @@ def test_a_redis_outage_leaves_monitoring_describing_and_the_device_tier_working
     server.start()  # back (empty: no persistence)
     assert engine.store.expire(ids[0]) and engine.store.lookup(ids[0]) == []
     server.stop()
+
+
+def test_compiling_again_restores_chunks_that_redis_lost(redis_server, redis_url):
+    """Issue 21, item 5: after Redis loses its data (a restart without persistence), compiling the same
+    documents writes the resident chunks back, so another worker can link them again."""
+    engine = redis_engine(redis_url)
+    ids = engine.compile(list(DOCS))
+    redis_server.client().flushall()  # what a restart without persistence leaves
+    assert engine.store.lookup(ids[0]) == ["device"]
+    other = redis_engine(redis_url)
+    with pytest.raises(pic.UnknownCacheIdError):
+        generate(other, ids)
+    assert engine.compile(list(DOCS)) == ids  # nothing to prefill; the lower tier gets its copy back
+    assert all(engine.store.lookup(i) == ["device", "redis"] for i in ids)
+    local = make_engine("stories260K")
+    assert generate(other, ids) == generate(local, local.compile(list(DOCS)))

@@ -373,7 +373,7 @@ class Soak:
         assert tuple(got) == ids and need <= available, (need, available)
         self.seen["compile ok"] += 1
         self.seen["chunks compiled"] += len(todo)
-        self.redis |= set(todo)
+        self.redis |= set(ids)  # compiled through, or (resident already) written back where Redis lost it
         self.compiled_by.update(dict.fromkeys(todo, side.name))
         return ids
 

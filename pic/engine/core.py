@@ -131,9 +131,12 @@ class EngineCore:
         return any(paced or not seq.paced for seq in seqs)
 
     def compile(self, job: CompileJob) -> list[str]:
-        """Prefill the chunks of ``job.todo`` that no tier holds into the pool, through to the lower tiers;
-        returns the ids it compiled."""
+        """Prefill the chunks of ``job.todo`` that no tier holds into the pool, through to the lower tiers,
+        and write the resident ones back to lower tiers that lost them; returns the ids it compiled."""
         todo = {cid: job.tokens[cid] for cid in dict.fromkeys(job.todo) if not self.store.contains(cid)}
+        for cid in dict.fromkeys(job.todo):  # resident already: make sure the lower tiers have it too
+            if cid not in todo and self.pool.is_resident(cid):
+                self.store.write_back(cid, keep=list(job.tokens))
         if todo:
             show = job.progress if job.progress is not None else len(todo) >= _PROGRESS_MIN_CHUNKS
             compile_chunks(

@@ -214,10 +214,9 @@ class Engine:
             return self._owner.call(lambda reply: Compile(job, reply))
 
         fleet = self.store.fleet
-        if fleet is None:
-            compile_ids(found.ids)
-        else:
+        if fleet is not None:  # workers sharing the Redis tier compile each chunk once between them
             fleet.compile_once(found.ids, has_chunk=self.store.contains, compile=compile_ids)
+        compile_ids(found.ids)  # the rest; resident chunks are written back where a lower tier lost them
         return found.ids
 
     def compile_options(self, policy: str | policies.Policy | None = None) -> CompileOptions:

@@ -87,6 +87,21 @@ class TieredStore:
         assert chunk is not None
         return any([tier.put(chunk, keep=keep) for tier in reversed(self.lower)])
 
+    def write_back(self, cache_id: str, *, keep: Collection[str] = ()) -> list[str]:
+        """Copy a resident chunk down to the lower tiers that lost it (Redis restarted without persistence,
+        or the chunk was compiled while Redis was down under ``on_redis_error="miss"``); returns the names
+        of the tiers written. ``compile`` calls it for the chunks of the call that are already resident,
+        so compiling a document again restores the fleet's shared copy.
+
+        Raises:
+            StoreUnavailableError: Redis failed (``on_redis_error="raise"``).
+        """
+        missing = [tier for tier in self.lower if not tier.contains(cache_id)]
+        chunk = self.device.peek(cache_id) if missing else None
+        if chunk is None:
+            return []
+        return [tier.name for tier in reversed(missing) if tier.put(chunk, keep=keep)][::-1]
+
     def promote(self, chunk: ChunkKV) -> list[int]:
         """Load a chunk that ``resolve`` found in a lower tier into fresh canonical blocks of the pool
         (resident, pinned if it was pinned); returns its blocks, held once for the caller."""
