@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 import subprocess
 import sys
@@ -213,6 +214,10 @@ def test_a_large_bad_body_gets_a_short_error(server):
         ({"model": "stories260K", "prompt": "x", "tools": [{"type": "function"}]}, 400, "tools="),
         ({"model": "stories260K", "prompt": "x", "best_of": 3, "suffix": "y"}, 400, "best_of=3, suffix='y'"),
         ({"model": "gpt-4", "prompt": "x"}, 404, "'gpt-4' is not served here"),
+        ({"model": "stories260K", "prompt": "x", "seed": -1}, 422, "seed=-1"),
+        ({"model": "stories260K", "prompt": "x", "seed": 2**64}, 422, "seed="),
+        ({"model": "stories260K", "prompt": "x", "stop": ""}, 422, "stop strings must be non-empty"),
+        ({"model": "stories260K", "prompt": "x", "stop": ["a", ""]}, 422, "stop strings must be non-empty"),
         ({"prompt": "x"}, 422, "model"),
     ],
 )
@@ -239,6 +244,46 @@ def test_neutral_values_unknown_routes_top_k_and_chat_prefix(server):
         chat = {"model": "stories260K", "messages": [{"role": "user", "content": "hi"}], "pic": {"prefix": "p"}}
         prefixed = http.post("/v1/chat/completions", json=chat)
         assert prefixed.status_code == 422 and "pic.prefix does not apply" in prefixed.json()["error"]["message"]
+
+
+def test_protocol_edges_get_openai_errors_and_are_counted(server):
+    """Issue 21, item 8: NaN, invalid UTF-8 and an oversized chunked body get OpenAI-shaped errors (413 for
+    the size), 401s and 413s are counted in /metrics, a chat stream names the role once, and usage is
+    streamed only when asked for (``stream_options.include_usage``)."""
+    with _http(server) as http:
+        nan = http.post(
+            "/v1/completions", content=b'{"model": "stories260K", "prompt": "x", "temperature": NaN}',
+            headers={"content-type": "application/json"},
+        )  # fmt: skip
+        assert nan.status_code == 422 and "finite" in nan.json()["error"]["message"]
+        utf8 = http.post(
+            "/v1/completions", content=b'{"prompt": "\xff\xfe"}', headers={"content-type": "application/json"}
+        )
+        assert utf8.status_code == 400 and "error" in utf8.json()
+
+        def chunks():
+            for _ in range(100):
+                yield b"x" * 1024  # 100 KiB, no content-length: the limit is 64 KiB
+
+        big = http.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+        assert big.status_code == 413 and "over the limit" in big.json()["error"]["message"]
+        with httpx.Client(base_url=server[0], timeout=30) as anonymous:
+            assert anonymous.get("/v1/models").status_code == 401
+        text = http.get("/metrics").text
+        assert 'status="401"' in text and 'status="413"' in text
+
+        ids = _compile(server, DOCS)
+        chat = {"model": "stories260K", "messages": [{"role": "user", "content": "Who had a ball?"}], "max_tokens": 6}
+        chat |= {"temperature": 0, "stream": True, "pic": {"cache_ids": ids}}
+        for include_usage in (False, True):
+            body = chat | {"stream_options": {"include_usage": include_usage}}
+            with http.stream("POST", "/v1/chat/completions", json=body) as response:
+                lines = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
+            events = [json.loads(line) for line in lines[:-1]]
+            deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
+            assert [bool(d.get("role")) for d in deltas] == [True] + [False] * (len(deltas) - 1)
+            assert [("usage" in e) for e in events] == [False] * len(deltas) + [True] * include_usage
+            assert lines[-1] == "[DONE]"
 
 
 def test_auth_body_limit_and_malformed_json(server):

@@ -51,8 +51,8 @@ def build_app(engine: PIC, *, model_name: str, api_key: str | None = None, max_b
     app.add_exception_handler(PicError, lambda _request, exc: pic_error_response(exc))
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
-    app.add_middleware(RequestCounter, metrics=metrics)
-    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes)  # outermost: before counting
+    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes)
+    app.add_middleware(RequestCounter, metrics=metrics)  # outermost: 401s and 413s are counted too
 
     @app.get("/health")
     async def health() -> dict:
@@ -122,7 +122,10 @@ def build_app(engine: PIC, *, model_name: str, api_key: str | None = None, max_b
             meta["model"] = model_name
             if body.stream:
                 streaming = True  # the event stream owns the outputs now
-                events = _events(first, outputs, meta, chat=chat, on_finish=metrics.generation)
+                include_usage = bool(body.stream_options and body.stream_options.include_usage)
+                events = _events(
+                    first, outputs, meta, chat=chat, include_usage=include_usage, on_finish=metrics.generation
+                )
                 return StreamingResponse(events, media_type="text/event-stream")
             texts, last = [first.text], first
             while not last.finished:
@@ -181,20 +184,23 @@ def _finish_reason(generation: Generation | None) -> str | None:
     return None if generation is None else _FINISH.get(generation.stats.finish_reason, "length")
 
 
-def _completion(meta: dict, text: str, generation: Generation | None, *, chat: bool, chunk: bool = False) -> dict:
-    """A completion body: ``text_completion``, ``chat.completion``, or (``chunk``) one streamed piece of either."""
+def _completion(
+    meta: dict, text: str, generation: Generation | None, *, chat: bool, chunk: bool = False, first: bool = False
+) -> dict:
+    """A completion body: ``text_completion``, ``chat.completion``, or (``chunk``) one streamed piece of either
+    (a chat stream's ``first`` piece carries the role, as OpenAI's does; a piece carries no usage)."""
     choice = {"index": 0, "logprobs": None, "finish_reason": _finish_reason(generation)}
     if not chat:
         choice["text"] = text
         kind = "text_completion"
     elif chunk:
-        choice["delta"] = {"role": "assistant", "content": text} if text else {}
+        choice["delta"] = ({"role": "assistant"} if first else {}) | ({"content": text} if text else {})
         kind = "chat.completion.chunk"
     else:
         choice["message"] = {"role": "assistant", "content": text}
         kind = "chat.completion"
     body = {**meta, "object": kind, "choices": [choice]}
-    if generation is not None or not chunk:
+    if not chunk:
         body["usage"] = _usage(generation)
     return body
 
@@ -205,21 +211,29 @@ async def _events(
     meta: dict,
     *,
     chat: bool,
+    include_usage: bool,
     on_finish: Callable[[Generation], None],
 ) -> AsyncIterator[str]:
-    """Server-sent events: one per output with new text or the end, then ``[DONE]``. A client that goes
-    away closes this generator, which closes ``rest``: the request is aborted and its blocks freed."""
+    """Server-sent events: one per output with new text or the end, then (``stream_options.include_usage``)
+    a usage chunk with no choices, then ``[DONE]``. A client that goes away closes this generator, which
+    closes ``rest``: the request is aborted and its blocks freed."""
     try:
-        out = first
+        out, sent = first, 0
         while True:
             if out.text or out.finished:
-                chunk = _completion(meta, out.text, out.generation if out.finished else None, chat=chat, chunk=True)
+                generation = out.generation if out.finished else None
+                chunk = _completion(meta, out.text, generation, chat=chat, chunk=True, first=sent == 0)
                 yield f"data: {json.dumps(chunk)}\n\n"
+                sent += 1
             if out.finished:
                 if out.generation is not None:
                     on_finish(out.generation)
                 break
             out = await anext(rest)
+        if include_usage:
+            kind = "chat.completion.chunk" if chat else "text_completion"
+            usage = {**meta, "object": kind, "choices": [], "usage": _usage(out.generation)}
+            yield f"data: {json.dumps(usage)}\n\n"
         yield "data: [DONE]\n\n"
     finally:
         await rest.aclose()

@@ -72,18 +72,26 @@ class Guard:
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
             return await _send_json(send, 413, self._too_large(int(declared)), "invalid_request_error")
-        received = 0
+        received, too_large = 0, False
 
         async def limited_receive():
-            nonlocal received
+            nonlocal received, too_large
             message = await receive()
             received += len(message.get("body", b""))
             if received > self.max_body_bytes:
+                too_large = True
                 raise _BodyTooLarge(received)
             return message
 
+        async def checked_send(message) -> None:
+            # A framework that catches the error while reading the body answers 400 on its own: say 413.
+            if not too_large:
+                await send(message)
+            elif message["type"] == "http.response.start":
+                await _send_json(send, 413, self._too_large(received), "invalid_request_error")
+
         try:
-            await self.app(scope, limited_receive, send)
+            await self.app(scope, limited_receive, checked_send)
         except _BodyTooLarge as exc:
             await _send_json(send, 413, self._too_large(exc.num_bytes), "invalid_request_error")
 

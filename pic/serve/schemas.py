@@ -33,7 +33,13 @@ UNSUPPORTED: dict[str, tuple[object, ...]] = {
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(_Body):
+    """``stream_options``: ``include_usage`` adds a last chunk with the usage and no choices (OpenAI's)."""
+
+    include_usage: bool = False
 
 
 class PicOptions(_Body):
@@ -62,10 +68,11 @@ class Sampling(_Body):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=0, lt=2**64)
     stop: str | list[str] | None = None
     n: int = 1
     stream: bool = False
+    stream_options: StreamOptions | None = None
     pic: PicOptions = Field(default_factory=PicOptions)
 
     @model_validator(mode="before")
@@ -93,6 +100,8 @@ class Sampling(_Body):
     def _stops(cls, value: str | list[str] | None) -> str | list[str] | None:
         if isinstance(value, list) and len(value) > 4:
             raise ValueError(f"stop has {len(value)} strings; at most 4")
+        if value == "" or (isinstance(value, list) and "" in value):
+            raise ValueError("stop strings must be non-empty")
         return value
 
 
