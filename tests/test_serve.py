@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
+import random
 import socket
 import subprocess
 import sys
@@ -453,3 +455,60 @@ def test_a_huge_prompt_is_refused_without_tokenizing_and_the_server_stays_respon
         assert http.get("/health").status_code == 200
     with pytest.raises(pic.ContextLengthError, match="refused without tokenizing"):
         engine.link([], "x " * 1_000_000)
+
+
+def _fuzz_value(rng: random.Random, depth: int = 0) -> object:
+    """A random JSON-ish value: wrong types, odd numbers, long or broken strings, nested junk."""
+    choices = [
+        lambda: None, lambda: rng.choice([True, False]), lambda: rng.randint(-(2**70), 2**70),
+        lambda: rng.choice([0, -1, 1, 2**63, 2**64, 4.0, -0.0, 1e308, 1e-308]),
+        lambda: rng.choice(["", " ", "x", "One day", "\ud800", "a\udfffb", "\x00", "é" * 50, "{documents}"]),
+        lambda: "".join(chr(rng.randrange(0x20, 0x3000)) for _ in range(rng.randint(0, 40))),
+        lambda: "word " * rng.randint(0, 3000),
+        lambda: [_fuzz_value(rng, depth + 1) for _ in range(rng.randint(0, 4))] if depth < 2 else [],
+        lambda: {rng.choice(["role", "content", "x", "cache_ids"]): _fuzz_value(rng, depth + 1)} if depth < 2 else {},
+    ]  # fmt: skip
+    return rng.choice(choices)()
+
+
+FUZZ_FIELDS = (
+    "model", "prompt", "messages", "documents", "max_tokens", "max_completion_tokens", "temperature", "top_p",
+    "top_k", "seed", "stop", "n", "stream", "stream_options", "logprobs", "echo", "tools", "pic", "policy", "user",
+)  # fmt: skip
+
+
+def _fuzz_request(rng: random.Random, ids: list[str]) -> tuple[str, bytes]:
+    """A route and a malformed body: random fields with random values over a mostly valid base, or raw bytes."""
+    route = rng.choice(["/v1/completions", "/v1/chat/completions", "/v1/chunks"])
+    if rng.random() < 0.1:  # not JSON at all, or broken encodings
+        return route, rng.choice([b"", b"{", b"[]", b"null", b'"x"', b"\xff\xfe{}", b'{"prompt": "\xc3"}', b"{" * 300])
+    base = {"model": "stories260K", "prompt": "One day", "max_tokens": 2, "temperature": 0}
+    base |= {"messages": [{"role": "user", "content": "hi"}], "documents": ["A short story."]}
+    if rng.random() < 0.5:
+        base["pic"] = {"cache_ids": ids[:1], rng.choice(["policy", "prefix", "documents", "bogus"]): _fuzz_value(rng)}
+    for field in rng.sample(FUZZ_FIELDS, rng.randint(1, 4)):
+        base[field] = _fuzz_value(rng)
+    text = json.dumps(base, allow_nan=rng.random() < 0.5)
+    return route, text.encode("utf-8", "surrogatepass")
+
+
+def test_fuzzed_malformed_requests_never_get_a_500_or_break_the_server(server):
+    """Issue 21: 600 seeded malformed requests (types, encodings, sizes, unknown fields, lone surrogates) over
+    one keep-alive connection: never a 500, never a hang or a reset connection; the server stays healthy and
+    its KV pool ends as it began."""
+    engine = server[1]
+    ids = _compile(server, DOCS)
+    baseline = engine.kv_stats().num_used_blocks
+    rng = random.Random(21)
+    statuses: collections.Counter[int] = collections.Counter()
+    with _http(server) as http:
+        for i in range(600):
+            route, body = _fuzz_request(rng, ids)
+            response = http.post(route, content=body, headers={"content-type": "application/json"}, timeout=60)
+            statuses[response.status_code] += 1
+            assert response.status_code < 500, (i, route, body[:300], response.text[:300])
+            if response.status_code >= 400:
+                assert "error" in response.json(), (i, response.text[:300])
+        assert http.get("/health").status_code == 200
+    assert engine.kv_stats().num_used_blocks == baseline
+    assert sum(n for code, n in statuses.items() if code >= 400) > 300, statuses  # mostly refused, as meant
