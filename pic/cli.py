@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from pic import __version__
-from pic.cli_args import positive_float, redis_url
+from pic.cli_args import non_negative_int, positive_float, positive_int, redis_url
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -24,7 +24,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     from pic.evaluation.cli import add_parser as add_eval
 
-    add_eval(commands, _model_options, positive_int, non_negative_int)
+    add_eval(commands, _model_options)
     _store_parser(commands)
     from pic.serve.main import add_parser as add_serve
 
@@ -88,21 +88,6 @@ def _model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gguf-file", default=None, help="a GGUF file inside the --model folder or Hub repository")
     parser.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
     parser.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: per device)")
-
-
-def non_negative_int(text: str) -> int:
-    """An int >= 0 (argparse type: a bad value is a usage error before any work)."""
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text} is negative")
-    return value
-
-
-def positive_int(text: str) -> int:
-    value = non_negative_int(text)
-    if value == 0:
-        raise argparse.ArgumentTypeError("must be at least 1")
-    return value
 
 
 def load_engine(args: argparse.Namespace, **options: object):

@@ -17,6 +17,13 @@ def port(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    value = _int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is negative")
+    return value
+
+
 def positive_int(text: str) -> int:
     value = _int(text)
     if value < 1:

@@ -128,8 +128,8 @@ class Engine:
             raise
         link_s = time.perf_counter() - start
         linked = [
-            Linked(first, owner=self._owner, engine=self, policy=new.policy, stream=stream, link_s=link_s)
-            for new, stream, first in zip(news, streams, firsts, strict=True)
+            Linked(first, owner=self._owner, engine=self, policy=new.policy, link_s=link_s)
+            for new, first in zip(news, firsts, strict=True)
             if not isinstance(first, RequestOutput)
         ]
         failed = next((first.error for first in firsts if isinstance(first, RequestOutput)), None)

@@ -47,7 +47,6 @@ class Linked:
         owner: OwnerThread,
         engine: object,
         policy: Policy,
-        stream: RequestStream,
         link_s: float,
     ) -> None:
         self.layout = link.layout
@@ -61,7 +60,8 @@ class Linked:
         self.num_private_blocks = link.num_private_blocks
         self._engine = engine  # the Engine: kept alive while the request is (dropping it closes it)
         self._owner = owner
-        self._request_id, self._stream, self._block_ids = link.request_id, stream, list(link.block_ids)
+        self._request_id, self._block_ids = link.request_id, list(link.block_ids)
+        self._stream: RequestStream | None = None  # the generation's outputs, once started
         self._hidden = link.query_hidden  # [num_query_tokens, hidden_size]
         self._logits: torch.Tensor | None = None
         self._started = False

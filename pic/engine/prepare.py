@@ -116,8 +116,11 @@ class Preparer:
     def new_request(
         self, request: Request, *, sink: OutputSink, sampling: SamplingParams | None, paced: bool = False
     ) -> NewRequest:
-        """Raises:
-        InvalidInputError: an empty query, a bad token id or text. PolicyError: as ``compile_options``.
+        """``request`` as the engine's thread runs it, its outputs going to ``sink``.
+
+        Raises:
+            InvalidInputError: an empty query, a bad token id or text.
+            PolicyError: as ``compile_options``.
         """
         prompt = prompt_ids(
             request,

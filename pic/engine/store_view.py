@@ -6,6 +6,7 @@ from pic.engine.commands import Query
 from pic.engine.owner import OwnerThread
 from pic.errors import InvalidInputError
 from pic.kv import ChunkKV
+from pic.store.description import ChunkDescription
 from pic.store.lease import FleetLeases
 from pic.store.tier import TierStats
 
@@ -30,7 +31,7 @@ class StoreView:
         """Names of the tiers that hold ``cache_id``, fastest first."""
         return self._ask(Query.LOOKUP, cache_id)
 
-    def describe(self, cache_id: str):
+    def describe(self, cache_id: str) -> ChunkDescription:
         """What the store knows of a chunk without reading its KV (tiers, tokens, bytes).
 
         Raises:

@@ -40,9 +40,8 @@ class RequestStream:
         self._alive, self._last_only = alive, last_only
 
     def put(self, item: Item) -> None:
-        if self._last_only and isinstance(item, RequestOutput) and not item.finished:
-            return
-        self._queue.put(item)
+        if _wanted(item, last_only=self._last_only):
+            self._queue.put(item)
 
     def get(self) -> Item:
         """The next output, waiting for it.
@@ -59,13 +58,16 @@ class RequestStream:
 
 
 class AsyncRequestStream:
-    """One request's outputs, for a coroutine on ``loop`` (the server): ``put`` hands each over thread-safely."""
+    """One request's outputs, for a coroutine on ``loop`` (the server): ``put`` hands each over thread-safely
+    (``last_only``: as ``RequestStream``'s)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
+    def __init__(self, loop: asyncio.AbstractEventLoop, *, last_only: bool = False) -> None:
+        self._loop, self._last_only = loop, last_only
         self._queue: asyncio.Queue[Item] = asyncio.Queue()
 
     def put(self, item: Item) -> None:
+        if not _wanted(item, last_only=self._last_only):
+            return
         try:
             self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
         except RuntimeError:  # the loop is closed: nobody waits any more
@@ -73,3 +75,8 @@ class AsyncRequestStream:
 
     async def get(self) -> Item:
         return await self._queue.get()
+
+
+def _wanted(item: Item, *, last_only: bool) -> bool:
+    """Whether a stream hands ``item`` over: everything, or (``last_only``) only what ends a wait."""
+    return not (last_only and isinstance(item, RequestOutput) and not item.finished)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from pic.cli_args import cases, file_stem
+from pic.cli_args import cases, file_stem, non_negative_int, positive_int
 
 # Where `pic eval` writes unless told: a folder of the user's, never the repository's results.
 DEFAULT_EVAL_DIR = "pic-eval"
@@ -18,8 +18,6 @@ _ADD_BOS = {"auto": None, "on": True, "off": False}
 def add_parser(
     commands: argparse._SubParsersAction,
     model_options: Callable[[argparse.ArgumentParser], None],
-    positive_int: Callable[[str], int],
-    non_negative_int: Callable[[str], int],
 ) -> None:
     evaluate = commands.add_parser("eval", help="evaluate recompute policies")
     evaluations = evaluate.add_subparsers(dest="evaluation", required=True)

@@ -113,7 +113,7 @@ def build_app(engine: PIC, *, model_name: str, api_key: str | None = None, max_b
         return reply.result()
 
     async def _reply(request: PicRequest, body: Sampling, *, chat: bool):
-        outputs, streaming = aengine.generate(request), False
+        outputs, streaming = aengine.generate(request, pieces=body.stream), False
         try:  # cancelled before it returns (the client left): closing the outputs aborts the request
             first = await anext(outputs)  # a request that fails does so before its first token: a JSON error
             if first.error is not None:
@@ -127,13 +127,11 @@ def build_app(engine: PIC, *, model_name: str, api_key: str | None = None, max_b
                     first, outputs, meta, chat=chat, include_usage=include_usage, on_finish=metrics.generation
                 )
                 return StreamingResponse(events, media_type="text/event-stream")
-            texts, last = [first.text], first
-            while not last.finished:
-                last = await anext(outputs)
-                texts.append(last.text)
-            if last.generation is not None:
-                metrics.generation(last.generation)
-            return _completion(meta, "".join(texts), last.generation, chat=chat)
+            # Not streaming: the one output is the last, with the whole generation (or an abort's error).
+            if first.generation is not None:
+                metrics.generation(first.generation)
+            text = first.generation.text if first.generation is not None else ""
+            return _completion(meta, text, first.generation, chat=chat)
         finally:
             if not streaming:
                 await outputs.aclose()

@@ -17,13 +17,14 @@ class AsyncEngine:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
 
-    async def generate(self, request: Request) -> AsyncIterator[RequestOutput]:
-        """The request's outputs as the engine produces them; leaving early (a client gone) aborts it.
+    async def generate(self, request: Request, *, pieces: bool = True) -> AsyncIterator[RequestOutput]:
+        """The request's outputs as the engine produces them (``pieces=False``: only the last one, with the
+        whole generation); leaving early (a client gone) aborts it.
 
         Raises:
             InvalidInputError: an empty query, a bad token id (before anything runs).
         """
-        stream = AsyncRequestStream(asyncio.get_running_loop())
+        stream = AsyncRequestStream(asyncio.get_running_loop(), last_only=not pieces)
         request_id = await asyncio.to_thread(self.engine.submit, request, sink=stream)  # tokenizes: off the loop
         finished = False
         try:
