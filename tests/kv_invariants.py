@@ -72,15 +72,18 @@ def check_pool(pool: BlockPool, expected_refs: dict[int, int] | None = None) -> 
     chunks = list(pool.chunks.values())
     num_used = pool.num_blocks - len(queue)
     assert stats.num_blocks == pool.num_blocks == len(pool.blocks)
-    assert stats.num_free_blocks == len(queue) and stats.num_used_blocks == num_used
-    assert stats.num_chunk_blocks == sum(len(c.blocks) for c in chunks)
+    assert stats.num_available_blocks == len(queue) and stats.num_used_blocks == num_used
+    assert stats.num_resident_chunk_blocks == sum(len(c.blocks) for c in chunks)
     assert stats.num_evictable_blocks == sum(len(c.blocks) for c in chunks if c.is_evictable)
     assert stats.num_evictable_blocks == sum(is_chunk)
+    assert stats.num_empty_blocks == sum(b.chunk is None for b in queue)
+    queued = {b.block_id for b in queue}
+    assert stats.num_held_chunk_blocks == sum(b.chunk is not None and b.block_id not in queued for b in pool.blocks)
     assert stats.num_shared_block_refs == sum(c.num_refs for c in chunks)
     assert stats.num_private_blocks == sum(b.chunk is None and b.ref_cnt > 0 for b in pool.blocks)
     assert stats.num_resident_chunks == len(chunks)
     assert stats.peak_used_blocks >= num_used
-    assert pool.num_free_blocks == len(queue)
+    assert pool.num_available_blocks == len(queue)
     assert pool.num_available() == len(queue)
 
 

@@ -53,7 +53,7 @@ def test_threads_share_an_engine():
     for thread in threads:
         thread.join(timeout=120)
     assert [together.get(i) for i in range(4)] == alone
-    assert engine.kv_stats().num_free_blocks == engine.kv_stats().num_blocks
+    assert engine.kv_stats().num_available_blocks == engine.kv_stats().num_blocks
 
 
 def test_demo_runs_offline():

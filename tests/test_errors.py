@@ -22,7 +22,7 @@ def engine() -> pic.PIC:
 def assert_store_intact(engine: pic.PIC, ids: list[str], *, linkable: list[str] | None = None) -> None:
     """The store holds exactly ``ids``, no blocks leaked, and the (default-option) chunks still link."""
     assert sorted(engine.store.ids()) == sorted(ids)
-    assert engine.kv_stats().num_free_blocks == engine.kv_stats().num_blocks
+    assert engine.kv_stats().num_available_blocks == engine.kv_stats().num_blocks
     assert engine.link(ids if linkable is None else linkable, "One day,").generate(max_new_tokens=4).token_ids
 
 
@@ -144,9 +144,9 @@ def test_pool_exhausted_frees_nothing_it_did_not_take():
     ids = engine.compile(DOCS)
     with pytest.raises(pic.KVPoolExhaustedError, match=r"needs \d+ blocks of 16 tokens but the pool has 4"):
         engine.link(ids * 4, "One day,")
-    with pytest.raises(pic.KVPoolExhaustedError, match=r"needs 3 blocks of 16 tokens but 2 of 4 are free or evict"):
+    with pytest.raises(pic.KVPoolExhaustedError, match=r"needs 3 blocks of 16 tokens but 2 of 4 are available"):
         engine.link(ids, "One day,", policy="full")  # its own 2 chunk blocks are not available to it
-    assert engine.kv_stats().num_free_blocks == 4 and engine.kv_stats().num_chunk_blocks == 2  # evictable, still there
+    assert engine.kv_stats().num_available_blocks == 4 and engine.kv_stats().num_resident_chunk_blocks == 2  # evictable, still there
     assert [engine.store.lookup(i) for i in ids] == [["device"], ["device"]]
     assert torch.is_tensor(engine.link(ids, "One day,").logits)
 

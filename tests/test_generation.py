@@ -88,34 +88,34 @@ def test_stats(engine):
 
 
 def test_blocks_are_returned(engine):
-    free = engine.kv_stats().num_free_blocks
+    free = engine.kv_stats().num_available_blocks
     fresh(engine).generate(max_new_tokens=40)  # decoding appended blocks; all are freed
-    assert engine.kv_stats().num_free_blocks == free
+    assert engine.kv_stats().num_available_blocks == free
     with fresh(engine) as linked:
-        assert engine.kv_stats().num_free_blocks < free
-    assert engine.kv_stats().num_free_blocks == free
+        assert engine.kv_stats().num_available_blocks < free
+    assert engine.kv_stats().num_available_blocks == free
     linked = fresh(engine)
     del linked
     gc.collect()
-    assert engine.kv_stats().num_free_blocks == free
+    assert engine.kv_stats().num_available_blocks == free
     stream = fresh(engine).stream(max_new_tokens=40)
     next(stream)
     stream.close()  # abandoning a stream releases the request too
-    assert engine.kv_stats().num_free_blocks == free
+    assert engine.kv_stats().num_available_blocks == free
 
 
 def test_kv_pool_exhausted_mid_generation_keeps_the_tokens():
     """Running out of blocks while decoding ends the generation with what it has, and says why."""
     engine = make_engine("stories260K", kv_pool_tokens=96, block_size=16)
     with fresh(engine) as probe:  # free slots after the prompt: free blocks and the rest of the query's block
-        room = engine.kv_stats().num_free_blocks * 16 + len(probe.block_ids) * 16 - probe.layout.num_slots
+        room = engine.kv_stats().num_available_blocks * 16 + len(probe.block_ids) * 16 - probe.layout.num_slots
     reference = fresh(make_engine("stories260K")).generate(max_new_tokens=room + 1).token_ids
     out = fresh(engine).generate(max_new_tokens=100)
     assert out.stats.finish_reason is pic.FinishReason.KV_POOL
     assert out.token_ids == reference and len(out.token_ids) == room + 1  # the last one needed no slot
     assert out.text == engine.tokenizer.decode(out.token_ids, skip_special_tokens=True)
     assert "".join(fresh(engine).stream(max_new_tokens=100)) == out.text  # the stream ends cleanly
-    assert engine.kv_stats().num_free_blocks == engine.kv_stats().num_blocks
+    assert engine.kv_stats().num_available_blocks == engine.kv_stats().num_blocks
 
 
 def test_the_embedded_model_stops_at_the_end_of_a_story(stories):

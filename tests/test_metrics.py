@@ -13,8 +13,8 @@ from pic.serve.metrics import BUCKETS, CONTENT_TYPE, EngineFigures, Metrics, Req
 from pic.store.tier import TierStats
 
 KV = KVStats(
-    num_blocks=64, num_free_blocks=40, num_used_blocks=24, num_chunk_blocks=10, num_evictable_blocks=2,
-    num_shared_block_refs=7, num_private_blocks=14, num_resident_chunks=3, num_evicted_chunks=1, peak_used_blocks=30,
+    num_blocks=64, num_empty_blocks=38, num_evictable_blocks=2, num_held_chunk_blocks=8, num_private_blocks=16,
+    num_shared_block_refs=7, num_resident_chunks=3, num_evicted_chunks=1, peak_used_blocks=30,
 )  # fmt: skip
 TIERS = (
     TierStats("device", num_entries=3, num_bytes=4096, hits=5, misses=2),
@@ -82,7 +82,9 @@ def test_exposition_names_labels_and_values() -> None:
 
     assert types["pic_kv_blocks"] == "gauge"
     blocks = {dict(labels)["state"]: v for (name, labels), v in values.items() if name == "pic_kv_blocks"}
-    assert blocks == {"total": 64, "used": 24, "free": 40, "chunk": 10, "private": 14, "shared_refs": 7}
+    assert blocks == {"empty": 38, "evictable": 2, "held_chunk": 8, "private": 16}
+    assert sum(blocks.values()) == values[("pic_kv_pool_blocks", ())] == 64  # the states partition the pool
+    assert values[("pic_kv_shared_block_refs", ())] == 7 and values[("pic_kv_resident_chunks", ())] == 3
     assert values[("pic_engine_steps_total", ())] == 12 and values[("pic_engine_batched_seqs_total", ())] == 30
     assert CONTENT_TYPE.startswith("text/plain")
 

@@ -201,4 +201,4 @@ def test_malformed_dynamic_selection(stories):
     ids = stories.compile(list(DOCS))
     with pytest.raises(pic.PolicyError, match=r"'test-sloppy-hook:0'.*after_layer\(\) must return a bool tensor"):
         stories.link(ids, QUERY, policy=Sloppy())
-    assert stories.kv_stats().num_free_blocks == stories.kv_stats().num_blocks
+    assert stories.kv_stats().num_available_blocks == stories.kv_stats().num_blocks

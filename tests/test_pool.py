@@ -85,12 +85,12 @@ def test_free_queue_operations_are_constant_time():
 def test_allocate_and_free():
     pool = BlockPool(8, block_size=4)
     a = pool.allocate(3)
-    assert len(set(a)) == 3 and pool.num_free_blocks == 5 and all(pool.blocks[i].ref_cnt == 1 for i in a)
+    assert len(set(a)) == 3 and pool.num_available_blocks == 5 and all(pool.blocks[i].ref_cnt == 1 for i in a)
     check_pool(pool, {i: 1 for i in a})
     b = pool.allocate(5)
-    assert not set(a) & set(b) and pool.num_free_blocks == 0
+    assert not set(a) & set(b) and pool.num_available_blocks == 0
     pool.free(a)
-    assert pool.num_free_blocks == 3
+    assert pool.num_available_blocks == 3
     check_pool(pool, {i: 1 for i in b})
     assert sorted(pool.allocate(3)) == sorted(a)  # freed blocks are handed out again
     with pytest.raises(AssertionError, match="freed twice"):
@@ -102,11 +102,11 @@ def test_exhausted_pool_names_the_numbers_and_takes_nothing():
     pool = BlockPool(4, block_size=4)
     taken = pool.allocate(3)
     before = pool.stats()
-    with pytest.raises(pic.KVPoolExhaustedError, match=r"needs 2 blocks of 4 tokens but 1 of 4 are free or evictable"):
+    with pytest.raises(pic.KVPoolExhaustedError, match=r"needs 2 blocks of 4 tokens but 1 of 4 are available"):
         pool.allocate(2)
-    assert pool.stats() == before and pool.num_free_blocks == 1
+    assert pool.stats() == before and pool.num_available_blocks == 1
     check_pool(pool, {i: 1 for i in taken})
-    with pytest.raises(pic.KVPoolExhaustedError, match=r"the batch needs 3 blocks .* \(3 held by live requests"):
+    with pytest.raises(pic.KVPoolExhaustedError, match=r"the batch needs 3 blocks .* 3 are held by live requests"):
         pool.check_available(3, what="the batch")
     with pytest.raises(pic.KVPoolExhaustedError, match=r"needs 5 blocks of 4 tokens but the pool has 4 in all"):
         pool.allocate(5)  # more than the whole pool: the message says so
@@ -139,16 +139,16 @@ def test_a_released_chunk_stays_resident_and_evictable():
     check_pool(pool, {i: 1 for i in blocks})  # the compile call's references are holds on the chunk
     pool.free(blocks)
     assert chunk.is_evictable and pool.chunks["c"] is chunk  # still resident, its KV intact
-    assert pool.num_free_blocks == 8 and ids(pool.free_queue)[-3:] == blocks  # at the tail, in order
+    assert pool.num_available_blocks == 8 and ids(pool.free_queue)[-3:] == blocks  # at the tail, in order
     check_pool(pool)
 
     assert pool.hold("c") == blocks  # holding takes it back out of the queue
-    assert chunk.num_refs == 3 and pool.num_free_blocks == 5 and not chunk.is_evictable
+    assert chunk.num_refs == 3 and pool.num_available_blocks == 5 and not chunk.is_evictable
     check_pool(pool, {i: 1 for i in blocks})
     pool.incref(blocks[1:])  # a request maps two of its blocks
     check_pool(pool, {blocks[0]: 1, blocks[1]: 2, blocks[2]: 2})
     pool.free(blocks)  # the hold is released: the mapped blocks keep it in use
-    assert chunk.num_refs == 2 and pool.num_free_blocks == 5
+    assert chunk.num_refs == 2 and pool.num_available_blocks == 5
     check_pool(pool, {blocks[1]: 1, blocks[2]: 1})
     pool.free(blocks[1:])
     assert chunk.is_evictable and ids(pool.free_queue)[-3:] == blocks
@@ -208,7 +208,7 @@ def test_held_and_pinned_chunks_are_never_evicted():
     pool, (c0, c1) = chunk_pool(8, 2, 2)
     held = pool.hold("c0")
     assert pool.pin("c1") and pool.chunks["c1"].pinned
-    assert pool.num_free_blocks == 4 and pool.stats().num_used_blocks == 4
+    assert pool.num_available_blocks == 4 and pool.stats().num_used_blocks == 4
     check_pool(pool, {i: 1 for i in held})
     private = pool.allocate(4)
     before = pool.stats()
@@ -232,18 +232,18 @@ def test_pin_and_unpin():
     pool.unpin("c0")  # not pinned: nothing to do
     check_pool(pool)
     assert pool.pin("c0") and pool.pin("c0")  # twice is once
-    assert pool.num_free_blocks == 2 and pool.stats().num_used_blocks == 2 and pool.stats().peak_used_blocks == 2
+    assert pool.num_available_blocks == 2 and pool.stats().num_used_blocks == 2 and pool.stats().peak_used_blocks == 2
     check_pool(pool)
     held = pool.hold("c0")  # a pinned chunk can be held, and stays out of the queue when released
     pool.free(held)
-    assert pool.num_free_blocks == 2
+    assert pool.num_available_blocks == 2
     check_pool(pool)
     pool.hold("c0")
     pool.unpin("c0")  # still held: not evictable yet
-    assert pool.num_free_blocks == 2
+    assert pool.num_available_blocks == 2
     check_pool(pool, {i: 1 for i in c0})
     pool.free(c0)
-    assert pool.num_free_blocks == 4 and ids(pool.free_queue)[-2:] == c0
+    assert pool.num_available_blocks == 4 and ids(pool.free_queue)[-2:] == c0
     check_pool(pool)
 
 
@@ -252,14 +252,14 @@ def test_drop_keeps_a_held_chunks_blocks_until_released():
     held = pool.hold("c1")
     assert pool.drop("c1") and "c1" not in pool.chunks
     assert all(pool.blocks[i].chunk is None and pool.blocks[i].ref_cnt == 1 for i in held)
-    assert pool.num_free_blocks == 6 and pool.stats().num_private_blocks == 2  # the holder's now
+    assert pool.num_available_blocks == 6 and pool.stats().num_private_blocks == 2  # the holder's now
     check_pool(pool, {i: 1 for i in held})
     pool.free(held)  # the last reference: plain free blocks, handed out before any chunk's
-    assert pool.num_free_blocks == 8 and ids(pool.free_queue)[:2] == held[::-1]
+    assert pool.num_available_blocks == 8 and ids(pool.free_queue)[:2] == held[::-1]
     check_pool(pool)
     assert pool.drop("c0") and ids(pool.free_queue)[:2] == c0[::-1]  # an unreferenced chunk: free at once
     assert pool.pin("c2") and pool.drop("c2")  # expiry removes pinned chunks too
-    assert pool.num_free_blocks == 8 and not pool.chunks and pool.stats().num_evicted_chunks == 0
+    assert pool.num_available_blocks == 8 and not pool.chunks and pool.stats().num_evicted_chunks == 0
     assert not pool.drop("c2")
     check_pool(pool)
     assert len(set(pool.allocate(8))) == 8
@@ -285,12 +285,11 @@ def test_stats():
     pool, (c0, c1) = chunk_pool(10, 2, 3, block_size=16)
     assert pool.stats() == KVStats(
         num_blocks=10,
-        num_free_blocks=10,
-        num_used_blocks=0,
-        num_chunk_blocks=5,
+        num_empty_blocks=5,
         num_evictable_blocks=5,
-        num_shared_block_refs=0,
+        num_held_chunk_blocks=0,
         num_private_blocks=0,
+        num_shared_block_refs=0,
         num_resident_chunks=2,
         num_evicted_chunks=0,
         peak_used_blocks=5,  # while they were compiled
@@ -305,16 +304,16 @@ def test_stats():
     stats = pool.stats()
     assert stats == KVStats(
         num_blocks=10,
-        num_free_blocks=3,
-        num_used_blocks=7,  # c0 pinned (2), c1 in use (3), 2 private
-        num_chunk_blocks=5,
+        num_empty_blocks=3,
         num_evictable_blocks=0,
-        num_shared_block_refs=2,
+        num_held_chunk_blocks=5,  # c0 pinned (2), c1 in use (3)
         num_private_blocks=2,
+        num_shared_block_refs=2,
         num_resident_chunks=2,
         num_evicted_chunks=0,
         peak_used_blocks=7,
     )
+    assert (stats.num_available_blocks, stats.num_used_blocks, stats.num_resident_chunk_blocks) == (3, 7, 5)
     check_pool(pool, {c1[1]: 1, c1[2]: 1, **{i: 1 for i in private}})
     pool.free([*c1[1:], *private])
     pool.unpin("c0")

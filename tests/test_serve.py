@@ -333,7 +333,10 @@ def test_metrics_in_prometheus_text(server, client):
     assert values['pic_http_requests_total{route="/v1/completions",status="200"}'] >= 1
     assert values["pic_ttft_seconds_count"] >= 1 and values['pic_link_seconds_bucket{le="+Inf"}'] >= 1
     assert values['pic_tokens_total{kind="reused"}'] > 0 and values['pic_tokens_total{kind="recomputed"}'] > 0
-    assert values['pic_kv_blocks{state="total"}'] == server[1].kv_stats().num_blocks
+    states = ("empty", "evictable", "held_chunk", "private")
+    assert sum(values[f'pic_kv_blocks{{state="{state}"}}'] for state in states) == server[1].kv_stats().num_blocks
+    assert values["pic_kv_pool_blocks"] == server[1].kv_stats().num_blocks
+    assert values['pic_kv_blocks{state="evictable"}'] > 0  # the compiled chunks no request holds
     assert 'pic_store_misses_total{tier="device"}' in values and 'pic_store_bytes{tier="device"}' in values
     core = server[2].state.engine.engine.engine()
     assert values["pic_engine_steps_total"] <= core.num_steps and values["pic_engine_steps_total"] >= 4

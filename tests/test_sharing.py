@@ -64,8 +64,8 @@ def assert_at_rest(engine: pic.PIC, num_chunks: int = len(DOCS)) -> None:
     stats = engine.kv_stats()
     assert stats.num_private_blocks == 0 and stats.num_shared_block_refs == 0 and stats.num_used_blocks == 0
     assert stats.num_resident_chunks == num_chunks
-    assert stats.num_evictable_blocks == stats.num_chunk_blocks == sum(map(len, canonical(engine).values()))
-    assert stats.num_free_blocks == stats.num_blocks
+    assert stats.num_evictable_blocks == stats.num_resident_chunk_blocks == sum(map(len, canonical(engine).values()))
+    assert stats.num_available_blocks == stats.num_blocks
     check_engine_pool(engine, {})
 
 
@@ -323,7 +323,7 @@ def test_a_pinned_chunk_survives_pool_pressure():
     with engine.link([], long_query(room), policy="naive") as big:  # every block but the pinned chunk's
         assert set(canonical(engine)) == {pinned} and engine.kv_stats().num_evicted_chunks == 2
         before = engine.kv_stats()
-        assert before.num_free_blocks == 0
+        assert before.num_available_blocks == 0
         with pytest.raises(pic.KVPoolExhaustedError, match=r"needs \d+ blocks of 16 tokens but 0 of 16"):
             engine.link([pinned], QUERY, policy="mepic")  # its own chunk is there, but no private block
         assert engine.kv_stats() == before

@@ -197,7 +197,7 @@ class Soak:
         stats = side.engine.kv_stats()
         assert stats == side.pool.stats()
         used = self.used_blocks(side)
-        assert stats.num_used_blocks == len(used) and stats.num_free_blocks + len(used) == stats.num_blocks
+        assert stats.num_used_blocks == len(used) and stats.num_available_blocks + len(used) == stats.num_blocks
         assert {b.block_id for b in side.pool.free_queue} == set(range(side.pool.num_blocks)) - used
         chunk_blocks = {b for c in side.pool.chunks.values() for b in c.block_ids}
         assert stats.num_private_blocks == len(set(refs) - chunk_blocks)
@@ -437,7 +437,7 @@ class Soak:
             side.live.append(fillers[-1])
         self.seen["squeezed"] += 1
         self.check(side)
-        assert side.engine.kv_stats().num_free_blocks == 0
+        assert side.engine.kv_stats().num_available_blocks == 0
         self.op_compile(side)
         for live in [live for live in side.live if live.query == BOUNDARY_QUERY][:1]:
             out = live.linked.generate(MAX_NEW)  # slots 14 and 15 of its last block, then no block for 16
@@ -479,7 +479,7 @@ class Soak:
             pinned = sum(len(c.blocks) for key, c in side.pool.chunks.items() if key in side.pinned)
             assert stats.num_used_blocks == pinned and stats.num_private_blocks == 0
             assert stats.num_shared_block_refs == 0
-            assert stats.num_free_blocks == stats.num_blocks - pinned
+            assert stats.num_available_blocks == stats.num_blocks - pinned
             for cid in sorted(side.pinned):
                 side.engine.store.unpin(cid)
             side.pinned.clear()

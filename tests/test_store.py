@@ -54,7 +54,7 @@ def test_pool_evicts_least_recently_used_chunks_whole_and_the_cpu_tier_keeps_the
     assert (device.num_entries, device.num_bytes, device.evictions) == (3, 6 * block_bytes, 2)
     assert device.capacity_bytes == 6 * block_bytes
     kv = engine.kv_stats()
-    assert (kv.num_chunk_blocks, kv.num_free_blocks, kv.num_used_blocks, kv.num_evictable_blocks) == (6, 6, 0, 6)
+    assert (kv.num_resident_chunk_blocks, kv.num_available_blocks, kv.num_used_blocks, kv.num_evictable_blocks) == (6, 6, 0, 6)
 
     # ids[0] comes up from the CPU tier into fresh blocks: the two least recently used chunks make room
     with engine.link(ids[:1], QUERY, policy="naive") as linked:
@@ -95,7 +95,7 @@ def test_pinned_chunks_are_never_evicted():
     (second,) = engine.compile(docs(5, 1))
     engine.store.pin(second)
     engine.store.pin(others[-1])  # the pool is now full of pinned chunks
-    with pytest.raises(pic.KVPoolExhaustedError, match="0 of 6 are free or evictable"):
+    with pytest.raises(pic.KVPoolExhaustedError, match="0 of 6 are available"):
         engine.compile(docs(6, 1))
     with pytest.raises(pic.KVPoolExhaustedError):
         engine.link([pinned], QUERY)  # even its query block has no room
@@ -130,7 +130,7 @@ def test_expire_removes_everywhere_but_live_requests_keep_their_blocks():
     expected = reference_logits(docs(0, 2), "mepic")
     assert torch.equal(linked.logits, expected) and linked.generate(max_new_tokens=4).token_ids  # still its blocks
     kv = engine.kv_stats()
-    assert (kv.num_used_blocks, kv.num_private_blocks, kv.num_chunk_blocks) == (0, 0, BLOCKS_PER_CHUNK)
+    assert (kv.num_used_blocks, kv.num_private_blocks, kv.num_resident_chunk_blocks) == (0, 0, BLOCKS_PER_CHUNK)
     assert engine.compile(docs(0, 1)) == ids[:1]  # compiles again
 
 

@@ -252,7 +252,8 @@ class Engine:
     # -- inspection and lifetime ---------------------------------------------------------------------
 
     def kv_stats(self) -> KVStats:
-        """Blocks of the KV pool: free, used, resident chunk blocks, shared references, private, peak."""
+        """Blocks of the KV pool by state (empty, evictable, held chunk, private; they sum to ``num_blocks``),
+        shared references, resident chunks, peak use: see ``KVStats``."""
         return self._owner.ask(Query.KV_STATS)
 
     def reset_peak(self) -> None:

@@ -24,29 +24,55 @@ from pic.kv.blocks import Block, FreeBlockQueue, ResidentChunk
 class KVStats:
     """A snapshot of the pool (``PIC.kv_stats()``).
 
+    Every block is in exactly one of four states, and the four counts sum to ``num_blocks``:
+
+    - ``num_empty_blocks``: hold nothing (never used, or freed).
+    - ``num_evictable_blocks``: hold a resident chunk that no request references and nobody pinned.
+      They keep its KV for the next link, but a request takes them (least recently used chunk first)
+      once no empty block is left.
+    - ``num_held_chunk_blocks``: hold a resident chunk that a live request references or that is pinned.
+    - ``num_private_blocks``: owned by live requests (prefix, query, decode, copy-on-write blocks).
+
+    The other views are sums of those (properties, so they cannot disagree): ``num_available_blocks``
+    (empty + evictable: what a request can take now), ``num_used_blocks`` (held chunk + private: what it
+    cannot) and ``num_resident_chunk_blocks`` (evictable + held chunk).
+
     Attributes:
         num_blocks: blocks in the pool.
-        num_free_blocks: blocks a request can take now: never used, freed, or evictable chunk blocks.
-        num_used_blocks: ``num_blocks - num_free_blocks``: held by live requests or pinned chunks.
-        num_chunk_blocks: blocks of resident chunks (in use, pinned or evictable).
-        num_evictable_blocks: chunk blocks no request references (part of ``num_free_blocks``).
         num_shared_block_refs: references of request block tables to chunk blocks.
-        num_private_blocks: blocks owned by requests (prefix, query, decode, copy-on-write blocks).
         num_resident_chunks: chunks whose blocks are in the pool.
         num_evicted_chunks: chunks evicted to make room, since the pool was built.
         peak_used_blocks: the most ``num_used_blocks`` since the pool was built or ``reset_peak()``.
     """
 
     num_blocks: int
-    num_free_blocks: int
-    num_used_blocks: int
-    num_chunk_blocks: int
+    num_empty_blocks: int
     num_evictable_blocks: int
-    num_shared_block_refs: int
+    num_held_chunk_blocks: int
     num_private_blocks: int
+    num_shared_block_refs: int
     num_resident_chunks: int
     num_evicted_chunks: int
     peak_used_blocks: int
+
+    def __post_init__(self) -> None:
+        states = self.num_empty_blocks + self.num_evictable_blocks + self.num_held_chunk_blocks + self.num_private_blocks
+        assert states == self.num_blocks, f"block states sum to {states}, not num_blocks={self.num_blocks}"
+
+    @property
+    def num_available_blocks(self) -> int:
+        """Blocks a request can take now: empty, or evictable chunk blocks."""
+        return self.num_empty_blocks + self.num_evictable_blocks
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks no request can take now: held chunk blocks and private blocks."""
+        return self.num_held_chunk_blocks + self.num_private_blocks
+
+    @property
+    def num_resident_chunk_blocks(self) -> int:
+        """Blocks holding resident chunks: evictable or held."""
+        return self.num_evictable_blocks + self.num_held_chunk_blocks
 
 
 class BlockPool:
@@ -67,7 +93,8 @@ class BlockPool:
         self._num_evicted = 0
 
     @property
-    def num_free_blocks(self) -> int:
+    def num_available_blocks(self) -> int:
+        """Blocks an ``allocate`` can take now: empty ones and evictable chunk blocks (the free queue)."""
         return len(self.free_queue)
 
     @property
@@ -99,8 +126,8 @@ class BlockPool:
         if num_blocks > available:
             raise KVPoolExhaustedError(
                 f"KV pool exhausted: {what} needs {num_blocks} blocks of {self.block_size} tokens but "
-                f"{available} of {self.num_blocks} are free or evictable ({self.num_blocks - len(self.free_queue)} "
-                f"held by live requests and pinned chunks); raise PICConfig.kv_pool_tokens, or generate from / "
+                f"{available} of {self.num_blocks} are available (empty or evictable; "
+                f"{self.num_blocks - len(self.free_queue)} are held by live requests and pinned chunks); raise PICConfig.kv_pool_tokens, or generate from / "
                 f"release pending Linked requests"
             )
 
@@ -229,17 +256,15 @@ class BlockPool:
     def stats(self) -> KVStats:
         """Counts of the pool now (O(blocks of resident chunks))."""
         chunks = self.chunks.values()
-        num_used = self.num_blocks - len(self.free_queue)
-        num_chunk_blocks = sum(len(c.blocks) for c in chunks)
-        unqueued_chunk_blocks = sum(len(c.blocks) for c in chunks if not c.is_evictable)
+        num_evictable = sum(len(c.blocks) for c in chunks if c.is_evictable)
+        num_held_chunk = sum(len(c.blocks) for c in chunks if not c.is_evictable)
         return KVStats(
             num_blocks=self.num_blocks,
-            num_free_blocks=len(self.free_queue),
-            num_used_blocks=num_used,
-            num_chunk_blocks=num_chunk_blocks,
-            num_evictable_blocks=num_chunk_blocks - unqueued_chunk_blocks,
+            num_empty_blocks=len(self.free_queue) - num_evictable,
+            num_evictable_blocks=num_evictable,
+            num_held_chunk_blocks=num_held_chunk,
+            num_private_blocks=self.num_blocks - len(self.free_queue) - num_held_chunk,
             num_shared_block_refs=sum(c.num_refs for c in chunks),
-            num_private_blocks=num_used - unqueued_chunk_blocks,
             num_resident_chunks=len(self.chunks),
             num_evicted_chunks=self._num_evicted,
             peak_used_blocks=self._peak_used,

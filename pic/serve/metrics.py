@@ -72,16 +72,25 @@ class EngineCollector(Collector):
             for tier in figures.tiers if figures else ():
                 metric.add_metric([tier.name], float(getattr(tier, attr)))
             yield metric
-        blocks = GaugeMetricFamily("pic_kv_blocks", "KV pool blocks by state.", labels=["state"])
-        if figures:
-            kv = figures.kv
+        kv = figures.kv if figures else None
+        blocks = GaugeMetricFamily(
+            "pic_kv_blocks", "KV pool blocks by state; the states partition the pool (they sum to pic_kv_pool_blocks): "
+            "empty, evictable (a resident chunk nobody holds; reused once no block is empty), held_chunk (a resident "
+            "chunk a request references or that is pinned), private (a request's own).", labels=["state"],
+        )  # fmt: skip
+        if kv:
             for state, value in (
-                ("total", kv.num_blocks), ("used", kv.num_used_blocks), ("free", kv.num_free_blocks),
-                ("chunk", kv.num_chunk_blocks), ("private", kv.num_private_blocks),
-                ("shared_refs", kv.num_shared_block_refs),
+                ("empty", kv.num_empty_blocks), ("evictable", kv.num_evictable_blocks),
+                ("held_chunk", kv.num_held_chunk_blocks), ("private", kv.num_private_blocks),
             ):  # fmt: skip
                 blocks.add_metric([state], value)
         yield blocks
+        for name, attr, doc in (
+            ("pic_kv_pool_blocks", "num_blocks", "Blocks in the KV pool."),
+            ("pic_kv_shared_block_refs", "num_shared_block_refs", "References of request block tables to chunk blocks."),
+            ("pic_kv_resident_chunks", "num_resident_chunks", "Chunks whose blocks are in the KV pool."),
+        ):
+            yield GaugeMetricFamily(name, doc, value=getattr(kv, attr) if kv else None)
         steps, seqs = (figures.num_steps, figures.num_batched_seqs) if figures else (None, None)
         yield CounterMetricFamily("pic_engine_steps", "Engine forward steps.", value=steps)
         yield CounterMetricFamily("pic_engine_batched_seqs", "Sequences carried by engine steps.", value=seqs)
