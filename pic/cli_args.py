@@ -7,6 +7,7 @@ import argparse
 import math
 
 MAX_CASES = 100_000
+MAX_TEMPLATE_BYTES = 1 << 20  # a chat template is a few KB; a megabyte is surely the wrong file
 
 
 def port(text: str) -> int:
@@ -72,6 +73,42 @@ def redis_url(text: str) -> str:
         StoreConfig(redis_url=text)
     except InvalidInputError as exc:
         raise argparse.ArgumentTypeError(str(exc).removeprefix("invalid StoreConfig: ")) from None
+    return text
+
+
+def policy(text: str) -> str:
+    """A recompute policy spec (``"mepic"``, ``"legolink:16"``, ...) that ``pic.policies.resolve`` accepts."""
+    from pic.errors import PolicyError
+    from pic.link.policies import resolve
+
+    try:
+        resolve(text)
+    except PolicyError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def chat_template(path: str) -> str:
+    """The text of a Jinja chat template file (at most ``MAX_TEMPLATE_BYTES``, UTF-8, that Jinja parses)."""
+    import jinja2
+
+    try:
+        with open(path, "rb") as file:
+            data = file.read(MAX_TEMPLATE_BYTES + 1)
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot read {path!r}: {exc.strerror or exc}") from None
+    if len(data) > MAX_TEMPLATE_BYTES:
+        raise argparse.ArgumentTypeError(f"{path!r} is over {MAX_TEMPLATE_BYTES:,} bytes: not a chat template")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"{path!r} is not UTF-8 text (byte {exc.start})") from None
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"{path!r} is empty")
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as exc:
+        raise argparse.ArgumentTypeError(f"{path!r} line {exc.lineno}: {exc.message}") from None
     return text
 
 

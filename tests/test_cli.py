@@ -55,6 +55,10 @@ def test_missing_model_is_an_error_message(capsys):
         (["serve", "--redis-url", "redis://h:6390/abc"], "the database 'abc' is not a number"),
         (["check", "--tolerance", "nan"], "'nan' is not a finite number above 0"),
         (["serve", "--on-redis-error", "ignore"], "invalid choice: 'ignore'"),
+        (["serve", "--kv-pool-tokens", "0"], "'0' is not a positive integer"),
+        (["serve", "--policy", "lego:16"], "unknown policy 'lego:16'"),
+        (["serve", "--policy", "legolink:16,k=4"], "--policy:"),
+        (["serve", "--chat-template", "/nonexistent/chat.jinja"], "cannot read '/nonexistent/chat.jinja'"),
         (["store", "sweep", "--redis-url", "http://x"], "--redis-url: redis_url='http://x'"),
         (["store", "sweep", "--redis-url", "redis://:secret@127.0.0.1:99999"], "the port is not a number"),
     ],
@@ -65,6 +69,24 @@ def test_bad_arguments_are_refused_before_anything_loads(argv, named, capsys):
         main(argv)
     err = capsys.readouterr().err
     assert exited.value.code == 2 and named in err and "Traceback" not in err and "secret" not in err
+
+
+@pytest.mark.parametrize(
+    ("content", "named"),
+    [
+        (b"{% for m in messages %}{{ m.content }}", "line 1: Unexpected end of template"),
+        (b"\xff\xfe{{ messages }}", "is not UTF-8 text (byte 0)"),
+        (b"  \n", "is empty"),
+        (b"x" * (2 << 20), "is over 1,048,576 bytes"),
+    ],
+)
+def test_a_bad_chat_template_file_is_refused_before_anything_loads(content, named, tmp_path, capsys):
+    path = tmp_path / "chat.jinja"
+    path.write_bytes(content)
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--chat-template", str(path)])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "--chat-template" in err and named in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize(

@@ -321,6 +321,83 @@ def test_serve_refuses_a_model_that_fails_the_check(monkeypatch, capsys):
     assert main(["serve", "--port", "9", "--skip-check"]) == 0 and served[0]["host"] == "127.0.0.1"
 
 
+SIMPLE_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant:"
+    "{% endif %}"
+)
+
+
+def test_serve_flags_size_the_pool_pick_the_policy_and_a_chat_template(monkeypatch, tmp_path):
+    """Issue 21, item 11: ``--kv-pool-tokens``, ``--policy`` and ``--chat-template FILE`` reach the engine; the
+    embedded model has no chat template of its own, so its chat route works only through the file."""
+    import uvicorn as uvicorn_module
+    from fastapi.testclient import TestClient
+
+    from pic.cli import main
+
+    template = tmp_path / "chat.jinja"
+    template.write_text(SIMPLE_TEMPLATE)
+    apps = []
+    monkeypatch.setattr(uvicorn_module, "run", lambda app, **kw: apps.append(app))
+    argv = ["serve", "--kv-pool-tokens", "1000", "--policy", "mepic", "--chat-template", str(template)]
+    assert main(argv) == 0
+    engine = apps[0].state.engine.engine
+    assert engine.kv_stats().num_blocks == 63  # 1000 tokens, rounded up to blocks of 16
+    assert engine.default_policy.name == "mepic" and engine.tokenizer.chat_template == SIMPLE_TEMPLATE
+    docs = ["Tom had a big red ball. " * 3, "Lily loved to sing songs. " * 3]
+    with TestClient(apps[0]) as http:
+        ids = http.post("/v1/chunks", json={"documents": docs}).json()["cache_ids"]
+        body = {"model": "stories260K", "messages": [{"role": "user", "content": "Tell me"}], "max_tokens": 4}
+        answer = http.post("/v1/chat/completions", json={**body, "pic": {"cache_ids": ids}})
+        assert answer.status_code == 200, answer.text
+    prefix, query = "user: ", "Tell me\nassistant:"
+    expected = engine.link(ids, query, prefix=prefix, policy="mepic")
+    with expected:
+        assert answer.json()["usage"]["recomputed_tokens"] == expected.num_recomputed
+        assert expected.num_recomputed < engine.link(ids, query, prefix=prefix, policy="legolink:16").num_recomputed
+    engine.close()
+
+
+def test_serve_refuses_a_chat_template_that_fails_on_messages(monkeypatch, tmp_path, capsys):
+    """A template that parses but raises on messages, or drops the documents' place, stops the start."""
+    import uvicorn as uvicorn_module
+
+    from pic.cli import main
+
+    apps = []
+    monkeypatch.setattr(uvicorn_module, "run", lambda app, **kw: apps.append(app))
+    for text in ("{{ raise_exception('no') }}", "{% if add_generation_prompt %}assistant:{% endif %}"):
+        template = tmp_path / "chat.jinja"
+        template.write_text(text)
+        assert main(["serve", "--skip-check", "--chat-template", str(template)]) == 1 and not apps
+        assert "pic: error: --chat-template: " in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "named"),
+    [
+        ("/v1/completions", '{"model":"stories260K","prompt":"One \\ud800 day","max_tokens":4}', "prompt holds"),
+        ("/v1/completions", '{"model":"stories260K","prompt":"\\udfff","stream":true}', "prompt holds"),
+        ("/v1/completions", '{"model":"stories260K","prompt":"x","pic":{"prefix":"\\ud800"}}', "prefix holds"),
+        (
+            "/v1/chat/completions",
+            '{"model":"stories260K","messages":[{"role":"user","content":"Hi \\ud800"}]}',
+            "messages[0].content holds",
+        ),
+        ("/v1/chunks", '{"documents":["ok","lone \\ud800"]}', "document 1 holds"),
+    ],
+    ids=["completion", "stream", "prefix", "chat", "chunks"],
+)
+def test_lone_surrogates_are_a_400_naming_the_field(server, route, body, named):
+    """Issue 21, item 1: a JSON ``\ud800`` escape was a 500 text/plain and a reset keep-alive connection."""
+    with _http(server) as http:
+        response = http.post(route, content=body.encode(), headers={"content-type": "application/json"})
+        assert response.status_code == 400, response.text
+        message = response.json()["error"]["message"]
+        assert named in message and ("'\\ud800'" in message or "'\\udfff'" in message), message
+        assert http.get("/health").status_code == 200  # the same connection serves on
+
+
 def test_metrics_in_prometheus_text(server, client):
     ids = _compile(server, DOCS)
     client.completions.create(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pic.cli_args import nonempty, port, positive_int, redis_url
+from pic.cli_args import chat_template, nonempty, policy, port, positive_int, redis_url
 
 
 def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -21,6 +21,19 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="when Redis fails: raise (503) or miss (serve from the upper tiers, log it)",
     )  # fmt: skip
     serve.add_argument("--max-body-bytes", type=positive_int, default=8 << 20, help="larger request bodies get a 413")
+    serve.add_argument(
+        "--kv-pool-tokens", type=positive_int, default=None,
+        help="KV pool size in tokens: live requests and resident chunks (default: 80%% of free GPU memory; "
+        "65,536 on the CPU)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--policy", type=policy, default=None,
+        help="the recompute policy of requests that name none (default: legolink:16)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--chat-template", type=chat_template, default=None, metavar="FILE",
+        help="a Jinja chat template file for /v1/chat/completions (replaces the tokenizer's own)",
+    )  # fmt: skip
     serve.add_argument("--skip-check", action="store_true", help="serve even if the start-up `pic check` fails")
     return serve
 
@@ -38,8 +51,12 @@ def run(args: argparse.Namespace) -> int:
     from pic.serve.app import build_app
 
     store = pic.StoreConfig(redis_url=args.redis_url, on_redis_error=args.on_redis_error) if args.redis_url else None
+    options = {"kv_pool_tokens": args.kv_pool_tokens, "default_policy": args.policy}
+    config = pic.PICConfig(**{key: value for key, value in options.items() if value is not None})
     model = args.model or pic.EMBEDDED_MODEL
-    engine = pic.load(model, device=args.device, dtype=args.dtype, gguf_file=args.gguf_file, store=store)
+    engine = pic.load(model, device=args.device, dtype=args.dtype, gguf_file=args.gguf_file, config=config, store=store)
+    if args.chat_template is not None:
+        _use_chat_template(engine, args.chat_template)
     name = str(args.model) if args.model else engine.model_name
     result = check(engine)  # pic must reproduce the model's own outputs before it serves them
     print(result.message, flush=True)
@@ -49,3 +66,16 @@ def run(args: argparse.Namespace) -> int:
     app = build_app(engine, model_name=name, api_key=args.api_key, max_body_bytes=args.max_body_bytes)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0
+
+
+def _use_chat_template(engine, template: str) -> None:
+    """Make ``template`` the tokenizer's chat template, after rendering one message with it (a template that
+    parses but fails on messages, or loses the documents' place, stops the start, not the first chat)."""
+    from pic.errors import InvalidInputError
+    from pic.link.chat import split_chat
+
+    engine.tokenizer.chat_template = template
+    try:
+        split_chat(engine.tokenizer, [{"role": "user", "content": "Hello"}])
+    except InvalidInputError as exc:
+        raise InvalidInputError(f"--chat-template: {exc}") from None
