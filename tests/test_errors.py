@@ -9,7 +9,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 import pic
 from pic.config import CompileOptions
 from tests.conftest import make_engine
-from tests.models import tokenizer
+from tests.models import model, tokenizer
 
 DOCS = ["Tom had a red ball.", "Lily liked to sing."]
 
@@ -146,7 +146,8 @@ def test_pool_exhausted_frees_nothing_it_did_not_take():
         engine.link(ids * 4, "One day,")
     with pytest.raises(pic.KVPoolExhaustedError, match=r"needs 3 blocks of 16 tokens but 2 of 4 are available"):
         engine.link(ids, "One day,", policy="full")  # its own 2 chunk blocks are not available to it
-    assert engine.kv_stats().num_available_blocks == 4 and engine.kv_stats().num_resident_chunk_blocks == 2  # evictable, still there
+    stats = engine.kv_stats()
+    assert stats.num_available_blocks == 4 and stats.num_resident_chunk_blocks == 2  # evictable, still there
     assert [engine.store.lookup(i) for i in ids] == [["device"], ["device"]]
     assert torch.is_tensor(engine.link(ids, "One day,").logits)
 
@@ -316,3 +317,30 @@ def test_nonsense_arguments_are_refused_with_the_value_named(engine):
     with pytest.raises(pic.InvalidInputError, match="add_generation_prompt is 'yes'"):
         engine.chat_segments([{"role": "user", "content": "hi"}], add_generation_prompt="yes")
     assert engine.kv_stats().num_used_blocks == 0 and sorted(engine.store.ids()) == sorted(ids)
+
+
+@pytest.mark.parametrize(
+    ("call", "named"),
+    [
+        (lambda e, ids: e.compile(["lone \ud800"]), "document 0 holds '\\\\ud800' at character 5"),
+        (lambda e, ids: e.link(ids, "One \udfff day"), "query holds '\\\\udfff' at character 4"),
+        (lambda e, ids: e.link(ids, "One day", prefix="\ud800"), "prefix holds '\\\\ud800' at character 0"),
+        (
+            lambda e, ids: e.link_chat(
+                ids, [{"role": "system", "content": "ok"}, {"role": "user", "content": "a\ud800"}]
+            ),
+            "messages\\[1\\].content holds '\\\\ud800' at character 1",
+        ),
+    ],
+    ids=["compile", "query", "prefix", "chat"],
+)
+def test_lone_surrogates_name_the_field(call, named):
+    """Issue 21, item 1: text that is not valid Unicode was transformers' raw TypeError; now an
+    ``InvalidInputError`` naming the field and the character, with every cached chunk kept."""
+    from tests.test_chat import CHATML, chat_tokenizer
+
+    engine = pic.PIC(model("stories260K"), chat_tokenizer(CHATML))
+    ids = engine.compile(DOCS)
+    with pytest.raises(pic.InvalidInputError, match=named):
+        call(engine, ids)
+    assert_store_intact(engine, ids)

@@ -7,6 +7,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 
 from pic.errors import ContextLengthError, InvalidInputError
+from pic.text import check_encodable
 
 TextOrTokens = str | Sequence[int] | torch.Tensor
 
@@ -32,7 +33,7 @@ def encode(tokenizer, value: TextOrTokens, *, what: str, vocab_size: int, max_ch
                 f"{what} has {len(value)} characters, more than the {max_chars} that any prompt fitting the "
                 f"model's context can hold (refused without tokenizing it); split or shorten it"
             )
-        _check_encodable(value, what)
+        check_encodable(value, what)
         return list(tokenizer(value, add_special_tokens=False)["input_ids"])
     if isinstance(value, torch.Tensor):
         if value.dim() != 1 or value.dtype.is_floating_point:
@@ -94,19 +95,3 @@ def max_token_chars(tokenizer: object) -> int:
     than that is refused before the (slow, memory-hungry) tokenizer sees it."""
     vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
     return max((len(token) for token in vocab), default=64)
-
-
-def _check_encodable(text: str, what: str) -> None:
-    """Refuse text that is not valid Unicode (a lone surrogate, as ``"\\ud800"`` or a bad decode leaves):
-    tokenizers fail on it with errors that name nothing.
-
-    Raises:
-        InvalidInputError: naming the character and where it is.
-    """
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise InvalidInputError(
-            f"{what} holds {text[exc.start]!r} at character {exc.start}, a lone surrogate that is not valid "
-            f"Unicode text; fix the text (e.g. decode its bytes with errors='replace')"
-        ) from None

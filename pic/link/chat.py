@@ -12,6 +12,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 
 from pic.errors import InvalidInputError
+from pic.text import check_encodable
 
 # The marker a message's content may hold to say where the documents go.
 DOCUMENTS_MARKER = "{documents}"
@@ -83,6 +84,7 @@ def check_messages(messages: object) -> None:
                 raise InvalidInputError(
                     f"message {i} has {key} {_short(message.get(key))}; expected a string (in {_short(message)})"
                 )
+            check_encodable(message[key], f"messages[{i}].{key}")
 
 
 def place_documents(messages: Sequence[Mapping], placeholder: str) -> list[dict]:

@@ -30,6 +30,7 @@ from pic.serve.http import Guard, error_response, pic_error_response
 from pic.serve.loop import AsyncEngine
 from pic.serve.metrics import CONTENT_TYPE, EngineFigures, Metrics, RequestCounter
 from pic.serve.schemas import ChatBody, ChunksBody, CompletionBody, Sampling
+from pic.text import check_encodable
 
 _FINISH = {FinishReason.EOS: "stop", FinishReason.STOP: "stop"}  # every other reason: "length"
 
@@ -86,6 +87,7 @@ def build_app(engine: PIC, *, model_name: str, api_key: str | None = None, max_b
     async def completions(body: CompletionBody, http: Request):
         if body.model != model_name:
             return _unknown_model(body.model, model_name)
+        check_encodable(body.prompt, "prompt")  # named as the client sent it (the engine calls it the query)
         return await _respond(await _pic_request(engine, body, body.prompt), body, http, chat=False)
 
     @app.post("/v1/chat/completions")
