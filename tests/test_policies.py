@@ -202,3 +202,18 @@ def test_malformed_dynamic_selection(stories):
     with pytest.raises(pic.PolicyError, match=r"'test-sloppy-hook:0'.*after_layer\(\) must return a bool tensor"):
         stories.link(ids, QUERY, policy=Sloppy())
     assert stories.kv_stats().num_available_blocks == stories.kv_stats().num_blocks
+
+
+@pytest.mark.parametrize("num_ids", [7, 15, 16, 31, 32, 33, 100])
+def test_chunk_sizes_at_which_head_policies_start_reusing(num_ids):
+    """Issue 21, item 11, as the policies' docs state it: behind a prefix, a chunk of L tokens (its BOS
+    included) reuses ``L - ((L - 1) % 16 + 1)`` under mepic (nothing up to one 16-token block) and
+    ``max(0, L - 16)`` under legolink:16; naive reuses all of it."""
+    engine = make_engine("stories260K")
+    docs = [[(7 * i) % 400 + 5 for i in range(num_ids)], [(11 * i) % 400 + 5 for i in range(num_ids)]]
+    ids = engine.compile(docs)
+    length = num_ids + 1  # the chunk's BOS
+    expected = {"mepic": length - ((length - 1) % 16 + 1), "legolink:16": max(0, length - 16), "naive": length}
+    for policy, per_chunk in expected.items():
+        stats = engine.link(ids, QUERY, prefix=PREFIX, policy=policy).generate(max_new_tokens=1).stats
+        assert stats.num_reused_tokens == 2 * per_chunk, (policy, stats)

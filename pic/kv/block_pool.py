@@ -56,7 +56,7 @@ class KVStats:
     peak_used_blocks: int
 
     def __post_init__(self) -> None:
-        states = self.num_empty_blocks + self.num_evictable_blocks + self.num_held_chunk_blocks + self.num_private_blocks
+        states = self.num_available_blocks + self.num_used_blocks
         assert states == self.num_blocks, f"block states sum to {states}, not num_blocks={self.num_blocks}"
 
     @property
@@ -127,8 +127,8 @@ class BlockPool:
             raise KVPoolExhaustedError(
                 f"KV pool exhausted: {what} needs {num_blocks} blocks of {self.block_size} tokens but "
                 f"{available} of {self.num_blocks} are available (empty or evictable; "
-                f"{self.num_blocks - len(self.free_queue)} are held by live requests and pinned chunks); raise PICConfig.kv_pool_tokens, or generate from / "
-                f"release pending Linked requests"
+                f"{self.num_blocks - len(self.free_queue)} are held by live requests and pinned chunks); "
+                f"raise PICConfig.kv_pool_tokens, or generate from / release pending Linked requests"
             )
 
     def allocate(self, num_blocks: int) -> list[int]:

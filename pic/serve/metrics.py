@@ -87,7 +87,7 @@ class EngineCollector(Collector):
         yield blocks
         for name, attr, doc in (
             ("pic_kv_pool_blocks", "num_blocks", "Blocks in the KV pool."),
-            ("pic_kv_shared_block_refs", "num_shared_block_refs", "References of request block tables to chunk blocks."),
+            ("pic_kv_shared_block_refs", "num_shared_block_refs", "Request block table references to chunk blocks."),
             ("pic_kv_resident_chunks", "num_resident_chunks", "Chunks whose blocks are in the KV pool."),
         ):
             yield GaugeMetricFamily(name, doc, value=getattr(kv, attr) if kv else None)
