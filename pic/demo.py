@@ -26,7 +26,7 @@ STORIES = (
 )
 QUERY = "One day, Tom and Lily found the little bird. They"
 
-DOCUMENTS = (  # one line each: see README, "Chat models", on separators and byte-level BPE tokenizers
+DOCUMENTS = (  # one line each: see docs/chat.md on separators and byte-level BPE tokenizers
     "The river Elbe rises in the Krkonose mountains of the Czech Republic. It flows north-west through Germany "
     "for about 1,100 kilometres and reaches the North Sea near the town of Cuxhaven.\n",
     "Hamburg, Germany's largest port, lies on the Elbe about 110 kilometres from the sea. Container ships from "

@@ -21,7 +21,7 @@ from tests.smollm2 import smollm2  # noqa: F401  (the session's SmolLM2 engine, 
 def pytest_configure(config: pytest.Config) -> None:
     """One torch thread unless OMP_NUM_THREADS says otherwise: the tests run tiny models, for which
     more threads only add synchronisation, and on a busy 2-core machine two threads per process slow
-    the suite several times over (README, "CPU threads"). Subprocesses the tests start inherit it."""
+    the suite several times over (docs/engine.md, "CPU threads"). Subprocesses the tests start inherit it."""
     torch.set_num_threads(int(os.environ.setdefault("OMP_NUM_THREADS", "1")))
     target()  # a bad PIC_TEST_DEVICE / PIC_TEST_DTYPE, or CUDA without a GPU, stops the run here: a usage error
 

@@ -1,5 +1,5 @@
 """SmolLM2-135M-Instruct as a chat model: its real ChatML template, byte-level BPE detokenization, batching,
-``pic serve`` with the official ``openai`` client, the README's chat examples, and the accuracy evaluation.
+``pic serve`` with the official ``openai`` client, the docs' chat examples, and the accuracy evaluation.
 
 What is checked, with transformers over the same model object as the oracle (float32, CPU):
 
@@ -8,7 +8,7 @@ What is checked, with transformers over the same model object as the oracle (flo
   ``tokenizer.decode`` of the tokens, for generations with split multi-byte characters and random ids;
 - batched generation equals one-at-a-time generation, mixing policies, orders and sampling;
 - ``pic serve --model smollm2`` answers the official ``openai`` client as ``link_chat`` does in process;
-- the README's chat examples (examples/chat.py, examples/serve_chat.py) are in the README verbatim and run;
+- the docs' chat examples (examples/chat.py, examples/serve_chat.py) are in docs/ verbatim and run;
 - the attention sinks that explain the policies' accuracy are there (Naive) and gone (LegoLink), and
   ``pic eval accuracy`` writes its JSON and PNG.
 """
@@ -79,7 +79,7 @@ def test_link_chat_is_the_plain_chat_prompt(smollm2, messages):
 
 
 def test_link_chat_with_paragraph_separated_documents(smollm2):
-    """Documents ending in "\\n\\n", as the README advises: the rendered prompt is prefix + documents + query,
+    """Documents ending in "\\n\\n", as docs/chat.md advises: the rendered prompt is prefix + documents + query,
     each segment tokenized on its own as ``link`` does, and Full Recompute over those tokens is transformers.
 
     Not the whole rendered text's tokens: GPT-2's pre-tokenizer, which SmolLM2 uses, splits "\\n\\n" before a
@@ -215,14 +215,15 @@ def test_serve_chat_completions_equal_link_chat(smollm2, server):
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == expected
 
 
-# 8. The README's chat examples, verbatim.
+# 8. The docs' chat examples, verbatim.
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
 def run_example(name: str, **env: str) -> list[str]:
-    """``examples/<name>`` (which the README shows verbatim) in a fresh process, offline; its stdout lines."""
-    assert (EXAMPLES / name).read_text() in (EXAMPLES.parent / "README.md").read_text(), f"README lacks {name}"
+    """``examples/<name>`` (which the docs show verbatim) in a fresh process, offline; its stdout lines."""
+    docs = [EXAMPLES.parent / "README.md", *sorted((EXAMPLES.parent / "docs").glob("*.md"))]
+    assert (EXAMPLES / name).read_text() in "\n".join(d.read_text() for d in docs), f"the docs lack {name}"
     environment = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", **env)
     proc = subprocess.run(
         [sys.executable, str(EXAMPLES / name)], capture_output=True, text=True, env=environment, timeout=300
