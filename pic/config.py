@@ -141,6 +141,12 @@ class StoreConfig(_Frozen):
             write one chunk (a part that expires first makes that write store nothing).
         redis_lease_s: how long a worker's lease on a chunk it compiles lives without renewal (renewed
             while it compiles): a worker that dies mid-compile delays the fleet's others by at most this.
+        shared_recheck_s: a link of a chunk resident in the pool checks, at most once per this many seconds
+            per chunk, that the shared tier (Redis) still holds it (one ``EXISTS``), and writes it back if
+            not (Redis restarted without persistence, or the chunk was compiled while it was down under
+            ``"miss"``), so the fleet gets its copy back without a ``compile``. A failure is logged, never
+            the link's. ``0``: at every link; ``None``: never (``compile`` of the document still writes
+            it back).
 
     The device tier is the KV pool itself (``PICConfig.kv_pool_tokens``): compiled chunks are resident
     there as canonical blocks, evicted least recently used first when requests need the blocks. The CPU
@@ -157,6 +163,7 @@ class StoreConfig(_Frozen):
     redis_timeout_s: float = Field(default=10.0, gt=0)
     redis_parts_ttl_s: float = Field(default=60.0, ge=0.001, le=7 * 24 * 3600)
     redis_lease_s: float = Field(default=10.0, ge=0.1, le=3600)
+    shared_recheck_s: float | None = Field(default=30.0, ge=0)
 
     @model_validator(mode="after")
     def _parse_redis_url(self) -> StoreConfig:

@@ -208,7 +208,7 @@ def test_unreachable_redis_raises_naming_the_url(tmp_path, caplog):
     ids = engine.compile(list(DOCS))
     expected = generate(engine, ids)
     server.stop()  # mid-run
-    assert generate(engine, ids) == expected  # device hits never touch Redis
+    assert generate(engine, ids) == expected  # device hits touch Redis at most every shared_recheck_s
     fresh = redis_engine(server.url)
     where = f"127.0.0.1:{server.port}"
     with pytest.raises(pic.StoreUnavailableError, match=f"Redis at redis://:\\*\\*\\*@{where}/0 failed") as info:
@@ -305,3 +305,40 @@ def test_compiling_again_restores_chunks_that_redis_lost(redis_server, redis_url
     assert all(engine.store.lookup(i) == ["device", "redis"] for i in ids)
     local = make_engine("stories260K")
     assert generate(other, ids) == generate(local, local.compile(list(DOCS)))
+
+
+def test_linking_a_resident_chunk_restores_what_redis_lost(tmp_path, monkeypatch, caplog):
+    """Issue 21, item 5, on use: a link of a resident chunk checks Redis at most once per
+    ``shared_recheck_s`` per chunk and writes back what it lost; a Redis that is down fails no link, is
+    logged, and pauses the rechecks for a period."""
+    clock = [1000.0]
+    monkeypatch.setattr("pic.store.tiered.time.monotonic", lambda: clock[0])
+    server = new_redis_server(tmp_path).start()
+    url = server.url
+    engine = redis_engine(url, shared_recheck_s=30)
+    ids = engine.compile(list(DOCS))
+    expected = generate(engine, ids)  # compiled just now: nothing to check
+    server.client().flushall()  # a restart without persistence
+    assert generate(engine, ids) == expected and engine.store.lookup(ids[0]) == ["device"]  # checked < 30 s ago
+    clock[0] += 31
+    assert generate(engine, ids) == expected
+    assert all(engine.store.lookup(i) == ["device", "redis"] for i in ids)  # written back by the link
+    assert generate(redis_engine(url), ids) == expected  # another worker links them
+
+    server.stop()
+    clock[0] += 31
+    assert generate(engine, ids) == expected  # Redis down ("raise"): the link still serves from the pool
+    assert "could not check that the shared tier holds chunk" in caplog.text
+    server.start()  # back, empty
+    clock[0] += 29  # rechecks paused for 30 s after the failure
+    assert generate(engine, ids) == expected and engine.store.lookup(ids[0]) == ["device"]
+    clock[0] += 2
+    assert generate(engine, ids) == expected and engine.store.lookup(ids[0]) == ["device", "redis"]
+
+    never = redis_engine(url, shared_recheck_s=None)
+    never_ids = never.compile(["A chunk linked but never checked again."])
+    server.client().flushall()
+    clock[0] += 3600
+    generate(never, never_ids)
+    assert never.store.lookup(never_ids[0]) == ["device"]
+    server.stop()

@@ -14,6 +14,9 @@ is. It is not thread-safe: the engine's owner thread is its only caller.
 from __future__ import annotations
 
 import functools
+import logging
+import math
+import time
 from collections.abc import Collection
 
 from pic.config import StoreConfig
@@ -27,6 +30,8 @@ from pic.store.lru import LruTier
 from pic.store.redis_tier import RedisTier
 from pic.store.tier import LowerTier, Tier, TierStats
 
+logger = logging.getLogger(__name__)
+
 
 class TieredStore:
     """The device tier, then lower tiers, fastest first.
@@ -37,10 +42,16 @@ class TieredStore:
         lease_s: the fleet's compile leases' life in a shared tier (``StoreConfig.redis_lease_s``).
     """
 
-    def __init__(self, device: DeviceTier, lower: list[LowerTier], *, lease_s: float = 10.0) -> None:
+    def __init__(
+        self, device: DeviceTier, lower: list[LowerTier], *, lease_s: float = 10.0, recheck_s: float | None = 30.0
+    ) -> None:
         self.device, self.lower, self._lease_s = device, lower, lease_s
         self.tiers: list[Tier] = [device, *lower]
         self._pinned: set[str] = set()
+        self._shared = [tier for tier in lower if tier.leases(lease_s) is not None]
+        self._recheck_s = recheck_s
+        self._checked_at: dict[str, float] = {}  # resident cache id -> when the shared tiers were last asked
+        self._rechecks_paused_until = -math.inf  # after a failed recheck
 
     @classmethod
     def from_config(cls, config: StoreConfig, *, device: DeviceTier, expected: serde.Expected) -> TieredStore:
@@ -63,7 +74,7 @@ class TieredStore:
                 read_from_replicas=config.redis_read_from_replicas,
             )
             lower.append(redis)
-        return cls(device, lower, lease_s=config.redis_lease_s)
+        return cls(device, lower, lease_s=config.redis_lease_s, recheck_s=config.shared_recheck_s)
 
     def add(self, info: ChunkInfo, block_ids: list[int], *, keep: Collection[str] = ()) -> bool:
         """Make a chunk prefilled into ``block_ids`` resident and write it through to the lower tiers,
@@ -83,20 +94,25 @@ class TieredStore:
             self.device.pin(info.cache_id)
         if not self.lower:
             return False
+        if self._shared:
+            self._checked_at[info.cache_id] = time.monotonic()  # written to the shared tiers just now
         chunk = self.device.peek(info.cache_id)
         assert chunk is not None
         return any([tier.put(chunk, keep=keep) for tier in reversed(self.lower)])
 
-    def write_back(self, cache_id: str, *, keep: Collection[str] = ()) -> list[str]:
-        """Copy a resident chunk down to the lower tiers that lost it (Redis restarted without persistence,
-        or the chunk was compiled while Redis was down under ``on_redis_error="miss"``); returns the names
-        of the tiers written. ``compile`` calls it for the chunks of the call that are already resident,
-        so compiling a document again restores the fleet's shared copy.
+    def write_back(
+        self, cache_id: str, *, keep: Collection[str] = (), tiers: Collection[LowerTier] | None = None
+    ) -> list[str]:
+        """Copy a resident chunk down to the lower tiers (of ``tiers``; default: all) that lost it (Redis
+        restarted without persistence, or the chunk was compiled while Redis was down under
+        ``on_redis_error="miss"``); returns the names of the tiers written. ``compile`` calls it for the
+        chunks of the call that are already resident, so compiling a document again restores the fleet's
+        shared copy; ``resolve`` calls it for the shared tiers every ``StoreConfig.shared_recheck_s``.
 
         Raises:
             StoreUnavailableError: Redis failed (``on_redis_error="raise"``).
         """
-        missing = [tier for tier in self.lower if not tier.contains(cache_id)]
+        missing = [tier for tier in self.lower if (tiers is None or tier in tiers) and not tier.contains(cache_id)]
         chunk = self.device.peek(cache_id) if missing else None
         if chunk is None:
             return []
@@ -124,11 +140,33 @@ class TieredStore:
         """
         info = self.device.info(cache_id) if isinstance(cache_id, str) else None
         if info is not None:
+            self._recheck_shared(cache_id)
             return info
         chunk = self._get_lower(cache_id) if isinstance(cache_id, str) else None
         if chunk is not None:
             return chunk
         raise self._unknown(cache_id)
+
+    def _recheck_shared(self, cache_id: str) -> None:
+        """Write a resident chunk back to the shared tiers if they lost it, at most once per ``recheck_s``
+        per chunk. A failure is logged, not raised (the link in progress needs only the pool), and pauses
+        every recheck for ``recheck_s``: an unreachable Redis costs the engine one timeout per period."""
+        now = time.monotonic()
+        if not self._shared or self._recheck_s is None or now < self._rechecks_paused_until:
+            return
+        if now - self._checked_at.get(cache_id, -math.inf) < self._recheck_s:
+            return
+        if len(self._checked_at) > 64 and len(self._checked_at) > 2 * len(self.device.ids()):
+            self._checked_at = {cid: t for cid, t in self._checked_at.items() if self.device.contains(cid)}
+        self._checked_at[cache_id] = now
+        try:
+            written = self.write_back(cache_id, tiers=self._shared)
+        except StoreUnavailableError as exc:
+            self._rechecks_paused_until = now + self._recheck_s
+            logger.warning("pic: could not check that the shared tier holds chunk %s: %s", cache_id, exc)
+            return
+        if written:
+            logger.info("pic: chunk %s was missing from %s: written back", cache_id, ", ".join(written))
 
     def describe(self, cache_id: str) -> ChunkDescription:
         """What the tiers know of ``cache_id`` from metadata alone: no KV is read, nothing is promoted
