@@ -312,7 +312,7 @@ def test_linking_a_resident_chunk_restores_what_redis_lost(tmp_path, monkeypatch
     ``shared_recheck_s`` per chunk and writes back what it lost; a Redis that is down fails no link, is
     logged, and pauses the rechecks for a period."""
     clock = [1000.0]
-    monkeypatch.setattr("pic.store.tiered.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("pic.store.recheck.time.monotonic", lambda: clock[0])
     server = new_redis_server(tmp_path).start()
     url = server.url
     engine = redis_engine(url, shared_recheck_s=30)

@@ -191,3 +191,27 @@ def test_pool_sizing(monkeypatch):
 def test_bad_store_config(values, named):
     with pytest.raises(pic.InvalidInputError, match=named):
         pic.StoreConfig(**values)
+
+
+def test_shared_rechecks_schedule(monkeypatch):
+    """``SharedRechecks``: a chunk is due once per period, a write counts as a check, a failure pauses every
+    check for a period, and the clocks of chunks no longer resident are dropped (they are due again)."""
+    from pic.store.recheck import SharedRechecks
+
+    clock = [0.0]
+    monkeypatch.setattr("pic.store.recheck.time.monotonic", lambda: clock[0])
+    rechecks = SharedRechecks(30.0)
+    assert rechecks.is_due("a") and not rechecks.is_due("a")
+    rechecks.written("b")
+    assert not rechecks.is_due("b")
+    clock[0] = 31.0
+    assert rechecks.is_due("a") and rechecks.is_due("b")
+    rechecks.failed()  # at 31: paused until 61
+    clock[0] = 60.0
+    assert not rechecks.is_due("c")
+    clock[0] = 100.0
+    ids = [f"id{i}" for i in range(100)]
+    assert all(rechecks.is_due(i) for i in ids)
+    rechecks.forget(lambda cid: cid in ids[:10], num_resident=10)
+    assert not rechecks.is_due(ids[0]) and rechecks.is_due(ids[50])  # ids[50]'s clock was dropped
+    assert not SharedRechecks(None).is_due("a") and SharedRechecks(0.0).is_due("a")

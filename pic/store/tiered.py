@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
-import time
 from collections.abc import Collection
 
 from pic.config import StoreConfig
@@ -27,6 +25,7 @@ from pic.store.description import ChunkDescription
 from pic.store.device import DeviceTier
 from pic.store.lease import FleetLeases
 from pic.store.lru import LruTier
+from pic.store.recheck import SharedRechecks
 from pic.store.redis_tier import RedisTier
 from pic.store.tier import LowerTier, Tier, TierStats
 
@@ -49,9 +48,7 @@ class TieredStore:
         self.tiers: list[Tier] = [device, *lower]
         self._pinned: set[str] = set()
         self._shared = [tier for tier in lower if tier.leases(lease_s) is not None]
-        self._recheck_s = recheck_s
-        self._checked_at: dict[str, float] = {}  # resident cache id -> when the shared tiers were last asked
-        self._rechecks_paused_until = -math.inf  # after a failed recheck
+        self._rechecks = SharedRechecks(recheck_s if self._shared else None)
 
     @classmethod
     def from_config(cls, config: StoreConfig, *, device: DeviceTier, expected: serde.Expected) -> TieredStore:
@@ -94,8 +91,7 @@ class TieredStore:
             self.device.pin(info.cache_id)
         if not self.lower:
             return False
-        if self._shared:
-            self._checked_at[info.cache_id] = time.monotonic()  # written to the shared tiers just now
+        self._rechecks.written(info.cache_id)
         chunk = self.device.peek(info.cache_id)
         assert chunk is not None
         return any([tier.put(chunk, keep=keep) for tier in reversed(self.lower)])
@@ -148,21 +144,15 @@ class TieredStore:
         raise self._unknown(cache_id)
 
     def _recheck_shared(self, cache_id: str) -> None:
-        """Write a resident chunk back to the shared tiers if they lost it, at most once per ``recheck_s``
-        per chunk. A failure is logged, not raised (the link in progress needs only the pool), and pauses
-        every recheck for ``recheck_s``: an unreachable Redis costs the engine one timeout per period."""
-        now = time.monotonic()
-        if not self._shared or self._recheck_s is None or now < self._rechecks_paused_until:
+        """Write a resident chunk back to the shared tier if it lost it, when ``SharedRechecks`` says a
+        check is due. A failure is logged, not raised: the link in progress needs only the pool."""
+        if not self._rechecks.is_due(cache_id):
             return
-        if now - self._checked_at.get(cache_id, -math.inf) < self._recheck_s:
-            return
-        if len(self._checked_at) > 64 and len(self._checked_at) > 2 * len(self.device.ids()):
-            self._checked_at = {cid: t for cid, t in self._checked_at.items() if self.device.contains(cid)}
-        self._checked_at[cache_id] = now
+        self._rechecks.forget(self.device.contains, len(self.device.ids()))
         try:
             written = self.write_back(cache_id, tiers=self._shared)
         except StoreUnavailableError as exc:
-            self._rechecks_paused_until = now + self._recheck_s
+            self._rechecks.failed()
             logger.warning("pic: could not check that the shared tier holds chunk %s: %s", cache_id, exc)
             return
         if written:
