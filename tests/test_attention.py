@@ -106,3 +106,27 @@ def test_attention_weights_are_the_ones_paged_attention_uses(window):
         v = case.v_cache[batch.block_tables[seq]].flatten(0, 1).nan_to_num()  # [S, Hkv, D]; NaN where never read
         v = v.repeat_interleave(3, dim=1).transpose(0, 1)  # [Hq, S, D]
         assert torch.allclose((weights @ v).transpose(0, 1), out[batch.query_rows(seq)], atol=1e-5)
+
+
+@pytest.mark.parametrize("shuffled", [False, True])
+def test_query_tiles_skip_only_slots_no_row_attends(shuffled, monkeypatch):
+    """A recompute pass attends in tiles, each over the slots before its last attended one: small tiles
+    (many, skipping most slots when positions are in slot order) give the output of one tile of all."""
+    import pic.attention.reference as reference
+
+    case = make_case(seqs=[(37, "all"), (6, "decode"), (29, "subset")], num_q_heads=4, num_kv_heads=2, head_dim=8,
+                     page=4, shuffled=shuffled).cast(torch.float32)  # fmt: skip
+    outputs = {}
+    for spread, elements in ((10**9, 10**9), (2, 64)):
+        monkeypatch.setattr(reference, "_TILE_SLOT_SPREAD", spread)
+        monkeypatch.setattr(reference, "_MAX_TILE_ELEMENTS", elements)
+        backend = TorchBackend(case.shape(None))
+        plan = backend.plan(case.batch)
+        out = backend.attend(case.q, case.k_cache, case.v_cache, plan, scaling=case.scaling, sliding_window=None)
+        outputs[spread] = (out, plan.prefill[0].tiles)
+    (whole, one), (tiled, many) = outputs[10**9], outputs[2]
+    num_slots = case.batch.kv_positions.shape[1]
+    assert len(one) == 1 and len(many) > 8 and [r.stop - r.start for r, _ in many] != [37]
+    if not shuffled:  # positions in slot order: the first rows' tiles end long before the last slot
+        assert many[0][1] < num_slots // 2
+    assert torch.allclose(tiled, whole, atol=1e-6)

@@ -111,7 +111,8 @@ def test_malformed_workload(tmp_path, content, named):
     [
         (["naive", "full"], ["full", "naive"]),
         (["naive", "naive"], ["full", "naive"]),
-        (["legolink:16", "LEGOLINK:16", "full", "naive"], ["full", "legolink:16", "naive"]),
+        # legolink:4, not :16: these chunks are shorter than 16 tokens, so legolink:16 is Full Recompute here
+        (["legolink:4", "LEGOLINK:4", "full", "naive"], ["full", "legolink:4", "naive"]),
     ],
 )
 def test_reference_and_repeated_policies_are_scored_once(engine, policies, expected):

@@ -19,6 +19,9 @@ from pic.attention.rope import apply_rope
 
 # Query rows per tile, so the [rows, num_slots] mask and scores stay bounded on long prompts.
 _MAX_TILE_ELEMENTS = 1 << 24
+# A recompute pass's tile ends where its last row's keys end; rows whose key ends lie further apart than
+# this many slots go to separate tiles (each tile attends only its keys' prefix: causal work is skipped).
+_TILE_SLOT_SPREAD = 256
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,9 @@ class TorchGroup:
         k_cos, k_sin: ``[b, S, head_dim]`` in the model dtype, at the slot positions.
         masks: per window of the model (``None``: none), ``[b, n, S]`` bool, True where a query may attend:
             a written slot at a position not after the query's (exact causality by position), within the window.
+        tiles: ``(rows, num_slots)`` pairs covering the group's ``n`` query rows in order: a slice of them, and
+            the slots they attend, ``[0, num_slots)``: every slot their masks allow lies before it (so the
+            slots after it are skipped, exactly). The decode group has one tile of every slot.
     """
 
     rows: torch.Tensor | slice
@@ -44,6 +50,7 @@ class TorchGroup:
     k_cos: torch.Tensor
     k_sin: torch.Tensor
     masks: dict[int | None, torch.Tensor]
+    tiles: tuple[tuple[slice, int], ...]
 
     def queries(self, x: torch.Tensor) -> torch.Tensor:
         """The group's rows of a batch tensor ``[N, ...]`` as ``[b, n, ...]``."""
@@ -107,6 +114,8 @@ class TorchBackend(AttentionBackend[TorchPlan]):
         causal = (kv[:, None, :] >= 0) & (kv[:, None, :] <= q[:, :, None])  # [b, n, S]
         windows = set(self.shape.sliding_windows)
         masks = {w: causal if w is None else causal & (kv[:, None, :] > q[:, :, None] - w) for w in windows}
+        num_heads = self.shape.num_q_heads * len(seqs)
+        tiles = _tiles(causal, num_heads) if isinstance(rows, slice) else ((slice(0, 1), kv.shape[1]),)
         return TorchGroup(
             rows=rows,
             tables=batch.block_tables[seqs],
@@ -116,6 +125,7 @@ class TorchBackend(AttentionBackend[TorchPlan]):
             k_cos=k_cos[seqs],
             k_sin=k_sin[seqs],
             masks=masks,
+            tiles=tiles,
         )
 
     def attend(
@@ -199,12 +209,29 @@ def _attend(
     assert window in group.masks, f"sliding_window={window} was not planned for (the model's: {list(group.masks)})"
     q, k, v = _operands(group, q, k_cache, v_cache)
     mask = group.masks[window]  # [b, n, S]
-    num_q, num_slots = mask.shape[1:]
-    tile = max(1, _MAX_TILE_ELEMENTS // max(1, num_slots * q.shape[0] * q.shape[1]))
     out = torch.empty_like(q)
-    for start in range(0, num_q, tile):
-        rows = slice(start, start + tile)
+    for rows, end in group.tiles:
         out[:, :, rows] = F.scaled_dot_product_attention(
-            q[:, :, rows], k, v, attn_mask=mask[:, None, rows], scale=scaling, enable_gqa=True
-        )
+            q[:, :, rows], k[:, :, :end], v[:, :, :end], attn_mask=mask[:, None, rows, :end], scale=scaling,
+            enable_gqa=True,
+        )  # fmt: skip
     return out.transpose(1, 2)
+
+
+def _tiles(causal: torch.Tensor, num_heads: int) -> tuple[tuple[slice, int], ...]:
+    """Tiles of a recompute pass's query rows (``causal``: ``[1, n, S]`` bool): consecutive rows whose last
+    attended slots lie within ``_TILE_SLOT_SPREAD`` of the tile's first row's, at most ``_MAX_TILE_ELEMENTS``
+    scores each. A tile attends the slots up to the last one any of its rows attends: a chunk head under
+    MEPIC or LegoLink attends only the prompt before it, and a full recompute skips most of the causal
+    upper triangle."""
+    slot_ids = torch.arange(1, causal.shape[-1] + 1, device=causal.device)
+    ends = (causal[0] * slot_ids).amax(-1).tolist()  # [n]: 1 + the last slot each row attends (0: none)
+    tiles, start, first, end = [], 0, ends[0], ends[0]
+    for row in range(1, len(ends)):
+        grown = max(end, ends[row])
+        if ends[row] - first > _TILE_SLOT_SPREAD or (row - start + 1) * grown * num_heads > _MAX_TILE_ELEMENTS:
+            tiles.append((slice(start, row), max(end, 1)))
+            start, first, grown = row, ends[row], ends[row]
+        end = grown
+    tiles.append((slice(start, len(ends)), max(end, 1)))
+    return tuple(tiles)
