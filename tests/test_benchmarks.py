@@ -176,3 +176,29 @@ def test_memory_benchmark_runs_a_mistral(tmp_path):
         assert [r["n"] for r in rows] == [1, 2, 4]
         assert all(r["peak_blocks"] == r["floor_blocks"] for r in rows)
     assert [r["peak_blocks"] for r in report["results"]["mepic"]] == [71, 91, 133]  # as stories260K's --quick
+
+
+def test_cpu_benchmark_writes_json(tmp_path):
+    """Link under every policy and Full Recompute against transformers' prefill, decode against ``generate``,
+    on a tiny random Llama, one torch thread."""
+    proc = _quick("cpu.py", tmp_path)
+    report = json.loads((tmp_path / "cpu.json").read_text())
+    assert report["command"].endswith(f"cpu.py --quick --out {tmp_path}")
+    assert report["environment"]["torch_threads"] == 1
+    policies = report["settings"]["policies"]
+    assert policies == ["mepic", "legolink:16", "naive", "cacheblend:0.15"]
+    assert [r["context_tokens"] for r in report["prefill"]] == [128, 256]
+    for row in report["prefill"]:
+        med = row["median_s"]
+        assert list(med) == ["hf", "full", *policies] and all(len(v) == 1 for v in row["rounds_s"].values())
+        assert row["prompt_tokens"] == row["context_tokens"] + 32  # chunks of 64 tokens with their BOS, the query
+        assert row["full_over_hf"] == med["full"] / med["hf"]
+        assert row["hf_over_link"] == {p: med["hf"] / med[p] for p in policies}
+        assert row["recomputed_tokens"]["full"] == row["prompt_tokens"]
+        assert row["recomputed_tokens"]["naive"] == 32 < row["recomputed_tokens"]["mepic"]
+        assert row["full_first_token_equals_hf"]  # float32: pic's full recompute is transformers' forward
+    assert report["link_growth"]["tokens"] == 288 / 160
+    [decode] = report["decode"]
+    assert decode["prompt_tokens"] == 160 and decode["tokens_agreeing_with_hf"] == [4]
+    assert decode["pic_over_hf_decode_tokens_per_s"] > 0
+    assert (tmp_path / "cpu.png").exists() or "matplotlib is not installed" in proc.stdout
