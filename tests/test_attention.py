@@ -102,7 +102,11 @@ def test_attention_weights_are_the_ones_paged_attention_uses(window):
         weights = attention_weights(case.q, case.k_cache, batch, seq, scaling=case.scaling, sliding_window=window)
         assert torch.allclose(weights.sum(-1), torch.ones(()), atol=1e-5)
         assert (weights[..., batch.kv_positions[seq] < 0] == 0).all()
-        assert (weights.masked_fill(plan.prefill[seq].masks[window][0], 0) == 0).all()  # masked slots: no weight
+        group = plan.prefill[seq]  # its mask is over the slots it reads: spread it over the table's slots
+        mask = torch.zeros(weights.shape[1:], dtype=torch.bool).index_copy_(
+            -1, group.table_slots[0], group.masks[window][0]
+        )
+        assert (weights.masked_fill(mask, 0) == 0).all()  # masked slots: no weight
         v = case.v_cache[batch.block_tables[seq]].flatten(0, 1).nan_to_num()  # [S, Hkv, D]; NaN where never read
         v = v.repeat_interleave(3, dim=1).transpose(0, 1)  # [Hq, S, D]
         assert torch.allclose((weights @ v).transpose(0, 1), out[batch.query_rows(seq)], atol=1e-5)

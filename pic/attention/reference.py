@@ -27,29 +27,35 @@ _TILE_SLOT_SPREAD = 256
 @dataclass(frozen=True)
 class TorchGroup:
     """Sequences attended together: every decoding sequence (``b`` of them, ``n = 1`` query token each),
-    or one recompute pass (``b = 1``, its ``n`` query tokens). ``S`` is the batch's padded slot count.
+    or one recompute pass (``b = 1``, its ``n`` query tokens).
+
+    Only the slots that hold KV are read, gathered in slot order: ``S`` is the most any of the group's
+    sequences has written. A sequence with fewer reads its first written slot again in the rest, masked:
+    never an unwritten slot, whose stale KV may be NaN (a masked score still multiplies its V row, and
+    0 * NaN = NaN), so nothing needs zeroing.
 
     Attributes:
         rows: the group's query rows in the batch: ``[b]`` int64 (decode) or a slice (a recompute pass).
-        tables: ``[b, max_blocks]`` int64, the group's sequences' block tables.
-        written: ``[b, S, 1, 1]`` bool, slots that hold KV (the others are zeroed before use).
+        slots: ``[b, S]`` int64, the rows of ``k_cache.flatten(0, 1)`` (and of V) that the group reads.
+        table_slots: ``[b, S]`` int64, those slots' indices in their sequence's table (``batch.kv_positions``).
         q_cos, q_sin: ``[b, n, head_dim]`` in the model dtype, at the query positions.
         k_cos, k_sin: ``[b, S, head_dim]`` in the model dtype, at the slot positions.
         masks: per window of the model (``None``: none), ``[b, n, S]`` bool, True where a query may attend:
-            a written slot at a position not after the query's (exact causality by position), within the window.
+            a written slot at a position not after the query's (exact causality by position), within the window;
+            ``None`` where the query attends every slot read (a lone decoding sequence without a window).
         tiles: ``(rows, num_slots)`` pairs covering the group's ``n`` query rows in order: a slice of them, and
             the slots they attend, ``[0, num_slots)``: every slot their masks allow lies before it (so the
             slots after it are skipped, exactly). The decode group has one tile of every slot.
     """
 
     rows: torch.Tensor | slice
-    tables: torch.Tensor
-    written: torch.Tensor
+    slots: torch.Tensor
+    table_slots: torch.Tensor
     q_cos: torch.Tensor
     q_sin: torch.Tensor
     k_cos: torch.Tensor
     k_sin: torch.Tensor
-    masks: dict[int | None, torch.Tensor]
+    masks: dict[int | None, torch.Tensor | None]
     tiles: tuple[tuple[slice, int], ...]
 
     def queries(self, x: torch.Tensor) -> torch.Tensor:
@@ -76,6 +82,19 @@ class TorchPlan:
     @property
     def groups(self) -> list[TorchGroup]:
         return ([] if self.decode is None else [self.decode]) + list(self.prefill.values())
+
+
+def _written_slots(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kv`` ``[b, S_table]``: slot positions (``-1``: unwritten). Returns the written slots' table indices
+    in slot order, ``[b, S]`` (``S``: the most any sequence wrote; a shorter sequence repeats its first
+    written slot), and their positions ``[b, S]`` (``-1`` for the repeats)."""
+    written = kv >= 0
+    counts = written.sum(1)  # [b]
+    num = int(counts.max())
+    order = torch.argsort((~written).to(torch.int8), dim=1, stable=True)[:, :num]  # written slots first
+    valid = torch.arange(num, device=kv.device) < counts[:, None]  # [b, S]
+    table_slots = torch.where(valid, order, order[:, :1])
+    return table_slots, kv.gather(1, table_slots).masked_fill(~valid, -1)
 
 
 def _take(x: torch.Tensor, rows: torch.Tensor | slice) -> torch.Tensor:
@@ -109,21 +128,27 @@ class TorchBackend(AttentionBackend[TorchPlan]):
     ) -> TorchGroup:
         """A group's share of the batch; ``rotary``: ``q_cos, q_sin`` ``[N, D]``, ``k_cos, k_sin`` ``[B, S, D]``."""
         q_cos, q_sin, k_cos, k_sin = rotary
-        kv = batch.kv_positions[seqs]  # [b, S]
+        table_slots, kv = _written_slots(batch.kv_positions[seqs])  # [b, S] each; kv: -1 past a sequence's own
+        tables = batch.block_tables[seqs]  # [b, max_blocks]
+        block_size = batch.kv_positions.shape[1] // batch.block_tables.shape[1]
+        slots = tables.gather(1, table_slots // block_size) * block_size + table_slots % block_size
         q = _take(batch.q_positions, rows)  # [b, n]
         causal = (kv[:, None, :] >= 0) & (kv[:, None, :] <= q[:, :, None])  # [b, n, S]
         windows = set(self.shape.sliding_windows)
         masks = {w: causal if w is None else causal & (kv[:, None, :] > q[:, :, None] - w) for w in windows}
+        if len(seqs) == 1 and not isinstance(rows, slice) and None in masks:
+            masks[None] = None  # one decoding sequence: every slot it wrote is at or before its query
         num_heads = self.shape.num_q_heads * len(seqs)
         tiles = _tiles(causal, num_heads) if isinstance(rows, slice) else ((slice(0, 1), kv.shape[1]),)
+        gather = table_slots[..., None].expand(-1, -1, k_cos.shape[-1])  # [b, S, D]
         return TorchGroup(
             rows=rows,
-            tables=batch.block_tables[seqs],
-            written=(kv >= 0)[..., None, None],
+            slots=slots,
+            table_slots=table_slots,
             q_cos=_take(q_cos, rows),
             q_sin=_take(q_sin, rows),
-            k_cos=k_cos[seqs],
-            k_sin=k_sin[seqs],
+            k_cos=k_cos[seqs].gather(1, gather),
+            k_sin=k_sin[seqs].gather(1, gather),
             masks=masks,
             tiles=tiles,
         )
@@ -175,9 +200,10 @@ def attention_weights(
     group = TorchBackend(shape).plan(batch).prefill[seq]
     q, k, _ = _operands(group, group.queries(q), k_cache, None)
     k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)  # [1, Hq, S, D]: query head h reads KV head h // group
-    scores = (q.float() @ k.float().transpose(-1, -2)) * scaling  # [1, Hq, n, S]
+    scores = (q.float() @ k.float().transpose(-1, -2)) * scaling  # [1, Hq, n, S] over the slots read
     scores = scores.masked_fill(~group.masks[sliding_window][:, None], float("-inf"))
-    return scores.softmax(-1)[0]
+    weights = scores.new_zeros(*scores.shape[1:-1], batch.kv_positions.shape[1])  # [Hq, n, S_table]
+    return weights.index_copy_(-1, group.table_slots[0], scores.softmax(-1)[0])
 
 
 def _operands(
@@ -185,15 +211,12 @@ def _operands(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Rotated ``q`` ``[b, Hq, n, D]`` (from the group's queries ``[b, n, Hq, D]``), the group's gathered and
     rotated K ``[b, Hkv, S, D]`` and V ``[b, Hkv, S, D]`` (``None`` without ``v_cache``)."""
-    # Slots never written for this sequence (padding, stale KV of a freed block, NaN included) are
-    # zeroed, not just masked: a masked score still multiplies its V row (0 * NaN = NaN).
-    k = k_cache[group.tables].flatten(1, 2).where(group.written, 0)  # [b, S, Hkv, D]
+    k = k_cache.flatten(0, 1)[group.slots]  # [b, S, Hkv, D]: written slots only (see TorchGroup)
     q = apply_rope(q, group.q_cos, group.q_sin).transpose(1, 2)  # [b, Hq, n, D]
     k = apply_rope(k, group.k_cos, group.k_sin).transpose(1, 2)  # [b, Hkv, S, D]
     if v_cache is None:
         return q, k, None
-    v = v_cache[group.tables].flatten(1, 2).where(group.written, 0).transpose(1, 2)  # [b, Hkv, S, D]
-    return q, k, v
+    return q, k, v_cache.flatten(0, 1)[group.slots].transpose(1, 2)
 
 
 def _attend(
@@ -211,10 +234,10 @@ def _attend(
     mask = group.masks[window]  # [b, n, S]
     out = torch.empty_like(q)
     for rows, end in group.tiles:
+        tile_mask = None if mask is None else mask[:, None, rows, :end]
         out[:, :, rows] = F.scaled_dot_product_attention(
-            q[:, :, rows], k[:, :, :end], v[:, :, :end], attn_mask=mask[:, None, rows, :end], scale=scaling,
-            enable_gqa=True,
-        )  # fmt: skip
+            q[:, :, rows], k[:, :, :end], v[:, :, :end], attn_mask=tile_mask, scale=scaling, enable_gqa=True
+        )
     return out.transpose(1, 2)
 
 
