@@ -139,7 +139,8 @@ def main() -> int:
     docs = [[rng.randrange(3, args.vocab) for _ in range(args.chunk_tokens - 1)]
             for _ in range(max(args.contexts) // args.chunk_tokens)]  # fmt: skip
     ids = engine.compile(docs, progress=False)
-    report = {"command": _gpu.command(), "environment": _gpu.environment(args.device) | {"torch_threads": 1},
+    environment = _gpu.environment(args.device) | {"torch_threads": 1, "note": "CPU benchmark, one torch thread"}
+    report = {"command": _gpu.command(), "environment": environment,
               "settings": {"shape": shape, "chunk_tokens": args.chunk_tokens, "query_tokens": args.query_tokens,
                            "policies": args.policies, "repeats": args.repeats}}  # fmt: skip
     report["prefill"] = []
