@@ -200,5 +200,6 @@ def test_cpu_benchmark_writes_json(tmp_path):
     assert report["link_growth"]["tokens"] == 288 / 160
     [decode] = report["decode"]
     assert decode["prompt_tokens"] == 160 and decode["tokens_agreeing_with_hf"] == [4]
-    assert decode["pic_over_hf_decode_tokens_per_s"] > 0
+    ratio = decode["pic"]["decode_tokens_per_s"] / decode["hf"]["decode_tokens_per_s"]
+    assert decode["pic_over_hf_decode_tokens_per_s"] == ratio
     assert (tmp_path / "cpu.png").exists() or "matplotlib is not installed" in proc.stdout

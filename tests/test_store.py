@@ -211,7 +211,10 @@ def test_shared_rechecks_schedule(monkeypatch):
     assert not rechecks.is_due("c")
     clock[0] = 100.0
     ids = [f"id{i}" for i in range(100)]
-    assert all(rechecks.is_due(i) for i in ids)
-    rechecks.forget(lambda cid: cid in ids[:10], num_resident=10)
-    assert not rechecks.is_due(ids[0]) and rechecks.is_due(ids[50])  # ids[50]'s clock was dropped
+    assert all(rechecks.is_due(i) for i in ids[:40])
+    rechecks.forget(lambda cid: cid in ids[:10])  # 43 clocks, under the first bound (64): nothing dropped
+    assert not rechecks.is_due(ids[20])
+    assert all(rechecks.is_due(i) for i in ids[40:])
+    rechecks.forget(lambda cid: cid in ids[:10])  # 103 clocks: those of chunks no longer resident go
+    assert not rechecks.is_due(ids[0]) and rechecks.is_due(ids[20]) and rechecks.is_due(ids[50])
     assert not SharedRechecks(None).is_due("a") and SharedRechecks(0.0).is_due("a")

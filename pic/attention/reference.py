@@ -139,7 +139,7 @@ class TorchBackend(AttentionBackend[TorchPlan]):
         if len(seqs) == 1 and not isinstance(rows, slice) and None in masks:
             masks[None] = None  # one decoding sequence: every slot it wrote is at or before its query
         num_heads = self.shape.num_q_heads * len(seqs)
-        tiles = _tiles(causal, num_heads) if isinstance(rows, slice) else ((slice(0, 1), kv.shape[1]),)
+        tiles = _tiles(kv[0], q[0], num_heads) if isinstance(rows, slice) else ((slice(0, 1), kv.shape[1]),)
         gather = table_slots[..., None].expand(-1, -1, k_cos.shape[-1])  # [b, S, D]
         return TorchGroup(
             rows=rows,
@@ -247,14 +247,17 @@ def _attend(
     return out.transpose(1, 2)
 
 
-def _tiles(causal: torch.Tensor, num_heads: int) -> tuple[tuple[slice, int], ...]:
-    """Tiles of a recompute pass's query rows (``causal``: ``[1, n, S]`` bool): consecutive rows whose last
-    attended slots lie within ``_TILE_SLOT_SPREAD`` of the tile's first row's, at most ``_MAX_TILE_ELEMENTS``
-    scores each. A tile attends the slots up to the last one any of its rows attends: a chunk head under
-    MEPIC or LegoLink attends only the prompt before it, and a full recompute skips most of the causal
-    upper triangle."""
-    slot_ids = torch.arange(1, causal.shape[-1] + 1, device=causal.device)
-    ends = (causal[0] * slot_ids).amax(-1).tolist()  # [n]: 1 + the last slot each row attends (0: none)
+def _tiles(kv: torch.Tensor, q: torch.Tensor, num_heads: int) -> tuple[tuple[slice, int], ...]:
+    """Tiles of a recompute pass's query rows: consecutive rows whose last attended slots lie within
+    ``_TILE_SLOT_SPREAD`` of the tile's first row's, at most ``_MAX_TILE_ELEMENTS`` scores each. A tile
+    attends the slots up to the last one any of its rows attends: a chunk head under MEPIC or LegoLink
+    attends only the prompt before it, and a full recompute skips most of the causal upper triangle.
+
+    Args:
+        kv: ``[S]`` int64, the positions of the slots read (``-1``: none).
+        q: ``[n]`` int64, the query rows' positions.
+    """
+    ends = _last_slots(kv, q).tolist()  # [n]: 1 + the last slot each row attends (0: none)
     tiles, start, first, end = [], 0, ends[0], ends[0]
     for row in range(1, len(ends)):
         grown = max(end, ends[row])
@@ -264,3 +267,15 @@ def _tiles(causal: torch.Tensor, num_heads: int) -> tuple[tuple[slice, int], ...
         end = grown
     tiles.append((slice(start, len(ends)), max(end, 1)))
     return tuple(tiles)
+
+
+def _last_slots(kv: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``[n]``: 1 + the last slot (of ``kv`` ``[S]``, slot positions, ``-1``: none) whose position is at or
+    before each query position ``q`` ``[n]``, 0 where none is: the end of each row's causal mask, found in
+    O(S + n) memory (the slot of each position, then a running maximum over positions), not from ``[n, S]``."""
+    written = kv >= 0
+    size = int(max(kv.max(), q.max())) + 1
+    slot_of = torch.full((size,), -1, dtype=torch.int64, device=kv.device)  # position -> its last slot
+    slot_ids = torch.arange(kv.shape[0], device=kv.device)
+    slot_of.scatter_reduce_(0, kv[written], slot_ids[written], reduce="amax")
+    return slot_of.cummax(0).values[q] + 1

@@ -26,6 +26,7 @@ class SharedRechecks:
         self.period_s = period_s
         self._checked_at: dict[str, float] = {}  # cache id -> when the shared tier last had it, or was asked
         self._paused_until = -math.inf
+        self._prune_at = 64  # forget() prunes once the map is this large
 
     def is_due(self, cache_id: str) -> bool:
         """Whether to check ``cache_id`` now; if so, its clock restarts now."""
@@ -46,8 +47,9 @@ class SharedRechecks:
         """A check failed: pause every check for a period."""
         self._paused_until = time.monotonic() + (self.period_s or 0.0)
 
-    def forget(self, is_resident: Callable[[str], bool], num_resident: int) -> None:
-        """Drop the clocks of chunks no longer resident once they outnumber the resident ones twice over
-        (amortized O(1) per check; the map never holds more than about twice the pool's chunks)."""
-        if len(self._checked_at) > max(64, 2 * num_resident):
+    def forget(self, is_resident: Callable[[str], bool]) -> None:
+        """Drop the clocks of chunks no longer resident once the map has doubled since the last time
+        (amortized O(1) per call; the map holds at most about twice the chunks resident at the last prune)."""
+        if len(self._checked_at) >= self._prune_at:
             self._checked_at = {cid: t for cid, t in self._checked_at.items() if is_resident(cid)}
+            self._prune_at = max(64, 2 * len(self._checked_at))

@@ -13,7 +13,6 @@ is. It is not thread-safe: the engine's owner thread is its only caller.
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Collection
 
@@ -47,7 +46,8 @@ class TieredStore:
         self.device, self.lower, self._lease_s = device, lower, lease_s
         self.tiers: list[Tier] = [device, *lower]
         self._pinned: set[str] = set()
-        self._shared = [tier for tier in lower if tier.leases(lease_s) is not None]
+        # The tiers a fleet shares (Redis): those that keep compile leases; the first one holds the fleet's.
+        self._shared = [(tier, leases) for tier in lower if (leases := tier.leases(lease_s)) is not None]
         self._rechecks = SharedRechecks(recheck_s if self._shared else None)
 
     @classmethod
@@ -148,9 +148,9 @@ class TieredStore:
         check is due. A failure is logged, not raised: the link in progress needs only the pool."""
         if not self._rechecks.is_due(cache_id):
             return
-        self._rechecks.forget(self.device.contains, len(self.device.ids()))
+        self._rechecks.forget(self.device.contains)
         try:
-            written = self.write_back(cache_id, tiers=self._shared)
+            written = self.write_back(cache_id, tiers=[tier for tier, _ in self._shared])
         except StoreUnavailableError as exc:
             self._rechecks.failed()
             logger.warning("pic: could not check that the shared tier holds chunk %s: %s", cache_id, exc)
@@ -261,7 +261,7 @@ class TieredStore:
         """One snapshot per tier, fastest first."""
         return [tier.stats() for tier in self.tiers]
 
-    @functools.cached_property
+    @property
     def fleet(self) -> FleetLeases | None:
         """Compile-once leases and fleet counters in the shared tier (``None`` without one)."""
-        return next((f for f in (t.leases(self._lease_s) for t in self.tiers) if f is not None), None)
+        return self._shared[0][1] if self._shared else None
