@@ -88,6 +88,37 @@ def prefill_row(engine: pic.PIC, model, ids: list[str], docs, context: int, args
     }
 
 
+def memory_row(engine: pic.PIC, model, ids: list[str], docs, context: int, args) -> dict:
+    """Peak resident memory (KiB) above the level before, of transformers' prefill and of a link and its first
+    token (Full Recompute and mepic) at ``context``: freed memory is returned to the OS first (``malloc_trim``) and
+    the kernel's peak reset (``/proc/self/clear_refs``), so each peak is the variant's own temporaries."""
+    import ctypes
+    import gc
+
+    rng = random.Random(args.seed + context)
+    chunks = list(range(context // args.chunk_tokens))
+    query = [rng.randrange(3, args.vocab) for _ in range(args.query_tokens)]
+    prompt = prompt_ids(docs, chunks, query, engine.bos_token_id)
+    runs = {HF: lambda: model(torch.tensor([prompt]), use_cache=False, logits_to_keep=args.query_tokens)}
+    runs |= {p: (lambda p=p: engine.link([ids[c] for c in chunks], query, policy=p).generate(max_new_tokens=1))
+             for p in ("full", "mepic")}  # fmt: skip
+    row = {"context_tokens": context, "prompt_tokens": len(prompt), "peak_kib": {}}
+    for name, run in runs.items():
+        gc.collect()
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+        before = _status_kib("VmRSS")
+        with torch.no_grad():
+            run()
+        row["peak_kib"][name] = _status_kib("VmHWM") - before
+    return row
+
+
+def _status_kib(field: str) -> int:
+    line = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith(field + ":"))
+    return int(line.split()[1])
+
+
 def plot(report: dict, path: Path) -> None:
     plt = _gpu.pyplot(path)
     if plt is None:
@@ -116,6 +147,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--decode-repeats", type=int, default=2)
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--memory-context", type=int, default=8192, help="peak RSS at this context (0: none)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="a tiny Llama, short contexts, one round: a smoke run")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
@@ -130,6 +162,7 @@ def main() -> int:
             1,
             4,
         )
+        args.memory_context = 256
     args.chunk_tokens, args.query_tokens, args.vocab = (64 if args.quick else 512), 32, shape["vocab_size"]
     args.device, args.decode_policy = torch.device("cpu"), "full"
     model = random_llama(shape, max_positions=max(args.contexts) + 256)
@@ -160,6 +193,9 @@ def main() -> int:
         row = decode(engine, model, ids, docs, 1, args)
         print(f"{context:>6}: decode pic/hf {row['pic_over_hf_decode_tokens_per_s']:.2f}x", flush=True)
         report["decode"].append(row)
+    if args.memory_context and sys.platform == "linux":
+        report["memory"] = memory_row(engine, model, ids, docs, args.memory_context, args)
+        print(f"{args.memory_context:>6}: peak RSS above the start, KiB: {report['memory']['peak_kib']}", flush=True)
     _gpu.write_json(args.out / "cpu.json", report)
     plot(report, args.out / "cpu.png")
     return 0

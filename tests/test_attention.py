@@ -84,17 +84,22 @@ def test_batched_paged_fused_rope_equals_hf(window, rope_type):
     assert batch.decode_seqs.tolist() == [2, 3] and batch.prefill_seqs == [0, 1]
     backend = TorchBackend(AttentionShape(HQ, HKV, D, torch.float32, (window,)))
     q = torch.cat([q for q, _ in queries])
-    out = backend.attend(q, k_cache, v_cache, backend.plan(batch), scaling=D**-0.5, sliding_window=window)
+    plan = backend.plan(batch)
+    assert plan.prefill[0].causal and not plan.prefill[1].causal  # the whole prompt takes SDPA's is_causal
+    assert (plan.prefill[0].masks[window] is None) == (window is None)
+    out = backend.attend(q, k_cache, v_cache, plan, scaling=D**-0.5, sliding_window=window)
     for b, want in enumerate(expected):
         assert (out[batch.query_rows(b)] - want).abs().max().item() <= 1e-5
 
 
+@pytest.mark.parametrize("shuffled", [False, True])
 @pytest.mark.parametrize("window", [None, 6])
-def test_attention_weights_are_the_ones_paged_attention_uses(window):
+def test_attention_weights_are_the_ones_paged_attention_uses(window, shuffled):
     """``attention_weights`` (read by the attention-sink measurement) is the softmax the reference backend
-    applies: each row sums to 1, unwritten and masked slots get nothing, and weights times V is the output."""
+    applies: each row sums to 1, unwritten and masked slots get nothing, and weights times V is the output
+    (also for a whole prompt in slot order, which attends with ``is_causal`` and no mask)."""
     case = make_case(seqs=[(21, "all"), (9, "decode"), (17, "subset")], num_q_heads=6, num_kv_heads=2, head_dim=8,
-                     page=4, shuffled=True).cast(torch.float32)  # fmt: skip
+                     page=4, shuffled=shuffled).cast(torch.float32)  # fmt: skip
     batch, backend = case.batch, TorchBackend(case.shape(window))
     plan = backend.plan(batch)
     out = backend.attend(case.q, case.k_cache, case.v_cache, plan, scaling=case.scaling, sliding_window=window)
@@ -103,9 +108,17 @@ def test_attention_weights_are_the_ones_paged_attention_uses(window):
         assert torch.allclose(weights.sum(-1), torch.ones(()), atol=1e-5)
         assert (weights[..., batch.kv_positions[seq] < 0] == 0).all()
         group = plan.prefill[seq]  # its mask is over the slots it reads: spread it over the table's slots
-        mask = torch.zeros(weights.shape[1:], dtype=torch.bool).index_copy_(
-            -1, group.table_slots[0], group.masks[window][0]
-        )
+        assert group.causal == (seq == 0 and not shuffled)
+        kv, q = batch.kv_positions[seq], batch.q_positions[batch.query_rows(seq)]
+        allowed = (kv[None] >= 0) & (kv[None] <= q[:, None])  # [n, S_table]
+        if window is not None:
+            allowed &= kv[None] > q[:, None] - window
+        if group.masks[window] is not None:
+            mask = torch.zeros(weights.shape[1:], dtype=torch.bool).index_copy_(
+                -1, group.table_slots[0], group.masks[window][0]
+            )
+            assert torch.equal(mask, allowed)
+        mask = allowed
         assert (weights.masked_fill(mask, 0) == 0).all()  # masked slots: no weight
         v = case.v_cache[batch.block_tables[seq]].flatten(0, 1).nan_to_num()  # [S, Hkv, D]; NaN where never read
         v = v.repeat_interleave(3, dim=1).transpose(0, 1)  # [Hq, S, D]

@@ -202,4 +202,32 @@ def test_cpu_benchmark_writes_json(tmp_path):
     assert decode["prompt_tokens"] == 160 and decode["tokens_agreeing_with_hf"] == [4]
     ratio = decode["pic"]["decode_tokens_per_s"] / decode["hf"]["decode_tokens_per_s"]
     assert decode["pic_over_hf_decode_tokens_per_s"] == ratio
+    memory = report["memory"]
+    assert memory["context_tokens"] == 256 and list(memory["peak_kib"]) == ["hf", "full", "mepic"]
+    assert all(kib >= 0 for kib in memory["peak_kib"].values())
     assert (tmp_path / "cpu.png").exists() or "matplotlib is not installed" in proc.stdout
+
+
+def test_cpu_rag_benchmark_writes_json(tmp_path):
+    """SmolLM2 on a RAG prompt of docs/ passages through its chat template: TTFT of link under each policy against
+    transformers' prefill (and llama.cpp's when installed), decode speeds, answers beside Full Recompute's."""
+    proc = _quick("cpu_rag.py", tmp_path)
+    report = json.loads((tmp_path / "cpu_rag.json").read_text())
+    assert report["command"].endswith(f"cpu_rag.py --quick --out {tmp_path}")
+    assert report["environment"]["torch_threads"] == report["environment"]["llama_cpp_threads"] == 1
+    settings, ttft = report["settings"], report["ttft"]
+    assert len(settings["chunk_tokens"]) == 4 and all(48 <= n <= 96 for n in settings["chunk_tokens"])
+    assert report["prompt_tokens"] > sum(settings["chunk_tokens"])  # the documents, the template, the question
+    policies = ["mepic", "legolink:16", "cacheblend:0.15"]
+    baselines = ["hf", "llama.cpp"] if report["environment"]["llama_cpp"] else ["hf"]
+    if not report["environment"]["llama_cpp"]:
+        assert "llama.cpp skipped: llama-cpp-python is not installed" in proc.stdout
+    assert list(ttft["median_s"]) == [*baselines, "full", *policies]
+    assert ttft["recomputed_tokens"]["full"] == report["prompt_tokens"]
+    assert all(0 < ttft["recomputed_tokens"][p] < report["prompt_tokens"] for p in policies)
+    assert ttft["speedup"]["hf"] == {p: ttft["median_s"]["hf"] / ttft["median_s"][p] for p in ["full", *policies]}
+    assert ttft["first_token"]["full"] == ttft["first_token"]["hf"]  # Full Recompute is the plain chat prompt
+    answers = report["answers"]
+    assert list(answers) == ["full", *policies, *baselines]
+    assert answers["full"]["tokens_agreeing_with_full"] == answers["hf"]["tokens_agreeing_with_full"] == 4
+    assert all(a["decode_tokens_per_s"] > 0 and 0 <= a["tokens_agreeing_with_full"] <= 4 for a in answers.values())

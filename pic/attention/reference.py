@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from pic.attention.backend import AttentionBackend, AttentionShape
 from pic.attention.batch import AttentionBatch
-from pic.attention.rope import apply_rope
+from pic.attention.rope import rotate, signed_sin
 
 # Query rows per tile, so the [rows, num_slots] mask and scores stay bounded on long prompts.
 _MAX_TILE_ELEMENTS = 1 << 24
@@ -38,14 +38,17 @@ class TorchGroup:
         rows: the group's query rows in the batch: ``[b]`` int64 (decode) or a slice (a recompute pass).
         slots: ``[b, S]`` int64, the rows of ``k_cache.flatten(0, 1)`` (and of V) that the group reads.
         table_slots: ``[b, S]`` int64, those slots' indices in their sequence's table (``batch.kv_positions``).
-        q_cos, q_sin: ``[b, n, head_dim]`` in the model dtype, at the query positions.
-        k_cos, k_sin: ``[b, S, head_dim]`` in the model dtype, at the slot positions.
+        q_cos, q_sin: ``[b, n, head_dim]`` in the model dtype, at the query positions (``q_sin``: ``signed_sin``).
+        k_cos, k_sin: ``[b, S, head_dim]`` in the model dtype, at the slot positions (``k_sin``: ``signed_sin``).
         masks: per window of the model (``None``: none), ``[b, n, S]`` bool, True where a query may attend:
             a written slot at a position not after the query's (exact causality by position), within the window;
             ``None`` where the query attends every slot read (a lone decoding sequence without a window).
         tiles: ``(rows, num_slots)`` pairs covering the group's ``n`` query rows in order: a slice of them, and
             the slots they attend, ``[0, num_slots)``: every slot their masks allow lies before it (so the
             slots after it are skipped, exactly). The decode group has one tile of every slot.
+        causal: a recompute pass whose query positions are its slots' positions, in slot order (a prompt run
+            whole, as Full Recompute runs it): without a window, row ``i`` attends slots ``0..i``, which is
+            SDPA's ``is_causal`` (its fused kernel, the call transformers makes), so no mask is built for it.
     """
 
     rows: torch.Tensor | slice
@@ -57,6 +60,7 @@ class TorchGroup:
     k_sin: torch.Tensor
     masks: dict[int | None, torch.Tensor | None]
     tiles: tuple[tuple[slice, int], ...]
+    causal: bool = False
 
     def queries(self, x: torch.Tensor) -> torch.Tensor:
         """The group's rows of a batch tensor ``[N, ...]`` as ``[b, n, ...]``."""
@@ -97,6 +101,14 @@ def _written_slots(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return table_slots, kv.gather(1, table_slots).masked_fill(~valid, -1)
 
 
+def _rotary(batch: AttentionBatch, rows: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and ``signed_sin`` ``[*rows.shape, D]`` in ``dtype`` at ``rows`` of the batch's rotary tables."""
+    cos, sin = (
+        t.index_select(0, rows.flatten()).view(*rows.shape, -1).to(dtype) for t in (batch.rope_cos, batch.rope_sin)
+    )
+    return cos, signed_sin(sin)
+
+
 def _take(x: torch.Tensor, rows: torch.Tensor | slice) -> torch.Tensor:
     """Rows of ``x`` ``[N, ...]`` as ``[b, n, ...]``: ``b`` decode rows of one token, or one pass of ``n``."""
     return x[rows][:, None] if isinstance(rows, torch.Tensor) else x[rows][None]
@@ -111,46 +123,44 @@ class TorchBackend(AttentionBackend[TorchPlan]):
         device, dtype = batch.q_positions.device, self.shape.dtype
         seq_of_row = torch.repeat_interleave(torch.diff(batch.cu_seqlens_q)).to(device)
         q_rows = batch.rope_offsets[seq_of_row] + batch.q_positions  # [N] rows of the rotary tables
-        k_rows = batch.rope_offsets[:, None] + batch.kv_positions.clamp(min=0)  # [B, S]
-        rotary = tuple(t[r].to(dtype) for r in (q_rows, k_rows) for t in (batch.rope_cos, batch.rope_sin))
+        q_cos, q_sin = _rotary(batch, q_rows, dtype)  # [N, D] each
         decode = None
         if batch.decode_seqs.numel():
             rows = batch.cu_seqlens_q[:-1].to(device)[batch.decode_seqs]  # [b] the decode tokens' rows
-            decode = self._group(batch, rows, batch.decode_seqs, rotary)
+            decode = self._group(batch, rows, batch.decode_seqs, q_cos, q_sin)
         prefill = {
-            b: self._group(batch, batch.query_rows(b), torch.tensor([b], device=device), rotary)
+            b: self._group(batch, batch.query_rows(b), torch.tensor([b], device=device), q_cos, q_sin)
             for b in batch.prefill_seqs
         }
         return TorchPlan(decode=decode, prefill=prefill)
 
     def _group(
-        self, batch: AttentionBatch, rows: torch.Tensor | slice, seqs: torch.Tensor, rotary: tuple[torch.Tensor, ...]
+        self, batch: AttentionBatch, rows: torch.Tensor | slice, seqs: torch.Tensor, q_cos: torch.Tensor, q_sin
     ) -> TorchGroup:
-        """A group's share of the batch; ``rotary``: ``q_cos, q_sin`` ``[N, D]``, ``k_cos, k_sin`` ``[B, S, D]``."""
-        q_cos, q_sin, k_cos, k_sin = rotary
+        """A group's share of the batch; ``q_cos, q_sin`` ``[N, D]``: the batch's query rotary (``_rotary``)."""
         table_slots, kv = _written_slots(batch.kv_positions[seqs])  # [b, S] each; kv: -1 past a sequence's own
         tables = batch.block_tables[seqs]  # [b, max_blocks]
         block_size = batch.kv_positions.shape[1] // batch.block_tables.shape[1]
         slots = tables.gather(1, table_slots // block_size) * block_size + table_slots % block_size
         q = _take(batch.q_positions, rows)  # [b, n]
-        causal = (kv[:, None, :] >= 0) & (kv[:, None, :] <= q[:, :, None])  # [b, n, S]
-        windows = set(self.shape.sliding_windows)
-        masks = {w: causal if w is None else causal & (kv[:, None, :] > q[:, :, None] - w) for w in windows}
+        run = isinstance(rows, slice) and _is_causal_run(kv[0], q[0])
+        masks = _masks(kv, q, set(self.shape.sliding_windows), causal=run)
         if len(seqs) == 1 and not isinstance(rows, slice) and None in masks:
             masks[None] = None  # one decoding sequence: every slot it wrote is at or before its query
         num_heads = self.shape.num_q_heads * len(seqs)
         tiles = _tiles(kv[0], q[0], num_heads) if isinstance(rows, slice) else ((slice(0, 1), kv.shape[1]),)
-        gather = table_slots[..., None].expand(-1, -1, k_cos.shape[-1])  # [b, S, D]
+        k_cos, k_sin = _rotary(batch, batch.rope_offsets[seqs, None] + kv.clamp(min=0), self.shape.dtype)
         return TorchGroup(
             rows=rows,
             slots=slots,
             table_slots=table_slots,
             q_cos=_take(q_cos, rows),
             q_sin=_take(q_sin, rows),
-            k_cos=k_cos[seqs].gather(1, gather),
-            k_sin=k_sin[seqs].gather(1, gather),
+            k_cos=k_cos,
+            k_sin=k_sin,
             masks=masks,
             tiles=tiles,
+            causal=run,
         )
 
     def attend(
@@ -201,7 +211,11 @@ def attention_weights(
     q, k, _ = _operands(group, group.queries(q), k_cache, None)
     k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)  # [1, Hq, S, D]: query head h reads KV head h // group
     scores = (q.float() @ k.float().transpose(-1, -2)) * scaling  # [1, Hq, n, S] over the slots read
-    scores = scores.masked_fill(~group.masks[sliding_window][:, None], float("-inf"))
+    mask = group.masks[sliding_window]
+    if mask is None:  # a causal run attends without a mask: build it here
+        kv = batch.kv_positions[seq][group.table_slots[0]]  # [S]
+        mask = _masks(kv[None], group.queries(batch.q_positions), {sliding_window}, causal=False)[sliding_window]
+    scores = scores.masked_fill(~mask[:, None], float("-inf"))
     weights = scores.new_zeros(*scores.shape[1:-1], batch.kv_positions.shape[1])  # [Hq, n, S_table]
     return weights.index_copy_(-1, group.table_slots[0], scores.softmax(-1)[0])
 
@@ -212,8 +226,8 @@ def _operands(
     """Rotated ``q`` ``[b, Hq, n, D]`` (from the group's queries ``[b, n, Hq, D]``), the group's gathered and
     rotated K ``[b, Hkv, S, D]`` and V ``[b, Hkv, S, D]`` (``None`` without ``v_cache``)."""
     k = _gather(k_cache, group.slots)  # [b, S, Hkv, D]: written slots only (see TorchGroup)
-    q = apply_rope(q, group.q_cos, group.q_sin).transpose(1, 2)  # [b, Hq, n, D]
-    k = apply_rope(k, group.k_cos, group.k_sin).transpose(1, 2)  # [b, Hkv, S, D]
+    q = rotate(q, group.q_cos, group.q_sin).transpose(1, 2)  # [b, Hq, n, D]
+    k = rotate(k, group.k_cos, group.k_sin).transpose(1, 2)  # [b, Hkv, S, D]
     if v_cache is None:
         return q, k, None
     return q, k, _gather(v_cache, group.slots).transpose(1, 2)
@@ -238,6 +252,15 @@ def _attend(
     assert window in group.masks, f"sliding_window={window} was not planned for (the model's: {list(group.masks)})"
     q, k, v = _operands(group, q, k_cache, v_cache)
     mask = group.masks[window]  # [b, n, S]
+    if mask is None and group.causal:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=True)
+        return out.transpose(1, 2)
+    if q.shape[2] == 1:  # decode: each KV head's query heads as rows, one fused call without the GQA path
+        b, num_q_heads, _, dim = q.shape
+        grouped = q.view(b, k.shape[1], num_q_heads // k.shape[1], dim)  # [b, Hkv, Hq / Hkv, D]
+        mask = None if mask is None else mask[:, None]  # [b, 1, 1, S]
+        out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask, scale=scaling)
+        return out.view(b, num_q_heads, 1, dim).transpose(1, 2)
     out = torch.empty_like(q)
     for rows, end in group.tiles:
         tile_mask = None if mask is None else mask[:, None, rows, :end]
@@ -245,6 +268,26 @@ def _attend(
             q[:, :, rows], k[:, :, :end], v[:, :, :end], attn_mask=tile_mask, scale=scaling, enable_gqa=True
         )
     return out.transpose(1, 2)
+
+
+def _masks(
+    kv: torch.Tensor, q: torch.Tensor, windows: set[int | None], *, causal: bool
+) -> dict[int | None, torch.Tensor | None]:
+    """Per window, ``[b, n, S]`` bool, True where a query (positions ``q`` ``[b, n]``) may attend a slot
+    (positions ``kv`` ``[b, S]``, ``-1``: none): exact causality by position, within the window. ``None`` for
+    no window in a ``causal`` run (``TorchGroup.causal``), which needs no mask."""
+    masks: dict[int | None, torch.Tensor | None] = {None: None} if causal and None in windows else {}
+    if windows - masks.keys():
+        allowed = (kv[:, None, :] >= 0) & (kv[:, None, :] <= q[:, :, None])  # [b, n, S]
+        for w in windows - masks.keys():
+            masks[w] = allowed if w is None else allowed & (kv[:, None, :] > q[:, :, None] - w)
+    return masks
+
+
+def _is_causal_run(kv: torch.Tensor, q: torch.Tensor) -> bool:
+    """Whether a pass's query positions ``q`` ``[n]`` are its slots' positions ``kv`` ``[S]``, strictly
+    increasing: then query row ``i`` may attend exactly slots ``0..i`` (``is_causal``)."""
+    return kv.shape == q.shape and bool((kv == q).all()) and bool((q[1:] > q[:-1]).all())
 
 
 def _tiles(kv: torch.Tensor, q: torch.Tensor, num_heads: int) -> tuple[tuple[slice, int], ...]:
