@@ -11,6 +11,7 @@ batch itself carries nothing backend-specific.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,8 @@ class AttentionBatch:
         rope_offsets: ``[B]`` int64, the row of each sequence's position 0 in the rotary tables.
         decode_seqs: ``[num_decode]`` int64, sequences with one query token, in batch order.
         prefill_seqs: the other sequences (recompute passes), in batch order.
+        scratch: per sequence, a dict in which a backend may keep what it derives from the sequence's KV from
+            one forward to the next (it lives as long as the request's KV: ``RequestKV.scratch``); empty: none.
     """
 
     cu_seqlens_q: torch.Tensor
@@ -47,6 +50,7 @@ class AttentionBatch:
     rope_offsets: torch.Tensor
     decode_seqs: torch.Tensor
     prefill_seqs: list[int]
+    scratch: tuple[dict, ...] = ()
 
     def query_rows(self, seq: int) -> slice:
         """Rows of sequence ``seq``'s query tokens in the batch."""
@@ -60,6 +64,7 @@ def make_batch(
     q_positions: torch.Tensor,
     seq_lens: list[int],
     rope: RopeTable,
+    scratch: Sequence[dict] = (),
 ) -> AttentionBatch:
     """Describe one forward. Host data goes to the device with non-blocking copies: no host sync, except
     for a dynamic rope type (its tables need each sequence's largest position).
@@ -70,6 +75,7 @@ def make_batch(
         q_positions: ``[N]`` int64, the query tokens of every sequence, concatenated.
         seq_lens: query tokens per sequence (``sum == N``; each at least 1).
         rope: the engine's rotary table.
+        scratch: per sequence, its ``RequestKV.scratch`` (``AttentionBatch.scratch``), or none.
     """
     cu = torch.tensor([0, *seq_lens]).cumsum(0)
     tables = pad_sequence(block_tables, batch_first=True, padding_value=0)
@@ -93,4 +99,5 @@ def make_batch(
         rope_offsets=offsets,
         decode_seqs=(lens == 1).nonzero().squeeze(1).to(device, non_blocking=True),
         prefill_seqs=(lens > 1).nonzero().squeeze(1).tolist(),
+        scratch=tuple(scratch),
     )

@@ -8,7 +8,7 @@ block tables and their masks for every window of the model) is built in ``plan``
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -16,12 +16,15 @@ import torch.nn.functional as F
 from pic.attention.backend import AttentionBackend, AttentionShape
 from pic.attention.batch import AttentionBatch
 from pic.attention.rope import rotate, signed_sin
+from pic.attention.rotated_k import RotatedK
 
 # Query rows per tile, so the [rows, num_slots] mask and scores stay bounded on long prompts.
 _MAX_TILE_ELEMENTS = 1 << 24
 # A recompute pass's tile ends where its last row's keys end; rows whose key ends lie further apart than
 # this many slots go to separate tiles (each tile attends only its keys' prefix: causal work is skipped).
 _TILE_SLOT_SPREAD = 256
+# The key of a sequence's RotatedK in its scratch (AttentionBatch.scratch).
+_ROTATED_K = "torch.rotated_k"
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,8 @@ class TorchGroup:
         causal: a recompute pass whose query positions are its slots' positions, in slot order (a prompt run
             whole, as Full Recompute runs it): without a window, row ``i`` attends slots ``0..i``, which is
             SDPA's ``is_causal`` (its fused kernel, the call transformers makes), so no mask is built for it.
+        rotated: a lone decoding sequence's K kept rotated from step to step (``RotatedK``), when the batch
+            carries its scratch; its K is then read from there, not gathered and rotated.
     """
 
     rows: torch.Tensor | slice
@@ -61,6 +66,7 @@ class TorchGroup:
     masks: dict[int | None, torch.Tensor | None]
     tiles: tuple[tuple[slice, int], ...]
     causal: bool = False
+    rotated: RotatedK | None = None
 
     def queries(self, x: torch.Tensor) -> torch.Tensor:
         """The group's rows of a batch tensor ``[N, ...]`` as ``[b, n, ...]``."""
@@ -109,6 +115,13 @@ def _rotary(batch: AttentionBatch, rows: torch.Tensor, dtype: torch.dtype) -> tu
     return cos, signed_sin(sin)
 
 
+def _rotated_k(scratch: dict, group: TorchGroup) -> RotatedK:
+    """The sequence's kept ``RotatedK``, advanced to this step's slots."""
+    state = scratch.setdefault(_ROTATED_K, RotatedK())
+    state.advance(group.slots[0], group.k_cos[0], group.k_sin[0])
+    return state
+
+
 def _take(x: torch.Tensor, rows: torch.Tensor | slice) -> torch.Tensor:
     """Rows of ``x`` ``[N, ...]`` as ``[b, n, ...]``: ``b`` decode rows of one token, or one pass of ``n``."""
     return x[rows][:, None] if isinstance(rows, torch.Tensor) else x[rows][None]
@@ -124,10 +137,14 @@ class TorchBackend(AttentionBackend[TorchPlan]):
         seq_of_row = torch.repeat_interleave(torch.diff(batch.cu_seqlens_q)).to(device)
         q_rows = batch.rope_offsets[seq_of_row] + batch.q_positions  # [N] rows of the rotary tables
         q_cos, q_sin = _rotary(batch, q_rows, dtype)  # [N, D] each
+        for b in batch.prefill_seqs if batch.scratch else ():
+            batch.scratch[b].pop(_ROTATED_K, None)  # a recompute pass may rewrite the sequence's KV in place
         decode = None
         if batch.decode_seqs.numel():
             rows = batch.cu_seqlens_q[:-1].to(device)[batch.decode_seqs]  # [b] the decode tokens' rows
             decode = self._group(batch, rows, batch.decode_seqs, q_cos, q_sin)
+            if len(rows) == 1 and batch.scratch:
+                decode = replace(decode, rotated=_rotated_k(batch.scratch[int(batch.decode_seqs[0])], decode))
         prefill = {
             b: self._group(batch, batch.query_rows(b), torch.tensor([b], device=device), q_cos, q_sin)
             for b in batch.prefill_seqs
@@ -225,9 +242,12 @@ def _operands(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Rotated ``q`` ``[b, Hq, n, D]`` (from the group's queries ``[b, n, Hq, D]``), the group's gathered and
     rotated K ``[b, Hkv, S, D]`` and V ``[b, Hkv, S, D]`` (``None`` without ``v_cache``)."""
-    k = _gather(k_cache, group.slots)  # [b, S, Hkv, D]: written slots only (see TorchGroup)
     q = rotate(q, group.q_cos, group.q_sin).transpose(1, 2)  # [b, Hq, n, D]
-    k = rotate(k, group.k_cos, group.k_sin).transpose(1, 2)  # [b, Hkv, S, D]
+    if group.rotated is not None:
+        k = group.rotated.keys(k_cache)[None].transpose(1, 2)  # [1, Hkv, S, D]
+    else:
+        k = _gather(k_cache, group.slots)  # [b, S, Hkv, D]: written slots only (see TorchGroup)
+        k = rotate(k, group.k_cos, group.k_sin).transpose(1, 2)  # [b, Hkv, S, D]
     if v_cache is None:
         return q, k, None
     return q, k, _gather(v_cache, group.slots).transpose(1, 2)

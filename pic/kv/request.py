@@ -40,6 +40,8 @@ class RequestKV:
         self.num_slots = num_slots
         self._held = list(held)
         self._released = False
+        # What an attention backend derives from this KV and keeps between forwards (AttentionBatch.scratch).
+        self.scratch: dict = {}
 
     def physical(self, slots: torch.Tensor) -> torch.Tensor:
         """Request slots ``[n]`` int64 -> rows of the cache's ``[num_blocks * block_size, ...]`` views."""
@@ -72,5 +74,6 @@ class RequestKV:
         chunk blocks lose one reference and stay resident."""
         if not self._released:
             self._released = True
+            self.scratch.clear()
             self.release_held()
             self.pool.free(self.blocks)

@@ -177,6 +177,7 @@ class ModelRunner:
             q_positions=positions,
             seq_lens=lens,
             rope=self.rope,
+            scratch=[s.kv.scratch for s in seqs],
         )
 
     def _layer(
