@@ -3,6 +3,7 @@ gather-and-rotate path's, and is dropped or rebuilt whenever the slots it covere
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from pic.attention import AttentionShape, TorchBackend, make_batch
@@ -12,40 +13,50 @@ from tests.attention_cases import rope_table
 HQ, HKV, D, BS, LAYERS = 4, 2, 8, 4, 3
 
 
-def _step(backend, rope, caches, table, positions, q_positions, scratch):
+def _step(backend, rope, caches, table, positions, q_positions, scratch, window):
     """One forward of one sequence over every layer; outputs ``[LAYERS, n, HQ, D]``."""
     batch = make_batch(block_tables=[table], kv_positions=[positions], q_positions=q_positions,
                        seq_lens=[q_positions.shape[0]], rope=rope, scratch=scratch)  # fmt: skip
     plan = backend.plan(batch)
     q = torch.randn(q_positions.shape[0], HQ, D, generator=torch.Generator().manual_seed(int(q_positions[-1])))
-    return torch.stack([backend.attend(q, k, v, plan, scaling=D**-0.5, sliding_window=None) for k, v in caches])
+    return torch.stack([backend.attend(q, k, v, plan, scaling=D**-0.5, sliding_window=window) for k, v in caches])
 
 
-def test_kept_rotated_k_is_the_gathered_and_rotated_k_bit_for_bit():
+@pytest.mark.parametrize("window", [None, 6])
+def test_kept_rotated_k_is_the_gathered_and_rotated_k_bit_for_bit(window):
     torch.manual_seed(0)
     rope = rope_table(D, 64, "default", "cpu")
-    backend = TorchBackend(AttentionShape(HQ, HKV, D, torch.float32, (None,)))
+    backend = TorchBackend(AttentionShape(HQ, HKV, D, torch.float32, (window,)))
     caches = [(torch.randn(20, BS, HKV, D), torch.randn(20, BS, HKV, D)) for _ in range(LAYERS)]
     table = torch.tensor([7, 2, 11, 5, 16, 3, 9, 14])
     positions = torch.full((table.shape[0] * BS,), -1)
     scratch: dict = {}
     prompt = torch.arange(10)
     positions[1:11] = prompt  # front padding of one slot
-    _step(backend, rope, caches, table, positions, prompt, [scratch])  # the recompute pass: nothing kept
+    _step(backend, rope, caches, table, positions, prompt, [scratch], window)  # the recompute pass: nothing kept
     assert _ROTATED_K not in scratch
     for slot in range(11, 25):  # decode: one more slot and position per step
         positions[slot] = slot - 1
         query = positions[slot : slot + 1]
-        kept = _step(backend, rope, caches, table, positions, query, [scratch])
-        assert torch.equal(kept, _step(backend, rope, caches, table, positions, query, []))
+        kept = _step(backend, rope, caches, table, positions, query, [scratch], window)
+        assert torch.equal(kept, _step(backend, rope, caches, table, positions, query, [], window))
         assert scratch[_ROTATED_K].slots.shape[0] == slot  # every written slot, kept for the next step
     moved = table.clone()
     moved[1] = 19  # the table changed under it (a slot it covered now reads another block): it starts over
     positions[25] = 24
     query = positions[25:26]
-    kept = _step(backend, rope, caches, moved, positions, query, [scratch])
-    assert torch.equal(kept, _step(backend, rope, caches, moved, positions, query, []))
-    _step(backend, rope, caches, table, positions, torch.tensor([3, 24]), [scratch])  # a recompute pass drops it
+    kept = _step(backend, rope, caches, moved, positions, query, [scratch], window)
+    assert torch.equal(kept, _step(backend, rope, caches, moved, positions, query, [], window))
+    positions[26] = 25  # a forward that failed after its first layer: the other layers fell behind
+    batch = make_batch(block_tables=[moved], kv_positions=[positions], q_positions=positions[26:27], seq_lens=[1],
+                       rope=rope, scratch=[scratch])  # fmt: skip
+    backend.attend(torch.randn(1, HQ, D), *caches[0], backend.plan(batch), scaling=D**-0.5, sliding_window=window)
+    positions[27] = 26
+    query = positions[27:28]
+    kept = _step(backend, rope, caches, moved, positions, query, [scratch], window)
+    assert torch.equal(kept, _step(backend, rope, caches, moved, positions, query, [], window))
+    recompute = torch.tensor([3, 26])  # a recompute pass drops it
+    _step(backend, rope, caches, moved, positions, recompute, [scratch], window)
     assert _ROTATED_K not in scratch
 
 

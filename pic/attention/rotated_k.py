@@ -24,32 +24,32 @@ class RotatedK:
     """Rotated K of one sequence, per layer, ``[num_slots, Hkv, D]`` over its written slots in slot order."""
 
     def __init__(self) -> None:
-        self.slots = torch.empty(0, dtype=torch.long)  # [S] rows of the flattened cache, this step's
-        self._layers: dict[int, tuple[torch.Tensor, int]] = {}  # k_cache.data_ptr() -> (buffer, rows filled)
-        self._start = 0  # rows every layer held before this step
+        self.slots: torch.Tensor | None = None  # [S] int64 rows of the flattened cache, this step's
+        # k_cache.data_ptr() -> (buffer, rows filled): a layer's rows filled are slots that lead this step's
+        # (advance checks it), so a layer that fell behind (a forward that failed midway) catches up.
+        self._layers: dict[int, tuple[torch.Tensor, int]] = {}
         self._cos = self._sin = torch.empty(0)  # [S, D] this step's rotary at the slots
 
     def advance(self, slots: torch.Tensor, k_cos: torch.Tensor, k_sin: torch.Tensor) -> None:
         """Begin a step over ``slots`` ``[S]`` int64 (cache rows, slot order) with their rotary ``k_cos, k_sin``
         ``[S, D]`` (``k_sin``: ``signed_sin``). The slots it rotated before must lead ``slots`` unchanged, or it
         starts over."""
-        done = self.slots.shape[0]
-        if done > slots.shape[0] or not torch.equal(slots[:done], self.slots):
+        done = 0 if self.slots is None else self.slots.shape[0]
+        if not done or done > slots.shape[0] or not torch.equal(slots[:done], self.slots):
             self._layers.clear()
-            done = 0
-        self._start, self.slots, self._cos, self._sin = done, slots, k_cos, k_sin
+        self.slots, self._cos, self._sin = slots, k_cos, k_sin
 
     def keys(self, k_cache: torch.Tensor) -> torch.Tensor:
         """This step's rotated K of the layer whose NoPE K is ``k_cache`` ``[num_blocks, block_size, Hkv, D]``:
-        ``[S, Hkv, D]``, a view of the kept buffer (the slots new since the last step gathered and rotated
-        into it; every slot for a layer not kept)."""
+        ``[S, Hkv, D]``, a view of the kept buffer (the slots it lacks gathered and rotated into it: the new
+        slot, or every slot for a layer not kept)."""
+        assert self.slots is not None, "advance() first"
         total = self.slots.shape[0]
         buffer, filled = self._layers.get(k_cache.data_ptr(), (None, 0))
-        if filled != self._start:  # a layer not kept (or one a failed forward left behind): rotate it all
-            filled = 0
         if buffer is None or buffer.shape[0] < total:
             grown = k_cache.new_empty(max(2 * total, 64), *k_cache.shape[2:])
-            grown[:filled] = buffer[:filled] if filled else grown[:0]
+            if filled:
+                grown[:filled] = buffer[:filled]
             buffer = grown
         rows = k_cache.flatten(0, 1).index_select(0, self.slots[filled:])  # [new, Hkv, D] NoPE
         buffer[filled:total] = rotate(rows, self._cos[filled:], self._sin[filled:])
