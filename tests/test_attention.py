@@ -129,14 +129,14 @@ def test_attention_weights_are_the_ones_paged_attention_uses(window, shuffled):
 def test_query_tiles_skip_only_slots_no_row_attends(shuffled, monkeypatch):
     """A recompute pass attends in tiles, each over the slots before its last attended one: small tiles
     (many, skipping most slots when positions are in slot order) give the output of one tile of all."""
-    import pic.attention.reference as reference
+    import pic.attention.tiles as tiles
 
     case = make_case(seqs=[(37, "all"), (6, "decode"), (29, "subset")], num_q_heads=4, num_kv_heads=2, head_dim=8,
                      page=4, shuffled=shuffled).cast(torch.float32)  # fmt: skip
     outputs = {}
     for spread, elements in ((10**9, 10**9), (2, 64)):
-        monkeypatch.setattr(reference, "_TILE_SLOT_SPREAD", spread)
-        monkeypatch.setattr(reference, "_MAX_TILE_ELEMENTS", elements)
+        monkeypatch.setattr(tiles, "TILE_SLOT_SPREAD", spread)
+        monkeypatch.setattr(tiles, "MAX_TILE_ELEMENTS", elements)
         backend = TorchBackend(case.shape(None))
         plan = backend.plan(case.batch)
         out = backend.attend(case.q, case.k_cache, case.v_cache, plan, scaling=case.scaling, sliding_window=None)
@@ -150,9 +150,9 @@ def test_query_tiles_skip_only_slots_no_row_attends(shuffled, monkeypatch):
 
 
 def test_last_slots_are_where_each_causal_mask_row_ends():
-    """``_last_slots`` (the tiles' key ends, in O(S) memory) equals the last True of each row of the causal
+    """``last_slots`` (the tiles' key ends, in O(S) memory) equals the last True of each row of the causal
     mask, for slots in any order, unwritten ones among them, and queries before or after every slot."""
-    from pic.attention.reference import _last_slots
+    from pic.attention.tiles import last_slots
 
     gen = torch.Generator().manual_seed(0)
     for _ in range(200):
@@ -161,4 +161,4 @@ def test_last_slots_are_where_each_causal_mask_row_ends():
         kv[torch.rand(num_slots, generator=gen) < 0.3] = -1
         q = torch.randint(0, int(kv.max()) + 5, (7,), generator=gen)
         causal = (kv[None] >= 0) & (kv[None] <= q[:, None])  # [n, S], as TorchBackend builds it
-        assert torch.equal(_last_slots(kv, q), (causal * torch.arange(1, num_slots + 1)).amax(-1))
+        assert torch.equal(last_slots(kv, q), (causal * torch.arange(1, num_slots + 1)).amax(-1))

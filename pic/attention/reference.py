@@ -17,12 +17,8 @@ from pic.attention.backend import AttentionBackend, AttentionShape
 from pic.attention.batch import AttentionBatch
 from pic.attention.rope import rotate, signed_sin
 from pic.attention.rotated_k import RotatedK
+from pic.attention.tiles import causal_masks, is_causal_run, query_tiles, written_slots
 
-# Query rows per tile, so the [rows, num_slots] mask and scores stay bounded on long prompts.
-_MAX_TILE_ELEMENTS = 1 << 24
-# A recompute pass's tile ends where its last row's keys end; rows whose key ends lie further apart than
-# this many slots go to separate tiles (each tile attends only its keys' prefix: causal work is skipped).
-_TILE_SLOT_SPREAD = 256
 # The key of a sequence's RotatedK in its scratch (AttentionBatch.scratch).
 _ROTATED_K = "torch.rotated_k"
 
@@ -94,19 +90,6 @@ class TorchPlan:
         return ([] if self.decode is None else [self.decode]) + list(self.prefill.values())
 
 
-def _written_slots(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``kv`` ``[b, S_table]``: slot positions (``-1``: unwritten). Returns the written slots' table indices
-    in slot order, ``[b, S]`` (``S``: the most any sequence wrote; a shorter sequence repeats its first
-    written slot), and their positions ``[b, S]`` (``-1`` for the repeats)."""
-    written = kv >= 0
-    counts = written.sum(1)  # [b]
-    num = int(counts.max())
-    order = torch.argsort((~written).to(torch.int8), dim=1, stable=True)[:, :num]  # written slots first
-    valid = torch.arange(num, device=kv.device) < counts[:, None]  # [b, S]
-    table_slots = torch.where(valid, order, order[:, :1])
-    return table_slots, kv.gather(1, table_slots).masked_fill(~valid, -1)
-
-
 def _rotary(batch: AttentionBatch, rows: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and ``signed_sin`` ``[*rows.shape, D]`` in ``dtype`` at ``rows`` of the batch's rotary tables."""
     cos, sin = (
@@ -155,17 +138,17 @@ class TorchBackend(AttentionBackend[TorchPlan]):
         self, batch: AttentionBatch, rows: torch.Tensor | slice, seqs: torch.Tensor, q_cos: torch.Tensor, q_sin
     ) -> TorchGroup:
         """A group's share of the batch; ``q_cos, q_sin`` ``[N, D]``: the batch's query rotary (``_rotary``)."""
-        table_slots, kv = _written_slots(batch.kv_positions[seqs])  # [b, S] each; kv: -1 past a sequence's own
+        table_slots, kv = written_slots(batch.kv_positions[seqs])  # [b, S] each; kv: -1 past a sequence's own
         tables = batch.block_tables[seqs]  # [b, max_blocks]
         block_size = batch.kv_positions.shape[1] // batch.block_tables.shape[1]
         slots = tables.gather(1, table_slots // block_size) * block_size + table_slots % block_size
         q = _take(batch.q_positions, rows)  # [b, n]
-        run = isinstance(rows, slice) and _is_causal_run(kv[0], q[0])
-        masks = _masks(kv, q, set(self.shape.sliding_windows), causal=run)
+        run = isinstance(rows, slice) and is_causal_run(kv[0], q[0])
+        masks = causal_masks(kv, q, set(self.shape.sliding_windows), causal=run)
         if len(seqs) == 1 and not isinstance(rows, slice) and None in masks:
             masks[None] = None  # one decoding sequence: every slot it wrote is at or before its query
         num_heads = self.shape.num_q_heads * len(seqs)
-        tiles = _tiles(kv[0], q[0], num_heads) if isinstance(rows, slice) else ((slice(0, 1), kv.shape[1]),)
+        tiles = query_tiles(kv[0], q[0], num_heads) if isinstance(rows, slice) else ((slice(0, 1), kv.shape[1]),)
         k_cos, k_sin = _rotary(batch, batch.rope_offsets[seqs, None] + kv.clamp(min=0), self.shape.dtype)
         return TorchGroup(
             rows=rows,
@@ -231,7 +214,7 @@ def attention_weights(
     mask = group.masks[sliding_window]
     if mask is None:  # a causal run attends without a mask: build it here
         kv = batch.kv_positions[seq][group.table_slots[0]]  # [S]
-        mask = _masks(kv[None], group.queries(batch.q_positions), {sliding_window}, causal=False)[sliding_window]
+        mask = causal_masks(kv[None], group.queries(batch.q_positions), {sliding_window}, causal=False)[sliding_window]
     scores = scores.masked_fill(~mask[:, None], float("-inf"))
     weights = scores.new_zeros(*scores.shape[1:-1], batch.kv_positions.shape[1])  # [Hq, n, S_table]
     return weights.index_copy_(-1, group.table_slots[0], scores.softmax(-1)[0])
@@ -288,57 +271,3 @@ def _attend(
             q[:, :, rows], k[:, :, :end], v[:, :, :end], attn_mask=tile_mask, scale=scaling, enable_gqa=True
         )
     return out.transpose(1, 2)
-
-
-def _masks(
-    kv: torch.Tensor, q: torch.Tensor, windows: set[int | None], *, causal: bool
-) -> dict[int | None, torch.Tensor | None]:
-    """Per window, ``[b, n, S]`` bool, True where a query (positions ``q`` ``[b, n]``) may attend a slot
-    (positions ``kv`` ``[b, S]``, ``-1``: none): exact causality by position, within the window. ``None`` for
-    no window in a ``causal`` run (``TorchGroup.causal``), which needs no mask."""
-    masks: dict[int | None, torch.Tensor | None] = {None: None} if causal and None in windows else {}
-    if windows - masks.keys():
-        allowed = (kv[:, None, :] >= 0) & (kv[:, None, :] <= q[:, :, None])  # [b, n, S]
-        for w in windows - masks.keys():
-            masks[w] = allowed if w is None else allowed & (kv[:, None, :] > q[:, :, None] - w)
-    return masks
-
-
-def _is_causal_run(kv: torch.Tensor, q: torch.Tensor) -> bool:
-    """Whether a pass's query positions ``q`` ``[n]`` are its slots' positions ``kv`` ``[S]``, strictly
-    increasing: then query row ``i`` may attend exactly slots ``0..i`` (``is_causal``)."""
-    return kv.shape == q.shape and bool((kv == q).all()) and bool((q[1:] > q[:-1]).all())
-
-
-def _tiles(kv: torch.Tensor, q: torch.Tensor, num_heads: int) -> tuple[tuple[slice, int], ...]:
-    """Tiles of a recompute pass's query rows: consecutive rows whose last attended slots lie within
-    ``_TILE_SLOT_SPREAD`` of the tile's first row's, at most ``_MAX_TILE_ELEMENTS`` scores each. A tile
-    attends the slots up to the last one any of its rows attends: a chunk head under MEPIC or LegoLink
-    attends only the prompt before it, and a full recompute skips most of the causal upper triangle.
-
-    Args:
-        kv: ``[S]`` int64, the positions of the slots read (``-1``: none).
-        q: ``[n]`` int64, the query rows' positions.
-    """
-    ends = _last_slots(kv, q).tolist()  # [n]: 1 + the last slot each row attends (0: none)
-    tiles, start, first, end = [], 0, ends[0], ends[0]
-    for row in range(1, len(ends)):
-        grown = max(end, ends[row])
-        if ends[row] - first > _TILE_SLOT_SPREAD or (row - start + 1) * grown * num_heads > _MAX_TILE_ELEMENTS:
-            tiles.append((slice(start, row), max(end, 1)))
-            start, first, grown = row, ends[row], ends[row]
-        end = grown
-    tiles.append((slice(start, len(ends)), max(end, 1)))
-    return tuple(tiles)
-
-
-def _last_slots(kv: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """``[n]``: 1 + the last slot (of ``kv`` ``[S]``, slot positions, ``-1``: none) whose position is at or
-    before each query position ``q`` ``[n]``, 0 where none is: the end of each row's causal mask, found in
-    O(S + n) memory (the slot of each position, then a running maximum over positions), not from ``[n, S]``."""
-    written = kv >= 0
-    size = int(max(kv.max(), q.max())) + 1
-    slot_of = torch.full((size,), -1, dtype=torch.int64, device=kv.device)  # position -> its last slot
-    slot_ids = torch.arange(kv.shape[0], device=kv.device)
-    slot_of.scatter_reduce_(0, kv[written], slot_ids[written], reduce="amax")
-    return slot_of.cummax(0).values[q] + 1
