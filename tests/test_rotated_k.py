@@ -71,3 +71,42 @@ def test_released_request_kv_drops_its_scratch():
     kv.scratch["x"] = torch.zeros(3)
     kv.release()
     assert kv.scratch == {}
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_batched_decode_reads_each_sequences_kept_k(window, monkeypatch):
+    """Sequences decoding together each keep their own rotated K (padded to the longest, masked past their own
+    slots): the same outputs as gathering and rotating, through steps together and then one alone."""
+    import pic.attention.reference as reference
+
+    monkeypatch.setattr(reference, "_KEEP_ROTATED_MIN_SLOTS", 16)  # batches of these short sequences keep K
+    torch.manual_seed(1)
+    rope = rope_table(D, 64, "default", "cpu")
+    backend = TorchBackend(AttentionShape(HQ, HKV, D, torch.float32, (window,)))
+    caches = [(torch.randn(24, BS, HKV, D), torch.randn(24, BS, HKV, D)) for _ in range(LAYERS)]
+    tables = [torch.tensor([4, 9, 1, 17, 12, 20]), torch.tensor([6, 0, 15, 22, 3, 8])]
+    positions = [torch.full((24,), -1), torch.full((24,), -1)]
+    positions[0][:7], positions[1][2:14] = torch.arange(7), torch.arange(12)  # 7 and 12 tokens, the second padded
+    scratch = [{}, {}]
+
+    def step(seqs, kept):
+        queries = torch.cat([positions[b][positions[b] >= 0].max()[None] for b in seqs])
+        batch = make_batch(block_tables=[tables[b] for b in seqs], kv_positions=[positions[b] for b in seqs],
+                           q_positions=queries, seq_lens=[1] * len(seqs), rope=rope,
+                           scratch=[scratch[b] for b in seqs] if kept else [])  # fmt: skip
+        plan = backend.plan(batch)
+        q = torch.randn(len(seqs), HQ, D, generator=torch.Generator().manual_seed(int(queries.sum())))
+        return torch.stack([backend.attend(q, k, v, plan, scaling=D**-0.5, sliding_window=window) for k, v in caches])
+
+    for i in range(6):
+        for b, end in ((0, 7 + i), (1, 14 + i)):
+            positions[b][end] = int(positions[b].max()) + 1
+        assert torch.equal(step([0, 1], kept=True), step([0, 1], kept=False))
+    assert [s[_ROTATED_K].slots.shape[0] for s in scratch] == [13, 18]
+    monkeypatch.setattr(reference, "_KEEP_ROTATED_MIN_SLOTS", 64)  # too short now: batches gather and rotate
+    positions[0][13], positions[1][20] = 13, 18
+    assert torch.equal(step([0, 1], kept=True), step([0, 1], kept=False))
+    assert [s[_ROTATED_K].slots.shape[0] for s in scratch] == [13, 18]  # not advanced
+    positions[1][21] = 19
+    assert torch.equal(step([1], kept=True), step([1], kept=False))  # the first finished: the second alone
+    assert scratch[1][_ROTATED_K].slots.shape[0] == 20  # alone, it keeps K at any length
