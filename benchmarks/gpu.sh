@@ -5,23 +5,31 @@
 #                                                # (device tool: run(command=..., carry=[".whl"], timeout_s=600))
 #   bash benchmarks/gpu.sh attention ttft        # only the steps named
 #   bash benchmarks/gpu.sh --wheels              # here, with network: fetch the wheels the device image lacks
+#   bash benchmarks/gpu.sh --dry-run             # here, on the CPU: each step's command proven (collected, --help)
+#                                                # and the time limits checked against the budget; nothing timed
 #
 # Steps: "tests" runs the kernel, oracle and engine tests on CUDA (PIC_TEST_DEVICE=cuda); "attention", "ttft" and
 # "memory" run benchmarks/attention.py, benchmarks/ttft.py and benchmarks/memory.py --model mistral-7b-random,
 # which write benchmarks/results/{attention,ttft,memory_gpu}.{json,png}. Each step has its own time limit in
-# seconds (TESTS_S, ATTENTION_S, TTFT_S, MEMORY_S; together under 10 minutes); a step that fails or runs out of
-# time is logged and the next one runs, and the script exits 1 if any did. With $OUT set (the device tool's output
+# seconds (TESTS_S, ATTENTION_S, TTFT_S, MEMORY_S), and all of them share one budget, TOTAL_S (570: a device call
+# may run 600 s): a step gets at most what is left of it (less 20 s for its kill and copies), and a step with under
+# 30 s left is skipped. A step that fails, runs out of time or is skipped is logged and the next one runs, and the
+# script exits 1 if any did. The defaults (170, 100, 160, 50), each with 15 s to be killed, and 30 s of checks fit
+# the budget even if every step used all of its limit (the end of the log says so); the tests get the most, as
+# with a cold Triton cache compiling the kernels takes much of it. With $OUT set (the device tool's output
 # folder) each step's results are copied there as it ends, with gpu.log (the whole output; 7 files in all).
 #
 # The device image has torch, transformers, triton, pytest and matplotlib, not pydantic or redis: `--wheels` puts
-# wheels of the versions installed here (CPython 3.12, manylinux x86-64) in .whl/ (ignored by git); carry it
-# (run(..., carry=[".whl"])) and this script installs them into /tmp/site first.
+# wheels of the versions installed in the project's .venv (or $PYTHON's; CPython 3.12, manylinux x86-64) in .whl/
+# (ignored by git); carry it (run(..., carry=[".whl"])) and this script installs them into /tmp/site first.
 set -u
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 WHEELS=(pydantic pydantic_core annotated_types typing_inspection typing_extensions redis)
+TOTAL_S=${TOTAL_S:-570}
 
-if [ "${1:-}" = "--wheels" ]; then
+if [ "${1:-}" = "--wheels" ]; then  # pin what the project runs with: its venv's versions, not python3's on PATH
+    [ -z "${PYTHON:-}" ] && [ -x .venv/bin/python ] && PY=.venv/bin/python
     pins=$($PY -c "import importlib.metadata as m, sys; print(' '.join(f'{p}=={m.version(p)}' for p in sys.argv[1:]))" \
         "${WHEELS[@]}") || exit 1
     exec $PY -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -44,10 +52,28 @@ missing = [m for m in sys.argv[1:] if importlib.util.find_spec(m) is None]
 print("missing:", " ".join(missing) or "nothing", "(bash benchmarks/gpu.sh --wheels, then carry .whl)" * bool(missing))
 EOF
 
+DRY=0
+[ "${1:-}" = "--dry-run" ] && DRY=1 && shift
 failed=()
+planned=30  # seconds: the checks before the first step, then each step's limit and its 15 s to be killed
 step() {  # name, seconds, files to copy to $OUT (space-separated), command ...
     local name=$1 limit=$2 files=$3 start=$SECONDS part=/tmp/gpu_step.log marker=/tmp/gpu_step.start
+    local left=$((TOTAL_S - SECONDS - 20))
+    planned=$((planned + limit + 15))
     shift 3
+    if [ "$left" -lt 30 ]; then
+        echo "=== $name: skipped, ${left} s of the ${TOTAL_S} s budget left" | tee -a "$LOG"
+        failed+=("$name")
+        return
+    fi
+    [ "$limit" -gt "$left" ] && limit=$left
+    if [ $DRY -eq 1 ]; then  # prove the command: the tests collected, each benchmark's options parsed
+        echo "=== $name: would run for at most ${limit} s: $*" | tee -a "$LOG"
+        case $name in
+            tests) set -- "${@/-q/--collect-only}" && set -- "${@/PIC_TEST_DEVICE=cuda/PIC_TEST_DEVICE=cpu}" ;;
+            *) set -- "$@" --help ;;
+        esac
+    fi
     touch "$marker"
     echo "=== $name (at most ${limit} s): $*" | tee -a "$LOG"
     timeout --kill-after=15 "$limit" "$@" >"$part" 2>&1
@@ -68,13 +94,18 @@ steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(tests attention ttft memory)
 for s in "${steps[@]}"; do
     case $s in
-        tests) step tests "${TESTS_S:-140}" "" env PIC_TEST_DEVICE=cuda $PY -m pytest -q -p no:cacheprovider "${TESTS[@]}" ;;
-        attention) step attention "${ATTENTION_S:-120}" "$R/attention.json $R/attention.png" $PY benchmarks/attention.py ;;
-        ttft) step ttft "${TTFT_S:-200}" "$R/ttft.json $R/ttft.png" $PY benchmarks/ttft.py ;;
-        memory) step memory "${MEMORY_S:-120}" "$R/memory_gpu.json $R/memory_gpu.png" \
+        tests) step tests "${TESTS_S:-170}" "" env PIC_TEST_DEVICE=cuda $PY -m pytest -q -p no:cacheprovider "${TESTS[@]}" ;;
+        attention) step attention "${ATTENTION_S:-100}" "$R/attention.json $R/attention.png" $PY benchmarks/attention.py ;;
+        ttft) step ttft "${TTFT_S:-160}" "$R/ttft.json $R/ttft.png" $PY benchmarks/ttft.py ;;
+        memory) step memory "${MEMORY_S:-50}" "$R/memory_gpu.json $R/memory_gpu.png" \
             $PY benchmarks/memory.py --model mistral-7b-random ;;
         *) echo "unknown step $s (tests, attention, ttft, memory)"; failed+=("$s") ;;
     esac
 done
+echo "=== planned at most ${planned} s (limits, kills, checks), budget ${TOTAL_S} s; took $SECONDS s" | tee -a "$LOG"
+if [ "$planned" -gt "$TOTAL_S" ]; then  # a later step would get less than its limit if the earlier ones used theirs
+    echo "=== the limits exceed the budget: lower TESTS_S, ATTENTION_S, TTFT_S or MEMORY_S" | tee -a "$LOG"
+    failed+=(budget)
+fi
 echo "=== failed: ${failed[*]:-none}" | tee -a "$LOG"
 [ ${#failed[@]} -eq 0 ]

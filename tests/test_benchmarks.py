@@ -231,3 +231,23 @@ def test_cpu_rag_benchmark_writes_json(tmp_path):
     assert list(answers) == ["full", *policies, *baselines]
     assert answers["full"]["tokens_agreeing_with_full"] == answers["hf"]["tokens_agreeing_with_full"] == 4
     assert all(a["decode_tokens_per_s"] > 0 and 0 <= a["tokens_agreeing_with_full"] <= 4 for a in answers.values())
+
+
+def test_gpu_script_dry_run_proves_its_steps_within_one_device_call(tmp_path):
+    """``gpu.sh --dry-run``: every step's command starts (the CUDA tests collect, each benchmark parses its options),
+    and the steps' limits with their kills fit the 570 s budget of one 600 s device call; limits that do not fail."""
+    script = Path(__file__).parents[1] / "benchmarks" / "gpu.sh"
+    env = os.environ | {"PYTHON": sys.executable, "OUT": str(tmp_path)}
+    proc = subprocess.run(["bash", str(script), "--dry-run"], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for name, limit in (("tests", 170), ("attention", 100), ("ttft", 160), ("memory", 50)):
+        assert f"=== {name}: would run for at most {limit} s" in proc.stdout
+        assert f"=== {name}: exit 0 after" in proc.stdout
+    assert "=== planned at most 570 s (limits, kills, checks), budget 570 s" in proc.stdout
+    assert "=== failed: none" in (tmp_path / "gpu.log").read_text()
+    env["TTFT_S"] = "600"  # more than one call holds: clipped to what is left, and the plan fails
+    args = ["bash", str(script), "--dry-run", "ttft"]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 1 and "=== the limits exceed the budget" in proc.stdout
+    assert "=== planned at most 645 s" in proc.stdout and "=== failed: budget" in proc.stdout
+    assert "=== ttft: would run for at most 5" in proc.stdout  # 570 - 20 - the seconds already spent
