@@ -130,6 +130,8 @@ class TritonBackend(AttentionBackend[TritonPlan]):
     def plan(self, batch: AttentionBatch) -> TritonPlan:
         shape, device = self.shape, batch.q_positions.device
         assert batch.rope_cos.shape[1] == shape.head_dim, (shape.head_dim, batch.rope_cos.shape)
+        for table in (batch.rope_cos, batch.rope_sin):  # the kernel reads rows at row * head_dim, in float32
+            assert table.dtype == torch.float32 and table.is_contiguous(), (table.dtype, table.stride())
         group = shape.num_q_heads // shape.num_kv_heads
         splits = self.num_splits
         if splits is None:  # by occupancy: once per forward, not per layer
