@@ -13,7 +13,9 @@ prefill's mask is ``causal_lower_right``): what attention costs when K needs no 
 torch reference backend is timed where its gathered temporaries stay small (batch x context <= --ref-max-slots).
 Each case's alternatives are timed in turn, round after round (--rounds), each time by ``triton.testing.do_bench``
 (GPU time between CUDA events, L2 flushed before every call, median of its calls; a call's host work overlaps the
-flush); the medians over the rounds and pic / SDPA are reported, with TFLOP/s and KV bytes read per second.
+flush); the medians over the rounds and pic / SDPA are reported, with TFLOP/s and KV bytes read per second. Beside
+them, back to back: --back-to-back calls in a row between two events, no flush (warm caches, each launch queued
+behind the last: what a layer loop sees), per call, and pic / SDPA on that figure.
 Every case also checks each output against attention computed in float64 from the same bfloat16 inputs
 (relative error ||out - exact|| / ||exact||; pic's target is <= 1e-2); the script fails after writing its JSON if
 pic misses it. --quick: the CPU, tiny shapes in float16 (the interpreter mishandles bfloat16 loads), 1 round.
@@ -161,6 +163,25 @@ def time_ms(fn: Callable[[], object], args: argparse.Namespace) -> float:
     return 1000 * (time.perf_counter() - start)
 
 
+def back_to_back_ms(fn: Callable[[], object], args: argparse.Namespace) -> float:
+    """Milliseconds per call of ``--back-to-back`` calls in a row, no L2 flush between them (GPU time between two
+    CUDA events on CUDA, wall clock on the CPU)."""
+    calls = args.back_to_back
+    if args.device.type == "cuda":
+        fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / calls
+    start_s = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return 1000 * (time.perf_counter() - start_s) / calls
+
+
 def run_case(case: Case, args: argparse.Namespace, rope: RopeTable) -> dict:
     """Check every alternative's output against float64, then time them in turn, ``--rounds`` times."""
     inp = make_inputs(case, args, rope, args.device)
@@ -180,6 +201,7 @@ def run_case(case: Case, args: argparse.Namespace, rope: RopeTable) -> dict:
         errors[name] = float((out.double() - expected).norm() / expected.norm())
     raw = _gpu.interleaved({name: lambda fn=fn: time_ms(fn, args) for name, fn in fns.items()}, rounds=args.rounds)
     med = _gpu.medians(raw)
+    warm = {name: back_to_back_ms(fn, args) for name, fn in fns.items()}
     heads_q, heads_kv, dim = args.heads
     n, length = case.queries, case.context
     pairs = case.batch * (n * length - n * (n - 1) // 2)  # query-key pairs attended (causal)
@@ -189,6 +211,8 @@ def run_case(case: Case, args: argparse.Namespace, rope: RopeTable) -> dict:
         "median_ms": med,
         "rounds_ms": raw,
         "pic_over_sdpa": med["pic"] / med[baseline] if baseline in med else None,
+        "back_to_back_ms": warm,
+        "pic_over_sdpa_back_to_back": warm["pic"] / warm[baseline] if baseline in warm else None,
         "rel_error": errors,
         "tflop_per_s": {name: flops / ms / 1e9 for name, ms in med.items()},
         "kv_read_tb_per_s": {name: kv_bytes / ms / 1e9 for name, ms in med.items()},
@@ -235,6 +259,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--warmup-ms", type=int, default=5, help="do_bench warm-up per round")
     parser.add_argument("--rep-ms", type=int, default=20, help="do_bench timed calls per round")
+    parser.add_argument("--back-to-back", type=int, default=50, help="calls in a row for the back-to-back figure")
     parser.add_argument("--ref-max-slots", type=int, default=2**19, help="largest batch x context the reference runs")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="CPU, interpreter, tiny float16 shapes, 1 round")
@@ -245,7 +270,7 @@ def parse_args() -> argparse.Namespace:
     args.dtype, args.device = torch.bfloat16, torch.device("cuda")
     if args.quick:
         args.contexts, args.decode_batches, args.prefill_queries, args.heads = [64, 128], [1, 2], 16, [4, 2, 32]
-        args.rounds, args.dtype, args.device = 1, torch.float16, torch.device("cpu")
+        args.rounds, args.dtype, args.device, args.back_to_back = 1, torch.float16, torch.device("cpu"), 2
     assert all(c % args.page == 0 and c >= args.prefill_queries for c in args.contexts), "whole pages, >= the prefill"
     return args
 
@@ -265,8 +290,10 @@ def main() -> None:
         rows.append(run_case(case, args, rope))
         row = rows[-1]
         cells = ", ".join(f"{k} {v:.3f} ms (err {row['rel_error'][k]:.1e})" for k, v in row["median_ms"].items())
-        ratio = row["pic_over_sdpa"]
-        print(f"{case.mode:7} L={case.context:6} B={case.batch:3}: {cells}; pic/sdpa {ratio or float('nan'):.2f}")
+        ratio, warm = row["pic_over_sdpa"] or float("nan"), row["pic_over_sdpa_back_to_back"] or float("nan")
+        print(
+            f"{case.mode:7} L={case.context:6} B={case.batch:3}: {cells}; pic/sdpa {ratio:.2f} (back to back {warm:.2f})"
+        )
         if args.device.type == "cuda":
             torch.cuda.empty_cache()
     pic_errors = [r["rel_error"]["pic"] for r in rows]
