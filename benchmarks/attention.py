@@ -292,7 +292,7 @@ def main() -> None:
         cells = ", ".join(f"{k} {v:.3f} ms (err {row['rel_error'][k]:.1e})" for k, v in row["median_ms"].items())
         ratio, warm = row["pic_over_sdpa"] or float("nan"), row["pic_over_sdpa_back_to_back"] or float("nan")
         print(
-            f"{case.mode:7} L={case.context:6} B={case.batch:3}: {cells}; pic/sdpa {ratio:.2f} (back to back {warm:.2f})"
+            f"{case.mode:7} L={case.context:6} B={case.batch:3}: {cells}; pic/sdpa {ratio:.2f}, back to back {warm:.2f}"
         )
         if args.device.type == "cuda":
             torch.cuda.empty_cache()
