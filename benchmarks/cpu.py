@@ -46,13 +46,20 @@ def random_llama(shape: dict[str, int], *, max_positions: int) -> torch.nn.Modul
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa").eval()
 
 
-def prefill_row(engine: pic.PIC, model, ids: list[str], docs, context: int, args) -> dict:
-    """One context: every variant timed in interleaved rounds; medians, ratios and recomputed tokens."""
+def context_request(
+    engine: pic.PIC, ids: list[str], docs, context: int, args
+) -> tuple[list[str], list[int], list[int]]:
+    """A context's request: the cache ids of its first ``context / chunk_tokens`` chunks, its random query (seeded by
+    the context), and the whole prompt's token ids as transformers reads them."""
     rng = random.Random(args.seed + context)
     chunks = list(range(context // args.chunk_tokens))
     query = [rng.randrange(3, args.vocab) for _ in range(args.query_tokens)]
-    prompt = prompt_ids(docs, chunks, query, engine.bos_token_id)
-    links = [ids[c] for c in chunks]
+    return [ids[c] for c in chunks], query, prompt_ids(docs, chunks, query, engine.bos_token_id)
+
+
+def prefill_row(engine: pic.PIC, model, ids: list[str], docs, context: int, args) -> dict:
+    """One context: every variant timed in interleaved rounds; medians, ratios and recomputed tokens."""
+    links, query, prompt = context_request(engine, ids, docs, context, args)
     first_tokens, recomputed = {}, {}
 
     def hf() -> float:
@@ -92,26 +99,26 @@ def memory_row(engine: pic.PIC, model, ids: list[str], docs, context: int, args)
     """Peak resident memory (KiB) above the level before, of transformers' prefill and of a link and its first
     token (Full Recompute and mepic) at ``context``: freed memory is returned to the OS first (``malloc_trim``) and
     the kernel's peak reset (``/proc/self/clear_refs``), so each peak is the variant's own temporaries."""
+    links, query, prompt = context_request(engine, ids, docs, context, args)
+    runs = {HF: lambda: model(torch.tensor([prompt]), use_cache=False, logits_to_keep=args.query_tokens)}
+    runs |= {p: (lambda p=p: engine.link(links, query, policy=p).generate(max_new_tokens=1)) for p in ("full", "mepic")}
+    peaks = {name: peak_rss_kib(run) for name, run in runs.items()}
+    return {"context_tokens": context, "prompt_tokens": len(prompt), "peak_kib": peaks}
+
+
+def peak_rss_kib(run) -> int:
+    """Peak resident memory (KiB) of ``run()`` above the level before it (Linux): freed memory is returned to the OS
+    (``malloc_trim``) and the kernel's peak counter reset (``/proc/self/clear_refs``) first."""
     import ctypes
     import gc
 
-    rng = random.Random(args.seed + context)
-    chunks = list(range(context // args.chunk_tokens))
-    query = [rng.randrange(3, args.vocab) for _ in range(args.query_tokens)]
-    prompt = prompt_ids(docs, chunks, query, engine.bos_token_id)
-    runs = {HF: lambda: model(torch.tensor([prompt]), use_cache=False, logits_to_keep=args.query_tokens)}
-    runs |= {p: (lambda p=p: engine.link([ids[c] for c in chunks], query, policy=p).generate(max_new_tokens=1))
-             for p in ("full", "mepic")}  # fmt: skip
-    row = {"context_tokens": context, "prompt_tokens": len(prompt), "peak_kib": {}}
-    for name, run in runs.items():
-        gc.collect()
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-        before = _status_kib("VmRSS")
-        with torch.no_grad():
-            run()
-        row["peak_kib"][name] = _status_kib("VmHWM") - before
-    return row
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+    before = _status_kib("VmRSS")
+    with torch.no_grad():
+        run()
+    return _status_kib("VmHWM") - before
 
 
 def _status_kib(field: str) -> int:

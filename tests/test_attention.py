@@ -18,6 +18,7 @@ from pic.attention.reference import attention_weights
 from tests.attention_cases import make_case
 
 HQ, HKV, D, BS = 8, 2, 16, 4
+WIDE = 10**6  # a sliding window wider than any context here: the same attention, through a mask
 
 
 def hf_attention(q, k, v, *, window: int | None):
@@ -128,7 +129,9 @@ def test_attention_weights_are_the_ones_paged_attention_uses(window, shuffled):
 @pytest.mark.parametrize("shuffled", [False, True])
 def test_query_tiles_skip_only_slots_no_row_attends(shuffled, monkeypatch):
     """A recompute pass attends in tiles, each over the slots before its last attended one: small tiles
-    (many, skipping most slots when positions are in slot order) give the output of one tile of all."""
+    (many, skipping most slots when positions are in slot order) give the output of one tile of all. A window wider
+    than the context makes a mask (and tiles) even for the prompt in slot order, which without one takes SDPA's
+    ``is_causal`` in a single call."""
     import pic.attention.tiles as tiles
 
     case = make_case(seqs=[(37, "all"), (6, "decode"), (29, "subset")], num_q_heads=4, num_kv_heads=2, head_dim=8,
@@ -137,10 +140,13 @@ def test_query_tiles_skip_only_slots_no_row_attends(shuffled, monkeypatch):
     for spread, elements in ((10**9, 10**9), (2, 64)):
         monkeypatch.setattr(tiles, "TILE_SLOT_SPREAD", spread)
         monkeypatch.setattr(tiles, "MAX_TILE_ELEMENTS", elements)
-        backend = TorchBackend(case.shape(None))
+        backend = TorchBackend(case.shape(WIDE))
         plan = backend.plan(case.batch)
-        out = backend.attend(case.q, case.k_cache, case.v_cache, plan, scaling=case.scaling, sliding_window=None)
+        assert plan.prefill[0].causal == (not shuffled)
+        out = backend.attend(case.q, case.k_cache, case.v_cache, plan, scaling=case.scaling, sliding_window=WIDE)
         outputs[spread] = (out, plan.prefill[0].tiles)
+        if not shuffled:  # no window: the causal run is one call, not tiled
+            assert len(TorchBackend(case.shape(None)).plan(case.batch).prefill[0].tiles) == 1
     (whole, one), (tiled, many) = outputs[10**9], outputs[2]
     num_slots = case.batch.kv_positions.shape[1]
     assert len(one) == 1 and len(many) > 8

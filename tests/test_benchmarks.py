@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+import torch
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
@@ -207,8 +211,21 @@ def test_cpu_benchmark_writes_json(tmp_path):
     assert decode["pic_over_hf_decode_tokens_per_s"] == ratio
     memory = report["memory"]
     assert memory["context_tokens"] == 256 and list(memory["peak_kib"]) == ["hf", "full", "mepic"]
-    assert all(kib >= 0 for kib in memory["peak_kib"].values())
+    assert all(isinstance(kib, int) for kib in memory["peak_kib"].values())  # what it measures: the test below
     assert (tmp_path / "cpu.png").exists() or "matplotlib is not installed" in proc.stdout
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="peak RSS reads /proc (Linux)")
+def test_peak_rss_sees_a_run_s_own_allocation_and_not_what_came_before():
+    """``cpu.py``'s peak-RSS measurement: a run that touches 64 MiB peaks near 64 MiB above its start, even after
+    an earlier 128 MiB peak of the process (the kernel's counter is reset), and one that allocates nothing near 0."""
+    spec = importlib.util.spec_from_file_location("cpu_benchmark", BENCHMARKS / "cpu.py")
+    cpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cpu)
+    torch.ones(32 << 20)  # 128 MiB, freed at once: a peak before the measurements
+    mib = 1024
+    assert 60 * mib <= cpu.peak_rss_kib(lambda: torch.ones(16 << 20)) <= 90 * mib  # 64 MiB of float32
+    assert cpu.peak_rss_kib(lambda: None) <= 8 * mib
 
 
 def test_cpu_rag_benchmark_writes_json(tmp_path):

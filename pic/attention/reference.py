@@ -157,8 +157,10 @@ class TorchBackend(AttentionBackend[TorchPlan]):
         masks = causal_masks(kv, q, set(self.shape.sliding_windows), causal=run)
         if len(seqs) == 1 and not isinstance(rows, slice) and None in masks:
             masks[None] = None  # one decoding sequence: every slot it wrote is at or before its query
-        num_heads = self.shape.num_q_heads * len(seqs)
-        tiles = query_tiles(kv[0], q[0], num_heads) if isinstance(rows, slice) else ((slice(0, 1), kv.shape[1]),)
+        if isinstance(rows, slice) and any(mask is not None for mask in masks.values()):
+            tiles = query_tiles(kv[0], q[0], self.shape.num_q_heads)
+        else:  # decode, or a causal run without windows: one call over every slot read
+            tiles = ((slice(0, q.shape[1]), kv.shape[1]),)
         k_cos, k_sin = _rotary(batch, batch.rope_offsets[seqs, None] + kv.clamp(min=0), self.shape.dtype)
         return TorchGroup(
             rows=rows,

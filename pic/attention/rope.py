@@ -16,12 +16,6 @@ from torch import nn
 _DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """``[x1, x2] -> [-x2, x1]`` over the last dim (transformers' rotate-half convention)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` by per-token angles.
 
@@ -36,8 +30,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def signed_sin(sin: torch.Tensor) -> torch.Tensor:
-    """``[s1, s2] -> [-s1, s2]`` over the last dim: ``rotate``'s sine, so that ``rotate_half(x) * sin`` is
-    ``swap_halves(x) * signed_sin(sin)`` (negation is exact: the same products, bit for bit)."""
+    """``[s1, s2] -> [-s1, s2]`` over the last dim: ``rotate``'s sine, so that transformers' ``rotate_half(x) * sin``
+    (``rotate_half([x1, x2]) = [-x2, x1]``) is ``[x2, x1] * signed_sin(sin)``: negation is exact, the same products
+    bit for bit."""
     s1, s2 = sin.chunk(2, dim=-1)
     return torch.cat((-s1, s2), dim=-1)
 
