@@ -88,7 +88,7 @@ step() {  # name, seconds, files to copy to $OUT (space-separated), command ...
 }
 
 R=benchmarks/results
-TESTS=(tests/test_triton.py tests/test_oracle.py tests/test_engine.py)
+TESTS=(tests/test_triton.py tests/test_triton_plan.py tests/test_oracle.py tests/test_engine.py)
 [ -f tests/test_cuda_paths.py ] && TESTS+=(tests/test_cuda_paths.py)
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(tests attention ttft memory)

@@ -144,18 +144,44 @@ def test_engine_on_the_kernel_equals_the_reference(family):
 
 
 @pytest.mark.parametrize("arch", [90, 80])
-def test_kernels_compile_for_gpus_without_spills(arch):
-    """Triton's compiler (no GPU needed) builds every launch the engine makes for a Mistral-7B shape in
-    bfloat16, for H100 (sm_90) and A100 (sm_80); on sm_90 none spills registers to the stack."""
+def test_kernels_compile_as_launched_pipelined_without_spills(arch):
+    """Triton's compiler (no GPU needed) builds every variant the engine launches for a Mistral-7B shape in
+    bfloat16 (with and without its 4096 window), through ``TritonBackend.precompile``, i.e. with the launch's
+    own specialization, for H100 (sm_90) and A100 (sm_80). None spills registers; every attention kernel's
+    KV loop is software-pipelined (``cp.async`` copies in flight); a decode program leaves room for at least
+    two per SM; the 128-row prefill tile is launched on sm_90 only."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = Path(__file__).with_name("compile_kernels.py")
     run = subprocess.run(
-        [sys.executable, str(script), "--defaults", "--arch", str(arch)],
+        [sys.executable, str(script), "--arch", str(arch)],
         capture_output=True, text=True, env=env | {"PYTHONPATH": str(script.parent.parent)}, timeout=300,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     reports = [json.loads(line) for line in run.stdout.splitlines()]
-    assert [r["kernel"] for r in reports].count("paged_attention_kernel") == 4
-    assert all(r["reg"] > 0 for r in reports), reports
-    if arch == 90:
-        assert [r["stack"] for r in reports] == [0] * len(reports), reports
+    launches = {(r["launch"], r["window"]) for r in reports}
+    prefill = ["prefill 64", "prefill 128"] if arch == 90 else ["prefill 64"]
+    names = ["decode", "decode split", *prefill]
+    assert launches == {(n, w) for n in names for w in (False, True)} | {("store", False)}, launches
+    assert all(r["stack"] == 0 and r["registers"] <= 255 for r in reports), reports
+    attention = [r for r in reports if r["kernel"] == "paged_attention_kernel"]
+    assert all(r["async_copies"] > 0 and r["max_wait_group"] >= 1 for r in attention), attention
+    assert all(r["blocks_per_sm"] >= 2 for r in attention if r["launch"].startswith("decode")), attention
+    assert {r["triton"] for r in reports} == {triton_backend.triton.__version__}  # the version read with
+
+
+def test_engine_precompiles_its_kernels_at_start(monkeypatch):
+    """Building an engine on the Triton backend hands the backend one layer of its KV cache to compile every
+    variant before the first request (in the interpreter there is nothing to compile)."""
+    calls = []
+    original = triton_backend.TritonBackend.precompile
+
+    def record(self, k_cache, v_cache):
+        calls.append((k_cache.shape, v_cache.shape, k_cache.dtype))
+        return original(self, k_cache, v_cache)
+
+    monkeypatch.setattr(triton_backend.TritonBackend, "precompile", record)
+    engine = make_target_engine("stories260K", dtype=torch.float32, attention_backend="triton")
+    spec = engine.spec
+    ((k_shape, v_shape, dtype),) = calls
+    assert k_shape == v_shape and k_shape[1:] == (engine.config.block_size, spec.num_kv_heads, spec.head_dim)
+    assert dtype == torch.float32 and k_shape[0] > 1

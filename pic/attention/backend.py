@@ -85,6 +85,12 @@ class AttentionBackend(ABC, Generic[PlanT]):
             ``h // (num_q_heads // num_kv_heads)``.
         """
 
+    def precompile(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> list:
+        """Compile whatever ``attend`` and ``store`` will launch over caches laid out like ``k_cache`` and
+        ``v_cache`` (``[num_blocks, block_size, num_kv_heads, head_dim]``, one layer's), so that no request
+        waits on a compiler. Called once, at engine start. Returns what was compiled (here: nothing)."""
+        return []
+
     @abstractmethod
     def store(self, k_rows: torch.Tensor, v_rows: torch.Tensor, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """Write fresh NoPE K and V into their cache rows.

@@ -1,4 +1,4 @@
-"""The Triton backend: its plan (the batch's int32 tensors and query tiles, built once per forward) and its launches.
+"""The Triton backend: its plan (``triton_plan.py``), its launches and their precompilation.
 
 Imported only when the Triton backend is chosen (``pic.attention.select``), so ``import pic`` never
 imports Triton. On CUDA it compiles the kernels; on the CPU it needs Triton's interpreter
@@ -7,162 +7,164 @@ imports Triton. On CUDA it compiles the kernels; on the CPU it needs Triton's in
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from contextlib import nullcontext
+from dataclasses import dataclass, replace
 
 import torch
 import triton
+import triton.runtime.interpreter
 
 from pic.attention.backend import AttentionBackend, AttentionShape
 from pic.attention.batch import AttentionBatch
-from pic.attention.triton_kernels import combine_splits_kernel, paged_attention_kernel, store_kv_kernel
+from pic.attention.triton_compile import kernel_resources
+from pic.attention.triton_kernels import paged_attention_kernel
+from pic.attention.triton_launch import launch_attention, launch_store, pow2
+from pic.attention.triton_plan import (
+    MIN_TILES_PER_SPLIT,
+    Launch,
+    TritonPlan,
+    make_tiles,
+    padded_slots,
+    split_limit,
+    warmup_batch,
+)  # fmt: skip
 
-# Warps per program: the defaults compile for sm_90 in bfloat16 at head_dim 128 without register spills
-# (``tests/compile_kernels.py`` reports them; 4 warps spill).
-NUM_WARPS = 8
-
-
-@dataclass(frozen=True)
-class TritonTiles:
-    """One launch's query tiles of ``block_m`` rows (query tokens x GQA heads).
-
-    Attributes:
-        seq: ``[T]`` int32, the sequence of each tile.
-        row: ``[T]`` int32, the tile's first query row in the batch.
-        block_m: rows per program.
-        num_splits: KV splits per tile (flash-decoding; 1: none).
-    """
-
-    seq: torch.Tensor
-    row: torch.Tensor
-    block_m: int
-    num_splits: int
-
-    @property
-    def num_tiles(self) -> int:
-        return self.seq.shape[0]
+# Decode programs an SM holds at once, until ``precompile`` reads it from the compiled decode kernel.
+ASSUMED_DECODE_BLOCKS_PER_SM = 2
 
 
 @dataclass(frozen=True)
-class TritonPlan:
-    """The Triton backend's plan of one forward: the batch as the kernels read it, shared by every layer.
+class CompiledLaunch:
+    """A kernel variant ``TritonBackend.precompile`` compiled.
 
     Attributes:
-        batch: what the forward attends over (its float32 rotary tables are read as they are).
-        cu_q: ``[B + 1]`` int32, ``batch.cu_seqlens_q``.
-        q_pos: ``[N]`` int32 query positions.
-        tables: ``[B, max_blocks]`` int32 block tables.
-        kv_pos: ``[B, S]`` int32 slot positions, ``-1``: never attended.
-        kv_len: ``[B]`` int32 slots in each sequence's table.
-        rope_off: ``[B]`` int32 rotary-table row of each sequence's position 0.
-        decode, prefill: the tiles of the decode launch (one query token per sequence) and of the recompute passes.
-        split_acc: ``[T_decode * Hkv * splits * block_m * D_PAD]`` float32 partial accumulators of a split decode
-            launch (``None`` without splits); ``split_ml``: ``[T_decode * Hkv * splits * 2 * block_m]`` float32,
-            their running maxima and sums.
+        name: which launch (``"decode"``, ``"decode split"``, ``"prefill 64"``, ``"prefill 128"``, ``"store"``).
+        window: compiled for a sliding window.
+        kernels: the ``triton.compiler.CompiledKernel`` of each kernel the launch runs, in order.
     """
 
-    batch: AttentionBatch
-    cu_q: torch.Tensor
-    q_pos: torch.Tensor
-    tables: torch.Tensor
-    kv_pos: torch.Tensor
-    kv_len: torch.Tensor
-    rope_off: torch.Tensor
-    decode: TritonTiles
-    prefill: TritonTiles
-    split_acc: torch.Tensor | None
-    split_ml: torch.Tensor | None
-
-
-def _pow2(n: int, *, at_least: int = 16) -> int:
-    return max(at_least, triton.next_power_of_2(n))
-
-
-def _tiles(
-    batch: AttentionBatch, *, decode: bool, block_m: int, group: int, num_splits: int, device: torch.device
-) -> TritonTiles:
-    """Tiles of ``block_m // group`` query tokens over the decode (one token) or the prefill sequences.
-    Built from ``cu_seqlens_q``, which lives on the host: no device sync."""
-    per_tile = block_m // group
-    cu = batch.cu_seqlens_q.tolist()
-    seqs, rows = [], []
-    for b in range(len(cu) - 1):
-        if (cu[b + 1] - cu[b] == 1) != decode:
-            continue
-        for start in range(cu[b], cu[b + 1], per_tile):
-            seqs.append(b)
-            rows.append(start)
-    as_i32 = {"dtype": torch.int32}
-    seq = torch.tensor(seqs, **as_i32).to(device, non_blocking=True)
-    row = torch.tensor(rows, **as_i32).to(device, non_blocking=True)
-    return TritonTiles(seq=seq, row=row, block_m=block_m, num_splits=num_splits)
-
-
-def _default_splits(num_programs: int, max_slots: int, block_n: int, device: torch.device) -> int:
-    """Flash-decoding: split long KV when the launch alone would not fill the GPU (two programs per SM)."""
-    if device.type != "cuda":
-        return 1
-    target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
-    kv_tiles = triton.cdiv(max_slots, block_n)
-    if num_programs >= target or kv_tiles < 8:
-        return 1
-    return max(1, min(triton.cdiv(target, num_programs), kv_tiles // 4, 64))
+    name: str
+    window: bool
+    kernels: list
 
 
 class TritonBackend(AttentionBackend[TritonPlan]):
     """The fused-RoPE paged kernel (``triton_kernels.py``); same contract as the reference backend.
 
+    Tiles: a decode program takes one token's ``GROUP`` query heads (``block_m`` the next power of two, at
+    least 16) on 4 warps, so that two fit on an SM; recompute passes take 128 rows on 8 warps on sm_90 and
+    newer (the configuration of Triton's own flash attention there) and 64 rows on 4 warps on older GPUs
+    and for passes of 64 rows or fewer.
+
     Args:
         shape: the model's attention shape (``head_dim`` even: the kernel rotates the two halves).
-        block_n: slots per KV tile (a power of two, at least 16).
-        prefill_block_m: rows (query tokens x GQA heads) per program of the recompute passes.
-        num_splits: KV splits of the decode launch (flash-decoding); ``None`` picks by GPU occupancy, per forward.
+        block_n: slots per KV tile of every launch (a power of two, at least 16); ``None``: 32 for decodes and
+            64-row passes, 64 for 128-row passes (the largest each compiles without spilling registers).
+        prefill_block_m: rows per program of the recompute passes (``None``: by GPU and pass length, above).
+        num_splits: most KV splits per decode tile (flash-decoding), each of one KV tile or more; ``None``: by
+            occupancy, per forward, each split of ``MIN_TILES_PER_SPLIT`` tiles or more.
+        capability: the CUDA compute capability to launch for (``None``: the device's, read at the first
+            plan; ``(0, 0)`` in the interpreter).
     """
 
     name = "triton"
 
     def __init__(
-        self, shape: AttentionShape, *, block_n: int = 64, prefill_block_m: int = 64, num_splits: int | None = None
+        self,
+        shape: AttentionShape,
+        *,
+        block_n: int | None = None,
+        prefill_block_m: int | None = None,
+        num_splits: int | None = None,
+        capability: tuple[int, int] | None = None,
     ) -> None:
         super().__init__(shape)
         assert shape.head_dim % 2 == 0, shape
         self.block_n, self.prefill_block_m, self.num_splits = block_n, prefill_block_m, num_splits
+        self.group = shape.num_q_heads // shape.num_kv_heads
+        self.decode_block_m = pow2(self.group)
+        self.decode_blocks_per_sm = ASSUMED_DECODE_BLOCKS_PER_SM
+        self.capability = capability
+        self._halves: tuple[torch.Tensor, ...] = ()  # the last rotary table and its halves in the model dtype
+
+    def launches(self, device: torch.device) -> dict[str, Launch]:
+        """Every launch configuration this backend may use on ``device``, by name (each compiles once per
+        window kind): ``"decode"``, ``"decode split"``, ``"prefill 64"`` and, on sm_90 and newer, ``"prefill 128"``."""
+        launches = {"decode": self._decode_launch(False), "decode split": self._decode_launch(True)}
+        for rows in (1, 1 << 30):
+            launch = self._prefill_launch(device, rows=rows)
+            launches[f"prefill {launch.block_m}"] = launch
+        return launches
+
+    def _capability(self, device: torch.device) -> tuple[int, int]:
+        if self.capability is None:
+            self.capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else (0, 0)
+        return self.capability
+
+    def _decode_launch(self, split: bool) -> Launch:
+        # ptxas caps some decode variants at 128 registers and spills; 168 leaves room and 3 programs per SM.
+        block_n = self.block_n or 32
+        return Launch(block_m=self.decode_block_m, block_n=block_n, num_warps=4, split=split, max_registers=168)
+
+    def _prefill_launch(self, device: torch.device, *, rows: int) -> Launch:
+        block_m = self.prefill_block_m
+        if block_m is None:
+            big = self._capability(device)[0] >= 9 and rows > 64
+            block_m = 128 if big else 64
+        block_m = max(block_m, self.decode_block_m)
+        big = block_m >= 128
+        return Launch(
+            block_m=block_m, block_n=self.block_n or (64 if big else 32), num_warps=8 if big else 4, split=False
+        )
 
     def plan(self, batch: AttentionBatch) -> TritonPlan:
-        shape, device = self.shape, batch.q_positions.device
-        assert batch.rope_cos.shape[1] == shape.head_dim, (shape.head_dim, batch.rope_cos.shape)
-        for table in (batch.rope_cos, batch.rope_sin):  # the kernel reads rows at row * head_dim, in float32
-            assert table.dtype == torch.float32 and table.is_contiguous(), (table.dtype, table.stride())
-        group = shape.num_q_heads // shape.num_kv_heads
-        splits = self.num_splits
-        if splits is None:  # by occupancy: once per forward, not per layer
-            programs = batch.decode_seqs.numel() * shape.num_kv_heads
-            splits = _default_splits(programs, batch.kv_positions.shape[1], self.block_n, device)
-        decode_m = _pow2(group)
-        prefill_m = max(self.prefill_block_m, decode_m)
-        decode = _tiles(batch, decode=True, block_m=decode_m, group=group, num_splits=splits, device=device)
-        prefill = _tiles(batch, decode=False, block_m=prefill_m, group=group, num_splits=1, device=device)
-        split_acc = split_ml = None
-        if splits > 1 and decode.num_tiles:  # scratch for the splits' partial results, shared by every layer
-            parts = decode.num_tiles * shape.num_kv_heads * splits * decode_m
-            split_acc = torch.empty(parts * _pow2(shape.head_dim), device=device)
-            split_ml = torch.empty(parts * 2, device=device)
-
-        def i32(t: torch.Tensor) -> torch.Tensor:
-            return t.to(device=device, dtype=torch.int32, non_blocking=True).contiguous()
-
-        return TritonPlan(
-            batch=batch,
-            cu_q=i32(batch.cu_seqlens_q),
-            q_pos=i32(batch.q_positions),
-            tables=i32(batch.block_tables),
-            kv_pos=i32(batch.kv_positions),
-            kv_len=i32(batch.kv_lens),
-            rope_off=i32(batch.rope_offsets),
-            decode=decode,
-            prefill=prefill,
-            split_acc=split_acc,
-            split_ml=split_ml,
+        device = batch.q_positions.device
+        page = batch.kv_positions.shape[1] // max(1, batch.block_tables.shape[1])
+        kv_pos, tables = padded_slots(batch, block_n=self.block_n or 64, page=page)  # a multiple of every block_n
+        cu_q = batch.cu_seqlens_q.to(device=device, dtype=torch.int32, non_blocking=True)
+        q_pos = batch.q_positions.to(torch.int32)
+        splits = self.num_splits or split_limit(
+            num_programs=batch.decode_seqs.numel() * self.shape.num_kv_heads,
+            num_kv_tiles=kv_pos.shape[1] // self._decode_launch(False).block_n,
+            resident=self._resident_decode_programs(device),
         )
+        min_chunk = 1 if self.num_splits else MIN_TILES_PER_SPLIT  # asked-for splits split short contexts too
+        longest = int((batch.cu_seqlens_q[1:] - batch.cu_seqlens_q[:-1]).max()) * self.group
+        common = dict(cu_q=cu_q, q_pos=q_pos, kv_pos=kv_pos, windows=set(self.shape.sliding_windows), group=self.group)
+        tiles = {
+            True: make_tiles(
+                batch, self._decode_launch(splits > 1), decode=True, max_splits=splits, min_chunk=min_chunk, **common
+            ),
+            False: make_tiles(batch, self._prefill_launch(device, rows=longest), decode=False, max_splits=1, **common),
+        }
+        split_acc = split_ml = None
+        if splits > 1 and tiles[True].num_tiles:  # scratch for the splits' partial results, shared by every layer
+            parts = tiles[True].num_tiles * self.shape.num_kv_heads * splits * self.decode_block_m
+            split_acc = torch.empty(parts * pow2(self.shape.head_dim), device=device)
+            split_ml = torch.empty(parts * 2, device=device)
+        cos, sin = self._rope_halves(batch)
+        rope_off = batch.rope_offsets.to(device=device, dtype=torch.int32)
+        return TritonPlan(
+            cos=cos, sin=sin, rope_off=rope_off, cu_q=cu_q, q_pos=q_pos, tables=tables, kv_pos=kv_pos,
+            decode=tiles[True], prefill=tiles[False], split_acc=split_acc, split_ml=split_ml,
+        )  # fmt: skip
+
+    def _resident_decode_programs(self, device: torch.device) -> int:
+        if device.type != "cuda":
+            return 1  # no splits in the interpreter unless asked for
+        return torch.cuda.get_device_properties(device).multi_processor_count * self.decode_blocks_per_sm
+
+    def _rope_halves(self, batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """One half of each rotary table in the model's dtype (transformers rounds cos and sin to it too): half
+        the bytes per slot of the float32 table. A static table is the same tensor every forward: kept."""
+        cos, sin = batch.rope_cos, batch.rope_sin
+        assert cos.shape[1] == self.shape.head_dim, (self.shape.head_dim, cos.shape)
+        if self._halves and self._halves[0] is cos and self._halves[1] is sin:
+            return self._halves[2], self._halves[3]
+        half = self.shape.head_dim // 2
+        halves = tuple(t[:, :half].to(self.shape.dtype).contiguous() for t in (cos, sin))
+        self._halves = (cos, sin, *halves)
+        return halves
 
     def attend(
         self,
@@ -178,56 +180,57 @@ class TritonBackend(AttentionBackend[TritonPlan]):
         out = torch.empty_like(q)
         for tiles in (plan.decode, plan.prefill):
             if tiles.num_tiles:
-                _launch(q, k_cache, v_cache, out, plan, tiles, scaling, sliding_window, self.block_n)
+                launch_attention(q, k_cache, v_cache, out, plan, tiles, scaling=scaling, window=sliding_window)
         return out
+
+    def precompile(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> list[CompiledLaunch]:
+        """Compile every kernel variant this backend may launch over this cache, before serving, so that no
+        request waits on a compile. Each compiles as a real launch would: the JIT's own specialization of the
+        real argument layout (aligned pointers, strides divisible by 16), cached where the launch finds it.
+        In the interpreter nothing compiles (``[]``).
+
+        Args:
+            k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, one layer's
+                (only their layout counts).
+
+        Returns:
+            Each launch and window kind with its compiled ``paged_attention_kernel`` (and ``combine_splits_kernel``).
+        """
+        if isinstance(paged_attention_kernel, triton.runtime.interpreter.InterpretedFunction):
+            return []
+        on_gpu = k_cache.device.type == "cuda"  # else compiling for a GPU elsewhere (tests/compile_kernels.py)
+        with torch.cuda.device(k_cache.device) if on_gpu else nullcontext():  # the JIT caches per current device
+            return self._precompile(k_cache, v_cache)
+
+    def _precompile(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> list[CompiledLaunch]:
+        device, shape = k_cache.device, self.shape
+        page, num_kv_heads, head_dim = k_cache.shape[1:]
+        plan = self.plan(warmup_batch(page=page, head_dim=head_dim, device=device))
+        parts = plan.decode.num_tiles * num_kv_heads * 2 * self.decode_block_m
+        acc, ml = torch.empty(parts * pow2(head_dim), device=device), torch.empty(parts * 2, device=device)
+        plan = replace(plan, split_acc=acc, split_ml=ml)
+        q = torch.empty(plan.q_pos.shape[0], shape.num_q_heads, head_dim, dtype=shape.dtype, device=device)
+        compiled = []
+        for name, launch in self.launches(device).items():
+            for window in sorted(set(shape.sliding_windows), key=lambda w: w is not None):
+                tiles = replace(plan.decode, launch=launch)
+                out = torch.empty_like(q)
+                kernels = launch_attention(
+                    q, k_cache, v_cache, out, plan, tiles, scaling=1.0, window=window, warmup=True
+                )
+                compiled.append(CompiledLaunch(name=name, window=window is not None, kernels=kernels))
+        store_rows = torch.zeros(1, dtype=torch.long, device=device)
+        k = torch.empty(1, num_kv_heads, head_dim, dtype=k_cache.dtype, device=device)
+        store = launch_store(k_cache.flatten(0, 1), v_cache.flatten(0, 1), store_rows, k, k.clone(), warmup=True)
+        compiled.append(CompiledLaunch(name="store", window=False, kernels=[store]))
+        if device.type == "cuda":  # split decodes by the residency the compiled decode kernel really has
+            major, minor = self._capability(device)
+            decode = next(c.kernels[0] for c in compiled if c.name == "decode")
+            self.decode_blocks_per_sm = kernel_resources(decode, arch=10 * major + minor).blocks_per_sm
+        return compiled
 
     def store(self, k_rows: torch.Tensor, v_rows: torch.Tensor, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """One launch for K and V."""
         if not rows.numel():
             return
-        k, v = k.reshape(k.shape[0], -1), v.reshape(v.shape[0], -1)
-        width = k.shape[1]
-        store_kv_kernel[(rows.shape[0],)](
-            k, v, k_rows, v_rows, rows, k.stride(0), v.stride(0), k_rows.stride(0), v_rows.stride(0),
-            WIDTH=width, BLOCK=min(1024, _pow2(width)),
-        )  # fmt: skip
-
-
-def _launch(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    out: torch.Tensor,
-    plan: TritonPlan,
-    tiles: TritonTiles,
-    scaling: float,
-    sliding_window: int | None,
-    block_n: int,
-) -> None:
-    """One launch of ``paged_attention_kernel`` over ``tiles`` (and ``combine_splits_kernel`` after a split one);
-    shapes as in ``TritonBackend.attend``."""
-    page, num_kv_heads, head_dim = k_cache.shape[1:]
-    group = q.shape[1] // num_kv_heads
-    d_pad, splits = _pow2(head_dim), tiles.num_splits
-    k_rows, v_rows = k_cache.flatten(0, 1), v_cache.flatten(0, 1)  # [num_blocks * page, Hkv, D]
-    grid = (tiles.num_tiles, num_kv_heads, splits)
-    if splits > 1:
-        target, part_ml = plan.split_acc, plan.split_ml
-    else:
-        target, part_ml = out, out  # part_ml is not read with one split
-    paged_attention_kernel[grid](
-        q, k_rows, v_rows, target, part_ml, plan.batch.rope_cos, plan.batch.rope_sin, plan.rope_off,
-        tiles.seq, tiles.row, plan.cu_q, plan.q_pos, plan.tables, plan.kv_pos, plan.kv_len,
-        q.stride(0), q.stride(1), k_rows.stride(0), k_rows.stride(1), v_rows.stride(0), v_rows.stride(1),
-        out.stride(0), out.stride(1), plan.tables.stride(0), plan.kv_pos.stride(0),
-        scaling * 1.4426950408889634, sliding_window or 0,
-        GROUP=group, HEAD_DIM=head_dim, HALF_PAD=_pow2(head_dim // 2), D_PAD=d_pad,
-        BLOCK_M=tiles.block_m, BLOCK_N=block_n, PAGE=page, SPLIT_KV=splits > 1,
-        HAS_WINDOW=sliding_window is not None, DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
-        num_warps=NUM_WARPS,
-    )  # fmt: skip
-    if splits > 1:
-        combine_splits_kernel[(tiles.num_tiles, num_kv_heads)](
-            target, part_ml, out, tiles.seq, tiles.row, plan.cu_q, out.stride(0), out.stride(1), splits,
-            GROUP=group, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_M=tiles.block_m,
-        )  # fmt: skip
+        launch_store(k_rows, v_rows, rows, k, v)

@@ -3,20 +3,27 @@
 One program of ``paged_attention_kernel`` takes a tile of one sequence's query tokens and one KV head,
 with the ``GROUP`` query heads that share it (GQA) stacked as rows: row ``r`` is query token
 ``r // GROUP`` of the tile and head ``kv_head * GROUP + r % GROUP``. It rotates its queries by their
-positions, then walks the sequence's slots ``BLOCK_N`` at a time: it looks up each slot's block in the
-block table, skips a whole tile whose written positions are all after its queries (or before the
-window), loads NoPE K only where a slot was written (stale slots are never read, so never multiplied
-in), rotates K from the float32 cos/sin table at each slot's logical position, masks by position
-(exact causality, sliding window) and accumulates with an online softmax in float32. Rotate-half is
-done on the two halves of the head dimension, so each K element is read once: for ``x = [x1, x2]``,
-``rope(x) = [x1 cos - x2 sin, x2 cos + x1 sin]``.
+positions, then walks its *work list*: the ``BLOCK_N``-slot KV tiles that hold a slot some row of the
+tile may attend (the plan builds the lists once per forward, so tiles wholly after the queries or
+before the window are never visited). For each, it looks up the slots' blocks, loads NoPE K and V
+together (only slots that were written: stale slots are never read, so never multiplied in), rotates K
+from the rotary table at each slot's logical position, masks by position (exact causality, sliding
+window) and accumulates with an online softmax in float32.
 
-With ``SPLIT_KV`` (flash-decoding), the launch's third grid axis splits the KV: split ``s`` covers a
-contiguous share of the slot tiles and writes its unnormalized accumulator, running max and sum;
-``combine_splits_kernel`` merges them. The number of splits is a run-time value, so a decode whose split
+The loop body has no branch: every load's address depends only on the loop index, so Triton's
+software pipeliner can issue the next tiles' loads (async copies) while this tile computes.
+Rotate-half is done on the two halves of the head dimension, so each K element is read once: for
+``x = [x1, x2]``, ``rope(x) = [x1 cos - x2 sin, x2 cos + x1 sin]``; the table holds one half, in the
+model's dtype (as transformers rounds it), and the products are taken in float32.
+
+With ``SPLIT_KV`` (flash-decoding), the launch's third grid axis splits each work list into shares of
+``work_chunk[tile]`` tiles: split ``s`` writes its unnormalized accumulator, running max and sum, and
+``combine_splits_kernel`` merges the tile's ``cdiv(work_len, work_chunk)`` splits. Programs past a tile's
+last split store nothing, so no split is empty. Split counts are run-time values: a decode whose split
 count changes as its context grows compiles nothing new.
 
 Every kernel is the one the CUDA path runs; the CPU tests run the same source in Triton's interpreter.
+Offsets that scale with the pool or the batch (cache rows, query rows, partials) are int64.
 """
 
 from __future__ import annotations
@@ -26,36 +33,37 @@ import triton.language as tl
 
 
 @triton.jit
-def _rotate(x1, x2, table_row, cos_ptr, sin_ptr, cols, col_ok, HEAD_DIM: tl.constexpr):
-    """Rotate ``[rows, HALF_PAD]`` halves by the float32 table rows ``table_row`` ``[rows]``; float32 out.
-    Both halves of a rotate-half table row are equal (``RopeTable`` checks), so one is read."""
-    at = table_row[:, None] * HEAD_DIM + cols[None, :]
+def _rotate(x1, x2, table_row, cos_ptr, sin_ptr, cols, col_ok, HALF: tl.constexpr):
+    """Rotate ``[rows, HALF_PAD]`` halves by the half-table rows ``table_row`` ``[rows]``; float32 out."""
+    at = table_row[:, None] * HALF + cols[None, :]
     ok = col_ok[None, :]
-    c = tl.load(cos_ptr + at, mask=ok, other=0.0)
-    s = tl.load(sin_ptr + at, mask=ok, other=0.0)
+    c = tl.load(cos_ptr + at, mask=ok, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + at, mask=ok, other=0.0).to(tl.float32)
     x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
     return x1 * c - x2 * s, x2 * c + x1 * s
 
 
 # Arguments that change from step to step as tables grow: not specialized (a value of 1 or a multiple of
 # 16 would otherwise compile another variant mid-generation).
-@triton.jit(do_not_specialize=["stride_table", "stride_kv_pos", "window"])
+@triton.jit(do_not_specialize=["stride_table", "stride_kv_pos", "stride_work", "window"])
 def paged_attention_kernel(
     q_ptr,  # [N, Hq, D] NoPE queries
     k_ptr,  # [num_blocks * block_size, Hkv, D] NoPE K rows of one layer
     v_ptr,  # [num_blocks * block_size, Hkv, D]
-    out_ptr,  # [N, Hq, D], or with SPLIT_KV the partial accumulators [T, Hkv, num_splits, BLOCK_M, D_PAD] fp32
-    part_ml_ptr,  # [T, Hkv, num_splits, 2, BLOCK_M] fp32 running max (log2 units) and sum (SPLIT_KV)
-    cos_ptr,  # [R, D] float32
-    sin_ptr,  # [R, D] float32
+    out_ptr,  # [N, Hq, D], or with SPLIT_KV the partial accumulators [T, Hkv, max_splits, BLOCK_M, D_PAD] fp32
+    part_ml_ptr,  # [T, Hkv, max_splits, 2, BLOCK_M] fp32 running max (log2 units) and sum (SPLIT_KV)
+    cos_ptr,  # [R, D // 2] model dtype: one half of the rotate-half table
+    sin_ptr,  # [R, D // 2]
     rope_off_ptr,  # [B] int32 table row of position 0 per sequence
     tile_seq_ptr,  # [T] int32 sequence of each tile
     tile_row_ptr,  # [T] int32 first query row of each tile
     cu_q_ptr,  # [B + 1] int32 query rows per sequence
     q_pos_ptr,  # [N] int32 query positions
-    tables_ptr,  # [B, max_blocks] int32 block tables
-    kv_pos_ptr,  # [B, S] int32 slot positions, -1 = never attended
-    kv_len_ptr,  # [B] int32 slots in each sequence's table
+    tables_ptr,  # [B, S // PAGE] int32 block tables (padded with block 0 to the slots)
+    kv_pos_ptr,  # [B, S] int32 slot positions, -1 = never attended (S a multiple of BLOCK_N)
+    work_ptr,  # [T, W] int32 KV tiles each query tile visits, in slot order (the first work_len)
+    work_len_ptr,  # [T] int32
+    work_chunk_ptr,  # [T] int32 KV tiles per split (SPLIT_KV)
     stride_qn,
     stride_qh,
     stride_kr,
@@ -66,6 +74,7 @@ def paged_attention_kernel(
     stride_oh,
     stride_table,
     stride_kv_pos,
+    stride_work,
     sm_scale_log2,  # softmax scale * log2(e)
     window,  # sliding window (used when HAS_WINDOW)
     GROUP: tl.constexpr,
@@ -82,11 +91,11 @@ def paged_attention_kernel(
     tile, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     HALF: tl.constexpr = HEAD_DIM // 2
     seq = tl.load(tile_seq_ptr + tile)
-    q_end = tl.load(cu_q_ptr + seq + 1)
     rope_off = tl.load(rope_off_ptr + seq)
     rows = tl.arange(0, BLOCK_M)
     q_row = tl.load(tile_row_ptr + tile) + rows // GROUP
-    row_ok = (rows < (BLOCK_M // GROUP) * GROUP) & (q_row < q_end)
+    row_ok = (rows < (BLOCK_M // GROUP) * GROUP) & (q_row < tl.load(cu_q_ptr + seq + 1))
+    q_row = q_row.to(tl.int64)
     head = kv_head * GROUP + rows % GROUP
     cols = tl.arange(0, HALF_PAD)
     col_ok = cols < HALF
@@ -95,76 +104,78 @@ def paged_attention_kernel(
     q1 = tl.load(q_at, mask=q_ok, other=0.0)
     q2 = tl.load(q_at + HALF, mask=q_ok, other=0.0)
     q_pos = tl.load(q_pos_ptr + q_row, mask=row_ok, other=0)
-    q1, q2 = _rotate(q1, q2, rope_off + q_pos, cos_ptr, sin_ptr, cols, col_ok, HEAD_DIM)
+    q1, q2 = _rotate(q1, q2, rope_off + q_pos, cos_ptr, sin_ptr, cols, col_ok, HALF)
     dot_dtype = q_ptr.dtype.element_ty
     q1, q2 = (q1 * sm_scale_log2).to(dot_dtype), (q2 * sm_scale_log2).to(dot_dtype)
-    q_max = tl.max(tl.where(row_ok, q_pos, -1))
-    q_min = tl.min(tl.where(row_ok, q_pos, 2147483647))
 
     d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-    kv_len = tl.load(kv_len_ptr + seq)
-    num_tiles = tl.cdiv(kv_len, BLOCK_N)
-    num_splits = tl.num_programs(2)  # a run-time value: a new split count compiles nothing
-    per_split = tl.cdiv(num_tiles, num_splits)
-    for kv_tile in range(split * per_split, tl.minimum(num_tiles, (split + 1) * per_split)):
-        slots = kv_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        slot_ok = slots < kv_len
-        k_pos = tl.load(kv_pos_ptr + seq * stride_kv_pos + slots, mask=slot_ok, other=-1)
+    n_work = tl.load(work_len_ptr + tile)
+    if SPLIT_KV:
+        chunk = tl.load(work_chunk_ptr + tile)
+        start = split * chunk
+        end = tl.minimum(n_work, start + chunk)
+    else:
+        start, end = 0, n_work
+    work = work_ptr + tile.to(tl.int64) * stride_work
+    kv_pos = kv_pos_ptr + seq.to(tl.int64) * stride_kv_pos
+    table = tables_ptr + seq.to(tl.int64) * stride_table
+    offs_n = tl.arange(0, BLOCK_N)
+    for i in range(start, end):  # branch-free: addresses depend on i only, so the loads pipeline
+        slots = tl.load(work + i) * BLOCK_N + offs_n
+        k_pos = tl.load(kv_pos + slots)
         written = k_pos >= 0
-        first = tl.min(tl.where(written, k_pos, 2147483647))
-        live = first <= q_max
+        row = tl.load(table + slots // PAGE).to(tl.int64) * PAGE + slots % PAGE
+        k_at = k_ptr + row[:, None] * stride_kr + kv_head * stride_kh + cols[None, :]
+        k_ok = written[:, None] & col_ok[None, :]
+        k1 = tl.load(k_at, mask=k_ok, other=0.0)
+        k2 = tl.load(k_at + HALF, mask=k_ok, other=0.0)
+        v_at = v_ptr + row[:, None] * stride_vr + kv_head * stride_vh + d[None, :]
+        v = tl.load(v_at, mask=written[:, None] & d_ok[None, :], other=0.0)
+        k1, k2 = _rotate(k1, k2, rope_off + tl.maximum(k_pos, 0), cos_ptr, sin_ptr, cols, col_ok, HALF)
+        s = tl.dot(q1, tl.trans(k1.to(dot_dtype)), input_precision=DOT_PRECISION)
+        s += tl.dot(q2, tl.trans(k2.to(dot_dtype)), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N], log2
+        allowed = written[None, :] & (k_pos[None, :] <= q_pos[:, None]) & row_ok[:, None]
         if HAS_WINDOW:
-            live = live & (tl.max(k_pos) > q_min - window)
-        if live:
-            block = tl.load(tables_ptr + seq * stride_table + slots // PAGE, mask=slot_ok, other=0)
-            row = block.to(tl.int64) * PAGE + slots % PAGE  # int64: rows * stride passes 2**31 on big pools
-            k_at = k_ptr + row[:, None] * stride_kr + kv_head * stride_kh + cols[None, :]
-            k_ok = written[:, None] & col_ok[None, :]
-            k1 = tl.load(k_at, mask=k_ok, other=0.0)
-            k2 = tl.load(k_at + HALF, mask=k_ok, other=0.0)
-            k1, k2 = _rotate(k1, k2, rope_off + tl.maximum(k_pos, 0), cos_ptr, sin_ptr, cols, col_ok, HEAD_DIM)
-            k1, k2 = k1.to(dot_dtype), k2.to(dot_dtype)
-            s = tl.dot(q1, tl.trans(k1), input_precision=DOT_PRECISION)
-            s += tl.dot(q2, tl.trans(k2), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N], log2 units
-            allowed = written[None, :] & (k_pos[None, :] <= q_pos[:, None]) & row_ok[:, None]
-            if HAS_WINDOW:
-                allowed = allowed & (k_pos[None, :] > q_pos[:, None] - window)
-            s = tl.where(allowed, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing allowed yet
-            p = tl.exp2(s - m_safe[:, None])
-            alpha = tl.exp2(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v_at = v_ptr + row[:, None] * stride_vr + kv_head * stride_vh + d[None, :]
-            v = tl.load(v_at, mask=written[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            m_i = m_new
+            allowed = allowed & (k_pos[None, :] > q_pos[:, None] - window)
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing allowed yet
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
 
     if not SPLIT_KV:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         o_at = out_ptr + q_row[:, None] * stride_on + head[:, None] * stride_oh + d[None, :]
-        tl.store(o_at, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (d[None, :] < HEAD_DIM))
+        tl.store(o_at, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     else:
-        part = (tile * tl.num_programs(1) + kv_head) * num_splits + split
-        tl.store(out_ptr + (part * BLOCK_M + rows[:, None]) * D_PAD + d[None, :], acc)
-        tl.store(part_ml_ptr + part * 2 * BLOCK_M + rows, m_i)
-        tl.store(part_ml_ptr + part * 2 * BLOCK_M + BLOCK_M + rows, l_i)
+        used = rows < tl.where(start < end, BLOCK_M, 0)  # a program past its tile's last split stores nothing
+        part = ((tile * tl.num_programs(1) + kv_head) * tl.num_programs(2) + split).to(tl.int64)
+        acc_at = out_ptr + (part * BLOCK_M + rows[:, None]) * D_PAD + d[None, :]
+        tl.store(acc_at, acc, mask=used[:, None] & (d[None, :] < D_PAD))
+        tl.store(part_ml_ptr + part * 2 * BLOCK_M + rows, m_i, mask=used)
+        tl.store(part_ml_ptr + part * 2 * BLOCK_M + BLOCK_M + rows, l_i, mask=used)
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit
 def combine_splits_kernel(
-    part_acc_ptr,  # [T, Hkv, num_splits, BLOCK_M, D_PAD] fp32
-    part_ml_ptr,  # [T, Hkv, num_splits, 2, BLOCK_M] fp32
+    part_acc_ptr,  # [T, Hkv, max_splits, BLOCK_M, D_PAD] fp32
+    part_ml_ptr,  # [T, Hkv, max_splits, 2, BLOCK_M] fp32
     out_ptr,  # [N, Hq, D]
     tile_seq_ptr,
     tile_row_ptr,
     cu_q_ptr,
+    work_len_ptr,  # [T] int32
+    work_chunk_ptr,  # [T] int32
     stride_on,
     stride_oh,
-    num_splits,
+    max_splits,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
@@ -177,8 +188,10 @@ def combine_splits_kernel(
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    num_splits = tl.cdiv(tl.load(work_len_ptr + tile), tl.load(work_chunk_ptr + tile))
+    first = (tile * tl.num_programs(1) + kv_head).to(tl.int64) * max_splits
     for split in range(num_splits):
-        part = (tile * tl.num_programs(1) + kv_head) * num_splits + split
+        part = first + split
         m_s = tl.load(part_ml_ptr + part * 2 * BLOCK_M + rows)
         l_s = tl.load(part_ml_ptr + part * 2 * BLOCK_M + BLOCK_M + rows)
         acc_s = tl.load(part_acc_ptr + (part * BLOCK_M + rows[:, None]) * D_PAD + d[None, :])
@@ -193,7 +206,7 @@ def combine_splits_kernel(
     row_ok = (rows < (BLOCK_M // GROUP) * GROUP) & (q_row < tl.load(cu_q_ptr + seq + 1))
     head = kv_head * GROUP + rows % GROUP
     out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
-    o_at = out_ptr + q_row[:, None] * stride_on + head[:, None] * stride_oh + d[None, :]
+    o_at = out_ptr + q_row.to(tl.int64)[:, None] * stride_on + head[:, None] * stride_oh + d[None, :]
     tl.store(o_at, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (d[None, :] < HEAD_DIM))
 
 
@@ -212,7 +225,7 @@ def store_kv_kernel(
     BLOCK: tl.constexpr,
 ):
     """Write token ``i``'s K and V into cache row ``rows[i]``: one launch for both."""
-    token = tl.program_id(0)
+    token = tl.program_id(0).to(tl.int64)
     row = tl.load(rows_ptr + token)
     for start in range(0, WIDTH, BLOCK):
         cols = start + tl.arange(0, BLOCK)

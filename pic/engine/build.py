@@ -47,6 +47,7 @@ def build_core(
         device=spec.device, block_size=config.block_size, kv_pool_tokens=config.kv_pool_tokens,
         memory_fraction=config.kv_memory_fraction,
     )  # fmt: skip
+    runner.attention_backend.precompile(cache.k[0], cache.v[0])  # every kernel variant, before any request
     tiers = TieredStore.from_config(store, device=DeviceTier(pool, cache), expected=expected)
     linker = Linker(
         pool, cache, tiers, spec, block_size=config.block_size, share_chunk_blocks=config.share_chunk_blocks

@@ -1,0 +1,76 @@
+"""The Triton backend's launches: one function per kernel launch, shared by serving and by precompiling
+(``warmup=True`` compiles through the JIT's own launch path, so a variant compiles exactly as it runs)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from pic.attention.triton_kernels import combine_splits_kernel, paged_attention_kernel, store_kv_kernel
+from pic.attention.triton_plan import TritonPlan, TritonTiles
+
+
+def pow2(n: int, *, at_least: int = 16) -> int:
+    """The next power of two of ``n``, at least ``at_least`` (a ``tl.dot`` needs 16)."""
+    return max(at_least, triton.next_power_of_2(n))
+
+
+def launch_store(k_rows, v_rows, rows, k, v, *, warmup: bool = False):
+    """``store_kv_kernel`` over ``rows`` (shapes as in ``TritonBackend.store``); ``warmup``: compile only."""
+    k, v = k.reshape(k.shape[0], -1), v.reshape(v.shape[0], -1)
+    width = k.shape[1]
+    args = (k, v, k_rows, v_rows, rows, k.stride(0), v.stride(0), k_rows.stride(0), v_rows.stride(0))
+    grid = (rows.shape[0],)
+    options = dict(WIDTH=width, BLOCK=min(1024, pow2(width)))
+    if warmup:
+        return store_kv_kernel.warmup(*args, grid=grid, **options)
+    return store_kv_kernel[grid](*args, **options)
+
+
+def launch_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    plan: TritonPlan,
+    tiles: TritonTiles,
+    *,
+    scaling: float,
+    window: int | None,
+    warmup: bool = False,
+) -> list:
+    """One launch of ``paged_attention_kernel`` over ``tiles`` (and ``combine_splits_kernel`` after a split one);
+    shapes as in ``TritonBackend.attend``. ``warmup``: compile only, returning the compiled kernels."""
+    page, num_kv_heads, head_dim = k_cache.shape[1:]
+    for table in (plan.cos, plan.sin):  # the kernel reads half-table rows at row * (head_dim // 2), in q's dtype
+        assert table.is_contiguous() and table.shape[1] == head_dim // 2 and table.dtype == q.dtype, table.shape
+    launch, work = tiles.launch, tiles.work[window]
+    d_pad, splits = pow2(head_dim), work.max_splits
+    k_rows, v_rows = k_cache.flatten(0, 1), v_cache.flatten(0, 1)  # [num_blocks * page, Hkv, D]
+    grid = (tiles.num_tiles, num_kv_heads, splits)
+    target, part_ml = (plan.split_acc, plan.split_ml) if launch.split else (out, out)  # part_ml unread unsplit
+    args = (
+        q, k_rows, v_rows, target, part_ml, plan.cos, plan.sin, plan.rope_off,
+        tiles.seq, tiles.row, plan.cu_q, plan.q_pos, plan.tables, plan.kv_pos, work.ids, work.lens, work.chunk,
+        q.stride(0), q.stride(1), k_rows.stride(0), k_rows.stride(1), v_rows.stride(0), v_rows.stride(1),
+        out.stride(0), out.stride(1), plan.tables.stride(0), plan.kv_pos.stride(0), work.ids.stride(0),
+        scaling * 1.4426950408889634, window or 0,
+    )  # fmt: skip
+    options = dict(
+        GROUP=q.shape[1] // num_kv_heads, HEAD_DIM=head_dim, HALF_PAD=pow2(head_dim // 2), D_PAD=d_pad,
+        BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, PAGE=page, SPLIT_KV=launch.split, HAS_WINDOW=window is not None,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else None, num_warps=launch.num_warps,
+        num_stages=launch.num_stages, maxnreg=launch.max_registers,
+    )  # fmt: skip
+    combine_args = (target, part_ml, out, tiles.seq, tiles.row, plan.cu_q, work.lens, work.chunk)
+    combine_args += (out.stride(0), out.stride(1), splits)
+    combine_options = dict(GROUP=options["GROUP"], HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_M=launch.block_m)
+    if warmup:
+        compiled = [paged_attention_kernel.warmup(*args, grid=grid, **options)]
+        if launch.split:
+            compiled.append(combine_splits_kernel.warmup(*combine_args, grid=grid[:2], **combine_options))
+        return compiled
+    paged_attention_kernel[grid](*args, **options)
+    if launch.split:
+        combine_splits_kernel[grid[:2]](*combine_args, **combine_options)
+    return []
