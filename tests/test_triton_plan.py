@@ -114,9 +114,9 @@ def test_tiles_outside_the_window_are_never_read():
                      device=DEVICE)  # fmt: skip
     reference = TorchBackend(case.shape(window))
     expected = _attend(case, reference, reference.plan(case.batch), window)
-    kernel = triton_backend.TritonBackend(case.shape(window), block_n=block_n)
-    plan = kernel.plan(case.batch)
     poisoned = case.cast(torch.float32)
+    kernel = triton_backend.TritonBackend(poisoned.shape(window), block_n=block_n)
+    plan = kernel.plan(case.batch)
     page = case.k_cache.shape[1]
     for b in range(2):
         q = int(case.batch.q_positions[b])
