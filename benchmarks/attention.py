@@ -10,7 +10,9 @@ reads NoPE K and V from the paged cache by block table (blocks shuffled over the
 the kernel. The baseline is ``F.scaled_dot_product_attention`` under ``sdpa_kernel(SDPBackend.FLASH_ATTENTION)`` over
 the same K already rotated and laid out contiguous per sequence, ``[B, Hkv, L, D]`` (GQA by ``enable_gqa``; the
 prefill's mask is ``causal_lower_right``): what attention costs when K needs no rotation and no block table. The
-torch reference backend is timed where its gathered temporaries stay small (batch x context <= --ref-max-slots).
+torch reference backend is timed where its gathered temporaries stay small (batch x context <= --ref-max-slots),
+and pic's kernel once more over a cache holding K already rotated (``pic_k_prerotated``): paging alone, so that
+``pic / pic_k_prerotated`` is what rotating K inside the kernel costs.
 Each case's alternatives are timed in turn, round after round (--rounds), each time by ``triton.testing.do_bench``
 (GPU time between CUDA events, L2 flushed before every call, median of its calls; a call's host work overlaps the
 flush); the medians over the rounds and pic / SDPA are reported, with TFLOP/s and KV bytes read per second. Beside
@@ -73,6 +75,7 @@ class Inputs:
     q_rot: torch.Tensor  # [B, Hq, n, D] rotated queries (SDPA's)
     k_rot: torch.Tensor  # [B, Hkv, L, D] rotated K, contiguous (SDPA's)
     v: torch.Tensor  # [B, Hkv, L, D] contiguous (SDPA's)
+    k_cache_rotated: torch.Tensor  # [B * L / page, page, Hkv, D] k_rot paged like k_cache (pic, K pre-rotated)
 
 
 def make_inputs(case: Case, args: argparse.Namespace, rope: RopeTable, device: torch.device) -> Inputs:
@@ -100,7 +103,11 @@ def make_inputs(case: Case, args: argparse.Namespace, rope: RopeTable, device: t
         k_rot[b] = apply_rope(k_cache[tables[b]].flatten(0, 1).float(), cos, sin).transpose(0, 1)
         v[b] = v_cache[tables[b]].flatten(0, 1).transpose(0, 1)
     q_rot = apply_rope(q.view(batch, n, heads_q, dim).float(), cos[q_pos], sin[q_pos]).to(dtype)
-    return Inputs(q, k_cache, v_cache, tables, described, q_rot.transpose(1, 2).contiguous(), k_rot, v)
+    k_cache_rotated = torch.empty_like(k_cache)
+    for b in range(batch):
+        k_cache_rotated[tables[b]] = k_rot[b].transpose(0, 1).reshape(-1, args.page, heads_kv, dim)
+    q_rot = q_rot.transpose(1, 2).contiguous()
+    return Inputs(q, k_cache, v_cache, tables, described, q_rot, k_rot, v, k_cache_rotated)
 
 
 def exact(inp: Inputs, case: Case, rope: RopeTable, scaling: float) -> torch.Tensor:
@@ -137,11 +144,14 @@ def alternatives(inp: Inputs, case: Case, args: argparse.Namespace) -> dict[str,
 
     heads_q, heads_kv, dim = args.heads
     shape = AttentionShape(heads_q, heads_kv, dim, args.dtype)
-    kernel = TritonBackend(shape)
-    plan = kernel.plan(inp.batch)  # once per forward in the engine: not timed
+    kernel, paging = TritonBackend(shape), TritonBackend(shape, k_is_rotated=True)
+    plan, paging_plan = kernel.plan(inp.batch), paging.plan(inp.batch)  # once per forward in the engine: not timed
     fns = {
         "pic": lambda: kernel.attend(inp.q, inp.k_cache, inp.v_cache, plan, scaling=scaling, sliding_window=None),
         "sdpa_flash" if inp.q.is_cuda else "sdpa": sdpa,
+        "pic_k_prerotated": lambda: paging.attend(
+            inp.q, inp.k_cache_rotated, inp.v_cache, paging_plan, scaling=scaling, sliding_window=None
+        ),  # the same kernel without rotating K: what paging alone costs
     }
     if case.batch * case.context <= args.ref_max_slots:
         reference = TorchBackend(shape)
@@ -213,6 +223,7 @@ def run_case(case: Case, args: argparse.Namespace, rope: RopeTable) -> dict:
         "pic_over_sdpa": med["pic"] / med[baseline] if baseline in med else None,
         "back_to_back_ms": warm,
         "pic_over_sdpa_back_to_back": warm["pic"] / warm[baseline] if baseline in warm else None,
+        "pic_over_pic_k_prerotated": med["pic"] / med["pic_k_prerotated"],  # what rotating K costs
         "rel_error": errors,
         "tflop_per_s": {name: flops / ms / 1e9 for name, ms in med.items()},
         "kv_read_tb_per_s": {name: kv_bytes / ms / 1e9 for name, ms in med.items()},
@@ -291,8 +302,10 @@ def main() -> None:
         row = rows[-1]
         cells = ", ".join(f"{k} {v:.3f} ms (err {row['rel_error'][k]:.1e})" for k, v in row["median_ms"].items())
         ratio, warm = row["pic_over_sdpa"] or float("nan"), row["pic_over_sdpa_back_to_back"] or float("nan")
+        rotation = row["pic_over_pic_k_prerotated"]
         print(
-            f"{case.mode:7} L={case.context:6} B={case.batch:3}: {cells}; pic/sdpa {ratio:.2f}, back to back {warm:.2f}"
+            f"{case.mode:7} L={case.context:6} B={case.batch:3}: {cells}; pic/sdpa {ratio:.2f}, "
+            f"back to back {warm:.2f}, rotation {rotation:.2f}"
         )
         if args.device.type == "cuda":
             torch.cuda.empty_cache()

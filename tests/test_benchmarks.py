@@ -136,12 +136,14 @@ def test_attention_benchmark_writes_json(tmp_path):
     assert cases == [(m, c, b, 16 if m == "prefill" else 1) for c in (64, 128) for m, b in
                      (("prefill", 1), ("decode", 1), ("decode", 2))]  # fmt: skip
     for case in report["cases"]:
-        assert list(case["median_ms"]) == list(case["rel_error"]) == ["pic", "sdpa", "torch_reference"]
+        names = ["pic", "sdpa", "pic_k_prerotated", "torch_reference"]
+        assert list(case["median_ms"]) == list(case["rel_error"]) == names
         assert all(len(times) == 1 for times in case["rounds_ms"].values())
         assert case["pic_over_sdpa"] == case["median_ms"]["pic"] / case["median_ms"]["sdpa"]
         warm = case["back_to_back_ms"]  # 2 calls in a row, no flush
         assert list(warm) == list(case["median_ms"]) and all(ms > 0 for ms in warm.values())
         assert case["pic_over_sdpa_back_to_back"] == warm["pic"] / warm["sdpa"]
+        assert case["pic_over_pic_k_prerotated"] == case["median_ms"]["pic"] / case["median_ms"]["pic_k_prerotated"]
         assert all(0 < e <= 1e-2 for e in case["rel_error"].values()), case["rel_error"]
     assert report["pic_within_target"] and report["max_pic_rel_error"] <= report["error_target"] == 1e-2
     assert (tmp_path / "attention.png").exists() or "matplotlib is not installed" in proc.stdout

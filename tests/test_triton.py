@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import pic
-from pic.attention import AttentionShape, TorchBackend, select_backend
+from pic.attention import AttentionShape, TorchBackend, apply_rope, select_backend
 from tests.attention_cases import make_case, rel_error, rope_table
 from tests.conftest import make_target_engine
 from tests.models import DOCS, PREFIX, QUERY
@@ -185,3 +185,26 @@ def test_engine_precompiles_its_kernels_at_start(monkeypatch):
     ((k_shape, v_shape, dtype),) = calls
     assert k_shape == v_shape and k_shape[1:] == (engine.config.block_size, spec.num_kv_heads, spec.head_dim)
     assert dtype == torch.float32 and k_shape[0] > 1
+
+
+def test_kernel_over_pre_rotated_k_only_pages():
+    """``k_is_rotated`` (benchmarks: paging without rotation): over a cache holding each written slot's K
+    rotated at its position, the kernel gives what it gives over NoPE K."""
+    case = make_case(seqs=SEQS, num_q_heads=8, num_kv_heads=2, head_dim=16, page=4, shuffled=True, device=DEVICE)
+    batch, page = case.batch, case.k_cache.shape[1]
+    rotated = case.k_cache.clone()
+    for b in range(batch.kv_positions.shape[0]):
+        positions = batch.kv_positions[b]
+        slots = (positions >= 0).nonzero().flatten()
+        rows = batch.block_tables[b][slots // page] * page + slots % page
+        at = batch.rope_offsets[b] + positions[slots]
+        k = rotated.view(-1, *rotated.shape[2:])[rows]  # [n, Hkv, D]
+        cos, sin = batch.rope_cos[at].double(), batch.rope_sin[at].double()
+        rotated.view(-1, *rotated.shape[2:])[rows] = apply_rope(k, cos, sin)
+    c = case.cast(torch.float32)
+    nope = triton_backend.TritonBackend(c.shape(), block_n=16)
+    paging = triton_backend.TritonBackend(c.shape(), block_n=16, k_is_rotated=True)
+    expected = nope.attend(c.q, c.k_cache, c.v_cache, nope.plan(c.batch), scaling=c.scaling, sliding_window=None)
+    k_rot = rotated.float()
+    out = paging.attend(c.q, k_rot, c.v_cache, paging.plan(c.batch), scaling=c.scaling, sliding_window=None)
+    assert rel_error(out, expected) <= 1e-5

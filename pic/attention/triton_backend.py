@@ -65,6 +65,9 @@ class TritonBackend(AttentionBackend[TritonPlan]):
             occupancy, per forward, each split of ``MIN_TILES_PER_SPLIT`` tiles or more.
         capability: the CUDA compute capability to launch for (``None``: the device's, read at the first
             plan; ``(0, 0)`` in the interpreter).
+        k_is_rotated: the cache holds K already rotated at its slots' positions, so the kernel only pages it
+            (``benchmarks/attention.py`` separates the cost of rotation from that of paging; pic's caches hold
+            NoPE K, so the engine never sets it).
     """
 
     name = "triton"
@@ -77,6 +80,7 @@ class TritonBackend(AttentionBackend[TritonPlan]):
         prefill_block_m: int | None = None,
         num_splits: int | None = None,
         capability: tuple[int, int] | None = None,
+        k_is_rotated: bool = False,
     ) -> None:
         super().__init__(shape)
         assert shape.head_dim % 2 == 0, shape
@@ -85,6 +89,7 @@ class TritonBackend(AttentionBackend[TritonPlan]):
         self.decode_block_m = pow2(self.group)
         self.decode_blocks_per_sm = ASSUMED_DECODE_BLOCKS_PER_SM
         self.capability = capability
+        self.rotate_k = not k_is_rotated
         self._halves: tuple[torch.Tensor, ...] = ()  # the last rotary table and its halves in the model dtype
 
     def launches(self, device: torch.device) -> dict[str, Launch]:
@@ -104,7 +109,10 @@ class TritonBackend(AttentionBackend[TritonPlan]):
     def _decode_launch(self, split: bool) -> Launch:
         # ptxas caps some decode variants at 128 registers and spills; 168 leaves room and 3 programs per SM.
         block_n = self.block_n or 32
-        return Launch(block_m=self.decode_block_m, block_n=block_n, num_warps=4, split=split, max_registers=168)
+        return Launch(
+            block_m=self.decode_block_m, block_n=block_n, num_warps=4, split=split, max_registers=168,
+            rotate_k=self.rotate_k,
+        )  # fmt: skip
 
     def _prefill_launch(self, device: torch.device, *, rows: int) -> Launch:
         block_m = self.prefill_block_m
@@ -113,9 +121,8 @@ class TritonBackend(AttentionBackend[TritonPlan]):
             block_m = 128 if big else 64
         block_m = max(block_m, self.decode_block_m)
         big = block_m >= 128
-        return Launch(
-            block_m=block_m, block_n=self.block_n or (64 if big else 32), num_warps=8 if big else 4, split=False
-        )
+        block_n = self.block_n or (64 if big else 32)
+        return Launch(block_m=block_m, block_n=block_n, num_warps=8 if big else 4, split=False, rotate_k=self.rotate_k)
 
     def plan(self, batch: AttentionBatch) -> TritonPlan:
         device = batch.q_positions.device

@@ -87,6 +87,7 @@ def paged_attention_kernel(
     SPLIT_KV: tl.constexpr,  # write partials for combine_splits_kernel (the number of splits is grid axis 2)
     HAS_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs (no TF32), else None (the default)
+    ROTATE_K: tl.constexpr = True,  # False: the cache holds K already rotated (benchmarks: paging without rotation)
 ):
     tile, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -135,7 +136,8 @@ def paged_attention_kernel(
         k2 = tl.load(k_at + HALF, mask=k_ok, other=0.0)
         v_at = v_ptr + row[:, None] * stride_vr + kv_head * stride_vh + d[None, :]
         v = tl.load(v_at, mask=written[:, None] & d_ok[None, :], other=0.0)
-        k1, k2 = _rotate(k1, k2, rope_off + tl.maximum(k_pos, 0), cos_ptr, sin_ptr, cols, col_ok, HALF)
+        if ROTATE_K:
+            k1, k2 = _rotate(k1, k2, rope_off + tl.maximum(k_pos, 0), cos_ptr, sin_ptr, cols, col_ok, HALF)
         s = tl.dot(q1, tl.trans(k1.to(dot_dtype)), input_precision=DOT_PRECISION)
         s += tl.dot(q2, tl.trans(k2.to(dot_dtype)), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N], log2
         allowed = written[None, :] & (k_pos[None, :] <= q_pos[:, None]) & row_ok[:, None]

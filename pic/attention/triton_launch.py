@@ -60,7 +60,7 @@ def launch_attention(
         GROUP=q.shape[1] // num_kv_heads, HEAD_DIM=head_dim, HALF_PAD=pow2(head_dim // 2), D_PAD=d_pad,
         BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, PAGE=page, SPLIT_KV=launch.split, HAS_WINDOW=window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None, num_warps=launch.num_warps,
-        num_stages=launch.num_stages, maxnreg=launch.max_registers,
+        num_stages=launch.num_stages, maxnreg=launch.max_registers, ROTATE_K=launch.rotate_k,
     )  # fmt: skip
     combine_args = (target, part_ml, out, tiles.seq, tiles.row, plan.cu_q, work.lens, work.chunk)
     combine_args += (out.stride(0), out.stride(1), splits)

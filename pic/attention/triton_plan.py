@@ -52,6 +52,7 @@ class Launch:
         split: flash-decoding partials, merged by ``combine_splits_kernel``.
         num_stages: KV tiles in flight in the software pipeline (async copies issued ahead).
         max_registers: per thread (PTX ``.maxnreg``; ``None``: ptxas chooses).
+        rotate_k: rotate K as it is read (``False``: the cache holds it rotated; benchmarks only).
     """
 
     block_m: int
@@ -60,6 +61,7 @@ class Launch:
     split: bool
     num_stages: int = 3
     max_registers: int | None = None
+    rotate_k: bool = True
 
 
 @dataclass(frozen=True)
