@@ -16,6 +16,7 @@ from tests.attention_cases import make_case, rel_error
 
 triton_backend = pytest.importorskip("pic.attention.triton_backend", reason="the test extra installs Triton")
 from pic.attention import triton_plan  # noqa: E402  (imports Triton)
+from tests.compile_kernels import jit_cache_sizes  # noqa: E402
 
 DEVICE = torch.device(os.environ.get("PIC_TEST_DEVICE", "cpu"))
 
@@ -173,14 +174,14 @@ def test_launches_and_rotary_halves():
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="compiles for the GPU under test")
 def test_precompiled_variants_are_the_ones_launched():
     """After ``precompile``, attending a batch of decodes and long recompute passes (the 128-row tile on
-    sm_90) compiles nothing: every launch finds its variant in the JIT's cache."""
+    sm_90), split as residency decides, compiles nothing: every launch finds its variant in the JIT's cache."""
     case = make_case(seqs=[(300, "all"), (40, "decode"), (200, "decode")], num_q_heads=8, num_kv_heads=2,
                      head_dim=64, page=16, device=DEVICE)  # fmt: skip
     c = case.cast(torch.bfloat16)
-    kernel = triton_backend.TritonBackend(c.shape(), num_splits=4)
+    kernel = triton_backend.TritonBackend(c.shape())
     compiled = kernel.precompile(c.k_cache, c.v_cache)
     assert {launch.name for launch in compiled} >= {"decode", "decode split", "prefill 64", "store"}
-    jit = triton_backend.paged_attention_kernel.device_caches[torch.cuda.current_device()][0]
-    before = set(jit)
-    out = _attend(c, kernel, kernel.plan(c.batch), None)
-    assert set(jit) == before and out.isfinite().all()
+    before = jit_cache_sizes()
+    plan = kernel.plan(c.batch)
+    out = _attend(c, kernel, plan, None)
+    assert plan.decode.launch.split and jit_cache_sizes() == before and out.isfinite().all()

@@ -213,7 +213,7 @@ class TritonBackend(AttentionBackend[TritonPlan]):
         device, shape = k_cache.device, self.shape
         page, num_kv_heads, head_dim = k_cache.shape[1:]
         plan = self.plan(warmup_batch(page=page, head_dim=head_dim, device=device))
-        parts = plan.decode.num_tiles * num_kv_heads * 2 * self.decode_block_m
+        parts = plan.decode.num_tiles * num_kv_heads * 2 * self.decode_block_m  # split scratch, never written here
         acc, ml = torch.empty(parts * pow2(head_dim), device=device), torch.empty(parts * 2, device=device)
         plan = replace(plan, split_acc=acc, split_ml=ml)
         q = torch.empty(plan.q_pos.shape[0], shape.num_q_heads, head_dim, dtype=shape.dtype, device=device)

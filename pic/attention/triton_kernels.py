@@ -165,7 +165,7 @@ def paged_attention_kernel(
         tl.store(part_ml_ptr + part * 2 * BLOCK_M + BLOCK_M + rows, l_i, mask=used)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["max_splits"])  # splits change with the batch: one variant for every count
 def combine_splits_kernel(
     part_acc_ptr,  # [T, Hkv, max_splits, BLOCK_M, D_PAD] fp32
     part_ml_ptr,  # [T, Hkv, max_splits, 2, BLOCK_M] fp32
