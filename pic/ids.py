@@ -46,7 +46,7 @@ def model_fingerprint(model: nn.Module) -> str:
 
 def chunk_id(fingerprint: str, token_ids: Sequence[int], options: CompileOptions) -> str:
     """Cache id (32 hex chars) of ``token_ids`` compiled by the model ``fingerprint`` with ``options``."""
-    key = msgpack.packb([KV_FORMAT_VERSION, fingerprint, options.model_dump(), list(token_ids)])
+    key = msgpack.packb([KV_FORMAT_VERSION, fingerprint, options.id_fields(), list(token_ids)])
     return hashlib.sha256(key).hexdigest()[:32]
 
 

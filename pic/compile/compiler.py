@@ -30,6 +30,13 @@ class WriteThrough(Protocol):
         lower tier holds it too."""
 
 
+def lead_tokens(options: CompileOptions, bos_token_id: int | None) -> list[int]:
+    """What a chunk's content is prefilled after: the extra BOS tokens and the context (both dropped from
+    the cached KV), then the chunk's own BOS (kept). No BOS at all when the model has none."""
+    bos = [] if bos_token_id is None else [bos_token_id]
+    return bos * options.num_extra_bos + list(options.context) + bos * options.add_bos
+
+
 def compile_chunks(
     runner: ModelRunner,
     todo: Mapping[str, list[int]],
@@ -59,10 +66,10 @@ def compile_chunks(
             is prefilled then).
         StoreUnavailableError: Redis failed (``on_redis_error="raise"``).
     """
-    num_lead_bos = options.add_bos + options.num_extra_bos if bos_token_id is not None else 0
+    lead = lead_tokens(options, bos_token_id)  # prefilled before every chunk's content
+    num_dropped = options.num_dropped
     sizes = [
-        prefill_blocks(len(t) + num_lead_bos, num_dropped=options.num_extra_bos, block_size=cache.block_size)
-        for t in todo.values()
+        prefill_blocks(len(lead) + len(t), num_dropped=num_dropped, block_size=cache.block_size) for t in todo.values()
     ]
     num_bytes = sum(len(t) + options.add_bos for t in todo.values()) * runner.spec.kv_bytes_per_token
     hold_new = not store.lower_can_fit(num_bytes, keep=keep)  # the pool keeps the only copy: hold them all
@@ -72,9 +79,8 @@ def compile_chunks(
     held = [b for cid in resident for b in pool.hold(cid)]
     try:
         for cid, tokens in tqdm(todo.items(), desc="pic compile", unit="chunk", disable=not progress):
-            lead = [bos_token_id] * num_lead_bos
-            blocks = prefill_chunk(runner, pool, cache, lead + tokens, num_dropped=options.num_extra_bos)
-            kept = torch.tensor((lead + tokens)[options.num_extra_bos :], dtype=torch.long)
+            blocks = prefill_chunk(runner, pool, cache, lead + tokens, num_dropped=num_dropped)
+            kept = torch.tensor((lead + tokens)[num_dropped:], dtype=torch.long)
             info = ChunkInfo(cache_id=cid, token_ids=kept, options=options)
             stored_below = store.add(info, blocks, keep=keep)
             if hold_new or not stored_below:

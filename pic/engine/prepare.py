@@ -20,13 +20,15 @@ from pic.link import policies
 from pic.model import ModelSpec
 
 
-def compile_options(policy: policies.Policy, *, add_bos: bool, bos_token_id: int | None) -> CompileOptions:
-    """The options chunks are compiled with for ``policy`` (part of their cache ids).
+def compile_options(
+    policy: policies.Policy, *, add_bos: bool, bos_token_id: int | None, context: Sequence[int] = ()
+) -> CompileOptions:
+    """The options chunks are compiled with for ``policy`` (part of their cache ids), after ``context``.
 
     Raises:
         PolicyError: a policy that needs extra BOS tokens with a tokenizer that has none.
     """
-    options = policy.compile_options(CompileOptions(add_bos=add_bos))
+    options = policy.compile_options(CompileOptions(add_bos=add_bos, context=tuple(context)))
     if bos_token_id is None:  # no BOS to add: normalise so ids do not depend on the flag
         if options.num_extra_bos:
             raise PolicyError(f"policy {policy.spec!r} needs extra BOS tokens but the tokenizer has no BOS token")
@@ -59,13 +61,13 @@ def documents(
         ContextLengthError: a document that leaves no room for its BOS tokens and a query token.
     """
     token_lists = encode_documents(tokenizer, docs, vocab_size=spec.vocab_size, max_chars=max_chars)
-    most = spec.max_context - options.add_bos - max(1, options.num_extra_bos)
+    most = spec.max_context - options.add_bos - max(1, options.num_dropped)
     for i, tokens in enumerate(token_lists):
         if len(tokens) > most:
             raise ContextLengthError(
                 f"document {i} has {len(tokens)} tokens; at most {most} fit the {spec.max_context}-token context "
-                f"of {spec.architecture} with its {options.add_bos + options.num_extra_bos} BOS tokens and at "
-                f"least one query token; split it into smaller chunks"
+                f"of {spec.architecture} with its {options.add_bos + options.num_extra_bos} BOS tokens, "
+                f"{len(options.context)} context tokens and at least one query token; split it into smaller chunks"
             )
     ids = [chunk_id(fingerprint, tokens, options) for tokens in token_lists]
     return Documents(ids=ids, tokens=dict(zip(ids, token_lists, strict=True)))
@@ -86,7 +88,9 @@ def prompt_ids(
         raise InvalidInputError(f"query {request.query!r} has no tokens; link needs at least one query token")
     if bos_token_id is not None and (prefix_ids or not request.cache_ids):
         (prefix_ids if prefix_ids else query_ids).insert(0, bos_token_id)
-    return Prompt(cache_ids=list(request.cache_ids), prefix_ids=prefix_ids, query_ids=query_ids)
+    return Prompt(
+        cache_ids=list(request.cache_ids), prefix_ids=prefix_ids, query_ids=query_ids, relevance=request.relevance
+    )
 
 
 class Preparer:
@@ -110,8 +114,27 @@ class Preparer:
     def policy(self, policy: str | policies.Policy | None) -> policies.Policy:
         return self.default_policy if policy is None else policies.resolve(policy)
 
-    def compile_options(self, policy: str | policies.Policy | None) -> CompileOptions:
-        return compile_options(self.policy(policy), add_bos=self.config.add_bos, bos_token_id=self.bos_token_id)
+    def compile_options(
+        self, policy: str | policies.Policy | None, *, context: TextOrTokens | None = None
+    ) -> CompileOptions:
+        context_ids = () if context is None else self.context_ids(context)
+        return compile_options(
+            self.policy(policy), add_bos=self.config.add_bos, bos_token_id=self.bos_token_id, context=context_ids
+        )
+
+    def context_ids(self, context: TextOrTokens) -> list[int]:
+        """The token ids of a compile context: text tokenized without special tokens, after the BOS when the
+        engine starts prompts with one (a context is a prompt's start, as a prefix is).
+
+        Raises:
+            InvalidInputError: an empty context, a bad token id or text.
+        """
+        ids = encode(self.tokenizer, context, what="context", vocab_size=self.spec.vocab_size, max_chars=self.max_chars)
+        if not ids:
+            raise InvalidInputError(f"context {context!r:.80} has no tokens; leave it out to compile without one")
+        if self.config.add_bos and self.bos_token_id is not None and ids[0] != self.bos_token_id:
+            ids.insert(0, self.bos_token_id)
+        return ids
 
     def new_request(
         self, request: Request, *, sink: OutputSink, sampling: SamplingParams | None, paced: bool = False
