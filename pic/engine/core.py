@@ -27,6 +27,7 @@ from pic.engine.request import NewRequest, OutputSink, RequestOutput
 from pic.engine.sampling import SamplingParams, sample_rows, seeded_generator
 from pic.engine.scheduler import ScheduledBatch, Scheduler
 from pic.engine.sequence import Sequence, Status, decode_inputs
+from pic.errors import PicError
 from pic.kv import BlockPool, KVCache
 from pic.model import ModelRunner
 from pic.store import TieredStore
@@ -168,15 +169,19 @@ class EngineCore:
         inputs = [seq.pass_.seq_input() for seq in batch.prefills] + decode_inputs(batch.decodes, device)
         try:
             hidden = self.runner.forward(inputs) if inputs else []
+            hidden, failed = self._second_passes(batch.prefills, hidden)
         except Exception as exc:  # the batch's requests fail; the engine and every other request go on
             log.exception("pic: a forward failed")
             return [self._finish(seq, exc) for seq in batch.prefills + batch.decodes]
+        outputs = [self._finish(seq, exc) for seq, exc in failed]
         self.num_steps += bool(inputs)
         self.num_batched_seqs += len(inputs)
         now = time.perf_counter()
         rows: list[tuple[Sequence, torch.Tensor]] = []
         parked = []
         for seq, h in zip(batch.prefills, hidden, strict=False):
+            if seq.is_finished:  # its policy failed on its probe
+                continue
             self.linker.pass_done(seq)
             seq.linked_s = seq.linked_s or now
             if seq.sampling is None:  # PIC.link: park with the query's hidden states (Linked.logits)
@@ -189,11 +194,33 @@ class EngineCore:
             seq.sink.put(link_output(seq, h))
         rows += [(seq, h[-1]) for seq, h in zip(batch.decodes, hidden[len(batch.prefills) :], strict=True)]
         rows += [(seq, seq.query_hidden[-1]) for seq in batch.resumed]
-        outputs = [self._finish(seq, FinishReason.LENGTH) for seq, _ in rows if seq.sampling.max_new_tokens == 0]
+        outputs += [self._finish(seq, FinishReason.LENGTH) for seq, _ in rows if seq.sampling.max_new_tokens == 0]
         rows = [(seq, h) for seq, h in rows if not seq.is_finished]
         for (seq, _), token in zip(rows, self._sample(rows), strict=True):
             outputs.append(self._append(seq, token))
         return outputs
+
+    def _second_passes(
+        self, prefills: list[Sequence], hidden: list[torch.Tensor]
+    ) -> tuple[list[torch.Tensor], list[tuple[Sequence, PicError]]]:
+        """After a forward that ran probes (query-aware policies): each policy chooses from its probe, and one
+        more forward runs the second passes together; their hidden states replace the probes' (none). Returns
+        the hidden states and the sequences whose policy failed on its probe (a malformed choice), with why."""
+        probed, failed = [], []
+        for i, seq in enumerate(prefills):
+            if seq.pass_.is_probe:
+                try:
+                    self.linker.after_probe(seq)
+                    probed.append(i)
+                except PicError as exc:
+                    failed.append((seq, exc))
+        if not probed:
+            return hidden, failed
+        second = self.runner.forward([prefills[i].pass_.seq_input() for i in probed])
+        hidden = list(hidden)
+        for i, h in zip(probed, second, strict=True):
+            hidden[i] = h
+        return hidden, failed
 
     def _sample(self, rows: Seq[tuple[Sequence, torch.Tensor]]) -> list[int]:
         """Each row's next token, with its sequence's options and generator; logits of these rows only."""

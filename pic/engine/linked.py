@@ -35,6 +35,8 @@ class Linked:
             copy: one physical copy serves every live request linking the chunk).
         num_private_blocks: blocks the request owns: prefix, query, and copies of chunk blocks it
             writes into (copy-on-write); decode blocks are added as it generates.
+        probe: for a query-aware policy, what the query saw in its probe pass (``pic.link.probe.Probe``:
+            the attention each token received from the query, per layer); ``None`` otherwise.
 
     The request's KV blocks are held until ``generate`` / ``stream`` finishes, ``release`` is
     called, the ``with`` block exits, or the object is garbage-collected. Any thread may use it.
@@ -58,6 +60,7 @@ class Linked:
         self.link_s = link_s
         self.num_shared_blocks = link.num_shared_blocks
         self.num_private_blocks = link.num_private_blocks
+        self.probe = link.probe
         self._engine = engine  # the Engine: kept alive while the request is (dropping it closes it)
         self._owner = owner
         self._request_id, self._block_ids = link.request_id, list(link.block_ids)

@@ -30,6 +30,7 @@ def link_output(seq: Sequence, hidden: torch.Tensor) -> LinkOutput:
         num_private_blocks=seq.num_private_blocks,
         block_ids=tuple(seq.kv.blocks),
         query_hidden=hidden,
+        probe=result.probe,
     )
 
 

@@ -98,7 +98,10 @@ class Scheduler:
         return preempted
 
     def _schedule_waiting(self, batch: ScheduledBatch, *, budget: int) -> None:
-        """Admit waiting sequences in order while the budget, the cap and the pool allow."""
+        """Admit waiting sequences in order while the budget, the cap and the pool allow. A query-aware
+        policy's sequence runs its probe and its second pass in this step: the blocks the second may copy
+        and its query's tokens are counted now."""
+        reserved = 0  # blocks set aside for the second passes of this step's probes
         while self.waiting and len(self.running) + len(batch.prefills) < self.max_num_seqs:
             seq = self.waiting[0]
             if seq.kv is not None:  # parked, generation starting: no blocks, no forward
@@ -110,14 +113,18 @@ class Scheduler:
             try:
                 plan = self.linker.plan(seq)
                 num_tokens = int(seq.selected.sum())
+                reserve = self.linker.probe_reserve(plan, seq)
+                if self.linker.probes(seq):
+                    num_tokens += plan.layout.query.num_tokens  # the second pass runs the query again
                 if busy and num_tokens > budget:
                     return
-                if not self.linker.can_admit(plan, seq):
+                if not self.linker.can_admit(plan, seq, reserved=reserved + reserve):
                     if busy:
                         return
                     self._drop_holds(keep=seq)
-                    self.linker.check_admit(plan, seq)  # raises KVPoolExhaustedError if it still does not fit
+                    self.linker.check_admit(plan, seq, reserved=reserved + reserve)  # KVPoolExhaustedError
                 self.linker.admit(plan, seq, num_output_rows=1 if seq.sampling else len(seq.query_ids))
+                reserved += reserve
             except PicError as exc:
                 self.waiting.popleft()
                 out_of_blocks = isinstance(exc, KVPoolExhaustedError) and seq.output_ids

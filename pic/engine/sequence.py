@@ -38,6 +38,7 @@ class Sequence:
         self.request_id = new.request_id
         prompt = new.prompt
         self.cache_ids, self.prefix_ids, self.query_ids = prompt.cache_ids, prompt.prefix_ids, prompt.query_ids
+        self.relevance = prompt.relevance
         self.policy, self.compile_options = new.policy, new.compile_options
         self.sampling: SamplingParams | None = new.sampling
         self.sink: OutputSink = new.sink
@@ -55,6 +56,12 @@ class Sequence:
         self.kv: RequestKV | None = None
         self.held: dict[str, list[int]] = {}  # chunk blocks kept while preempted
         self.pass_: RecomputePass | None = None  # the recompute pass of the current step
+        # Query-aware policies: the chunk tokens the probe chose (``[n]`` bool over the prompt's tokens before the
+        # query), kept so a preempted sequence runs the same second pass, not a new probe; and the probe pass's
+        # result until the second pass is done.
+        self.probed_chunks: torch.Tensor | None = None
+        self.probe_result: PassResult | None = None
+        self.shared_blocks: set[int] = set()  # table entries mapping a chunk's canonical block (no copy)
         self.next_slot: int | None = None  # the slot of the token a decode step runs
         self.first_pass: PassResult | None = None
         self.num_shared_blocks = self.num_private_blocks = 0
@@ -72,8 +79,10 @@ class Sequence:
         return len(self.prefix_ids) + sum(c.num_tokens for c in self.chunks or ()) + len(self.query_ids)
 
     def decode_position(self) -> int:
-        """The logical position of the token a decode step runs (the last one sampled)."""
-        return self.num_prompt_tokens + len(self.output_ids) - 1
+        """The logical position of the token a decode step runs (the last one sampled): after the laid-out
+        prompt (which holds the tokens generated before a preemption) and the tokens sampled since."""
+        num_laid_out = self.layout.num_tokens - self.num_prompt_tokens  # generated tokens in the layout
+        return self.layout.end_position + len(self.output_ids) - num_laid_out - 1
 
     @property
     def is_finished(self) -> bool:

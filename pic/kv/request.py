@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
+from pic.attention.ape import ContextScaling
 from pic.kv.block_pool import BlockPool
 from pic.kv.cache import KVCache
 from pic.kv.transfer import long_tensor
@@ -42,6 +43,8 @@ class RequestKV:
         self._released = False
         # What an attention backend derives from this KV and keeps between forwards (AttentionBatch.scratch).
         self.scratch: dict = {}
+        # APE (pic.attention.ape): the request's context scaling and its chunk slots, [num_blocks * block_size] bool.
+        self.context: tuple[ContextScaling, torch.Tensor] | None = None
 
     def physical(self, slots: torch.Tensor) -> torch.Tensor:
         """Request slots ``[n]`` int64 -> rows of the cache's ``[num_blocks * block_size, ...]`` views."""
@@ -61,8 +64,25 @@ class RequestKV:
             device = self.block_table.device
             self.block_table = torch.cat((self.block_table, long_tensor([block], device)))
             self.kv_positions = torch.cat((self.kv_positions, torch.full((bs,), -1, dtype=torch.long, device=device)))
+            if self.context is not None:
+                grown = torch.cat((self.context[1], torch.zeros(bs, dtype=torch.bool, device=device)))
+                self.context = (self.context[0], grown)
         self.num_slots += 1
         return self.num_slots - 1
+
+    def copy_on_write(self, indices: Sequence[int], fresh: Sequence[int]) -> None:
+        """Give the request private copies of the blocks at table ``indices``: each block's KV (every layer)
+        is copied into the matching ``fresh`` block (one reference each, taken for this request), which takes
+        its place in the table; the request's reference to the old block is dropped."""
+        if not indices:
+            return
+        old = [self.blocks[i] for i in indices]
+        self.cache.copy_blocks(old, list(fresh))
+        for i, block in zip(indices, fresh, strict=True):
+            self.blocks[i] = block
+        self.block_table = long_tensor(self.blocks, self.block_table.device)
+        self.scratch.clear()  # whatever a backend derived from the old blocks
+        self.pool.free(old)
 
     def release_held(self) -> None:
         """Drop the references to chunk blocks the request does not map (after the recompute pass)."""

@@ -7,27 +7,45 @@ from dataclasses import dataclass
 
 import torch
 
-from pic.kv import KVCache
+from pic.kv import KVCache, RequestKV
 from pic.kv.transfer import to_device
 from pic.link.assemble import Assembly
 from pic.link.layout import Layout
 from pic.link.policies import Policy
+from pic.link.probe import Probe, ProbeRecorder
 from pic.link.step import LayerStep
 from pic.model import SeqInput
+from pic.model.runner import LayerView
 
 
 @dataclass(frozen=True)
 class PassResult:
-    """What a recompute pass ran.
+    """What a recompute pass ran (for a query-aware policy: its probe and its second pass together).
 
     Attributes:
         recomputed: ``[T]`` bool (CPU), the tokens that ran the last layer fresh (for a static
             policy: every layer).
-        recomputed_by_layer: tokens run fresh in each layer, first layer first.
+        recomputed_by_layer: tokens run fresh in each layer, first layer first (a probe's included).
+        probe: what the query saw in the probe pass (query-aware policies), else ``None``.
+        num_probe_tokens: tokens the probe pass ran through every layer (0 without a probe).
     """
 
     recomputed: torch.Tensor
     recomputed_by_layer: tuple[int, ...]
+    probe: Probe | None = None
+    num_probe_tokens: int = 0
+
+    def after(self, second: PassResult) -> PassResult:
+        """This probe pass's result followed by the ``second`` pass: the tokens either ran, their layer counts
+        added."""
+        return PassResult(
+            recomputed=self.recomputed | second.recomputed,
+            recomputed_by_layer=tuple(
+                a + b for a, b in zip(self.recomputed_by_layer, second.recomputed_by_layer, strict=True)
+            ),
+            probe=self.probe,
+            num_probe_tokens=self.num_probe_tokens,
+        )
 
 
 class RecomputePass:
@@ -41,6 +59,8 @@ class RecomputePass:
         num_layers: layers of the model.
         num_output_rows: the last tokens of the prompt whose final hidden states the forward returns
             (1 to sample the next token; the query's length for ``Linked.logits``).
+        probe: this pass is a query-aware policy's probe: it records the query's attention at every layer
+            (``ProbeRecorder``) and returns no hidden states; ``Linker.after_probe`` sets up the second pass.
     """
 
     def __init__(
@@ -52,11 +72,15 @@ class RecomputePass:
         *,
         num_layers: int,
         num_output_rows: int,
+        probe: bool = False,
     ) -> None:
         self.assembly, self.layout, self.policy = assembly, layout, policy
-        self.num_layers, self.num_output_rows = num_layers, num_output_rows
+        self.num_layers, self.is_probe = num_layers, probe
+        self.num_output_rows_asked = num_output_rows  # the second pass's, after a probe
+        self.num_output_rows = 0 if probe else num_output_rows
         self.index = selected.nonzero().squeeze(1)  # [n] prompt indices of the tokens run (CPU)
         self._tracker: _PassTracker | None = None
+        self._recorder: ProbeRecorder | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -70,9 +94,11 @@ class RecomputePass:
         index = to_device(self.index, device)  # host tensors: copies without a host sync
         slots, positions = to_device(layout.slots, device), to_device(layout.positions, device)
         req.kv_positions[slots] = positions
-        if self.policy.is_dynamic:
+        if self.is_probe:
+            self._recorder = ProbeRecorder(layout, req, num_layers=self.num_layers)
+        elif self.policy.is_dynamic:
             self._tracker = _PassTracker(
-                req.cache, self.num_layers, layout, self.assembly.source_rows, self.policy, index
+                req.cache, self.num_layers, layout, self.assembly.source_rows, self.policy, index, req
             )
         n = index.shape[0]
         return SeqInput(
@@ -81,18 +107,21 @@ class RecomputePass:
             positions=positions[index],
             slots=slots[index],
             output_rows=torch.arange(n - self.num_output_rows, n, device=device),
-            after_layer=self._tracker,
+            after_layer=self._tracker or self._recorder,
         )
 
     def result(self) -> PassResult:
-        """After the forward: the tokens that ran."""
+        """After the forward: the tokens that ran (and, for a probe, what the query saw)."""
         tracker = self._tracker
         tokens, counts = (
             (tracker.tokens, tracker.counts) if tracker else (self.index, [self.num_tokens] * self.num_layers)
         )
         recomputed = torch.zeros(self.layout.num_tokens, dtype=torch.bool)
         recomputed[tokens.cpu()] = True
-        return PassResult(recomputed=recomputed, recomputed_by_layer=tuple(counts))
+        if self._recorder is None:
+            return PassResult(recomputed=recomputed, recomputed_by_layer=tuple(counts))
+        probe = self._recorder.probe(self.layout, recomputed)
+        return PassResult(recomputed, tuple(counts), probe=probe, num_probe_tokens=self.num_tokens)
 
 
 class _PassTracker:
@@ -107,25 +136,29 @@ class _PassTracker:
         source_rows: torch.Tensor,
         policy: Policy,
         index: torch.Tensor,
+        req: RequestKV,
     ) -> None:
         self._cache, self._num_layers, self._layout = cache, num_layers, layout
         self._source_rows, self._policy = source_rows, policy
         self._index = index  # [n] prompt indices of the tokens the pass started with
         self._cached = to_device(layout.cached, index.device)  # [T], moved to the device once per pass
+        self._prompt_rows = req.physical(to_device(layout.slots, index.device))  # [T] every prompt token's row
         self.tokens = index  # prompt indices of the tokens that ran the latest layer
         self.counts: list[int] = []
 
-    def __call__(self, layer: int, alive: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
-        self.tokens = self._index[alive]
+    def __call__(self, view: LayerView) -> torch.Tensor | None:
+        self.tokens = self._index[view.alive]
         self.counts.append(self.tokens.shape[0])
         step = LayerStep(
-            layer=layer,
+            layer=view.layer,
             num_layers=self._num_layers,
             layout=self._layout,
             tokens=self.tokens,
             cached=self._cached[self.tokens],
-            rows=rows,
+            rows=view.rows,
             source_rows=self._source_rows[self.tokens],
             cache=self._cache,
+            view=view,
+            prompt_rows=self._prompt_rows,
         )
         return self._policy.keep_mask(step)

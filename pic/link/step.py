@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from pic.attention.scores import query_scores
 from pic.kv import KVCache
 from pic.link.layout import Layout
+from pic.model.runner import LayerView
 
 
 class LayerStep:
@@ -31,9 +33,12 @@ class LayerStep:
         rows: torch.Tensor,
         source_rows: torch.Tensor,
         cache: KVCache,
+        view: LayerView,
+        prompt_rows: torch.Tensor,
     ) -> None:
         self.layer, self.num_layers, self.layout, self.tokens, self.cached = layer, num_layers, layout, tokens, cached
         self._rows, self._source_rows, self._cache = rows, source_rows, cache
+        self._view, self._prompt_rows = view, prompt_rows
 
     @property
     def num_tokens(self) -> int:
@@ -54,3 +59,17 @@ class LayerStep:
         k = torch.where(inside, self._cache.k_rows[self.layer, rows], zero)
         v = torch.where(inside, self._cache.v_rows[self.layer, rows], zero)
         return k, v
+
+    def query_scores(self) -> torch.Tensor:
+        """The query tokens' attention scores at this layer over every prompt token, before the softmax:
+        ``[num_q_heads, num_query, T]`` float32 (``pic.attention.scores.query_scores``: RoPE applied at the
+        logical positions, ``-inf`` where a query token may not attend). Keys are the request's KV of this
+        layer as it stands: fresh for the tokens that ran the layer, cached for the others (A³ scores here)."""
+        num_query = self.layout.query.num_tokens  # always run, and last: the step's last rows
+        view = self._view
+        k = view.k_cache.flatten(0, 1).index_select(0, self._prompt_rows)  # [T, Hkv, D]
+        positions = self.layout.positions.to(k.device)
+        return query_scores(
+            view.q[-num_query:], positions[-num_query:], k, positions,
+            rope=view.rope, scaling=view.scaling, sliding_window=view.sliding_window,
+        )  # fmt: skip

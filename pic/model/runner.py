@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -21,8 +21,34 @@ from pic.attention import AttentionBackend, AttentionBatch, AttentionShape, Rope
 from pic.kv import KVCache, RequestKV
 from pic.model.spec import ModelSpec, inspect_model
 
-# (layer, alive [n'] int64, rows [n'] int64) -> None or keep [n'] bool; see ``SeqInput.after_layer``.
-LayerHook = Callable[[int, torch.Tensor, torch.Tensor], "torch.Tensor | None"]
+
+@dataclass(frozen=True)
+class LayerView:
+    """What a sequence's ``after_layer`` hook sees of the layer that just ran.
+
+    Attributes:
+        layer: the layer (0-based).
+        alive: ``[n']`` int64 indices (into the sequence's ``n`` tokens) of the tokens that ran it.
+        rows: ``[n']`` int64, their cache rows (their K and V of this layer are written there).
+        q: ``[n', num_q_heads, head_dim]``, their queries at this layer, before RoPE.
+        k_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, this layer's NoPE K.
+        scaling: the layer's softmax scale.
+        sliding_window: the layer's window (``None``: none).
+        rope: the engine's rotary table (``pic.attention.scores.query_scores`` rotates with it).
+    """
+
+    layer: int
+    alive: torch.Tensor
+    rows: torch.Tensor
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    scaling: float
+    sliding_window: int | None
+    rope: RopeTable
+
+
+# LayerView -> None or keep [n'] bool; see ``SeqInput.after_layer``.
+LayerHook = Callable[[LayerView], "torch.Tensor | None"]
 # (layer, q [N, Hq, D] NoPE, k_cache [num_blocks, block_size, Hkv, D] NoPE, batch, scaling, sliding_window or None)
 AttentionObserver = Callable[[int, torch.Tensor, torch.Tensor, AttentionBatch, float, "int | None"], None]
 
@@ -37,9 +63,8 @@ class SeqInput:
         positions: ``[n]`` int64 logical positions.
         slots: ``[n]`` int64 request slots the tokens' KV is written to.
         output_rows: ``[m]`` int64 indices into the ``n`` tokens whose final hidden states to return.
-        after_layer: called after each layer with ``(layer, alive, rows)``: ``alive`` ``[n']`` int64
-            indices (into the ``n`` tokens) of the tokens that ran it, ``rows`` ``[n']`` their cache
-            rows. It returns ``None`` or ``[n']`` bool: the tokens that go on to the next layer.
+        after_layer: called after each layer with a ``LayerView`` of the sequence's tokens that ran it.
+            It returns ``None`` or ``[n']`` bool: the tokens that go on to the next layer.
             Dropped tokens keep whatever KV their slots hold in later layers; ``output_rows`` tokens
             must not be dropped.
     """
@@ -117,9 +142,17 @@ class ModelRunner:
         plan = self.attention_backend.plan(batch)  # once per forward, shared by every layer
         hidden = self._embed(torch.cat([s.token_ids for s in seqs]))  # [N, hidden_size]
         hooked = any(s.after_layer is not None for s in seqs)
+        cache = seqs[0].kv.cache
         for index, layer in enumerate(self._layers):
-            hidden = self._layer(index, layer, hidden, seqs[0].kv.cache, batch, plan, rows)
-            keep = self._keep(index, seqs, starts, lens, alive, rows) if hooked else None
+            hidden, q = self._layer(index, layer, hidden, cache, batch, plan, rows)
+            if hooked:
+                view = LayerView(
+                    layer=index, alive=alive, rows=rows, q=q, k_cache=cache.k[index],
+                    scaling=layer.self_attn.scaling, sliding_window=self.spec.sliding_windows[index], rope=self.rope,
+                )  # fmt: skip
+                keep = self._keep(view, seqs, starts, lens)
+            else:
+                keep = None
             if keep is not None:  # tokens dropped (CacheBlend): the later layers attend for fewer queries
                 hidden, positions, rows, alive = hidden[keep], positions[keep], rows[keep], alive[keep]
                 lens = torch.stack([k.sum() for k in keep.split(lens)]).tolist()  # one host sync
@@ -146,19 +179,18 @@ class ModelRunner:
         return self._norm(hidden[picked])
 
     def _keep(
-        self,
-        layer: int,
-        seqs: Sequence[SeqInput],
-        starts: list[int],
-        lens: list[int],
-        alive: torch.Tensor,
-        rows: torch.Tensor,
+        self, view: LayerView, seqs: Sequence[SeqInput], starts: list[int], lens: list[int]
     ) -> torch.Tensor | None:
-        """``[N']`` bool, the tokens that run the next layer (every hooked sequence asked), or ``None``.
-        One host sync when a hook answered (whether anything was dropped), none otherwise."""
+        """``[N']`` bool, the tokens that run the next layer (every hooked sequence asked, ``view`` being the
+        whole batch's), or ``None``. One host sync when a hook answered (whether anything was dropped), none
+        otherwise."""
         parts, asked = [], []
-        for seq, start, alive_b, rows_b in zip(seqs, starts, alive.split(lens), rows.split(lens), strict=True):
-            keep_b = None if seq.after_layer is None else seq.after_layer(layer, alive_b - start, rows_b)
+        pieces = zip(seqs, starts, view.alive.split(lens), view.rows.split(lens), view.q.split(lens), strict=True)
+        for seq, start, alive_b, rows_b, q_b in pieces:
+            if seq.after_layer is None:
+                keep_b = None
+            else:
+                keep_b = seq.after_layer(replace(view, alive=alive_b - start, rows=rows_b, q=q_b))
             if keep_b is None:
                 keep_b = torch.ones_like(alive_b, dtype=torch.bool)
             else:
@@ -178,6 +210,7 @@ class ModelRunner:
             seq_lens=lens,
             rope=self.rope,
             scratch=[s.kv.scratch for s in seqs],
+            context=[s.kv.context for s in seqs],
         )
 
     def _layer(
@@ -189,9 +222,10 @@ class ModelRunner:
         batch: AttentionBatch,
         plan: object,
         rows: torch.Tensor,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One decoder layer; ``hidden`` ``[N, hidden_size]``, ``rows`` ``[N]`` cache rows to write, ``plan``
-        the backend's plan of ``batch``."""
+        the backend's plan of ``batch``. Returns the new hidden states and the layer's NoPE queries
+        ``[N, num_q_heads, head_dim]``."""
         attn = layer.self_attn
         num_tokens, head_dim = hidden.shape[0], self.spec.head_dim
         x = layer.input_layernorm(hidden)
@@ -207,4 +241,4 @@ class ModelRunner:
             self._observer(index, q, cache.k[index], batch, attn.scaling, window)
         out = backend.attend(q, cache.k[index], cache.v[index], plan, scaling=attn.scaling, sliding_window=window)
         hidden = hidden + attn.o_proj(out.reshape(num_tokens, -1))
-        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        return hidden + layer.mlp(layer.post_attention_layernorm(hidden)), q
