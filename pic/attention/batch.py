@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
+from pic.attention.ape import ContextScaling
 from pic.attention.rope import RopeTable
 
 
@@ -38,6 +39,10 @@ class AttentionBatch:
         prefill_seqs: the other sequences (recompute passes), in batch order.
         scratch: per sequence, a dict in which a backend may keep what it derives from the sequence's KV from
             one forward to the next (it lives as long as the request's KV: ``RequestKV.scratch``); empty: none.
+        context_scaling: per sequence, APE's attention over its chunks (``pic.attention.ape``), ``None`` for
+            plain attention; empty when no sequence has one.
+        kv_context: ``[B, max_blocks * block_size]`` bool, the chunk slots of the sequences with a context
+            scaling (``None`` when none has one).
     """
 
     cu_seqlens_q: torch.Tensor
@@ -51,6 +56,8 @@ class AttentionBatch:
     decode_seqs: torch.Tensor
     prefill_seqs: list[int]
     scratch: tuple[dict, ...] = ()
+    context_scaling: tuple[ContextScaling | None, ...] = ()
+    kv_context: torch.Tensor | None = None
 
     def query_rows(self, seq: int) -> slice:
         """Rows of sequence ``seq``'s query tokens in the batch."""
@@ -65,6 +72,7 @@ def make_batch(
     seq_lens: list[int],
     rope: RopeTable,
     scratch: Sequence[dict] = (),
+    context: Sequence[tuple[ContextScaling, torch.Tensor] | None] = (),
 ) -> AttentionBatch:
     """Describe one forward. Host data goes to the device with non-blocking copies: no host sync, except
     for a dynamic rope type (its tables need each sequence's largest position).
@@ -76,6 +84,8 @@ def make_batch(
         seq_lens: query tokens per sequence (``sum == N``; each at least 1).
         rope: the engine's rotary table.
         scratch: per sequence, its ``RequestKV.scratch`` (``AttentionBatch.scratch``), or none.
+        context: per sequence, ``None`` or its APE context scaling and ``[num_blocks_b * block_size]`` bool chunk
+            slots (``RequestKV.context``).
     """
     cu = torch.tensor([0, *seq_lens]).cumsum(0)
     tables = pad_sequence(block_tables, batch_first=True, padding_value=0)
@@ -100,4 +110,18 @@ def make_batch(
         decode_seqs=(lens == 1).nonzero().squeeze(1).to(device, non_blocking=True),
         prefill_seqs=(lens > 1).nonzero().squeeze(1).tolist(),
         scratch=tuple(scratch),
+        **_context(context, kv.shape[1], device),
     )
+
+
+def _context(
+    context: Sequence[tuple[ContextScaling, torch.Tensor] | None], num_slots: int, device: torch.device
+) -> dict[str, object]:
+    """``AttentionBatch``'s APE fields: empty unless a sequence has a context scaling."""
+    if not any(c is not None for c in context):
+        return {}
+    kv_context = torch.zeros(len(context), num_slots, dtype=torch.bool, device=device)
+    for b, item in enumerate(context):
+        if item is not None:
+            kv_context[b, : item[1].shape[0]] = item[1]
+    return {"context_scaling": tuple(None if c is None else c[0] for c in context), "kv_context": kv_context}

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
+from pic.attention.ape import ContextScaling, ape_attention
 from pic.attention.backend import AttentionBackend, AttentionShape
 from pic.attention.batch import AttentionBatch
 from pic.attention.rope import rotate, signed_sin
@@ -56,6 +57,8 @@ class TorchGroup:
         rotated: per decoding sequence, its K kept rotated from step to step (``RotatedK``), when the batch
             carries the sequences' scratch; K is then read from there (padded with zeros past a sequence's own
             slots, which its mask excludes), not gathered and rotated.
+        context: APE's groups (``pic.attention.ape``): ``[b, S]`` bool, the chunk slots among those read, and
+            each sequence's ``ContextScaling``; ``None`` for plain attention.
     """
 
     rows: torch.Tensor | slice
@@ -69,6 +72,7 @@ class TorchGroup:
     tiles: tuple[tuple[slice, int], ...]
     causal: bool = False
     rotated: tuple[RotatedK, ...] = ()
+    context: tuple[torch.Tensor, list[ContextScaling | None]] | None = None
 
     def queries(self, x: torch.Tensor) -> torch.Tensor:
         """The group's rows of a batch tensor ``[N, ...]`` as ``[b, n, ...]``."""
@@ -86,14 +90,17 @@ class TorchPlan:
     Attributes:
         decode: the decoding sequences' group, ``None`` when no sequence decodes.
         prefill: per recompute-pass sequence (``batch.prefill_seqs``), its group.
+        decode_context: the decoding sequences with APE's context scaling, ``None`` when none has it.
     """
 
     decode: TorchGroup | None
     prefill: dict[int, TorchGroup]
+    decode_context: TorchGroup | None = None
 
     @property
     def groups(self) -> list[TorchGroup]:
-        return ([] if self.decode is None else [self.decode]) + list(self.prefill.values())
+        decodes = [g for g in (self.decode, self.decode_context) if g is not None]
+        return decodes + list(self.prefill.values())
 
 
 def _rotary(batch: AttentionBatch, rows: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,11 +111,20 @@ def _rotary(batch: AttentionBatch, rows: torch.Tensor, dtype: torch.dtype) -> tu
     return cos, signed_sin(sin)
 
 
-def _rotated_ks(batch: AttentionBatch, group: TorchGroup) -> tuple[RotatedK, ...]:
-    """The decoding sequences' kept ``RotatedK``, each advanced to this step's written slots."""
-    counts = (batch.kv_positions[batch.decode_seqs] >= 0).sum(1).tolist()  # [b] written slots (a host sync)
+def _split_context(batch: AttentionBatch, seqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``seqs`` ``[b]`` int64 split into those with plain attention and those with APE's context scaling."""
+    if not batch.context_scaling or not seqs.numel():
+        return seqs, seqs[:0]
+    scaled = torch.tensor([batch.context_scaling[b] is not None for b in seqs.tolist()], device=seqs.device)
+    return seqs[~scaled], seqs[scaled]
+
+
+def _rotated_ks(batch: AttentionBatch, group: TorchGroup, seqs: torch.Tensor) -> tuple[RotatedK, ...]:
+    """The decoding sequences' (``seqs`` ``[b]``, the group's) kept ``RotatedK``, each advanced to this step's
+    written slots."""
+    counts = (batch.kv_positions[seqs] >= 0).sum(1).tolist()  # [b] written slots (a host sync)
     states = []
-    for i, (seq, count) in enumerate(zip(batch.decode_seqs.tolist(), counts, strict=True)):
+    for i, (seq, count) in enumerate(zip(seqs.tolist(), counts, strict=True)):
         state = batch.scratch[seq].setdefault(_ROTATED_K, RotatedK())
         state.advance(group.slots[i, :count], group.k_cos[i, :count], group.k_sin[i, :count])
         states.append(state)
@@ -132,17 +148,21 @@ class TorchBackend(AttentionBackend[TorchPlan]):
         q_cos, q_sin = _rotary(batch, q_rows, dtype)  # [N, D] each
         for b in batch.prefill_seqs if batch.scratch else ():
             batch.scratch[b].pop(_ROTATED_K, None)  # a recompute pass may rewrite the sequence's KV in place
-        decode = None
-        if batch.decode_seqs.numel():
-            rows = batch.cu_seqlens_q[:-1].to(device)[batch.decode_seqs]  # [b] the decode tokens' rows
-            decode = self._group(batch, rows, batch.decode_seqs, q_cos, q_sin)
+        decode = decode_context = None
+        plain, scaled = _split_context(batch, batch.decode_seqs)
+        if plain.numel():
+            rows = batch.cu_seqlens_q[:-1].to(device)[plain]  # [b] the decode tokens' rows
+            decode = self._group(batch, rows, plain, q_cos, q_sin)
             if batch.scratch and (len(rows) == 1 or decode.slots.shape[1] >= _KEEP_ROTATED_MIN_SLOTS):
-                decode = replace(decode, rotated=_rotated_ks(batch, decode))
+                decode = replace(decode, rotated=_rotated_ks(batch, decode, plain))
+        if scaled.numel():
+            rows = batch.cu_seqlens_q[:-1].to(device)[scaled]
+            decode_context = self._group(batch, rows, scaled, q_cos, q_sin)
         prefill = {
             b: self._group(batch, batch.query_rows(b), torch.tensor([b], device=device), q_cos, q_sin)
             for b in batch.prefill_seqs
         }
-        return TorchPlan(decode=decode, prefill=prefill)
+        return TorchPlan(decode=decode, prefill=prefill, decode_context=decode_context)
 
     def _group(
         self, batch: AttentionBatch, rows: torch.Tensor | slice, seqs: torch.Tensor, q_cos: torch.Tensor, q_sin
@@ -162,6 +182,11 @@ class TorchBackend(AttentionBackend[TorchPlan]):
         else:  # decode, or a causal run without windows: one call over every slot read
             tiles = ((slice(0, q.shape[1]), kv.shape[1]),)
         k_cos, k_sin = _rotary(batch, batch.rope_offsets[seqs, None] + kv.clamp(min=0), self.shape.dtype)
+        context = None
+        scalings = [batch.context_scaling[b] for b in seqs.tolist()] if batch.context_scaling else []
+        if any(scaling is not None for scaling in scalings):  # APE: the chunk slots among those read
+            context = (batch.kv_context[seqs].gather(1, table_slots) & (kv >= 0), scalings)
+            masks = causal_masks(kv, q, set(self.shape.sliding_windows), causal=False)  # explicit, every window
         return TorchGroup(
             rows=rows,
             slots=slots,
@@ -172,7 +197,8 @@ class TorchBackend(AttentionBackend[TorchPlan]):
             k_sin=k_sin,
             masks=masks,
             tiles=tiles,
-            causal=run,
+            causal=run and context is None,
+            context=context,
         )
 
     def attend(
@@ -268,6 +294,9 @@ def _attend(
     assert window in group.masks, f"sliding_window={window} was not planned for (the model's: {list(group.masks)})"
     q, k, v = _operands(group, q, k_cache, v_cache)
     mask = group.masks[window]  # [b, n, S]
+    if group.context is not None:  # APE's context scaling: scores computed in full (a few query rows)
+        context, scalings = group.context
+        return ape_attention(q, k, v, mask, context, scalings, scaling=scaling).transpose(1, 2)
     if mask is None and group.causal:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=True)
         return out.transpose(1, 2)

@@ -5,7 +5,8 @@ The linked prompt is ``prefix + chunk_1 + ... + chunk_n + query``. Every segment
 same block-relative slots, whatever precedes it, so its blocks can hold identical content in every
 request. The query starts on a block boundary and generation appends after it. Padding slots
 consume no positions: logical positions run ``0 .. T-1`` over the real tokens, exactly as in the
-unpadded prompt, and attention masks padding out.
+unpadded prompt, and attention masks padding out. (APE lays chunks out in *parallel* instead: each
+starts right after the prefix, and the query follows the longest.)
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class Segment:
         slot_start: request slot of its first token (after its front padding).
         num_padding: padding slots in front of it.
         cache_id: the chunk's cache id (chunks only).
+        relevance: the chunk's relevance to the query, when the request gave one (``link(..., relevance=...)``).
     """
 
     kind: SegmentKind
@@ -43,6 +45,7 @@ class Segment:
     slot_start: int
     num_padding: int
     cache_id: str | None = None
+    relevance: float | None = None
 
     @property
     def tokens(self) -> slice:
@@ -60,6 +63,8 @@ class Layout:
         slots: ``[T]`` int64 request slots of the tokens (padding skipped).
         cached: ``[T]`` bool, True for chunk tokens, whose KV the store holds.
         num_slots: slots the prompt spans, padding included.
+        num_generated: tokens at the end of the query that the request generated (a preempted request is
+            laid out again with them); a policy reading the query's text leaves them out (``query_ids``).
     """
 
     block_size: int
@@ -69,6 +74,7 @@ class Layout:
     slots: torch.Tensor
     cached: torch.Tensor
     num_slots: int
+    num_generated: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -82,23 +88,44 @@ class Layout:
     def query(self) -> Segment:
         return self.segments[-1]
 
+    @property
+    def query_ids(self) -> list[int]:
+        """The query's token ids as the request gave them (without generated tokens)."""
+        query = self.query
+        return self.token_ids[query.token_start : query.token_start + query.num_tokens - self.num_generated].tolist()
+
+    @property
+    def end_position(self) -> int:
+        """The logical position of the token that follows the prompt (the first generated one)."""
+        return int(self.positions[-1]) + 1
+
 
 def lay_out(
-    *, prefix: Sequence[int], chunks: Sequence[ChunkInfo | ChunkKV], query: Sequence[int], block_size: int
+    *,
+    prefix: Sequence[int],
+    chunks: Sequence[ChunkInfo | ChunkKV],
+    query: Sequence[int],
+    block_size: int,
+    parallel: bool = False,
+    relevance: Sequence[float] | None = None,
+    num_generated: int = 0,
 ) -> Layout:
-    """Place prefix, chunks and query in slots; see the module docstring for the rules."""
-    parts: list[tuple[SegmentKind, Sequence[int], str | None]] = []
+    """Place prefix, chunks and query in slots; see the module docstring for the rules. ``parallel``: every
+    chunk at the positions right after the prefix, the query after the longest chunk (APE). ``relevance``:
+    one score per chunk, kept in its segment. ``num_generated``: the query's last tokens that were generated."""
+    scores = list(relevance) if relevance is not None else [None] * len(chunks)
+    parts: list[tuple[SegmentKind, Sequence[int], str | None, float | None]] = []
     if prefix:
-        parts.append((SegmentKind.PREFIX, prefix, None))
-    parts += [(SegmentKind.CHUNK, c.token_ids.tolist(), c.cache_id) for c in chunks]
-    parts.append((SegmentKind.QUERY, query, None))
+        parts.append((SegmentKind.PREFIX, prefix, None, None))
+    parts += [(SegmentKind.CHUNK, c.token_ids.tolist(), c.cache_id, r) for c, r in zip(chunks, scores, strict=True)]
+    parts.append((SegmentKind.QUERY, query, None, None))
 
     segments, token_ids, slots = [], [], []
     num_tokens = num_slots = 0
-    for kind, ids, cache_id in parts:
+    for kind, ids, cache_id, score in parts:
         padding = 0 if kind is SegmentKind.QUERY else -len(ids) % block_size
         slot_start = num_slots + padding
-        segments.append(Segment(kind, num_tokens, len(ids), slot_start, padding, cache_id))
+        segments.append(Segment(kind, num_tokens, len(ids), slot_start, padding, cache_id, score))
         token_ids += ids
         slots += range(slot_start, slot_start + len(ids))
         num_tokens += len(ids)
@@ -110,8 +137,20 @@ def lay_out(
         block_size=block_size,
         segments=tuple(segments),
         token_ids=torch.tensor(token_ids, dtype=torch.long),
-        positions=torch.arange(num_tokens),
+        positions=_parallel_positions(segments) if parallel else torch.arange(num_tokens),
         slots=torch.tensor(slots, dtype=torch.long),
         cached=cached,
         num_slots=num_slots,
+        num_generated=num_generated,
     )
+
+
+def _parallel_positions(segments: list[Segment]) -> torch.Tensor:
+    """Positions with every chunk starting right after the prefix and the query after the longest chunk."""
+    start = sum(seg.num_tokens for seg in segments if seg.kind is SegmentKind.PREFIX)
+    longest = max((seg.num_tokens for seg in segments if seg.kind is SegmentKind.CHUNK), default=0)
+    parts = []
+    for seg in segments:
+        first = {SegmentKind.PREFIX: 0, SegmentKind.CHUNK: start, SegmentKind.QUERY: start + longest}[seg.kind]
+        parts.append(torch.arange(first, first + seg.num_tokens))
+    return torch.cat(parts)
