@@ -96,28 +96,42 @@ def default_engine() -> PIC:
     return _default_engine
 
 
-def compile(docs, *, policy: str | policies.Policy | None = None, progress: bool | None = None) -> list[str]:  # noqa: A001
+def compile(  # noqa: A001
+    docs, *, policy: str | policies.Policy | None = None, context=None, progress: bool | None = None
+) -> list[str]:
     """``default_engine().compile(...)``: prefill each document alone, once; one cache id per document.
 
     ``progress`` shows a progress bar (default: when 8 or more chunks are new). See ``PIC.compile``.
     """
-    return default_engine().compile(docs, policy=policy, progress=progress)
+    return default_engine().compile(docs, policy=policy, context=context, progress=progress)
 
 
-def link(cache_ids: Sequence[str], query, *, prefix="", policy: str | policies.Policy | None = None) -> Linked:
+def link(
+    cache_ids: Sequence[str],
+    query,
+    *,
+    prefix="",
+    policy: str | policies.Policy | None = None,
+    relevance: Sequence[float] | None = None,
+) -> Linked:
     """``default_engine().link(...)``: see ``PIC.link``."""
-    return default_engine().link(cache_ids, query, prefix=prefix, policy=policy)
+    return default_engine().link(cache_ids, query, prefix=prefix, policy=policy, relevance=relevance)
 
 
 def link_chat(
     cache_ids: Sequence[str],
     messages: Sequence[dict],
     *,
+    documents: Sequence[str] = (),
     policy: str | policies.Policy | None = None,
+    relevance: Sequence[float] | None = None,
     add_generation_prompt: bool = True,
 ) -> Linked:
     """``default_engine().link_chat(...)``: see ``PIC.link_chat``."""
-    return default_engine().link_chat(cache_ids, messages, policy=policy, add_generation_prompt=add_generation_prompt)
+    return default_engine().link_chat(
+        cache_ids, messages, documents=documents, policy=policy, relevance=relevance,
+        add_generation_prompt=add_generation_prompt,
+    )  # fmt: skip
 
 
 __all__ = [

@@ -10,7 +10,7 @@ import torch
 from pic.config import PICConfig, StoreConfig
 from pic.engine import Engine, Linked
 from pic.link import policies
-from pic.link.chat import split_chat
+from pic.link.chat import DOCUMENTS_MARKER, split_chat
 from pic.model.loading import EMBEDDED_MODEL, load_pretrained, model_name, resolve_device, resolve_dtype
 
 
@@ -61,7 +61,9 @@ class PIC(Engine):
         cache_ids: Sequence[str],
         messages: Sequence[dict],
         *,
+        documents: Sequence[str] = (),
         policy: str | policies.Policy | None = None,
+        relevance: Sequence[float] | None = None,
         add_generation_prompt: bool = True,
     ) -> Linked:
         """``link`` with the chunks where a plain chat prompt puts the documents: the tokenizer's chat
@@ -69,12 +71,35 @@ class PIC(Engine):
         ``{documents}``); the text before is the prefix, the text after the query. A BOS the template
         writes is dropped when pic adds its own (``PICConfig.add_bos``). See ``pic.link.chat``.
 
+        Args:
+            cache_ids: chunks compiled before, linked first.
+            documents: texts compiled on the way *in context* (after ``chat_context(messages)``: the chat's
+                system turn, so their KV is what it is there rather than at a sequence start) and linked
+                after ``cache_ids``; compiled once, cached like any chunk.
+            relevance: one score per chunk (``cache_ids`` then ``documents``), see ``link``.
+
         Raises:
             InvalidInputError: malformed messages, no place for the documents, several markers, a
-                tokenizer without a chat template; and everything ``link`` raises.
+                tokenizer without a chat template; and everything ``link`` and ``compile`` raise.
         """
         prefix, query = self.chat_segments(messages, add_generation_prompt=add_generation_prompt)
-        return self.link(cache_ids, query, prefix=prefix, policy=policy)
+        ids = list(cache_ids)
+        if documents:
+            ids += self.compile(list(documents), policy=policy, context=self.chat_context(messages), progress=False)
+        return self.link(ids, query, prefix=prefix, policy=policy, relevance=relevance)
+
+    def chat_context(self, messages: Sequence[dict] = ()) -> str:
+        """What a chat's documents are compiled after, *in context* (``compile(docs, context=...)``): the chat
+        template rendered up to where the documents go, with the system messages of ``messages`` and none of
+        the user's text. Every chat with the same system prompt has the same context, so its chunks are
+        shared; ``APE`` needs chunks compiled so.
+
+        Raises:
+            InvalidInputError: malformed messages, a tokenizer without a chat template.
+        """
+        system = [dict(m) for m in messages if isinstance(m, dict) and m.get("role") == "system"]
+        prefix, _ = self.chat_segments([*system, {"role": "user", "content": DOCUMENTS_MARKER}])
+        return prefix
 
     def chat_segments(self, messages: Sequence[dict], *, add_generation_prompt: bool = True) -> tuple[str, str]:
         """The ``(prefix, query)`` texts ``link_chat`` links around the chunks: the chat template of

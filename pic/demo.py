@@ -1,9 +1,10 @@
 """``python -m pic demo``: compile a few documents, link them under each policy, compare with Full Recompute.
 
 A chat model (one whose tokenizer has a chat template, such as ``--model smollm2``) gets a RAG chat: the
-documents linked where the template puts them, a question answered under every policy beside Full
-Recompute, and each one's time to first token beside transformers' own prefill of the same prompt. The
-embedded stories260K, which has no template, continues a story instead.
+documents compiled in the chat's context and linked where the template puts them, a question answered under
+every policy (the engine's default first) beside Full Recompute, and each one's time to first token beside
+transformers' own prefill of the same prompt. The embedded stories260K, which has no template, continues a
+story instead.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ STORIES = (
     "A little bird fell from its nest. It was sad because it could not fly yet.",
 )
 QUERY = "One day, Tom and Lily found the little bird. They"
+STORY_CONTEXT = "Here are three stories."  # what the stories are compiled after for a policy that needs a context
 
 DOCUMENTS = (  # one line each: see docs/chat.md on separators and byte-level BPE tokenizers
     "The river Elbe rises in the Krkonose mountains of the Czech Republic. It flows north-west through Germany "
@@ -64,7 +66,8 @@ def run_demo(engine: PIC | None = None, *, max_new_tokens: int = 48) -> None:
         print(f"== linked {order_name} + query ==")
         reference = engine.link([ids[i] for i in order], QUERY, policy="full").generate(max_new_tokens)
         for name in policies.available():
-            policy_ids = engine.compile(list(STORIES), policy=name)  # LegoLink-0 compiles its own way
+            context = STORY_CONTEXT if policies.resolve(name).needs_context else None  # APE
+            policy_ids = engine.compile(list(STORIES), policy=name, context=context)  # LegoLink-0: its own way
             linked = engine.link([policy_ids[i] for i in order], QUERY, policy=name)
             out = linked.generate(max_new_tokens)
             same = _common_prefix(out.token_ids, reference.token_ids)
@@ -78,32 +81,37 @@ def run_demo(engine: PIC | None = None, *, max_new_tokens: int = 48) -> None:
 
 
 def _chat_demo(engine: PIC, max_new_tokens: int) -> None:
-    """A RAG chat: the documents linked in two orders under every policy, answers beside Full Recompute's,
-    TTFT beside a transformers prefill of the same prompt (median of 3)."""
+    """A RAG chat: the documents compiled in the chat's context (``link_chat(documents=...)``) and linked in two
+    orders under every policy, the engine's default first, answers beside Full Recompute's, TTFT beside a
+    transformers prefill of the same prompt (median of 3)."""
     messages = [
         {"role": "system", "content": "Answer the question using the documents."},
         {"role": "user", "content": f"Question: {QUESTION}\n\n{{documents}}Question: {QUESTION}"},
     ]
-    ids = engine.compile(list(DOCUMENTS))
+    context = engine.chat_context(messages)
+    ids = engine.compile(list(DOCUMENTS), context=context)
+    print(f"compiled in the chat's context {context!r}:")
     for doc, cid in zip(DOCUMENTS, ids, strict=True):
-        print(f"  compiled {cid[:12]}  {doc.strip()}")
+        print(f"  {cid}  {doc.strip()[:72]}...")
     print(f"question: {QUESTION!r} (asked before and after the documents)\n")
+    default = engine.default_policy.name
+    names = ["full", default, *(p for p in policies.available() if p not in ("full", default))]
     for order_name, order in (("documents 1,2,3,4", [0, 1, 2, 3]), ("documents 4,3,2,1", [3, 2, 1, 0])):
-        full = engine.link_chat([ids[i] for i in order], messages, policy="full")
+        docs = [DOCUMENTS[i] for i in order]
+        full = engine.link_chat([], messages, documents=docs, policy="full")
         prefill_s = _transformers_prefill_s(engine, full.input_ids)
         reference = full.generate(max_new_tokens)
         print(f"== {order_name}: {len(full.input_ids)} prompt tokens; transformers prefill {prefill_s * 1e3:.0f} ms ==")
-        for name in ["full", *(p for p in policies.available() if p != "full")]:
+        for name in names:
             if name == "full":
                 linked, out = full, reference
-            else:
-                policy_ids = engine.compile(list(DOCUMENTS), policy=name)  # LegoLink-0 compiles its own way
-                linked = engine.link_chat([policy_ids[i] for i in order], messages, policy=name)
+            else:  # LegoLink-0 compiles its own way
+                linked = engine.link_chat([], messages, documents=docs, policy=name)
                 out = linked.generate(max_new_tokens)
             same = "same as Full Recompute" if out.text == reference.text else "differs from Full Recompute"
-            label = f"[{linked.policy.spec}]"
+            label = f"[{linked.policy.spec}]" + (" (default)" if name == default else "")
             print(
-                f"{label:<18} recomputed {_recomputed(linked)}, TTFT {out.ttft_s * 1e3:5.0f} ms "
+                f"{label:<28} recomputed {_recomputed(linked)}, TTFT {out.ttft_s * 1e3:5.0f} ms "
                 f"({prefill_s / out.ttft_s:4.1f}x the prefill), {same}"
             )
             print(f"        {out.text.strip()!r}")

@@ -1,8 +1,10 @@
-"""``pic.policies``: recompute policies (re-exported from ``pic.link.policies``), and the layout
-types a policy reads."""
+"""``pic.policies``: recompute policies (re-exported from ``pic.link.policies``), the layout types a policy
+reads, the probe a query-aware policy reads, and helpers that turn scores into a recompute set."""
 
 from pic.link.layout import Layout, Segment, SegmentKind
 from pic.link.policies import (
+    A3,
+    APE,
     MEPIC,
     CacheBlend,
     FullRecompute,
@@ -11,13 +13,21 @@ from pic.link.policies import (
     LegoLinkZero,
     Naive,
     Policy,
+    Probe,
+    ProphetKV,
+    Regions,
     available,
     chunk_heads,
     register,
     resolve,
+    smooth,
+    top_chunk_tokens,
+    with_heads,
 )
 
 __all__ = [
+    "A3",
+    "APE",
     "MEPIC",
     "CacheBlend",
     "FullRecompute",
@@ -27,10 +37,16 @@ __all__ = [
     "LegoLinkZero",
     "Naive",
     "Policy",
+    "Probe",
+    "ProphetKV",
+    "Regions",
     "Segment",
     "SegmentKind",
     "available",
     "chunk_heads",
     "register",
     "resolve",
+    "smooth",
+    "top_chunk_tokens",
+    "with_heads",
 ]

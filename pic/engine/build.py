@@ -50,8 +50,9 @@ def build_core(
     runner.attention_backend.precompile(cache.k[0], cache.v[0])  # every kernel variant, before any request
     tiers = TieredStore.from_config(store, device=DeviceTier(pool, cache), expected=expected)
     linker = Linker(
-        pool, cache, tiers, spec, block_size=config.block_size, share_chunk_blocks=config.share_chunk_blocks
-    )
+        pool, cache, tiers, spec, block_size=config.block_size, share_chunk_blocks=config.share_chunk_blocks,
+        attention_backend=runner.attention_backend.name,
+    )  # fmt: skip
     return EngineCore(
         runner=runner, tokenizer=tokenizer, pool=pool, cache=cache, store=tiers, linker=linker, config=config,
         bos_token_id=bos_token_id, eos_token_ids=eos_token_ids,

@@ -96,9 +96,13 @@ class Engine:
         *,
         prefix: TextOrTokens = "",
         policy: str | policies.Policy | None = None,
+        relevance: Sequence[float] | None = None,
     ) -> Linked:
         """Link cached chunks with a query (prompt: ``prefix + chunks + query``) and run the
         recompute pass, so the first token's logits are ready on return.
+
+        ``relevance``: one score per cache id (higher: more relevant), e.g. a retriever's; a policy that
+        ranks chunks (``regions``) recomputes the most relevant ones first.
 
         Raises:
             UnknownCacheIdError: an id no store tier holds.
@@ -109,7 +113,7 @@ class Engine:
             KVPoolExhaustedError: the KV pool cannot hold the request beside the live ones (nothing
                 is taken; the message gives the blocks needed and available).
         """
-        return self.link_many([Request(cache_ids, query, prefix=prefix, policy=policy)])[0]
+        return self.link_many([Request(cache_ids, query, prefix=prefix, policy=policy, relevance=relevance)])[0]
 
     def link_many(self, requests: Sequence[Request]) -> list[Linked]:
         """``link`` for several requests at once: their recompute passes share forwards. Their sampling
@@ -178,6 +182,7 @@ class Engine:
         docs: TextOrTokens | Sequence[TextOrTokens],
         *,
         policy: str | policies.Policy | None = None,
+        context: TextOrTokens | None = None,
         progress: bool | None = None,
     ) -> list[str]:
         """Prefill each document alone and cache its KV; returns one cache id per document.
@@ -187,6 +192,9 @@ class Engine:
                 BOS is added per the compile options). Bytes are refused: decode them first.
             policy: the policy the chunks will be linked with, when it needs compile options
                 (LegoLink-0); default: the engine's default policy.
+            context: *compile in context*: text (or token ids) prefilled before each document, whose KV is
+                dropped, so the chunk's KV is what it is after that text (a system prompt: ``chat_context``)
+                rather than at a sequence start. Part of the cache id; ``None``: no context.
             progress: show a progress bar (``None``, the default: when compiling 8 or more new chunks).
 
         Ids are content addresses: compiling a document that is already cached does no work, and
@@ -203,7 +211,7 @@ class Engine:
             KVPoolExhaustedError: the new chunks do not fit in the KV pool beside the chunks in use and,
                 where no lower tier can take them, beside each other (checked before any work).
         """
-        options = self.compile_options(policy)
+        options = self._prepare.compile_options(policy, context=context)
         found = documents(
             self.tokenizer, docs, options=options, spec=self.spec, fingerprint=self.fingerprint,
             max_chars=self._prepare.max_chars,
@@ -218,6 +226,14 @@ class Engine:
             fleet.compile_once(found.ids, has_chunk=self.store.contains, compile=compile_ids)
         compile_ids(found.ids)  # the rest; resident chunks are written back where a lower tier lost them
         return found.ids
+
+    def compile_policy(self, policy: str | policies.Policy | None = None) -> policies.Policy:
+        """The policy ``compile`` and ``link`` use for ``policy`` (``None``: the engine's default).
+
+        Raises:
+            PolicyError: an unknown spec or a bad argument.
+        """
+        return self._prepare.policy(policy)
 
     def compile_options(self, policy: str | policies.Policy | None = None) -> CompileOptions:
         """The options chunks are compiled with for ``policy`` (they are part of the cache id).

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from pic.engine.sequence import Sequence
-from pic.errors import CompileOptionsMismatchError, ContextLengthError
+from pic.errors import CompileOptionsMismatchError, ContextLengthError, PolicyError
 from pic.kv import BlockPool, ChunkInfo, ChunkKV, KVCache
 from pic.link import lay_out
 from pic.link.assemble import AssemblyPlan, assemble, plan_assembly
@@ -27,6 +27,7 @@ class Linker:
         spec: the model's shapes (layers, context).
         block_size: tokens per block.
         share_chunk_blocks: map clean chunk blocks without copying (``PICConfig.share_chunk_blocks``).
+        attention_backend: the runner's backend's name (a policy may need ``"torch"``).
     """
 
     def __init__(
@@ -38,9 +39,10 @@ class Linker:
         *,
         block_size: int,
         share_chunk_blocks: bool,
+        attention_backend: str = "torch",
     ) -> None:
         self.store, self.pool, self.cache, self.spec = store, pool, cache, spec
-        self._block_size, self._share = block_size, share_chunk_blocks
+        self._block_size, self._share, self._backend = block_size, share_chunk_blocks, attention_backend
 
     def plan(self, seq: Sequence) -> AssemblyPlan:
         """What admitting ``seq`` takes from the pool now; resolves its chunks (again, after an eviction)
@@ -62,20 +64,50 @@ class Linker:
                 chunks=seq.chunks,
                 query=seq.query_ids + seq.output_ids,
                 block_size=self._block_size,
+                parallel=seq.policy.parallel_positions,
+                relevance=seq.relevance,
+                num_generated=len(seq.output_ids),
             )
             self._check_length(seq)
             seq.policy.check_model(num_layers=self.spec.num_layers)
-            seq.selected = seq.policy.recompute_mask(seq.layout)
+            if seq.policy.context_scaling() is not None and self._backend != "torch":
+                raise PolicyError(
+                    f"policy {seq.policy.spec!r} runs on the torch attention backend only, not on "
+                    f"{self._backend!r}; build the engine with PICConfig(attention_backend='torch')"
+                )
+            seq.selected = self._selection(seq)
         dynamic = seq.policy.is_dynamic
         dirty = seq.selected if self._share and not dynamic else torch.ones_like(seq.selected)
         return plan_assembly(self.pool, seq.layout, seq.chunks, dirty)
 
-    def can_admit(self, plan: AssemblyPlan, seq: Sequence) -> bool:
-        return self.pool.num_available(holding=self._to_hold(plan, seq)) >= plan.num_blocks_needed
+    def _selection(self, seq: Sequence) -> torch.Tensor:
+        """``[T]`` bool, the tokens the sequence's next pass runs: the policy's, or (a query-aware policy
+        admitted again after its probe) the chunk tokens its probe chose and every uncached token."""
+        layout = seq.layout
+        if seq.probed_chunks is None:
+            return seq.policy.recompute_mask(layout)
+        chosen = torch.zeros(layout.num_tokens, dtype=torch.bool)
+        chosen[: seq.probed_chunks.shape[0]] = seq.probed_chunks  # chunk tokens keep their indices
+        return chosen | ~layout.cached
 
-    def check_admit(self, plan: AssemblyPlan, seq: Sequence) -> None:
+    def probes(self, seq: Sequence) -> bool:
+        """Whether the sequence's next pass is a query-aware policy's probe."""
+        return seq.policy.is_query_aware and seq.probed_chunks is None
+
+    def probe_reserve(self, plan: AssemblyPlan, seq: Sequence) -> int:
+        """Blocks a probing sequence may still take in its step: copies of the chunk blocks its second pass
+        writes into (at most every block it maps shared). Admission sets them aside."""
+        return len(plan.shared) if self.probes(seq) else 0
+
+    def can_admit(self, plan: AssemblyPlan, seq: Sequence, *, reserved: int = 0) -> bool:
+        """Whether the pool holds ``plan`` beside ``reserved`` blocks set aside for this step."""
+        return self.pool.num_available(holding=self._to_hold(plan, seq)) >= plan.num_blocks_needed + reserved
+
+    def check_admit(self, plan: AssemblyPlan, seq: Sequence, *, reserved: int = 0) -> None:
         """Raise ``KVPoolExhaustedError`` (blocks needed and available) unless ``can_admit``."""
-        self.pool.check_available(plan.num_blocks_needed, holding=self._to_hold(plan, seq), what=plan.describe())
+        self.pool.check_available(
+            plan.num_blocks_needed + reserved, holding=self._to_hold(plan, seq), what=plan.describe()
+        )
 
     def _to_hold(self, plan: AssemblyPlan, seq: Sequence) -> list[str]:
         return [cid for cid in plan.resident if cid not in seq.held]
@@ -85,6 +117,12 @@ class Linker:
         assembly = assemble(self.pool, self.cache, self.store, plan, held=seq.held)
         seq.held = {}
         seq.kv = assembly.req
+        scaling = seq.policy.context_scaling()
+        if scaling is not None:  # APE: the request's query and generated tokens attend its chunks scaled
+            context = torch.zeros(seq.kv.kv_positions.shape[0], dtype=torch.bool)
+            context[plan.layout.slots[plan.layout.cached]] = True
+            seq.kv.context = (scaling, context.to(self.cache.device))
+        seq.shared_blocks = set(plan.shared)
         if seq.first_pass is None:
             seq.num_shared_blocks, seq.num_private_blocks = assembly.num_shared_blocks, assembly.num_private_blocks
         seq.pass_ = RecomputePass(
@@ -94,11 +132,38 @@ class Linker:
             seq.policy,
             num_layers=self.spec.num_layers,
             num_output_rows=num_output_rows,
+            probe=self.probes(seq),
+        )
+
+    def after_probe(self, seq: Sequence) -> None:
+        """After a probe pass: the policy chooses from it, the chunk blocks the second pass writes into become
+        private copies (in the blocks ``probe_reserve`` set aside), and the second pass is set up."""
+        probe_pass = seq.pass_
+        seq.probe_result = probe_pass.result()
+        layout = seq.layout
+        chosen = seq.policy.probe_mask(seq.probe_result.probe)  # [T]: chunk tokens and the query
+        seq.probed_chunks = (chosen & layout.cached)[: layout.query.token_start]
+        seq.selected = self._selection(seq)  # what a preempted sequence's next admission runs
+        dirty = (layout.slots[chosen & layout.cached] // self._block_size).unique().tolist()
+        shared = [i for i in dirty if i in seq.shared_blocks]
+        seq.kv.copy_on_write(shared, self.pool.allocate(len(shared)))
+        seq.shared_blocks -= set(shared)
+        seq.num_shared_blocks -= len(shared)
+        seq.num_private_blocks += len(shared)
+        seq.pass_ = RecomputePass(
+            probe_pass.assembly,
+            layout,
+            chosen,
+            seq.policy,
+            num_layers=self.spec.num_layers,
+            num_output_rows=probe_pass.num_output_rows_asked,
         )
 
     def pass_done(self, seq: Sequence) -> None:
         """After the forward: the canonical blocks the request copied are no longer read."""
         result = seq.pass_.result()
+        if seq.probe_result is not None:
+            result, seq.probe_result = seq.probe_result.after(result), None
         if seq.first_pass is None:
             seq.first_pass = result
         seq.pass_ = None
@@ -135,14 +200,19 @@ class Linker:
         self.pool.free(b for blocks in held.values() for b in blocks)
 
     def _resolve(self, seq: Sequence) -> list[ChunkInfo | ChunkKV]:
-        options = seq.compile_options
+        options = seq.compile_options.without_context()
         chunks = []
         for cid in seq.cache_ids:
             chunk = self.store.resolve(cid)
-            if chunk.options != options:
+            if chunk.options.without_context() != options:
                 raise CompileOptionsMismatchError(
-                    f"chunk {cid} was compiled with {chunk.options!r} but policy {seq.policy.spec!r} needs "
-                    f"{options!r}; compile it with compile(docs, policy={seq.policy.spec!r})"
+                    f"chunk {cid} was compiled with {chunk.options.without_context()!r} but policy "
+                    f"{seq.policy.spec!r} needs {options!r}; compile it with compile(docs, policy={seq.policy.spec!r})"
+                )
+            if seq.policy.needs_context and not chunk.options.context:
+                raise CompileOptionsMismatchError(
+                    f"chunk {cid} was compiled without a context but policy {seq.policy.spec!r} needs chunks "
+                    f"compiled in context; compile it with compile(docs, context=...) (PIC.chat_context for a chat)"
                 )
             chunks.append(chunk)
         return chunks

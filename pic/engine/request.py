@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -17,6 +18,7 @@ from pic.errors import InvalidInputError
 from pic.ids import cache_id_list
 from pic.link import Layout, policies
 from pic.link.policies import Policy
+from pic.link.probe import Probe
 
 
 class Request:
@@ -27,8 +29,12 @@ class Request:
     A request's output does not depend on what it is batched with: seeded sampling uses the request's own
     generator.
 
+    ``relevance`` gives a score per chunk (higher: more relevant to the query), as a retriever ranks them;
+    policies that rank chunks (``regions``) use it instead of their own ranking.
+
     Raises:
-        InvalidInputError: cache ids that are not strings, an empty query, a bad or unknown sampling option.
+        InvalidInputError: cache ids that are not strings, an empty query, a bad or unknown sampling option,
+            relevance scores that are not one finite number per cache id.
         PolicyError: an unknown policy spec.
     """
 
@@ -39,6 +45,7 @@ class Request:
         *,
         prefix: TextOrTokens = "",
         policy: str | policies.Policy | None = None,
+        relevance: Sequence[float] | None = None,
         sampling: SamplingParams | None = None,
         **options: Unpack[SamplingOptions],
     ) -> None:
@@ -47,6 +54,7 @@ class Request:
             raise InvalidInputError(f"query {query!r} has no tokens; link needs at least one query token")
         self.query, self.prefix = query, prefix
         self.policy = None if policy is None else policies.resolve(policy)
+        self.relevance = relevance_scores(relevance, len(self.cache_ids))
         self.sampling = sampling_params(sampling, options)
 
     def __repr__(self) -> str:
@@ -92,6 +100,7 @@ class LinkOutput:
         num_shared_blocks / num_private_blocks: the request's block table, aliased / owned.
         block_ids: its physical blocks, in slot order.
         query_hidden: ``[num_query_tokens, hidden_size]`` the query's final hidden states (model dtype).
+        probe: what the query saw in the probe pass of a query-aware policy, else ``None``.
     """
 
     request_id: int
@@ -102,6 +111,7 @@ class LinkOutput:
     num_private_blocks: int
     block_ids: tuple[int, ...]
     query_hidden: torch.Tensor
+    probe: Probe | None = None
 
 
 class OutputSink(Protocol):
@@ -112,11 +122,13 @@ class OutputSink(Protocol):
 
 @dataclass(frozen=True)
 class Prompt:
-    """A request's token ids, validated by the caller's thread before the engine sees the request."""
+    """A request's token ids (and its chunks' relevance scores, when given), validated by the caller's
+    thread before the engine sees the request."""
 
     cache_ids: list[str]
     prefix_ids: list[int]
     query_ids: list[int]
+    relevance: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -138,3 +150,21 @@ def check_request_id(request_id: object) -> int:
     if not isinstance(request_id, int) or isinstance(request_id, bool):
         raise InvalidInputError(f"request id {request_id!r:.80} is not an int (an id that submit/add_request returned)")
     return request_id
+
+
+def relevance_scores(relevance: object, num_chunks: int) -> tuple[float, ...] | None:
+    """``relevance`` as a tuple of floats, one per chunk (``None``: not given).
+
+    Raises:
+        InvalidInputError: not a sequence of finite numbers, or not ``num_chunks`` of them.
+    """
+    if relevance is None:
+        return None
+    if isinstance(relevance, (str, bytes)) or not isinstance(relevance, Sequence | torch.Tensor):
+        raise InvalidInputError(f"relevance is {relevance!r:.80}; expected one number per cache id")
+    values = relevance.tolist() if isinstance(relevance, torch.Tensor) else list(relevance)
+    if not all(isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) for v in values):
+        raise InvalidInputError(f"relevance {values!r:.80} holds something else than finite numbers")
+    if len(values) != num_chunks:
+        raise InvalidInputError(f"relevance has {len(values)} scores for {num_chunks} cache ids; give one per cache id")
+    return tuple(float(v) for v in values)

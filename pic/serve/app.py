@@ -69,7 +69,13 @@ def build_app(engine: PIC, *, model_name: str, api_key: str | None = None, max_b
 
     @app.post("/v1/chunks")
     async def compile_chunks(body: ChunksBody) -> dict:
-        ids = await asyncio.to_thread(engine.compile, body.documents, policy=body.policy, progress=False)
+        context = body.context
+        if body.system is not None:
+            system = [{"role": "system", "content": body.system}] if body.system else []
+            context = await asyncio.to_thread(engine.chat_context, system)
+        ids = await asyncio.to_thread(
+            engine.compile, body.documents, policy=body.policy, context=context, progress=False
+        )
         return {"cache_ids": ids}
 
     @app.get("/v1/chunks/{cache_id}")
@@ -96,8 +102,10 @@ def build_app(engine: PIC, *, model_name: str, api_key: str | None = None, max_b
             return _unknown_model(body.model, model_name)
         messages = [m.model_dump() for m in body.messages]
         prefix, query = await asyncio.to_thread(engine.chat_segments, messages)  # renders: off the loop
+        context = await asyncio.to_thread(engine.chat_context, messages) if body.pic.documents else None
         body.max_tokens = body.max_completion_tokens or body.max_tokens
-        return await _respond(await _pic_request(engine, body, query, prefix=prefix), body, http, chat=True)
+        request = await _pic_request(engine, body, query, prefix=prefix, context=context)
+        return await _respond(request, body, http, chat=True)
 
     async def _respond(request: PicRequest, body: Sampling, http: Request, *, chat: bool):
         """The response: an event stream, or (until the client leaves: then the request is aborted) a body."""
@@ -141,17 +149,25 @@ def build_app(engine: PIC, *, model_name: str, api_key: str | None = None, max_b
     return app
 
 
-async def _pic_request(engine: PIC, body: Sampling, prompt: str, *, prefix: str | None = None) -> PicRequest:
-    """The engine request of a completion: inline documents compiled first (cached), linked after ``cache_ids``."""
+async def _pic_request(
+    engine: PIC, body: Sampling, prompt: str, *, prefix: str | None = None, context: str | None = None
+) -> PicRequest:
+    """The engine request of a completion: inline documents compiled first (cached; after ``context``, a chat's,
+    or after the prefix when the policy needs chunks compiled in context), linked after ``cache_ids``."""
     options = body.pic
     ids = list(options.cache_ids)
     if options.documents:
-        ids += await asyncio.to_thread(engine.compile, options.documents, policy=options.policy, progress=False)
+        if context is None and options.prefix and engine.compile_policy(options.policy).needs_context:
+            context = options.prefix
+        ids += await asyncio.to_thread(
+            engine.compile, options.documents, policy=options.policy, context=context, progress=False
+        )
     return PicRequest(
         ids,
         prompt,
         prefix=options.prefix if prefix is None else prefix,
         policy=options.policy,
+        relevance=options.relevance,
         max_new_tokens=body.max_tokens or engine.spec.max_context,
         temperature=body.temperature,
         top_p=body.top_p,

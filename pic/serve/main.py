@@ -28,7 +28,7 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )  # fmt: skip
     serve.add_argument(
         "--policy", type=policy, default=None,
-        help="the recompute policy of requests that name none (default: legolink:16)",
+        help="the recompute policy of requests that name none (default: regions)",
     )  # fmt: skip
     serve.add_argument(
         "--chat-template", type=chat_template, default=None, metavar="FILE",

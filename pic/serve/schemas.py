@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 # OpenAI parameters this server does not implement, with the values that ask for nothing.
@@ -47,9 +47,12 @@ class PicOptions(_Body):
 
     Attributes:
         cache_ids: compiled chunks (``POST /v1/chunks``), linked in this order.
-        documents: texts compiled (and cached) on the way, linked after ``cache_ids``.
-        policy: the recompute policy (``"mepic"``, ``"legolink:16"`` ...); default: the engine's.
+        documents: texts compiled (and cached) on the way, linked after ``cache_ids``; in a chat, compiled in
+            the chat's context (after its system turn: ``PIC.chat_context``).
+        policy: the recompute policy (``"regions"``, ``"legolink:16"`` ...); default: the engine's.
         prefix: text before the chunks (recomputed).
+        relevance: one score per chunk (``cache_ids``, then ``documents``), higher for the more relevant (a
+            retriever's scores); a policy that ranks chunks (``regions``) uses them.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -58,6 +61,7 @@ class PicOptions(_Body):
     documents: list[str] = Field(default_factory=list, max_length=1024)
     policy: str | None = None
     prefix: str = ""
+    relevance: list[float] | None = Field(default=None, max_length=5120)
 
 
 class Sampling(_Body):
@@ -111,12 +115,23 @@ class CompletionBody(Sampling):
 
 class ChunksBody(_Body):
     """``POST /v1/chunks``: documents to compile (``policy``: the one they will be linked with, when it
-    needs its own compile options)."""
+    needs its own compile options). Compiled in context when asked: after ``context`` (text whose KV is
+    dropped), or after the chat template's system turn with ``system`` as the system prompt (``""``: no system
+    message), as chat requests compile their inline documents."""
 
     model_config = ConfigDict(extra="forbid")
 
     documents: list[str] = Field(min_length=1, max_length=1024)
     policy: str | None = None
+    context: str | None = Field(default=None, min_length=1)
+    system: str | None = None
+
+    @field_validator("system")
+    @classmethod
+    def _one_context(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is not None and info.data.get("context") is not None:
+            raise ValueError("give context or system, not both")
+        return value
 
 
 class ChatMessage(_Body):

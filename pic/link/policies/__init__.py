@@ -1,17 +1,25 @@
 """Recompute policies: which tokens of a linked prompt to run fresh.
 
 Use a spec string (``"naive"``, ``"full"``, ``"legolink:16"``, ``"legolink0"``, ``"cacheblend:0.15"``,
-``"mepic"``) or an object; add your own by subclassing ``Policy`` and decorating it with ``register``.
+``"mepic"``, ``"prophetkv:0.2"``, ``"a3:0.15"``, ``"ape"``, ``"regions:0.25"``) or an object; add your own by
+subclassing ``Policy`` and decorating it with ``register``.
 """
 
+from pic.link.policies.ape import APE
 from pic.link.policies.base import Policy
 from pic.link.policies.builtin import FullRecompute, Naive
 from pic.link.policies.cacheblend import CacheBlend
 from pic.link.policies.heads import MEPIC, LegoLink, LegoLinkZero, chunk_heads
+from pic.link.policies.query import A3, ProphetKV
+from pic.link.policies.regions import Regions
 from pic.link.policies.registry import available, register, resolve
+from pic.link.policies.scoring import smooth, top_chunk_tokens, with_heads
+from pic.link.probe import Probe
 from pic.link.step import LayerStep
 
 __all__ = [
+    "A3",
+    "APE",
     "MEPIC",
     "CacheBlend",
     "FullRecompute",
@@ -20,8 +28,14 @@ __all__ = [
     "LegoLinkZero",
     "Naive",
     "Policy",
+    "Probe",
+    "ProphetKV",
+    "Regions",
     "available",
     "chunk_heads",
     "register",
     "resolve",
+    "smooth",
+    "top_chunk_tokens",
+    "with_heads",
 ]

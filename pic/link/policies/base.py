@@ -4,11 +4,14 @@ A policy decides which tokens of a linked prompt are recomputed (run fresh throu
 attending to the whole request) and which keep their cached KV. Prefix and query tokens have no
 cached KV and are always recomputed; a policy only chooses among chunk tokens.
 
-*Static* policies choose once, from the layout (``select``). *Dynamic* ones (CacheBlend) also
+*Static* policies choose once, from the layout (``select``). *Dynamic* ones (CacheBlend, A³) also
 implement ``after_layer``: after each layer of the recompute pass they may drop tokens, which then
-keep their cached KV in every later layer. A policy may ask for compile options (LegoLink-0 compiles
-chunks with extra leading BOS tokens); chunks compiled otherwise are refused at link time instead
-of silently giving other results.
+keep their cached KV in every later layer. *Query-aware* ones (ProphetKV, pic's ``regions``) implement
+``after_probe``: ``select``'s tokens run first as a *probe* that records the query's attention over the
+linked KV at every layer (``pic.link.probe.Probe``); the policy then names the chunk tokens to recompute,
+and a second pass recomputes them with the query. A policy may ask for compile options (LegoLink-0
+compiles chunks with extra leading BOS tokens); chunks compiled otherwise are refused at link time
+instead of silently giving other results.
 
 Policies are frozen pydantic models: their parameters are validated fields, and the spec string
 ``"name:first_field,other_field=value"`` builds them (``"legolink:16"``, ``"cacheblend:0.3,check_layer=2"``).
@@ -22,11 +25,13 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 
+from pic.attention.ape import ContextScaling
 from pic.config import CompileOptions, describe_validation_error
 from pic.errors import PolicyError
 from pic.link.layout import Layout
 
 if TYPE_CHECKING:
+    from pic.link.probe import Probe
     from pic.link.step import LayerStep
 
 
@@ -40,6 +45,8 @@ class Policy(BaseModel, ABC):
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True, allow_inf_nan=False)
     name: ClassVar[str] = ""
+    # Links only chunks compiled in context (``compile(docs, context=...)``); others are refused at link time.
+    needs_context: ClassVar[bool] = False
 
     def __init__(self, **data: Any) -> None:
         """Fields are validated strictly (``LegoLink(k="16")`` is refused; spec strings are parsed).
@@ -51,6 +58,8 @@ class Policy(BaseModel, ABC):
             super().__init__(**data)
         except ValidationError as exc:
             raise PolicyError(f"policy {self.name!r}: {describe_validation_error(type(self), exc)}") from None
+        if self.is_dynamic and self.is_query_aware:
+            raise PolicyError(f"policy {self.name!r} implements both after_layer and after_probe; choose one")
 
     @abstractmethod
     def select(self, layout: Layout) -> torch.Tensor:
@@ -67,10 +76,38 @@ class Policy(BaseModel, ABC):
         """
         return None
 
+    def after_probe(self, probe: Probe) -> torch.Tensor:
+        """Query-aware policies: the chunk tokens to recompute, chosen from what the query saw.
+
+        Args:
+            probe: the probe pass over ``select``'s tokens: ``probe.mass`` / ``probe.attention`` ``[num_layers, T]``,
+                the attention each token received from the query at each layer.
+
+        Returns:
+            ``[T]`` bool (True = recompute). Only chunk tokens count: the query is always recomputed, and
+            the prefix keeps the exact KV the probe gave it.
+        """
+        raise NotImplementedError
+
     @property
     def is_dynamic(self) -> bool:
         """Whether the policy overrides ``after_layer``."""
         return type(self).after_layer is not Policy.after_layer
+
+    @property
+    def is_query_aware(self) -> bool:
+        """Whether the policy overrides ``after_probe`` (its link runs a probe pass first)."""
+        return type(self).after_probe is not Policy.after_probe
+
+    def context_scaling(self) -> ContextScaling | None:
+        """APE-style attention for the request's query and generated tokens over its chunks
+        (``pic.attention.ape``); ``None``: plain attention."""
+        return None
+
+    @property
+    def parallel_positions(self) -> bool:
+        """Lay chunks out in parallel, each right after the prefix, the query after the longest (APE)."""
+        return False
 
     def compile_options(self, base: CompileOptions) -> CompileOptions:
         """The compile options chunks need for this policy, given the engine's ``base``."""
@@ -86,6 +123,18 @@ class Policy(BaseModel, ABC):
             PolicyError: ``select`` returned something else than a bool tensor of that shape.
         """
         return self._checked(self.select(layout), layout.num_tokens, "select()").cpu() | ~layout.cached
+
+    def probe_mask(self, probe: Probe) -> torch.Tensor:
+        """``after_probe``, checked: ``[T]`` bool on CPU, its chunk tokens and every query token.
+
+        Raises:
+            PolicyError: ``after_probe`` returned something else than a bool tensor of that shape.
+        """
+        layout = probe.layout
+        chosen = self._checked(self.after_probe(probe), layout.num_tokens, "after_probe()").cpu()
+        query = torch.zeros_like(chosen)
+        query[layout.query.tokens] = True
+        return (chosen & layout.cached) | query
 
     def keep_mask(self, step: LayerStep) -> torch.Tensor | None:
         """``after_layer``, checked, with the step's uncached tokens kept: ``[step.num_tokens]`` bool

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 from pic.errors import PolicyError
+from pic.link.policies.ape import APE
 from pic.link.policies.base import Policy
 from pic.link.policies.builtin import FullRecompute, Naive
 from pic.link.policies.cacheblend import CacheBlend
 from pic.link.policies.heads import MEPIC, LegoLink, LegoLinkZero
+from pic.link.policies.query import A3, ProphetKV
+from pic.link.policies.regions import Regions
 
 _POLICIES: dict[str, type[Policy]] = {
-    cls.name: cls for cls in (Naive, FullRecompute, LegoLink, LegoLinkZero, CacheBlend, MEPIC)
+    cls.name: cls
+    for cls in (Naive, FullRecompute, LegoLink, LegoLinkZero, CacheBlend, MEPIC, ProphetKV, A3, APE, Regions)
 }
 
 
