@@ -24,12 +24,17 @@ class AccuracyScore:
             holding the answer (0: first linked).
         num_gained, num_lost: cases this policy answers correctly and Full Recompute does not, and the
             reverse (paired: the same cases).
+        diff_vs_full, diff_low, diff_high: the paired difference in accuracy from Full Recompute
+            (``(num_gained - num_lost) / cases``) and its 95% interval (normal approximation over the
+            per-case differences).
         same_reply_as_full: share of replies identical to Full Recompute's.
         mean_kl, top1_agreement: KL(FR || policy) in nats and top-1 agreement of the next-token
             distributions, mean over the query positions.
         answer_kl, answer_top1: the same at the last prompt position: the answer's first token.
         mean_recomputed: tokens recomputed through the last layer (prefix and query included).
         recompute_fraction: recomputed token-layers over Full Recompute's (the recompute pass's cost).
+        chunk_recompute_fraction: token-layers run beyond one pass over the prefix and query, over the chunks'
+            token-layers: the share of the chunks recomputed, a probe's second run of the query included.
         median_link_s, median_speedup_vs_full: link time, and FR's link time over it per case (median).
     """
 
@@ -43,6 +48,9 @@ class AccuracyScore:
     accuracy_by_gold_position: list[float]
     num_gained: int
     num_lost: int
+    diff_vs_full: float
+    diff_low: float
+    diff_high: float
     same_reply_as_full: float
     mean_kl: float
     top1_agreement: float
@@ -50,6 +58,7 @@ class AccuracyScore:
     answer_top1: float
     mean_recomputed: float
     recompute_fraction: float
+    chunk_recompute_fraction: float
     median_link_s: float
     median_speedup_vs_full: float
 
@@ -75,17 +84,18 @@ class AccuracyReport(ReportMethods):
         rows = [
             "| policy | accuracy (95% CI) | "
             + "".join(f"{k} | " for k in kinds)
-            + "EM | F1 | +/- vs FR | same reply as FR | KL to FR (answer token) | top-1 agree (answer) "
-            "| recomputed tokens | recomputed token-layers | link ms (speedup vs FR) |",
-            "|---|---:|" + "---:|" * len(kinds) + "---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            + "+/- vs FR | paired diff (95% CI) | same reply as FR | KL to FR (answer token) | top-1 agree (answer) "
+            "| chunk token-layers recomputed | recomputed token-layers | link ms (speedup vs FR) |",
+            "|---|---:|" + "---:|" * len(kinds) + "---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for s in self.scores:
             by_kind = "".join(f"{_pct(s.accuracy_by_kind[k])} | " for k in kinds)
             rows.append(
                 f"| {s.policy} | {_pct(s.accuracy)} ({_pct(s.accuracy_low)}-{_pct(s.accuracy_high)}) | {by_kind}"
-                f"{_pct(s.exact_match)} | {s.f1:.2f} | +{s.num_gained}/-{s.num_lost} | {_pct(s.same_reply_as_full)} "
+                f"+{s.num_gained}/-{s.num_lost} | {_signed(s.diff_vs_full)} ({_signed(s.diff_low)} to "
+                f"{_signed(s.diff_high)}) | {_pct(s.same_reply_as_full)} "
                 f"| {s.mean_kl:.3f} ({s.answer_kl:.3f}) | {_pct(s.top1_agreement)} ({_pct(s.answer_top1)}) "
-                f"| {s.mean_recomputed:.1f} | {_pct(s.recompute_fraction)} "
+                f"| {_pct(s.chunk_recompute_fraction)} | {_pct(s.recompute_fraction)} "
                 f"| {1e3 * s.median_link_s:.0f} ({s.median_speedup_vs_full:.2f}x) |"
             )
         return "\n".join(rows)
@@ -93,6 +103,23 @@ class AccuracyReport(ReportMethods):
 
 def _pct(value: float) -> str:
     return "n/a" if math.isnan(value) else f"{100 * value:.1f}%"
+
+
+def _signed(value: float) -> str:
+    """A difference of proportions in points: ``+1.5``, ``-12.0``."""
+    return "n/a" if math.isnan(value) else f"{100 * value:+.1f}"
+
+
+def paired_difference(diffs: list[int], *, z: float = 1.96) -> tuple[float, float, float]:
+    """Mean of per-case differences (each -1, 0 or 1: a policy's correctness minus Full Recompute's on the same
+    case) and its 95% interval by the normal approximation (``mean +- z * sd / sqrt(n)``, within [-1, 1])."""
+    n = len(diffs)
+    if n == 0:
+        return math.nan, math.nan, math.nan
+    mean = sum(diffs) / n
+    var = sum((d - mean) ** 2 for d in diffs) / (n - 1) if n > 1 else 0.0
+    half = z * math.sqrt(var / n)
+    return mean, max(-1.0, mean - half), min(1.0, mean + half)
 
 
 def wilson_interval(successes: int, trials: int, *, z: float = 1.96) -> tuple[float, float]:

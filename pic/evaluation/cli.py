@@ -32,10 +32,17 @@ def add_parser(
     accuracy = evaluations.add_parser(
         "accuracy", help="multi-document QA accuracy per policy, beside fidelity, cost and attention sinks"
     )
+    accuracy.add_argument(
+        "--workload", choices=("qa", "profiles"), default="qa",
+        help="qa: 4 short documents of filler and planted facts (default); profiles: 3 paragraphs of 150-500 "
+        "tokens about people, competing facts of the same form",
+    )  # fmt: skip
     accuracy.add_argument("--cases", type=cases, default=200, help="questions (default 200)")
-    accuracy.add_argument("--documents", type=positive_int, default=4, help="documents per question (default 4)")
-    accuracy.add_argument("--sentences", type=positive_int, default=5, help="filler sentences per document (default 5)")
-    accuracy.add_argument("--two-docs-share", type=float, default=0.2, help="share of two-document questions (0.2)")
+    accuracy.add_argument(
+        "--documents", type=positive_int, default=None, help="documents per question (default: 4 qa, 3 profiles)"
+    )
+    accuracy.add_argument("--sentences", type=positive_int, default=5, help="qa: filler sentences per document (5)")
+    accuracy.add_argument("--two-docs-share", type=float, default=0.2, help="qa: share of two-document questions (0.2)")
     accuracy.add_argument(
         "--question-after-only", action="store_true", help="ask the question after the documents only, not before too"
     )
@@ -50,7 +57,11 @@ def add_parser(
             "--add-bos", choices=list(_ADD_BOS), default="auto",
             help="compile chunks after a BOS token: auto (when the tokenizer writes one), on or off",
         )  # fmt: skip
-        parser.add_argument("--policies", default=None, help="policy specs separated by spaces (default: all families)")
+        parser.add_argument(
+            "--policies", default=None,
+            help="policy specs separated by spaces (default: all families); for accuracy, SPEC@context links "
+            "chunks compiled in the chat's context",
+        )  # fmt: skip
         parser.add_argument(
             "--out",
             default=DEFAULT_EVAL_DIR,
@@ -69,22 +80,30 @@ def engine_options(args: argparse.Namespace) -> dict[str, object]:
 def run(args: argparse.Namespace, load: Callable[[], object]) -> int:
     """Run the evaluation ``args`` names on the engine ``load()`` returns (after checking the workload's
     arguments, so a bad one fails before the model loads); returns the exit code."""
-    from pic.evaluation import DEFAULT_POLICIES
+    from pic.evaluation import ACCURACY_POLICIES, DEFAULT_POLICIES
     from pic.evaluation.command import run_accuracy, run_fidelity
 
-    policies = args.policies.split() if args.policies else DEFAULT_POLICIES
+    defaults = DEFAULT_POLICIES if args.evaluation == "fidelity" else ACCURACY_POLICIES
+    policies = args.policies.split() if args.policies else defaults
     if args.evaluation == "fidelity":
         run_fidelity(
             load(), workload=args.workload, num_cases=args.cases, seed=args.seed, policies=policies,
             out_dir=args.out, name=args.name,
         )  # fmt: skip
         return 0
+    from pic.evaluation.profiles import profile_workload
     from pic.evaluation.qa import qa_workload
 
-    workload = qa_workload(
-        num_cases=args.cases, num_documents=args.documents, sentences_per_document=args.sentences,
-        two_docs_share=args.two_docs_share, question_first=not args.question_after_only, seed=args.seed,
-    )  # fmt: skip
+    if args.workload == "profiles":
+        workload = profile_workload(
+            num_cases=args.cases, num_documents=args.documents or 3, question_first=not args.question_after_only,
+            seed=args.seed,
+        )  # fmt: skip
+    else:
+        workload = qa_workload(
+            num_cases=args.cases, num_documents=args.documents or 4, sentences_per_document=args.sentences,
+            two_docs_share=args.two_docs_share, question_first=not args.question_after_only, seed=args.seed,
+        )  # fmt: skip
     run_accuracy(
         load(), workload=workload, policies=policies, max_new_tokens=args.max_new_tokens,
         num_sink_cases=args.sink_cases, out_dir=args.out, name=args.name,

@@ -14,9 +14,9 @@ from typing import TypeVar
 
 from pic.api import PIC
 from pic.errors import InvalidInputError, MissingDependencyError, PicError
-from pic.evaluation.accuracy import evaluate_accuracy
+from pic.evaluation.accuracy import accuracy_rows, evaluate_accuracy
 from pic.evaluation.accuracy_report import AccuracyReport
-from pic.evaluation.fidelity import checked_policies, evaluate_fidelity
+from pic.evaluation.fidelity import evaluate_fidelity, fidelity_policies
 from pic.evaluation.plot import plot_accuracy, plot_fidelity
 from pic.evaluation.qa import QAWorkload
 from pic.evaluation.report import FidelityReport
@@ -40,7 +40,7 @@ def run_fidelity(
     Progress goes to stderr."""
     say = _sayer("fidelity")
     _check_out(out_dir, name)  # an unwritable folder fails now, not after the sampling
-    checked = checked_policies(engine, policies)  # a bad spec fails now, not after the workload
+    checked = fidelity_policies(engine, policies)  # a bad spec fails now, not after the workload
     if workload:
         cases = load_workload(workload)
     else:
@@ -68,11 +68,11 @@ def run_accuracy(
     the table, the PNG)."""
     say = _sayer("accuracy")
     _check_out(out_dir, name)
-    checked = checked_policies(engine, policies)
+    checked = accuracy_rows(engine, policies)
 
     def evaluate(on_case: Callable[[AccuracyReport], None]) -> AccuracyReport:
         return evaluate_accuracy(
-            engine, workload=workload, policies=checked, max_new_tokens=max_new_tokens,
+            engine, workload=workload, policies=policies, max_new_tokens=max_new_tokens,
             num_sink_cases=num_sink_cases, progress=True, on_case=on_case,
         )  # fmt: skip
 

@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 
 from pic.api import PIC
 from pic.engine import Linked
-from pic.errors import PicError
+from pic.errors import PicError, PolicyError
 from pic.evaluation.report import FidelityReport, PolicyScore, model_fields
 from pic.evaluation.workload import Case, Workload, sample_workload
 from pic.link.policies import FullRecompute, Policy, resolve
@@ -33,6 +33,9 @@ DEFAULT_POLICIES = (
     "cacheblend:0.05",
     "cacheblend:0.15",
     "cacheblend:0.3",
+    "prophetkv:0.2",
+    "a3:0.15",
+    "regions",
 )
 
 
@@ -41,7 +44,9 @@ class LinkMeasurement:
     """One policy's link of one case, against Full Recompute's: KL(FR || policy) and top-1 agreement of the
     next-token distributions (mean over the query positions, and at the last one: the first generated
     token's), the NLL of the query's own continuation, tokens recomputed (last layer, first layer), the
-    share of FR's token-layers recomputed (all layers, last layer), and the link's seconds."""
+    share of FR's token-layers recomputed (all layers, last layer), the share of the chunks' token-layers
+    recomputed (``chunk_fraction``: every token-layer beyond one pass over the prefix and the query, over the
+    chunks' token-layers; a probe's second run of the query counts), and the link's seconds."""
 
     kl: float
     top1: float
@@ -53,6 +58,8 @@ class LinkMeasurement:
     fraction: float
     fraction_last: float
     link_s: float
+    chunk_fraction: float = float("nan")
+    probe_tokens: int = 0
 
 
 def evaluate_fidelity(
@@ -80,7 +87,7 @@ def evaluate_fidelity(
         PicError: a case the engine rejects (too long, empty query, ...); the message names the case.
     """
     engine = engine or PIC.from_pretrained(dtype="float32")
-    resolved = checked_policies(engine, policies)
+    resolved = fidelity_policies(engine, policies)
     workload = workload or sample_workload(engine, seed=seed, progress=progress)
     full = FullRecompute()
     tallies: dict[str, list[LinkMeasurement]] = {p.spec: [] for p in [full, *resolved]}
@@ -112,6 +119,23 @@ def checked_policies(engine: PIC, policies: Sequence[str | Policy]) -> list[Poli
         if policy.spec != FullRecompute().spec:
             unique.setdefault(policy.spec, policy)
     return list(unique.values())
+
+
+def fidelity_policies(engine: PIC, policies: Sequence[str | Policy]) -> list[Policy]:
+    """``checked_policies``, refusing those that link only chunks compiled in context (the fidelity cases are
+    compiled alone: such a policy belongs in ``pic eval accuracy``).
+
+    Raises:
+        PolicyError: as ``checked_policies``, or a policy that needs chunks compiled in context.
+    """
+    checked = checked_policies(engine, policies)
+    for policy in checked:
+        if policy.needs_context:
+            raise PolicyError(
+                f"policy {policy.spec!r} links only chunks compiled in context, which the fidelity evaluation does "
+                f"not compile; evaluate it with `pic eval accuracy` (chunks compiled in the chat's context)"
+            )
+    return checked
 
 
 def _report(
@@ -152,6 +176,9 @@ def measure_link(linked: Linked, ref_logp: torch.Tensor, query: torch.Tensor) ->
         nll = float(-logp[:-1].gather(1, targets[:, None]).mean())
     by_layer = linked.recomputed_by_layer
     num_prompt = linked.input_ids.shape[0]
+    num_probe = int(linked.probe.recomputed.sum()) if linked.probe is not None else 0  # every layer, first
+    num_chunk = int(linked.layout.cached.sum())
+    beyond = sum(by_layer) - len(by_layer) * (num_prompt - num_chunk)  # token-layers past one prefix+query pass
     kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1)  # [Q]
     top1 = (ref_logp.argmax(-1) == logp.argmax(-1)).float()  # [Q]
     return LinkMeasurement(
@@ -161,10 +188,12 @@ def measure_link(linked: Linked, ref_logp: torch.Tensor, query: torch.Tensor) ->
         top1_last=float(top1[-1]),
         nll=nll,
         recomputed=linked.num_recomputed,
-        recomputed_first=by_layer[0],
+        recomputed_first=by_layer[0] - num_probe,
         fraction=sum(by_layer) / (len(by_layer) * num_prompt),
         fraction_last=by_layer[-1] / num_prompt,
         link_s=linked.link_s,
+        chunk_fraction=beyond / (len(by_layer) * num_chunk) if num_chunk else float("nan"),
+        probe_tokens=num_probe,
     )
 
 
@@ -180,6 +209,7 @@ def _summarize(spec: str, measured: list[LinkMeasurement], full: list[LinkMeasur
         continuation_nll=statistics.fmean(nll) if nll else float("nan"),
         mean_recomputed=mean("recomputed"),
         mean_recomputed_first_layer=mean("recomputed_first"),
+        mean_probe_tokens=mean("probe_tokens"),
         recompute_fraction=mean("fraction"),
         recompute_fraction_last_layer=mean("fraction_last"),
         median_link_s=statistics.median(m.link_s for m in measured),

@@ -79,6 +79,7 @@ class QAKind(str, enum.Enum):
     PASSKEY = "passkey"
     FACT = "fact"
     TWO_DOCS = "two-docs"
+    PROFILE = "profile"  # pic.evaluation.profiles: one fact about one person, in paragraph documents
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,9 @@ class PolicyScore:
         top1_agreement: fraction of query positions whose most likely next token equals FR's.
         continuation_nll: mean negative log-likelihood (nats/token) of the query's own tokens.
         mean_recomputed: tokens recomputed through the last layer (prefix and query included).
-        mean_recomputed_first_layer: tokens recomputed in the first layer (differs for CacheBlend).
+        mean_recomputed_first_layer: tokens recomputed in the first layer (differs for CacheBlend and A³),
+            a probe's aside.
+        mean_probe_tokens: tokens a query-aware policy's probe ran through every layer before its pass.
         recompute_fraction: recomputed token-layers over all prompt token-layers (the compute cost
             of the recompute pass relative to Full Recompute, ignoring attention length).
         recompute_fraction_last_layer: tokens recomputed in the last layer over prompt tokens.
@@ -44,6 +46,7 @@ class PolicyScore:
     recompute_fraction_last_layer: float
     median_link_s: float
     median_speedup_vs_full: float
+    mean_probe_tokens: float = 0.0
 
 
 class ReportMethods:
@@ -95,6 +98,8 @@ class FidelityReport(ReportMethods):
             recomputed = f"{s.mean_recomputed:.1f}"
             if s.mean_recomputed_first_layer != s.mean_recomputed:
                 recomputed = f"{s.mean_recomputed_first_layer:.1f} then {recomputed}"
+            if s.mean_probe_tokens:
+                recomputed += f" (+{s.mean_probe_tokens:.1f} in the probe)"
             ratio = s.mean_kl / naive if naive > 0 else math.nan
             rows.append(
                 f"| {s.policy} | {s.mean_kl:.2e} | {ratio:.2f} | {s.top1_agreement:.1%} | {s.continuation_nll:.3f} "

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import functools
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -24,7 +25,8 @@ from pic.api import PIC
 from pic.attention import AttentionBatch
 from pic.attention.reference import attention_weights
 from pic.engine import Linked
-from pic.link.policies import Policy
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -56,22 +58,23 @@ class CaseSinks:
     uniform_chunk_firsts: float
 
 
-def measure_sinks(engine: PIC, link: Callable[[Policy], Linked], policies: Sequence[Policy]) -> dict[str, CaseSinks]:
-    """One case under each policy: ``link(policy)`` runs once to compile and learn the layout, then again
-    with the observer on (only a forward running one recompute pass alone is read: the link's own)."""
+def measure_sinks(engine: PIC, link: Callable[[T], Linked], rows: Mapping[str, T]) -> dict[str, CaseSinks]:
+    """One case under each row (label -> what ``link`` takes): ``link(row)`` runs once to compile and learn the
+    layout, then again with the observer on (only a forward running one recompute pass alone is read: the
+    link's own; a query-aware policy's second pass, the last, is what counts)."""
     out = {}
-    for policy in policies:
-        linked = link(policy)  # compiles (unobserved) and links once, to learn the layout
+    for label, row in rows.items():
+        linked = link(row)  # compiles (unobserved) and links once, to learn the layout
         linked.release()
         layout = linked.layout
         later = [seg.token_start for seg in layout.chunks if seg.token_start > 0]
         num_query = layout.query.num_tokens
         per_layer: dict[int, torch.Tensor] = {}
-        observe = functools.partial(_observe, per_layer, num_tokens=layout.num_tokens, num_query=num_query)
+        observe = functools.partial(_observe, per_layer, slots=layout.slots, num_query=num_query)
         with engine.observe_attention(observe):
-            link(policy).release()
+            link(row).release()
         layers = [per_layer[i] for i in sorted(per_layer)]
-        out[policy.spec] = CaseSinks(
+        out[label] = CaseSinks(
             prompt_first=[float(m[0]) for m in layers],
             chunk_firsts=[float(m[later].sum()) for m in layers],
             uniform_chunk_firsts=len(later) / layout.num_tokens,
@@ -88,20 +91,17 @@ def _observe(
     scaling: float,
     window: int | None,
     *,
-    num_tokens: int,
+    slots: torch.Tensor,
     num_query: int,
 ) -> None:
-    """Record ``[num_tokens]``: the attention mass of the last ``num_query`` tokens (the query) at each
-    logical position, averaged over them and the heads."""
+    """Record ``[T]``: the attention mass of the last ``num_query`` tokens (the query) on each prompt token
+    (``slots`` ``[T]``: the tokens' request slots), averaged over them and the heads."""
     if len(plan.prefill_seqs) != 1 or plan.decode_seqs.numel():
         return  # not a lone recompute pass
     seq = plan.prefill_seqs[0]
     weights = attention_weights(q, k_cache, plan, seq, scaling=scaling, sliding_window=window)  # [Hq, n, S]
-    mass = weights[:, -num_query:].mean(dim=(0, 1))  # [S]
-    positions = plan.kv_positions[seq]  # [S]
-    written = positions >= 0
-    by_position = torch.zeros(num_tokens, dtype=torch.float32, device=mass.device)
-    per_layer[layer] = by_position.index_add_(0, positions[written], mass[written]).cpu()
+    mass = weights[:, -num_query:].mean(dim=(0, 1))  # [S] over the request's slots
+    per_layer[layer] = mass[slots.to(mass.device)].cpu()
 
 
 def summarize_sinks(measured: list[dict[str, CaseSinks]]) -> list[SinkProfile]:
