@@ -16,7 +16,7 @@ out = client.chat.completions.create(
         {"role": "system", "content": "Answer the question using the documents."},
         {"role": "user", "content": f"Question: {question}\n\n{{documents}}Question: {question}"},
     ],
-    extra_body={"pic": {"documents": docs, "policy": "legolink:16"}},  # compiled once, cached by the server
+    extra_body={"pic": {"documents": docs}},  # compiled once in the chat's context, cached by the server
 )
 print(out.choices[0].message.content)
 print(out.usage)  # prompt_tokens, completion_tokens, and pic's reused_tokens and recomputed_tokens

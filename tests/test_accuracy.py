@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import statistics
 
 import pytest
 
@@ -150,10 +151,14 @@ def test_scores_count_what_the_replies_scored():
     score = _summarize("naive", policy, full, cases)
     assert score.accuracy == pytest.approx(3 / 6) and score.exact_match == pytest.approx(3 / 6)
     assert (score.num_gained, score.num_lost) == (1, 2) and score.same_reply_as_full == pytest.approx(4 / 6)
-    for kind in QAKind:
+    assert set(score.accuracy_by_kind) == {c.kind.value for c in cases}  # the kinds the workload has
+    for kind in {c.kind for c in cases}:
         picked = [ok for ok, c in zip(policy_ok, cases, strict=True) if c.kind is kind]
-        expected = sum(picked) / len(picked) if picked else math.nan
-        assert score.accuracy_by_kind[kind.value] == pytest.approx(expected, nan_ok=True), kind
+        assert score.accuracy_by_kind[kind.value] == pytest.approx(sum(picked) / len(picked)), kind
+    diffs = [int(p) - int(f) for p, f in zip(policy_ok, full_ok, strict=True)]  # 0, -1, 1, -1, 0, 0
+    half = 1.96 * statistics.stdev(diffs) / math.sqrt(6)
+    assert score.diff_vs_full == pytest.approx(-1 / 6)
+    assert (score.diff_low, score.diff_high) == pytest.approx((-1 / 6 - half, -1 / 6 + half))
     for position in range(4):
         picked = [ok for ok, c in zip(policy_ok, cases, strict=True) if c.gold == (position,)]
         expected = sum(picked) / len(picked) if picked else math.nan

@@ -273,3 +273,18 @@ def test_gpu_script_dry_run_proves_its_steps_within_one_device_call(tmp_path):
     assert proc.returncode == 1 and "=== the limits exceed the budget" in proc.stdout
     assert "=== planned at most 645 s" in proc.stdout and "=== failed: budget" in proc.stdout
     assert "=== ttft: would run for at most 5" in proc.stdout  # 570 - 20 - the seconds already spent
+
+
+def test_regions_why_benchmark_quick(tmp_path):
+    """The ranking and oracle benchmark on SmolLM2, two cases per workload: every ranking and row reported."""
+    _quick("regions_why.py", tmp_path)
+    report = json.loads((tmp_path / "smollm2_regions_why.json").read_text())
+    for workload in ("qa", "profiles"):
+        ranking, accuracy = report[workload]["ranking_first_is_gold"], report[workload]["accuracy"]
+        assert set(ranking) == {"probe mass, all layers", "probe mass, last third of the layers", "bm25 over token ids"}
+        assert ranking["bm25 over token ids"]["num_cases"] == 2
+        assert (
+            accuracy["full"]["chunk_tokens_recomputed"] == 1.0
+            and accuracy["naive, in context"]["chunk_tokens_recomputed"] == 0
+        )
+        assert 0 < accuracy["regions, in context"]["chunk_tokens_recomputed"] <= 0.25

@@ -27,10 +27,14 @@ def test_custom_policy_example():
     assert recomputed["lastk:4"] == recomputed["naive"] + 3 * 4
     assert recomputed["lastk:6"] == recomputed["naive"] + 3 * 6
     assert recomputed["full"] > recomputed["lastk:6"]
+    # topmass recomputes its share of the 3 chunks' tokens (stories260K writes a BOS before each) after its probe
+    chunk_tokens = recomputed["full"] - recomputed["naive"]
+    assert recomputed["topmass"] == recomputed["naive"] + round(0.2 * chunk_tokens)
+    assert recomputed["topmass:0.5"] == recomputed["naive"] + round(0.5 * chunk_tokens)
 
 
 def test_quickstart_example():
     lines = _run("quickstart.py")
     assert lines[0].startswith("cache ids:")
-    assert sum("policy='legolink:16'" in line for line in lines) == 2
+    assert sum("policy='regions:0.25'" in line for line in lines) == 2
     assert any(line.startswith("Full Recompute") for line in lines)

@@ -495,6 +495,36 @@ def test_chat_completion_equals_link_chat(server, client):
         assert response.status_code == 422 and "content" in response.json()["error"]["message"]
 
 
+def test_chat_documents_compile_in_context_and_relevance_reaches_the_policy(server, client):
+    """Inline chat documents are compiled after the chat's system turn (``link_chat(documents=...)``), as
+    ``POST /v1/chunks`` with ``system`` compiles them; ``pic.relevance`` ranks the chunks for ``regions``."""
+    engine = server[1]
+    messages = [{"role": "system", "content": "Answer from the stories."}, {"role": "user", "content": "Who sang?"}]
+    context = engine.chat_context(messages)
+    with _http(server) as http:
+        by_system = http.post("/v1/chunks", json={"documents": list(DOCS), "system": "Answer from the stories."})
+        by_context = http.post("/v1/chunks", json={"documents": list(DOCS), "context": context})
+        both = http.post("/v1/chunks", json={"documents": list(DOCS), "context": context, "system": "x"})
+    assert (
+        by_system.json()["cache_ids"] == by_context.json()["cache_ids"] == engine.compile(list(DOCS), context=context)
+    )
+    assert both.status_code == 422 and "context or system" in both.json()["error"]["message"]
+    for relevance in ([0.0, 0.0, 1.0], [1.0, 0.0, 0.0]):
+        pic_options = {"documents": list(DOCS), "policy": "regions:0.3,window=4", "relevance": relevance}
+        expected = engine.link_chat(
+            [], messages, documents=list(DOCS), policy="regions:0.3,window=4", relevance=relevance
+        ).generate(max_new_tokens=10)
+        out = client.chat.completions.create(
+            model="stories260K", messages=messages, max_tokens=10, temperature=0, extra_body={"pic": pic_options}
+        )
+        assert out.choices[0].message.content == expected.text
+        assert out.usage.model_extra["recomputed_tokens"] == expected.stats.num_recomputed_tokens
+    with _http(server) as http:
+        body = {"model": "stories260K", "messages": messages, "pic": {"documents": list(DOCS), "relevance": [1.0]}}
+        response = http.post("/v1/chat/completions", json=body)
+        assert response.status_code == 400 and "relevance has 1 scores for 3 cache ids" in response.text
+
+
 def test_describing_a_redis_only_chunk_reads_its_metadata_not_its_kv(redis_server, redis_url):
     """``GET /v1/chunks/{id}`` of a chunk only Redis holds: Redis sends its metadata record, not its KV
     (counted by the Redis server itself), and nothing is promoted into the pool."""

@@ -29,6 +29,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import torch
 
 import pic
 from pic.cli import main
@@ -234,7 +235,10 @@ def run_example(name: str, **env: str) -> list[str]:
 
 def test_chat_example(smollm2):
     lines = run_example("chat.py")
-    assert len(lines) == 2 and all("North Sea" in line and "tokens recomputed" in line for line in lines), lines
+    assert [line.split(":")[0].strip() for line in lines] == ["default", "full"] * 2, lines
+    assert all("North Sea" in line for line in lines if line.strip().startswith("full")), lines
+    recomputed = [int(line.split("TTFT")[1].split(", ")[1].split("/")[0]) for line in lines]
+    assert recomputed[1] == recomputed[3] and recomputed[0] < recomputed[1], lines  # full recomputes every token
 
 
 def test_serve_chat_example(server):
@@ -266,3 +270,35 @@ def test_cli_eval_accuracy_writes_json_and_png(smollm2, tmp_path, capsys):
     assert data["num_cases_evaluated"] == 2 and data["add_bos"] is False and data["model_name"].startswith("SmolLM2")
     assert [s["policy"] for s in data["scores"]] == ["full", "naive"] and len(data["sinks"][0]["chunk_firsts"]) == 30
     assert (tmp_path / "qa.png").read_bytes()[:4] == b"\x89PNG" and "| naive |" in capsys.readouterr().out
+
+
+def test_link_chat_compiles_documents_in_the_chats_context(smollm2):
+    """``chat_context`` is the template up to the documents without the user's text; ``link_chat(documents=...)``
+    compiles there (the chunk's KV is transformers' over context + document), and Full Recompute is unchanged."""
+    context = smollm2.chat_context(MESSAGES)
+    assert context == "<|im_start|>system\nAnswer from the documents.<|im_end|>\n<|im_start|>user\n"
+    assert smollm2.chat_context([]).startswith("<|im_start|>system\n")  # the template's own system prompt
+    docs = [d.removesuffix("\n") for d in DOCS]
+    linked = smollm2.link_chat([], MESSAGES, documents=docs, policy="full")
+    chunk = smollm2.store.get(linked.layout.chunks[0].cache_id)
+    assert chunk.options.context == tuple(encode(smollm2, context))
+    sequence = torch.tensor([[*chunk.options.context, *chunk.token_ids.tolist()]])
+    with torch.no_grad():
+        cache = smollm2.model(sequence, use_cache=True).past_key_values
+    start = len(chunk.options.context)
+    for layer in (0, 15, 29):
+        assert torch.allclose(chunk.v[layer], cache.layers[layer].values[0, :, start:].transpose(0, 1), atol=1e-4)
+    alone = smollm2.link_chat(smollm2.compile(docs), MESSAGES, policy="full")
+    assert torch.equal(linked.input_ids, alone.input_ids)
+    assert torch.allclose(linked.logits, alone.logits, atol=1e-4, rtol=0)
+
+
+def test_cli_eval_accuracy_profiles_in_context(smollm2, tmp_path):
+    argv = ["eval", "accuracy", "--model", "smollm2", "--workload", "profiles", "--cases", "2", "--sink-cases", "0"]
+    argv += ["--policies", "regions@context ape", "--max-new-tokens", "4", "--out", str(tmp_path), "--name", "p"]
+    assert main(argv) == 0
+    data = json.loads((tmp_path / "p.json").read_text())
+    assert [s["policy"] for s in data["scores"]] == ["full", "regions:0.25@context", "ape:0.9"]
+    assert data["workload"]["source"] == "pic.evaluation.profile_workload"
+    assert set(data["scores"][0]["accuracy_by_kind"]) == {"profile"}
+    assert 0 < data["scores"][1]["chunk_recompute_fraction"] <= 0.25
