@@ -208,9 +208,18 @@ def test_malformed_probe_choice_fails_only_its_request(stories):
         def after_probe(self, probe):
             return [True]
 
+    class Broken(TopMass):
+        name = "test-broken-probe"
+
+        def after_probe(self, probe):
+            raise ZeroDivisionError("a bug of the policy's own")
+
     ids = stories.compile(list(DOCS))
     with pytest.raises(pic.PolicyError, match=r"after_probe\(\) must return a bool tensor"):
         stories.link(ids, QUERY, policy=Sloppy())
+    good = pic.Request(ids, QUERY, policy="prophetkv", max_new_tokens=4)
+    with pytest.raises(ZeroDivisionError, match="of the policy's own"):
+        stories.generate_many([good, pic.Request(ids, QUERY, policy=Broken(), max_new_tokens=4), good])
     assert stories.link(ids, QUERY, policy="prophetkv").generate(4).token_ids  # the engine goes on
     assert stories.kv_stats().num_private_blocks == 0
 

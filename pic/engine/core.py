@@ -202,17 +202,20 @@ class EngineCore:
 
     def _second_passes(
         self, prefills: list[Sequence], hidden: list[torch.Tensor]
-    ) -> tuple[list[torch.Tensor], list[tuple[Sequence, PicError]]]:
+    ) -> tuple[list[torch.Tensor], list[tuple[Sequence, Exception]]]:
         """After a forward that ran probes (query-aware policies): each policy chooses from its probe, and one
         more forward runs the second passes together; their hidden states replace the probes' (none). Returns
-        the hidden states and the sequences whose policy failed on its probe (a malformed choice), with why."""
+        the hidden states and the sequences whose policy failed on its probe (a malformed choice, an exception of
+        its own), with why."""
         probed, failed = [], []
         for i, seq in enumerate(prefills):
             if seq.pass_.is_probe:
                 try:
                     self.linker.after_probe(seq)
                     probed.append(i)
-                except PicError as exc:
+                except Exception as exc:  # a policy's own bug fails its request, not the batch
+                    if not isinstance(exc, PicError):
+                        log.exception("pic: policy %r failed on its probe", seq.policy.spec)
                     failed.append((seq, exc))
         if not probed:
             return hidden, failed
