@@ -59,26 +59,35 @@ class Linker:
             seq.chunks = self._resolve(seq)
             seq.layout = None
         if seq.layout is None or seq.layout.num_tokens != seq.num_prompt_tokens + len(seq.output_ids):
-            seq.layout = lay_out(
-                prefix=seq.prefix_ids,
-                chunks=seq.chunks,
-                query=seq.query_ids + seq.output_ids,
-                block_size=self._block_size,
-                parallel=seq.policy.parallel_positions,
-                relevance=seq.relevance,
-                num_generated=len(seq.output_ids),
-            )
-            self._check_length(seq)
-            seq.policy.check_model(num_layers=self.spec.num_layers)
-            if seq.policy.context_scaling() is not None and self._backend != "torch":
-                raise PolicyError(
-                    f"policy {seq.policy.spec!r} runs on the torch attention backend only, not on "
-                    f"{self._backend!r}; build the engine with PICConfig(attention_backend='torch')"
-                )
-            seq.selected = self._selection(seq)
+            self._lay_out(seq)
         dynamic = seq.policy.is_dynamic
         dirty = seq.selected if self._share and not dynamic else torch.ones_like(seq.selected)
         return plan_assembly(self.pool, seq.layout, seq.chunks, dirty)
+
+    def _lay_out(self, seq: Sequence) -> None:
+        """Lay the sequence out (prompt and generated tokens), check it against the model and the backend, and
+        set the tokens its next pass runs.
+
+        Raises:
+            ContextLengthError, PolicyError: as ``plan``.
+        """
+        seq.layout = lay_out(
+            prefix=seq.prefix_ids,
+            chunks=seq.chunks,
+            query=seq.query_ids + seq.output_ids,
+            block_size=self._block_size,
+            parallel=seq.policy.parallel_positions,
+            relevance=seq.relevance,
+            num_generated=len(seq.output_ids),
+        )
+        self._check_length(seq)
+        seq.policy.check_model(num_layers=self.spec.num_layers)
+        if seq.policy.context_scaling() is not None and self._backend != "torch":
+            raise PolicyError(
+                f"policy {seq.policy.spec!r} runs on the torch attention backend only, not on "
+                f"{self._backend!r}; build the engine with PICConfig(attention_backend='torch')"
+            )
+        seq.selected = self._selection(seq)
 
     def _selection(self, seq: Sequence) -> torch.Tensor:
         """``[T]`` bool, the tokens the sequence's next pass runs: the policy's, or (a query-aware policy
