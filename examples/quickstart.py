@@ -18,7 +18,7 @@ ids = pic.compile(docs)  # each document prefilled alone, once; ids are content 
 print("cache ids:", [i[:12] for i in ids])
 
 for order, query in ((ids, "One day, Tom"), (ids[::-1], "Then Lily")):
-    linked = pic.link(order, query)  # default policy regions: the chunks nearest the query, within a quarter
+    linked = pic.link(order, query)  # default policy regions: the chunks nearest the query, within a fifth
     print(f"\n{linked}")
     for piece in linked.stream(max_new_tokens=40):
         print(piece, end="", flush=True)

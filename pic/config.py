@@ -113,7 +113,7 @@ class PICConfig(_Frozen):
         eos_token_ids: token ids that end a generation; ``None`` takes the model's generation
             config (and the tokenizer's EOS).
         default_policy: the recompute policy ``link`` uses when none is given: ``regions`` (pic's own, the
-            most accurate within a quarter of the chunk tokens on SmolLM2: docs/policies.md).
+            closest to Full Recompute within a fifth of the chunk tokens on SmolLM2: docs/policies.md).
         max_num_seqs: most requests the engine runs at once (one decode token each per step).
         max_num_batched_tokens: most tokens per batched forward (recompute-pass tokens plus one per
             running request); a recompute pass larger than it runs in a step of its own.

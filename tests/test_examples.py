@@ -36,5 +36,5 @@ def test_custom_policy_example():
 def test_quickstart_example():
     lines = _run("quickstart.py")
     assert lines[0].startswith("cache ids:")
-    assert sum("policy='regions:0.25'" in line for line in lines) == 2
+    assert sum("policy='regions:0.2'" in line for line in lines) == 2
     assert any(line.startswith("Full Recompute") for line in lines)

@@ -1,7 +1,7 @@
 """Recompute policies: which tokens of a linked prompt to run fresh.
 
 Use a spec string (``"naive"``, ``"full"``, ``"legolink:16"``, ``"legolink0"``, ``"cacheblend:0.15"``,
-``"mepic"``, ``"prophetkv:0.2"``, ``"a3:0.15"``, ``"ape"``, ``"regions:0.25"``) or an object; add your own by
+``"mepic"``, ``"prophetkv:0.2"``, ``"a3:0.15"``, ``"ape"``, ``"regions:0.2"``) or an object; add your own by
 subclassing ``Policy`` and decorating it with ``register``.
 """
 
