@@ -149,7 +149,7 @@ def test_pool_exhausted_frees_nothing_it_did_not_take():
     stats = engine.kv_stats()
     assert stats.num_available_blocks == 4 and stats.num_resident_chunk_blocks == 2  # evictable, still there
     assert [engine.store.lookup(i) for i in ids] == [["device"], ["device"]]
-    assert torch.is_tensor(engine.link(ids, "One day,").logits)
+    assert torch.is_tensor(engine.link(ids, "One day,", policy="naive").logits)  # the cached chunks serve
 
 
 def test_malformed_policy_selection(engine):
