@@ -105,17 +105,17 @@ def test_blocks_are_returned(engine):
 
 
 def test_kv_pool_exhausted_mid_generation_keeps_the_tokens():
-    """Running out of blocks while decoding ends the generation with what it has, and says why (Naive: no
-    chunk block is copied, so the free slots are the pool's and the query block's)."""
-    engine = make_engine("stories260K", kv_pool_tokens=96, block_size=16)
-    with fresh(engine, policy="naive") as probe:  # free slots: free blocks, the query block's rest
+    """Running out of blocks while decoding ends the generation with what it has, and says why. Naive copies
+    no chunk block, so the free slots after the prompt are the free blocks and the rest of the query's block."""
+    engine = make_engine("stories260K", kv_pool_tokens=96, block_size=16, default_policy="naive")
+    with fresh(engine) as probe:
         room = engine.kv_stats().num_available_blocks * 16 + len(probe.block_ids) * 16 - probe.layout.num_slots
-    reference = fresh(make_engine("stories260K"), policy="naive").generate(max_new_tokens=room + 1).token_ids
-    out = fresh(engine, policy="naive").generate(max_new_tokens=100)
+    reference = fresh(make_engine("stories260K", default_policy="naive")).generate(max_new_tokens=room + 1).token_ids
+    out = fresh(engine).generate(max_new_tokens=100)
     assert out.stats.finish_reason is pic.FinishReason.KV_POOL
     assert out.token_ids == reference and len(out.token_ids) == room + 1  # the last one needed no slot
     assert out.text == engine.tokenizer.decode(out.token_ids, skip_special_tokens=True)
-    assert "".join(fresh(engine, policy="naive").stream(max_new_tokens=100)) == out.text  # the stream ends cleanly
+    assert "".join(fresh(engine).stream(max_new_tokens=100)) == out.text  # the stream ends cleanly
     assert engine.kv_stats().num_available_blocks == engine.kv_stats().num_blocks
 
 
