@@ -77,7 +77,7 @@ def digest(gens: list[pic.Generation]) -> str:
 
 def timed(engine: pic.PIC, run: Callable[[], list[pic.Generation]]) -> tuple[dict, list[pic.Generation]]:
     """Run ``run()`` (returns the generations) and measure it: wall, tokens/s, TTFT, batch size, preemptions."""
-    eng = engine.engine()
+    eng = engine.stepper()
     steps, seqs = eng.num_steps, eng.num_batched_seqs
     start = time.perf_counter()
     gens = run()

@@ -115,8 +115,12 @@ class PICConfig(_Frozen):
         default_policy: the recompute policy ``link`` uses when none is given: ``regions`` (pic's own, the
             closest to Full Recompute within a fifth of the chunk tokens on SmolLM2: docs/policies.md).
         max_num_seqs: most requests the engine runs at once (one decode token each per step).
-        max_num_batched_tokens: most tokens per batched forward (recompute-pass tokens plus one per
-            running request); a recompute pass larger than it runs in a step of its own.
+        max_num_batched_tokens: the token budget of one engine step (vLLM's): one token per running request,
+            then recompute passes and chunk-prefill pieces (a compile's chunks run in pieces of what is left,
+            so running streams wait at most a step's worth). A recompute pass larger than it runs in a step
+            with no other prefill work. ``None``: 8192 on CUDA, 256 on the CPU, where a step's time grows with
+            its tokens (on the embedded model a 60-document compile then keeps the streams' p99 gap within
+            3x of their gap alone: docs/engine.md). ``PIC.config`` holds the resolved value.
         attention_backend: ``"auto"``: the Triton fused-RoPE kernel on CUDA (when Triton is installed),
             the torch reference elsewhere; ``"torch"`` or ``"triton"`` force one (``"triton"`` on the CPU
             runs Triton's interpreter, for tests: ``TRITON_INTERPRET=1`` before Triton is imported).
@@ -130,7 +134,7 @@ class PICConfig(_Frozen):
     eos_token_ids: tuple[int, ...] | None = None
     default_policy: str = "regions"
     max_num_seqs: int = Field(default=64, ge=1, le=4096)
-    max_num_batched_tokens: int = Field(default=8192, ge=1)
+    max_num_batched_tokens: int | None = Field(default=None, ge=1)
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
 
     _eos_tuple = field_validator("eos_token_ids", mode="before")(as_tuple)

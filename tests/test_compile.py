@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import copy
-import sys
 
 import pytest
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 import pic
+from pic.compile import ChunkPrefill
 from tests.conftest import make_engine
 from tests.models import tiny_model, tokenizer
 
@@ -29,9 +29,8 @@ def test_ids_are_content_addresses():
 def test_compiling_again_does_no_work(monkeypatch):
     engine = make_engine("stories260K")
     calls = []
-    compiler = sys.modules["pic.compile.compiler"]  # the name pic.compile is the function
-    real = compiler.prefill_chunk
-    monkeypatch.setattr(compiler, "prefill_chunk", lambda *a, **k: calls.append(a[3]) or real(*a, **k))
+    real = ChunkPrefill.start
+    monkeypatch.setattr(ChunkPrefill, "start", lambda self, *a: calls.append(self.token_ids) or real(self, *a))
     first = engine.compile([DOCS[0], DOCS[1], DOCS[0]])
     assert first[0] == first[2] and len(calls) == 2
     assert engine.compile(DOCS) == [first[0], first[1], engine.compile(DOCS[2])[0]]

@@ -69,13 +69,14 @@ def test_the_cpu_tier_is_page_locked_only_for_an_engine_on_cuda():
 
 
 def test_write_through_to_page_locked_memory_waits_for_the_pool_writes():
-    """``TieredStore.add`` copies the pool's blocks to the CPU tier (D2H); the data is there on return."""
+    """``TieredStore.add`` copies the pool's blocks out (D2H) and ``write_lower`` puts the copy in the CPU tier;
+    the data is there on return."""
     (store, pool, cache), chunk = make_store(target().device), make_chunk()
     k, v = chunk.k.to(target().device), chunk.v.to(target().device)
     blocks = pool.allocate(3)
     busy_gpu()
     cache.write(blocks, k, v)  # queued behind the busy GPU
-    assert store.add(ChunkInfo("c", chunk.token_ids, chunk.options), blocks)
+    assert store.write_lower(store.add(ChunkInfo("c", chunk.token_ids, chunk.options), blocks)) == ["cpu"]
     copy = store.lower[0].peek("c")
     assert torch.equal(copy.k, chunk.k) and torch.equal(copy.v, chunk.v)  # read at once, no sync of ours
 
@@ -86,10 +87,10 @@ def test_promotion_from_page_locked_memory_survives_its_source_being_freed():
     (store, pool, cache), chunk = make_store(target().device), make_chunk()
     blocks = pool.allocate(3)
     cache.write(blocks, chunk.k.to(target().device), chunk.v.to(target().device))
-    store.add(ChunkInfo("c", chunk.token_ids, chunk.options), blocks)
+    store.write_lower(store.add(ChunkInfo("c", chunk.token_ids, chunk.options), blocks))
     pool.free(blocks)
     assert store.device.delete("c") and store.lookup("c") == ["cpu"]
-    source = store.resolve("c")
+    source = store.load("c")
     assert isinstance(source, ChunkKV) and source.k.is_pinned() == CUDA
     busy_gpu()
     promoted = store.promote(source)  # the copy waits behind the busy GPU
@@ -183,7 +184,7 @@ def test_steps_sync_the_host_only_to_read_the_sampled_tokens():
     step after it. The runner's and attention's syncs, if any, are listed in the failure message."""
     engine = make_target_engine("stories260K", eos_token_ids=())  # every request runs all its steps
     ids = engine.compile(list(DOCS))
-    core = engine.engine()
+    core = engine.stepper()
     for i, policy in enumerate(("legolink:16", "mepic", "naive", "full")):
         sampling = dict(temperature=0.8, seed=i) if i % 2 else {}
         core.add_request(pic.Request(ids, f"{QUERY} {i}", policy=policy, max_new_tokens=40, **sampling))

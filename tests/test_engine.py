@@ -58,13 +58,13 @@ def test_batched_generation_equals_one_at_a_time(family):
     ids = engine.compile(list(DOCS))
     requests = mixed_requests(ids)
     expected = [alone(engine, r) for r in requests]
-    steps_before = engine.engine().num_steps
+    steps_before = engine.stepper().num_steps
     batched = engine.generate_many(requests)
     for want, got in zip(expected, batched, strict=True):
         assert got.token_ids == want.token_ids and got.text == want.text
         assert got.stats.finish_reason == want.stats.finish_reason
         assert got.stats.num_recomputed_tokens == want.stats.num_recomputed_tokens
-    core = engine.engine()
+    core = engine.stepper()
     assert core.num_steps - steps_before < sum(len(g.token_ids) for g in batched) / 4  # many requests per forward
     check_engine_pool(engine, {})
 
@@ -72,7 +72,7 @@ def test_batched_generation_equals_one_at_a_time(family):
 def test_iterative_interface_streams_pieces_and_aborts():
     engine = make_target_engine("stories260K", dtype=EXACT)
     ids = engine.compile(list(DOCS))
-    core = engine.engine()
+    core = engine.stepper()
     first = core.add_request(pic.Request(ids, QUERY, max_new_tokens=30))
     second = core.add_request(pic.Request(ids[::-1], "Then", max_new_tokens=30, temperature=1.0, seed=3))
     outputs: dict[int, list[RequestOutput]] = {first: [], second: []}
@@ -119,7 +119,7 @@ def test_failed_requests_do_not_disturb_the_others():
     with pytest.raises(pic.PolicyError, match="nosuch"):
         pic.Request(ids, QUERY, policy="nosuch")
     with pytest.raises(pic.InvalidInputError, match="no tokens"):
-        engine.engine().add_request(pic.Request(ids, ""))
+        engine.stepper().add_request(pic.Request(ids, ""))
     assert [g.token_ids for g in engine.generate_many([good, good])] == [alone(engine, good).token_ids] * 2
     check_engine_pool(engine, {})
 
@@ -145,7 +145,7 @@ def test_eight_threads_link_and_generate_at_once():
         return engine.link(order, query, policy=policy).generate(24, **options).token_ids
 
     single = [run(i) for i in range(8)]
-    core = engine.engine()
+    core = engine.stepper()
     steps, seqs = core.num_steps, core.num_batched_seqs
     barrier = threading.Barrier(8)
     together: dict[int, list[int]] = {}
@@ -182,9 +182,9 @@ def test_batched_linking_is_close_in_the_test_dtype():
     engine = make_target_engine("stories260K")
     ids = engine.compile(list(DOCS))
     requests = mixed_requests(ids)
-    steps = engine.engine().num_steps
+    steps = engine.stepper().num_steps
     linked = engine.link_many(requests)
-    assert engine.engine().num_steps - steps == 1  # one forward for all their recompute passes
+    assert engine.stepper().num_steps - steps == 1  # one forward for all their recompute passes
     together = [item.logits for item in linked]
     for item in linked:
         item.release()

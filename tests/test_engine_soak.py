@@ -61,7 +61,7 @@ def test_engine_soak_with_preemption_and_aborts():
 
     engine = make_engine(kv_pool_tokens=POOL_TOKENS, max_num_seqs=16, max_num_batched_tokens=256)
     assert engine.compile(docs) == ids
-    core = engine.engine()
+    core = engine.stepper()
     which: dict[int, int] = {}  # request id -> template
     tokens: dict[int, list[int]] = {}
     texts: dict[int, str] = {}

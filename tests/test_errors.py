@@ -307,7 +307,7 @@ def test_nonsense_arguments_are_refused_with_the_value_named(engine):
     with pytest.raises(pic.InvalidInputError, match=r"requests\[0\] is 'x'"):
         engine.generate_many(["x"])
     with pytest.raises(pic.InvalidInputError, match="request id 'x' is not an int"):
-        engine.engine().abort("x")
+        engine.stepper().abort("x")
     with pytest.raises(pic.InvalidInputError, match="request id 'x' is not an int"):
         engine.abort("x")
     with pytest.raises(pic.InvalidInputError, match="cache id 123 is not a string"):

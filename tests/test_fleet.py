@@ -90,7 +90,7 @@ def _ids_of(engine: pic.PIC, docs: list[str]) -> list[str]:
 KILLED = """
 import os, sys
 import pic
-from pic.compile import compiler
+from pic.compile import ChunkPrefill
 from tests.models import model, tokenizer
 from tests.test_fleet import DOCS
 store = pic.StoreConfig(redis_url=sys.argv[1], redis_lease_s=2.0)
@@ -98,7 +98,7 @@ engine = pic.PIC(model("stories260K"), tokenizer(), store=store)
 def die(*args, **kwargs):  # killed mid-compile: its leases are taken, nothing is written
     print("claimed", flush=True)
     os.kill(os.getpid(), 9)
-compiler.prefill_chunk = die
+ChunkPrefill.start = die
 engine.compile(DOCS)
 """
 

@@ -144,7 +144,7 @@ def test_generate_together_is_each_alone(engine):
     ]
     for options in ({}, {"temperature": 0.9, "seed": 3}):
         alone = [link().generate(20, **options).token_ids for link in links]
-        core = engine.engine()
+        core = engine.stepper()
         steps_before = core.num_steps
         together = generate_together([link() for link in links], 20, **options)
         assert [g.token_ids for g in together] == alone

@@ -93,7 +93,7 @@ def test_describe_reads_metadata_not_kv(redis_server, redis_url):
     got, sent = bytes_sent(lambda: store.get(chunk.cache_id))
     assert torch.equal(got.k, k) and sent > chunk.num_bytes  # the counter sees a download
 
-    pool.free(store.promote(store.resolve(chunk.cache_id)))  # resident now, told from the pool's own record
+    pool.free(store.promote(store.load(chunk.cache_id)))  # resident now, told from the pool's own record
     assert store.describe(chunk.cache_id) == dataclasses.replace(described, tiers=("device", "redis"))
     with pytest.raises(pic.UnknownCacheIdError, match="unknown cache id 'nope': in no tier \\(device, redis\\)"):
         store.describe("nope")

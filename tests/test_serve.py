@@ -116,7 +116,7 @@ def test_32_concurrent_streams_are_batched_and_correct(server, client):
     cases = [(ids[i % 3 :] + ids[: i % 3], f"{QUERY} {i}") for i in range(32)]
     expected = [engine.link(c, q).generate(max_new_tokens=10).text for c, q in cases]
     baseline = engine.kv_stats().num_private_blocks
-    core = app.state.engine.engine.engine()
+    core = app.state.engine.engine.stepper()
     steps_before, seqs_before = core.num_steps, core.num_batched_seqs
 
     def run(case):
@@ -136,7 +136,7 @@ def test_32_concurrent_streams_are_batched_and_correct(server, client):
 
 
 def test_client_disconnect_aborts_and_frees_blocks(server):
-    engine, core = server[1], server[2].state.engine.engine.engine()
+    engine, core = server[1], server[2].state.engine.engine.stepper()
     ids = _compile(server, DOCS)
     baseline, steps_before = engine.kv_stats().num_private_blocks, core.num_steps
     body = {
@@ -162,7 +162,7 @@ def test_a_client_that_leaves_a_non_streaming_completion_aborts_it():
     freed, as for a stream, instead of running to its ``max_tokens``."""
     engine = pic.PIC(model("stories260K"), chat_tokenizer(CHATML), config=pic.PICConfig(eos_token_ids=()))
     ids = engine.compile(list(DOCS))
-    steps = engine.engine()
+    steps = engine.stepper()
     body = {"model": "stories260K", "prompt": QUERY, "max_tokens": 450, "temperature": 0, "pic": {"cache_ids": ids}}
     with _running(build_app(engine, model_name="stories260K")) as url:
         before = steps.num_steps
@@ -415,7 +415,7 @@ def test_metrics_in_prometheus_text(server, client):
     assert values["pic_kv_pool_blocks"] == server[1].kv_stats().num_blocks
     assert values['pic_kv_blocks{state="evictable"}'] > 0  # the compiled chunks no request holds
     assert 'pic_store_misses_total{tier="device"}' in values and 'pic_store_bytes{tier="device"}' in values
-    core = server[2].state.engine.engine.engine()
+    core = server[2].state.engine.engine.stepper()
     assert values["pic_engine_steps_total"] <= core.num_steps and values["pic_engine_steps_total"] >= 4
 
 

@@ -143,7 +143,7 @@ def test_batched_generation_equals_one_at_a_time(smollm2):
         pic.Request(ids, "The port", policy="cacheblend:0.15", max_new_tokens=8, temperature=0.8, seed=2),
     ]
     expected = [alone(smollm2, r) for r in requests]
-    core = smollm2.engine()
+    core = smollm2.stepper()
     steps_before = core.num_steps
     batched = smollm2.generate_many(requests)
     for want, got in zip(expected, batched, strict=True):

@@ -81,12 +81,14 @@ class Live:
 
 @dataclass
 class Side:
-    """An engine under test and the soak's model of it: live requests and pinned ids."""
+    """An engine under test and the soak's model of it: live requests, pinned ids, and the ids whose tokens the
+    engine keeps (it compiled or linked them, and they were not expired since)."""
 
     name: str
     engine: pic.PIC
     live: list[Live] = field(default_factory=list)
     pinned: set[str] = field(default_factory=set)
+    recipes: set[str] = field(default_factory=set)
 
     @property
     def core(self) -> EngineCore:
@@ -218,7 +220,11 @@ class Soak:
         if side.pool.chunks:  # a resident chunk's canonical blocks still hold its KV
             cid = self.rng.choice(sorted(side.pool.chunks))
             got, want = side.core.store.device.peek(cid), self.ref_kv[cid]
-            assert torch.equal(got.k, want.k) and torch.equal(got.v, want.v), f"chunk {cid} of {side.name} overwritten"
+            # (equal to float32 rounding: a chunk prefilled in one forward with others' tokens)
+            close = torch.allclose(got.k, want.k, rtol=1e-4, atol=1e-5) and torch.allclose(
+                got.v, want.v, rtol=1e-4, atol=1e-5
+            )
+            assert close, f"chunk {cid} of {side.name} overwritten"
 
     def reference(self, live: Live) -> tuple[torch.Tensor, list[int]]:
         """First-token logits and ``MAX_NEW`` greedy tokens of the same link on the reference engine."""
@@ -262,7 +268,10 @@ class Soak:
             prefix = tuple(self.rng.randrange(3, 512) for _ in range(self.rng.randint(1, 10)))
             args = (self.rng.choice(POLICIES), self.rng.choice(QUERIES), prefix if self.rng.random() < 0.2 else ())
         policy, query, prefix = args
-        linkable = all(self.known(side, cid) for cid in ids)
+        linkable = all(self.known(side, cid) or cid in side.recipes for cid in ids)
+        # A chunk no tier holds that the engine compiled or linked before is compiled again from its tokens: chunk
+        # by chunk, so a link refused for room may leave some of them resident.
+        recompiles = linkable and not all(self.known(side, cid) for cid in ids)
         num_private, promoted, clean = self.link_need(side, ids, policy, query, prefix)
         available = self.available(side, {cid for cid in ids if cid in side.pool.chunks})
         was_resident = {cid for cid in ids if cid in side.pool.chunks}
@@ -275,8 +284,8 @@ class Soak:
             self.seen["link UnknownCacheIdError"] += 1
             return ids
         except pic.KVPoolExhaustedError:
-            assert linkable and num_private + promoted > available, (num_private, promoted, available)
-            assert _snapshot(side.pool) == before, "a refused link took blocks"
+            assert linkable and (recompiles or num_private + promoted > available), (num_private, promoted, available)
+            assert recompiles or _snapshot(side.pool) == before, "a refused link took blocks"
             self.seen["link KVPoolExhaustedError"] += 1
             if not retry and self.rng.random() < 0.3:  # the same link once every live request is gone
                 self.seen["retry after releasing all"] += 1
@@ -285,7 +294,9 @@ class Soak:
                 self.check(side)
                 return self.op_link(side, ids, args, retry=True)
             return ids
-        assert linkable and num_private + promoted <= available, (num_private, promoted, available)
+        assert linkable and (recompiles or num_private + promoted <= available), (num_private, promoted, available)
+        self.seen["link compiled a chunk again from its tokens"] += recompiles
+        side.recipes |= set(ids)
         self.seen["link ok"] += 1
         self.seen["chunks promoted"] += len(set(ids) - was_resident)
         self.seen["promoted what the other engine compiled"] += sum(
@@ -303,7 +314,8 @@ class Soak:
         side.live.append(live)
         if self.rng.random() < 0.1:
             logits, _ = self.reference(live)
-            torch.testing.assert_close(linked.logits[-1], logits, rtol=0, atol=0)
+            # equal to float32 rounding: the engine may prefill a chunk in one forward with others' tokens
+            torch.testing.assert_close(linked.logits[-1], logits, rtol=0, atol=1e-4)
             self.seen["link logits checked"] += 1
         if len(side.live) > MAX_LIVE:
             self.release(side, side.live[0])
@@ -372,6 +384,7 @@ class Soak:
             self.seen["compile KVPoolExhaustedError"] += 1
             return ids
         assert tuple(got) == ids and need <= available, (need, available)
+        side.recipes |= set(ids)
         self.seen["compile ok"] += 1
         self.seen["chunks compiled"] += len(todo)
         self.redis |= set(ids)  # compiled through, or (resident already) written back where Redis lost it
@@ -387,6 +400,7 @@ class Soak:
         assert side.engine.store.expire(cid) == known, (side.name, cid)
         self.redis.discard(cid)
         side.pinned.discard(cid)
+        side.recipes.discard(cid)
         self.expired[side.name, cid] = self.step
         self.seen["expired"] += 1
         return (cid,)
@@ -506,6 +520,7 @@ def test_soak(redis_url):
         "link KVPoolExhaustedError",
         "compile KVPoolExhaustedError",
         "link UnknownCacheIdError",
+        "link compiled a chunk again from its tokens",
         "retry ok after releasing all",
         "chunks promoted",
         "promoted what the other engine compiled",

@@ -129,7 +129,8 @@ def test_expire_removes_everywhere_but_live_requests_keep_their_blocks():
     with pytest.raises(pic.UnknownCacheIdError):
         engine.link(ids, QUERY)
     expected = reference_logits(docs(0, 2), "mepic")
-    assert torch.equal(linked.logits, expected) and linked.generate(max_new_tokens=4).token_ids  # still its blocks
+    # still its blocks (chunks prefilled in one forward or two: equal to float32 rounding)
+    assert torch.allclose(linked.logits, expected, atol=1e-4, rtol=0) and linked.generate(max_new_tokens=4).token_ids
     kv = engine.kv_stats()
     assert (kv.num_used_blocks, kv.num_private_blocks, kv.num_resident_chunk_blocks) == (0, 0, BLOCKS_PER_CHUNK)
     assert engine.compile(docs(0, 1)) == ids[:1]  # compiles again

@@ -72,10 +72,10 @@ def test_a_bad_request_in_generate_many_is_refused_before_any_runs(bad):
     engine = make_target_engine("stories260K", dtype=EXACT)
     ids = engine.compile(list(DOCS))
     good = pic.Request(ids, QUERY, max_new_tokens=8)
-    steps = engine.engine().num_steps
+    steps = engine.stepper().num_steps
     with pytest.raises(pic.InvalidInputError, match="query"):
         engine.generate_many([good, pic.Request(ids, bad)])
-    assert engine.engine().num_steps == steps  # refused before anything ran
+    assert engine.stepper().num_steps == steps  # refused before anything ran
     assert engine.kv_stats().num_used_blocks == 0
     alone = engine.link(ids, QUERY).generate(8).token_ids
     assert [g.token_ids for g in engine.generate_many([good, good])] == [alone, alone]

@@ -32,7 +32,6 @@ class AttentionBatch:
             padded with block 0 (whose slots ``kv_positions`` marks ``-1``).
         kv_positions: ``[B, max_blocks * block_size]`` int64, the logical position of every slot;
             ``-1`` marks slots never attended to (padding, unwritten, past the sequence's table).
-        kv_lens: ``[B]`` int64, slots in each sequence's own table (``num_blocks_b * block_size``).
         rope_cos, rope_sin: ``[R, head_dim]`` float32 rotary tables (``RopeTable.tables``).
         rope_offsets: ``[B]`` int64, the row of each sequence's position 0 in the rotary tables.
         decode_seqs: ``[num_decode]`` int64, sequences with one query token, in batch order.
@@ -49,7 +48,6 @@ class AttentionBatch:
     q_positions: torch.Tensor
     block_tables: torch.Tensor
     kv_positions: torch.Tensor
-    kv_lens: torch.Tensor
     rope_cos: torch.Tensor
     rope_sin: torch.Tensor
     rope_offsets: torch.Tensor
@@ -103,7 +101,6 @@ def make_batch(
         q_positions=q_positions,
         block_tables=tables,
         kv_positions=kv,
-        kv_lens=torch.tensor([k.shape[0] for k in kv_positions]).to(device, non_blocking=True),
         rope_cos=cos,
         rope_sin=sin,
         rope_offsets=offsets,

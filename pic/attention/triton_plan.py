@@ -240,7 +240,6 @@ def warmup_batch(*, page: int, head_dim: int, device: torch.device) -> Attention
         q_positions=torch.tensor([0, 0, 1], device=device),
         block_tables=torch.zeros(2, 1, dtype=torch.long, device=device),
         kv_positions=kv_positions,
-        kv_lens=torch.full((2,), page, device=device),
         rope_cos=table,
         rope_sin=table.clone(),
         rope_offsets=torch.zeros(2, dtype=torch.long, device=device),

@@ -1,16 +1,23 @@
 """Compiling chunks: tokens and the prefill that produces their KV (content addresses: ``pic.ids``)."""
 
-from pic.compile.compiler import WriteThrough, compile_chunks
-from pic.compile.prefill import prefill_chunk
-from pic.compile.tokens import TextOrTokens, encode, encode_documents, max_token_chars, tokenizer_adds_bos
+from pic.compile.prefill import ChunkPrefill, lead_tokens, prefill_blocks
+from pic.compile.tokens import (
+    SharedTokenizer,
+    TextOrTokens,
+    encode,
+    encode_documents,
+    max_token_chars,
+    tokenizer_adds_bos,
+)
 
 __all__ = [
+    "ChunkPrefill",
+    "SharedTokenizer",
     "TextOrTokens",
-    "WriteThrough",
-    "compile_chunks",
     "encode",
     "encode_documents",
+    "lead_tokens",
     "max_token_chars",
-    "prefill_chunk",
+    "prefill_blocks",
     "tokenizer_adds_bos",
 ]

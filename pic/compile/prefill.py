@@ -1,11 +1,24 @@
-"""Prefilling one chunk alone, at positions 0..L-1, straight into its canonical blocks."""
+"""``ChunkPrefill``: one chunk's compile, prefilled alone at positions 0..L-1 straight into its canonical
+blocks, in pieces that the engine's scheduler fits into its steps (chunked prefill).
+
+A piece attends to the pieces before it through the chunk's own blocks (their slots hold their logical
+positions; unwritten slots are masked), so a chunk prefilled in pieces has the KV of one prefilled whole.
+"""
 
 from __future__ import annotations
 
 import torch
 
-from pic.kv import BlockPool, KVCache, RequestKV, blocks_for
-from pic.model import ModelRunner, SeqInput
+from pic.config import CompileOptions
+from pic.kv import BlockPool, ChunkInfo, KVCache, RequestKV, blocks_for
+from pic.model import SeqInput
+
+
+def lead_tokens(options: CompileOptions, bos_token_id: int | None) -> list[int]:
+    """What a chunk's content is prefilled after: the extra BOS tokens and the context (both dropped from
+    the cached KV), then the chunk's own BOS (kept). No BOS at all when the model has none."""
+    bos = [] if bos_token_id is None else [bos_token_id]
+    return bos * options.num_extra_bos + list(options.context) + bos * options.add_bos
 
 
 def prefill_blocks(num_tokens: int, *, num_dropped: int, block_size: int) -> tuple[int, int]:
@@ -13,43 +26,92 @@ def prefill_blocks(num_tokens: int, *, num_dropped: int, block_size: int) -> tup
     return blocks_for(num_tokens - num_dropped, block_size), blocks_for(num_dropped, block_size)
 
 
-def prefill_chunk(
-    runner: ModelRunner, pool: BlockPool, cache: KVCache, token_ids: list[int], *, num_dropped: int = 0
-) -> list[int]:
-    """Run ``token_ids`` through the model as a prompt of its own, writing its KV into fresh blocks.
+class ChunkPrefill:
+    """The compile of chunk ``cache_id``: ``lead_tokens`` then its ``content`` run through the model.
 
-    The kept tokens fill their blocks front-padded (MEPIC's canonical layout: the last slots of the
-    last block are the chunk's last tokens), so the blocks can be mapped into any linked request as
-    they are. Dropped tokens (LegoLink-0's extra BOS tokens) run in lead blocks of their own, freed
-    when the prefill is done.
+    The kept tokens fill their blocks front-padded (MEPIC's canonical layout: the last slots of the last
+    block are the chunk's last tokens), so the blocks can be mapped into any linked request as they are.
+    Dropped tokens (extra BOS tokens, a context) run in lead blocks of their own, freed at the end.
+
+    Life: ``start`` (takes the blocks) -> ``piece`` per step until ``is_done`` -> ``finish`` (the chunk's
+    info and canonical blocks, one reference each for the caller); ``abort`` frees what it took.
 
     Args:
-        token_ids: the full compile-time sequence (BOS tokens included).
-        num_dropped: leading tokens whose KV is not kept.
-
-    Returns:
-        the canonical blocks, one reference each owned by the caller (``BlockPool.add_chunk`` them).
-
-    Raises:
-        KVPoolExhaustedError: the pool cannot hold the prefill (nothing is taken).
+        cache_id: the chunk's id.
+        content: its content tokens (without BOS).
+        options: its compile options.
+        bos_token_id: the model's BOS token (``None``: none).
+        order: its place in the engine's first-come-first-served order of prefill work.
     """
-    bs = cache.block_size
-    num_kept = len(token_ids) - num_dropped
-    num_canonical, num_lead = prefill_blocks(len(token_ids), num_dropped=num_dropped, block_size=bs)
-    blocks = pool.allocate(num_lead + num_canonical)
-    lead, canonical = blocks[:num_lead], blocks[num_lead:]
-    try:
-        device = runner.spec.device
-        req = RequestKV(pool, cache, blocks, num_slots=len(blocks) * bs)
-        kept_start = (num_lead + num_canonical) * bs - num_kept  # after the front padding
-        slots = torch.cat(
-            (torch.arange(num_lead * bs - num_dropped, num_lead * bs), torch.arange(kept_start, kept_start + num_kept))
+
+    def __init__(
+        self, cache_id: str, content: list[int], options: CompileOptions, *, bos_token_id: int | None, order: float
+    ) -> None:
+        self.cache_id, self.options, self.order = cache_id, options, order
+        self.token_ids = lead_tokens(options, bos_token_id) + list(content)
+        self.num_dropped = options.num_dropped
+        self.num_done = 0  # tokens run so far
+        self.kv: RequestKV | None = None
+        self._num_lead = 0
+        self._slots: torch.Tensor | None = None  # [L] int64, each token's slot in ``kv``
+        self.waiters: list[object] = []  # whoever waits for the chunk (the engine's compile calls and requests)
+
+    @property
+    def num_left(self) -> int:
+        return len(self.token_ids) - self.num_done
+
+    @property
+    def is_started(self) -> bool:
+        return self.kv is not None
+
+    @property
+    def is_done(self) -> bool:
+        return self.num_left == 0
+
+    def num_blocks(self, block_size: int) -> int:
+        """Blocks ``start`` takes (canonical plus lead)."""
+        return sum(prefill_blocks(len(self.token_ids), num_dropped=self.num_dropped, block_size=block_size))
+
+    def start(self, pool: BlockPool, cache: KVCache) -> None:
+        """Take the chunk's blocks.
+
+        Raises:
+            KVPoolExhaustedError: the pool cannot hold it (nothing is taken).
+        """
+        bs = cache.block_size
+        num_canonical, self._num_lead = prefill_blocks(len(self.token_ids), num_dropped=self.num_dropped, block_size=bs)
+        blocks = pool.allocate(self._num_lead + num_canonical)
+        self.kv = RequestKV(pool, cache, blocks, num_slots=len(blocks) * bs)
+        num_kept, lead_end = len(self.token_ids) - self.num_dropped, self._num_lead * bs
+        kept_start = len(blocks) * bs - num_kept  # after the front padding
+        self._slots = torch.cat(
+            (torch.arange(lead_end - self.num_dropped, lead_end), torch.arange(kept_start, kept_start + num_kept))
         )
-        ids = torch.tensor(token_ids, dtype=torch.long, device=device)
-        positions = torch.arange(len(token_ids), device=device)
-        runner.forward([SeqInput(kv=req, token_ids=ids, positions=positions, slots=slots.to(device))])
-    except BaseException:
-        pool.free(blocks)
-        raise
-    pool.free(lead)
-    return canonical
+
+    def piece(self, max_tokens: int) -> SeqInput:
+        """The next ``min(max_tokens, num_left)`` tokens' part of a forward (no hidden states returned)."""
+        start, end = self.num_done, self.num_done + min(max_tokens, self.num_left)
+        device = self.kv.cache.device
+        self.num_done = end
+        return SeqInput(
+            kv=self.kv,
+            token_ids=torch.tensor(self.token_ids[start:end], dtype=torch.long, device=device),
+            positions=torch.arange(start, end, device=device),
+            slots=self._slots[start:end].to(device),
+        )
+
+    def finish(self) -> tuple[ChunkInfo, list[int]]:
+        """After the last piece: the chunk's info and its canonical blocks (the lead blocks are freed)."""
+        assert self.is_done and self.kv is not None
+        blocks, self.kv.blocks = self.kv.blocks, []
+        self.kv.pool.free(blocks[: self._num_lead])
+        kept = torch.tensor(self.token_ids[self.num_dropped :], dtype=torch.long)
+        return ChunkInfo(cache_id=self.cache_id, token_ids=kept, options=self.options), blocks[self._num_lead :]
+
+    def abort(self) -> None:
+        """Free the blocks taken (idempotent)."""
+        if self.kv is not None:
+            self.kv.release()
+
+    def __repr__(self) -> str:
+        return f"ChunkPrefill({self.cache_id[:12]}, {self.num_done}/{len(self.token_ids)} tokens)"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 
 import torch
@@ -95,3 +97,42 @@ def max_token_chars(tokenizer: object) -> int:
     than that is refused before the (slow, memory-hungry) tokenizer sees it."""
     vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
     return max((len(token) for token in vocab), default=64)
+
+
+class SharedTokenizer:
+    """A tokenizer any number of threads may use at once: each call runs under one lock.
+
+    The engine tokenizes in its callers' threads and detokenizes in its own; a Hugging Face fast tokenizer
+    is one Rust object that refuses concurrent use (``RuntimeError: Already borrowed``) or, worse, may
+    interleave state such as truncation settings. Calls are short, so one lock costs nothing measurable.
+    Everything else (attributes, ``chat_template``) reads and writes through to ``wrapped``.
+    """
+
+    def __init__(self, tokenizer: object) -> None:
+        object.__setattr__(self, "wrapped", tokenizer)
+        object.__setattr__(self, "_lock", threading.RLock())
+
+    def __getattr__(self, name: str) -> object:
+        attr = getattr(self.wrapped, name)
+        if not callable(attr) or isinstance(attr, type):
+            return attr
+
+        @functools.wraps(attr)
+        def locked(*args: object, **kwargs: object) -> object:
+            with self._lock:
+                return attr(*args, **kwargs)
+
+        return locked
+
+    def __setattr__(self, name: str, value: object) -> None:
+        setattr(self.wrapped, name, value)
+
+    def __call__(self, *args: object, **kwargs: object) -> object:
+        with self._lock:
+            return self.wrapped(*args, **kwargs)
+
+    def __len__(self) -> int:
+        return len(self.wrapped)
+
+    def __repr__(self) -> str:
+        return f"SharedTokenizer({self.wrapped!r})"

@@ -6,12 +6,22 @@ import torch
 
 from pic.config import PICConfig, StoreConfig
 from pic.engine.core import EngineCore
-from pic.engine.linker import Linker
+from pic.engine.kv_manager import KVManager
 from pic.kv.memory import build_kv_pool
 from pic.model import ModelRunner
 from pic.store import TieredStore
 from pic.store.device import DeviceTier
 from pic.store.serde import Expected
+
+# A step's token budget by default: on a GPU a step's time barely grows with its tokens up to thousands; on a
+# CPU it grows with every token, and the running streams wait for the whole step.
+_STEP_TOKENS_CUDA, _STEP_TOKENS_CPU = 8192, 256
+
+
+def default_step_tokens(model: torch.nn.Module) -> int:
+    """``PICConfig.max_num_batched_tokens`` when it is ``None``: by the device the model is on."""
+    device = next(model.parameters()).device
+    return _STEP_TOKENS_CUDA if device.type == "cuda" else _STEP_TOKENS_CPU
 
 
 def build_core(
@@ -24,7 +34,7 @@ def build_core(
     bos_token_id: int | None,
     eos_token_ids: frozenset[int],
 ) -> EngineCore:
-    """Runner, KV pool and tensors, store tiers and linker, wired into one core.
+    """Runner, KV pool and tensors, store tiers and KV manager, wired into one core.
 
     Raises:
         UnsupportedModelError: the model has no rotary embeddings or an unsupported layer layout.
@@ -49,11 +59,11 @@ def build_core(
     )  # fmt: skip
     runner.attention_backend.precompile(cache.k[0], cache.v[0])  # every kernel variant, before any request
     tiers = TieredStore.from_config(store, device=DeviceTier(pool, cache), expected=expected)
-    linker = Linker(
+    kv = KVManager(
         pool, cache, tiers, spec, block_size=config.block_size, share_chunk_blocks=config.share_chunk_blocks,
         attention_backend=runner.attention_backend.name,
     )  # fmt: skip
     return EngineCore(
-        runner=runner, tokenizer=tokenizer, pool=pool, cache=cache, store=tiers, linker=linker, config=config,
+        runner=runner, tokenizer=tokenizer, pool=pool, cache=cache, store=tiers, kv=kv, config=config,
         bos_token_id=bos_token_id, eos_token_ids=eos_token_ids,
     )  # fmt: skip

@@ -1,21 +1,20 @@
-"""The commands other threads send the engine's owner thread: a closed set of typed messages.
+"""The commands other threads send the engine's core thread: a closed set of typed messages.
 
 Every change to engine state arrives as one of these, in the order sent, and runs between two steps. A
-command that answers carries a ``Future`` (``reply``) that the owner completes, with the result or the
+command that answers carries a ``Future`` (``reply``) that the core thread completes, with the result or the
 exception; outputs of requests go to their sinks instead (``pic.engine.streams``).
 """
 
 from __future__ import annotations
 
-import enum
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
 
-from pic.engine.core import CompileJob
-from pic.engine.request import NewRequest
+from pic.engine.request import CompileJob, NewRequest, OutputSink
 from pic.engine.sampling import SamplingParams
-from pic.engine.sequence import OutputSink
 
 
 @dataclass(frozen=True)
@@ -46,7 +45,7 @@ class Abort:
 
 @dataclass(frozen=True)
 class Compile:
-    """Compile chunks between two steps; ``reply`` gets the ids compiled."""
+    """Compile chunks as scheduled work; ``reply`` gets the ids compiled once all are stored."""
 
     job: CompileJob
     reply: Future
@@ -54,35 +53,17 @@ class Compile:
 
 @dataclass(frozen=True)
 class Step:
-    """Run one step now if any request waits or runs (``Engine.step``: paced requests advance)."""
+    """Run one step now if any work can run (``Stepper.step``: paced requests advance)."""
 
     reply: Future
 
 
-class Query(enum.Enum):
-    """What ``Ask`` asks: a read, or a store operation, answered between two steps."""
-
-    KV_STATS = "kv_stats"
-    RESET_PEAK = "reset_peak"
-    COUNTERS = "counters"
-    LOGITS = "logits"
-    STORE_STATS = "store_stats"
-    STORE_IDS = "store_ids"
-    LOOKUP = "lookup"
-    DESCRIBE = "describe"
-    CONTAINS = "contains"
-    GET = "get"
-    PIN = "pin"
-    UNPIN = "unpin"
-    EXPIRE = "expire"
-
-
 @dataclass(frozen=True)
 class Ask:
-    """A ``Query`` with its argument (a cache id, hidden states for ``LOGITS``, or ``None``)."""
+    """Run ``read(core)`` between two steps and answer its result: a read of engine state (pool statistics,
+    the device tier of the store, logits)."""
 
-    query: Query
-    arg: object
+    read: Callable[[object], object]
     reply: Future
 
 
@@ -95,8 +76,36 @@ class Pause:
 
 
 @dataclass(frozen=True)
+class Wake:
+    """Store I/O finished (sent by the loader): look at the work again."""
+
+
+@dataclass(frozen=True)
 class Close:
-    """Fail every request still open, refuse later commands, and end the owner thread."""
+    """Fail every request still open, refuse later commands, and end the core thread."""
 
 
-Command = Submit | Resume | Abort | Compile | Step | Ask | Pause | Close
+Command = Submit | Resume | Abort | Compile | Step | Ask | Pause | Wake | Close
+
+_T = TypeVar("_T")
+
+
+class Channel(Protocol):
+    """The way into the engine's core thread (``CoreThread``), for the objects its callers hold (``Linked``,
+    ``Stepper``, ``StoreView``): they depend on the commands, not on the thread that runs them."""
+
+    def alive(self) -> bool:
+        """Whether the core thread runs."""
+
+    @property
+    def is_current(self) -> bool:
+        """Whether the calling thread is the core thread."""
+
+    def send(self, command: Command) -> None:
+        """Queue ``command`` (``EngineClosedError`` once the engine is closed)."""
+
+    def call(self, make: Callable[[Future], Command]) -> object:
+        """Send ``make(reply)`` and wait for its answer (re-raising its exception)."""
+
+    def ask(self, read: Callable[[Any], _T]) -> _T:
+        """``read(core)``, run on the core thread between two steps."""

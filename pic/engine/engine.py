@@ -1,38 +1,32 @@
 """``Engine``: continuous batching of linked requests, run by a thread of its own.
 
-The engine builds its parts from the configs (``build_core``) and hands them to one owner thread
-(``pic.engine.owner``). Every method here runs in the caller's thread: it validates and tokenizes, then
-sends the owner a typed command and waits on the answer or on the request's outputs. Any number of
-threads may call it at once; their requests share the owner's forwards. ``close()`` (or dropping the
-engine) stops the thread.
+The engine builds its parts (``build_core``) and hands them to one core thread (``pic.engine.core_thread``).
+Every method here runs in the caller's thread: it validates and tokenizes, then sends a typed command and
+waits (``pic.engine.calls``). Any number of threads may call it at once; their requests share forwards.
+``close()`` (or dropping the engine) stops the thread.
 """
 
 from __future__ import annotations
 
 import contextlib
-import threading
-import time
 import weakref
-from collections.abc import Iterator, Sequence
-from concurrent.futures import Future
+from collections.abc import Sequence
 
 import torch
-from tqdm.auto import tqdm
 
-from pic.compile import TextOrTokens, tokenizer_adds_bos
+from pic.compile import SharedTokenizer, TextOrTokens, tokenizer_adds_bos
 from pic.config import CompileOptions, PICConfig, StoreConfig
-from pic.engine.build import build_core
-from pic.engine.commands import Abort, Compile, Pause, Query, Submit
-from pic.engine.core import CompileJob, EngineCore
+from pic.engine.build import build_core, default_step_tokens
+from pic.engine.calls import compile_documents, generate_requests, link_requests
+from pic.engine.commands import Abort, Submit
+from pic.engine.core import EngineCore
+from pic.engine.core_thread import CoreThread
 from pic.engine.generation import Generation
 from pic.engine.linked import Linked
-from pic.engine.owner import OwnerThread
 from pic.engine.prepare import Preparer, documents
-from pic.engine.request import OutputSink, Request, RequestOutput, check_request_id
+from pic.engine.request import LinkOutput, OutputSink, Request, check_request_id
 from pic.engine.stepper import Stepper
 from pic.engine.store_view import StoreView
-from pic.engine.streams import RequestStream
-from pic.errors import InvalidInputError
 from pic.ids import model_fingerprint
 from pic.kv import KVStats
 from pic.link import policies
@@ -40,17 +34,14 @@ from pic.model import ModelSpec
 from pic.model.loading import model_eos_ids
 from pic.model.runner import AttentionObserver
 
-# Running at least this many requests shows a progress bar (unless ``progress`` says otherwise).
-_PROGRESS_MIN_REQUESTS = 8
-
 
 class Engine:
     """Compile chunks, link them with queries, generate: many requests per forward, from any thread.
 
     Args:
         model: a supported ``*ForCausalLM`` (Llama, Mistral, Qwen2, Qwen3 families), on its device.
-        tokenizer: its tokenizer.
-        config: engine options (``PICConfig``); ``self.config`` holds them with ``add_bos`` resolved.
+        tokenizer: its tokenizer (``self.tokenizer`` wraps it in a ``SharedTokenizer``: safe from any thread).
+        config: engine options (``PICConfig``); ``self.config`` holds them with the ``None`` defaults resolved.
         store: where chunks live besides the KV pool (``StoreConfig``: CPU and Redis tiers; default: none).
 
     Raises:
@@ -67,8 +58,12 @@ class Engine:
         store: StoreConfig | None = None,
     ) -> None:
         config = config or PICConfig()
+        if not isinstance(tokenizer, SharedTokenizer):  # used by callers' threads and the engine's at once
+            tokenizer = SharedTokenizer(tokenizer)
         if config.add_bos is None:  # the model's prompts start with a BOS exactly when its tokenizer writes one
             config = config.model_copy(update={"add_bos": tokenizer_adds_bos(tokenizer)})
+        if config.max_num_batched_tokens is None:
+            config = config.model_copy(update={"max_num_batched_tokens": default_step_tokens(model)})
         eos = config.eos_token_ids
         self.config, self.model, self.tokenizer = config, model, tokenizer
         self.fingerprint = model_fingerprint(model)
@@ -80,8 +75,8 @@ class Engine:
         )  # fmt: skip
         self.spec: ModelSpec = core.runner.spec
         self.attention_backend: str = core.runner.attention_backend.name  # "torch" or "triton"
-        self._owner = OwnerThread(core)
-        self.store = StoreView(self._owner, fleet=core.store.fleet)
+        self._owner = CoreThread(core)
+        self.store = StoreView(self._owner, core.store)
         self._finalizer = weakref.finalize(self, self._owner.close)
         self._prepare = Preparer(tokenizer, self.spec, config=config, bos_token_id=self.bos_token_id)
         self._stepper = Stepper(self._owner, self._prepare)
@@ -105,7 +100,7 @@ class Engine:
         ranks chunks (``regions``) recomputes the most relevant ones first.
 
         Raises:
-            UnknownCacheIdError: an id no store tier holds.
+            UnknownCacheIdError: an id no store tier holds, of a chunk this engine never compiled or linked.
             StoreUnavailableError: Redis failed (``StoreConfig.on_redis_error="raise"``).
             CompileOptionsMismatchError: a chunk compiled with other options than ``policy`` needs.
             InvalidInputError: an empty query, a bad token id.
@@ -119,29 +114,11 @@ class Engine:
         """``link`` for several requests at once: their recompute passes share forwards. Their sampling
         options are not used (``Linked.generate`` takes its own). If one fails, the others are released
         and its error is raised."""
-        _check_requests(requests)
-        start = time.perf_counter()
-        streams = [RequestStream(self._owner.alive, last_only=True) for _ in requests]
-        news = [self._prepare.new_request(r, sink=s, sampling=None) for r, s in zip(requests, streams, strict=True)]
-        self._owner.send(Submit(tuple(news)))
-        try:
-            firsts = [stream.get() for stream in streams]
-        except BaseException:  # interrupted: nobody will hold these requests, so free them
-            for new in news:
-                self._owner.send(Abort(new.request_id))
-            raise
-        link_s = time.perf_counter() - start
-        linked = [
-            Linked(first, owner=self._owner, engine=self, policy=new.policy, link_s=link_s)
-            for new, first in zip(news, firsts, strict=True)
-            if not isinstance(first, RequestOutput)
-        ]
-        failed = next((first.error for first in firsts if isinstance(first, RequestOutput)), None)
-        if failed is not None:
-            for item in linked:
-                item.release()
-            raise failed
-        return linked
+
+        def make(first: LinkOutput, policy: policies.Policy, link_s: float) -> Linked:
+            return Linked(first, owner=self._owner, engine=self, policy=policy, link_s=link_s)
+
+        return link_requests(self._owner, self._prepare, requests, make=make)
 
     def generate_many(self, requests: Sequence[Request], *, progress: bool | None = None) -> list[Generation]:
         """Run many requests together (continuous batching) and return their generations, in order.
@@ -154,26 +131,7 @@ class Engine:
         validated before any runs (a bad one raises ``InvalidInputError`` and none runs); every request
         runs to its end; then the first failure, if any, is raised (see ``link`` for the errors).
         """
-        _check_requests(requests)
-        streams = [RequestStream(self._owner.alive, last_only=True) for _ in requests]
-        news = [
-            self._prepare.new_request(r, sink=s, sampling=r.sampling) for r, s in zip(requests, streams, strict=True)
-        ]
-        self._owner.send(Submit(tuple(news)))
-        show = progress if progress is not None else len(news) >= _PROGRESS_MIN_REQUESTS
-        lasts: list[RequestOutput] = []
-        try:
-            with tqdm(total=len(news), desc="pic generate", unit="request", disable=not show) as bar:
-                for stream in streams:
-                    lasts.append(_last(stream))
-                    bar.update(1)
-        finally:
-            for new in news[len(lasts) :]:  # interrupted: stop the rest
-                self._owner.send(Abort(new.request_id))
-        failed = next((out.error for out in lasts if out.error is not None), None)
-        if failed is not None:
-            raise failed
-        return [out.generation for out in lasts]
+        return generate_requests(self._owner, self._prepare, requests, progress=progress)
 
     # -- compiling -----------------------------------------------------------------------------------
 
@@ -199,10 +157,11 @@ class Engine:
 
         Ids are content addresses: compiling a document that is already cached does no work, and
         compiling one whose chunk was evicted compiles it again. Each chunk is prefilled straight into
-        canonical blocks of the KV pool (resident: the device tier) and written through to the CPU
-        and Redis tiers. Every id returned is held by some tier when ``compile`` returns: the call
-        never evicts its own chunks to make room for its other chunks. Workers sharing a Redis tier
-        compile each chunk once between them (``pic.store.lease``).
+        canonical blocks of the KV pool (resident: the device tier), in pieces the scheduler fits between
+        the running requests' steps, and written through to the CPU and Redis tiers off the engine's
+        thread. Every id returned is held by some tier when ``compile`` returns: the call never evicts its
+        own chunks to make room for its other chunks. Workers sharing a Redis tier compile each chunk once
+        between them (``pic.store.lease``).
 
         Raises:
             InvalidInputError: no documents, an empty document, a bad token id, bytes.
@@ -216,31 +175,18 @@ class Engine:
             self.tokenizer, docs, options=options, spec=self.spec, fingerprint=self.fingerprint,
             max_chars=self._prepare.max_chars,
         )  # fmt: skip
-
-        def compile_ids(todo: Sequence[str]) -> list[str]:
-            job = CompileJob(tokens=found.tokens, options=options, todo=tuple(todo), progress=progress)
-            return self._owner.call(lambda reply: Compile(job, reply))
-
-        fleet = self.store.fleet
-        if fleet is not None:  # workers sharing the Redis tier compile each chunk once between them
-            fleet.compile_once(found.ids, has_chunk=self.store.contains, compile=compile_ids)
-        compile_ids(found.ids)  # the rest; resident chunks are written back where a lower tier lost them
+        fleet, has_chunk = self.store.fleet, self.store.contains
+        compile_documents(self._owner, found, options, fleet=fleet, has_chunk=has_chunk, progress=progress)
         return found.ids
 
     def compile_policy(self, policy: str | policies.Policy | None = None) -> policies.Policy:
-        """The policy ``compile`` and ``link`` use for ``policy`` (``None``: the engine's default).
-
-        Raises:
-            PolicyError: an unknown spec or a bad argument.
-        """
+        """The policy ``compile`` and ``link`` use for ``policy`` (``None``: the engine's default); raises
+        ``PolicyError`` for an unknown spec or a bad argument."""
         return self._prepare.policy(policy)
 
     def compile_options(self, policy: str | policies.Policy | None = None) -> CompileOptions:
-        """The options chunks are compiled with for ``policy`` (they are part of the cache id).
-
-        Raises:
-            PolicyError: a policy that needs extra BOS tokens with a tokenizer that has none.
-        """
+        """The options chunks are compiled with for ``policy`` (part of the cache id); raises ``PolicyError`` for
+        a policy that needs extra BOS tokens with a tokenizer that has none."""
         return self._prepare.compile_options(policy)
 
     # -- other clients (the server) ---------------------------------------------------------------------
@@ -270,41 +216,30 @@ class Engine:
     def kv_stats(self) -> KVStats:
         """Blocks of the KV pool by state (empty, evictable, held chunk, private; they sum to ``num_blocks``),
         shared references, resident chunks, peak use: see ``KVStats``."""
-        return self._owner.ask(Query.KV_STATS)
+        return self._owner.ask(lambda core: core.pool.stats())
 
     def reset_peak(self) -> None:
         """Restart ``KVStats.peak_used_blocks`` from the blocks in use now."""
-        self._owner.ask(Query.RESET_PEAK)
+        self._owner.ask(lambda core: core.pool.reset_peak())
 
-    @contextlib.contextmanager
-    def paused(self) -> Iterator[EngineCore]:
+    def paused(self) -> contextlib.AbstractContextManager[EngineCore]:
         """Stop the engine between two steps and lend its core to the caller (tests and debugging read
         the pool, store and runner here); the engine goes on when the block exits."""
-        entered, resume = Future(), threading.Event()
-        self._owner.send(Pause(entered, resume))
-        try:
-            yield self._owner.wait(entered)
-        finally:
-            resume.set()
+        return self._owner.paused()
 
-    @contextlib.contextmanager
-    def observe_attention(self, observer: AttentionObserver) -> Iterator[None]:
+    def observe_attention(self, observer: AttentionObserver) -> contextlib.AbstractContextManager[None]:
         """Within the block, every layer of every forward calls ``observer`` (on the engine's thread) with
         its attention's inputs: ``ModelRunner.observe_attention``, for analysis such as
         ``pic.evaluation.sinks``. Not reentrant."""
-        with self.paused() as core:
-            observing = core.runner.observe_attention(observer)
-            observing.__enter__()
-        try:
-            yield
-        finally:
-            with self.paused():
-                observing.__exit__(None, None, None)
+        return self._owner.observing(observer)
 
-    def engine(self) -> Stepper:
-        """The iterative interface: ``add_request``, ``step``, ``abort``, ``has_unfinished``, and the
-        engine's step counters (one object per engine)."""
+    def stepper(self) -> Stepper:
+        """The iterative interface (vLLM's ``LLMEngine`` loop): ``add_request``, ``step``, ``abort``,
+        ``has_unfinished``, and the engine's step counters (one object per engine). ``engine()`` is its
+        older name."""
         return self._stepper
+
+    engine = stepper
 
     def close(self) -> None:
         """Stop the engine's thread and free its requests (open ones fail with ``EngineClosedError``);
@@ -316,19 +251,3 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _check_requests(requests: object) -> None:
-    """Raises: InvalidInputError: ``requests`` is not a sequence of ``pic.Request`` (naming the first that is not)."""
-    if not isinstance(requests, Sequence) or isinstance(requests, str):
-        raise InvalidInputError(f"requests is {requests!r:.80}; expected a list of pic.Request")
-    bad = next((i for i, r in enumerate(requests) if not isinstance(r, Request)), None)
-    if bad is not None:
-        raise InvalidInputError(f"requests[{bad}] is {requests[bad]!r:.80}; expected a pic.Request")
-
-
-def _last(stream: RequestStream) -> RequestOutput:
-    """Wait for a request's last output."""
-    while not (out := stream.get()).finished:
-        pass
-    return out

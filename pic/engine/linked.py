@@ -8,9 +8,8 @@ from collections.abc import Generator, Iterator, Sequence
 import torch
 from typing_extensions import Unpack
 
-from pic.engine.commands import Abort, Query, Resume
+from pic.engine.commands import Abort, Channel, Resume
 from pic.engine.generation import Generation
-from pic.engine.owner import OwnerThread
 from pic.engine.request import LinkOutput, RequestOutput
 from pic.engine.sampling import SamplingOptions, SamplingParams, sampling_params
 from pic.engine.streams import RequestStream
@@ -46,7 +45,7 @@ class Linked:
         self,
         link: LinkOutput,
         *,
-        owner: OwnerThread,
+        owner: Channel,
         engine: object,
         policy: Policy,
         link_s: float,
@@ -75,7 +74,7 @@ class Linked:
         """``[num_query_tokens, vocab_size]`` float32, next-token logits at every query position (the
         last row predicts the first new token); computed on first access."""
         if self._logits is None:
-            self._logits = self._owner.ask(Query.LOGITS, self._hidden)
+            self._logits = self._owner.ask(lambda core, hidden=self._hidden: core.logits(hidden))
         return self._logits
 
     def generate(
@@ -158,7 +157,7 @@ class Linked:
         """Free the request's blocks now (idempotent); aborts a generation still running."""
         if self._finalizer.detach() is None:
             return  # released, or finished
-        if self._owner.is_owner:
+        if self._owner.is_current:
             self._owner.send(Abort(self._request_id))
             return
         try:
@@ -209,7 +208,7 @@ def _params(max_new_tokens: int | None, sampling: SamplingParams | None, options
     return sampling_params(sampling, options)
 
 
-def _abort_quietly(owner: OwnerThread, request_id: int) -> None:
+def _abort_quietly(owner: Channel, request_id: int) -> None:
     """The finalizer of a ``Linked`` dropped unreleased (any thread, even the engine's own, mid-step): queue
     the release; never wait, never raise."""
     try:

@@ -1,10 +1,9 @@
-"""A sequence's outputs: the pieces of a step, and the ``Generation`` it ends with."""
+"""A sequence's outputs: the pieces of a step, and the ``Generation`` it ends with. Pure functions of the
+sequence's state (they change nothing)."""
 
 from __future__ import annotations
 
 import time
-
-import torch
 
 from pic.engine.generation import FinishReason, Generation, GenerationStats
 from pic.engine.request import LinkOutput, RequestOutput
@@ -16,10 +15,9 @@ def token_output(seq: Sequence, text: str, token: int) -> RequestOutput:
     return RequestOutput(request_id=seq.request_id, text=text, token_ids=(token,), finished=False)
 
 
-def link_output(seq: Sequence, hidden: torch.Tensor) -> LinkOutput:
-    """Park a sequence whose recompute pass ran (``PIC.link``), with its query's final hidden states
-    ``hidden`` ``[num_query_tokens, hidden_size]``."""
-    seq.query_hidden, seq.status = hidden, Status.PARKED
+def link_output(seq: Sequence) -> LinkOutput:
+    """What ``PIC.link`` gets for a parked sequence: its layout, what its pass recomputed, its query's
+    final hidden states."""
     result = seq.first_pass
     return LinkOutput(
         request_id=seq.request_id,
@@ -29,29 +27,20 @@ def link_output(seq: Sequence, hidden: torch.Tensor) -> LinkOutput:
         num_shared_blocks=seq.num_shared_blocks,
         num_private_blocks=seq.num_private_blocks,
         block_ids=tuple(seq.kv.blocks),
-        query_hidden=hidden,
+        query_hidden=seq.query_hidden,
         probe=result.probe,
     )
 
 
-def finish_output(
-    seq: Sequence, why: FinishReason | Exception, *, text: str = "", token: int | None = None
-) -> RequestOutput:
-    """Mark the sequence finished (its blocks already freed) and build its last output."""
+def finish_output(seq: Sequence, *, text: str = "", token: int | None = None) -> RequestOutput:
+    """The last output of a finished sequence: its ``text`` and ``token`` of this step, and the generation
+    (or the error it failed with)."""
+    assert seq.status is Status.FINISHED, seq
     tokens = () if token is None else (token,)
-    if isinstance(why, Exception):
-        seq.error = why
-        out = RequestOutput(request_id=seq.request_id, text="", token_ids=tokens, finished=True, error=why)
-    else:
-        if seq.detokenizer is not None:
-            text += seq.detokenizer.flush()
-        seq.finish_reason = why
-        seq.generation = _generation(seq, why)
-        out = RequestOutput(
-            request_id=seq.request_id, text=text, token_ids=tokens, finished=True, generation=seq.generation
-        )
-    seq.status = Status.FINISHED
-    return out
+    if seq.error is not None:
+        return RequestOutput(request_id=seq.request_id, text="", token_ids=tokens, finished=True, error=seq.error)
+    generation = _generation(seq, seq.finish_reason)
+    return RequestOutput(request_id=seq.request_id, text=text, token_ids=tokens, finished=True, generation=generation)
 
 
 def _generation(seq: Sequence, why: FinishReason) -> Generation:

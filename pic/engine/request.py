@@ -1,9 +1,10 @@
-"""What a user hands the engine (``Request``) and what the engine hands back (``RequestOutput``, ``LinkOutput``)."""
+"""What a user hands the engine (``Request``, a ``CompileJob``) and what the engine hands back (``RequestOutput``,
+``LinkOutput``)."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -168,3 +169,20 @@ def relevance_scores(relevance: object, num_chunks: int) -> tuple[float, ...] | 
     if len(values) != num_chunks:
         raise InvalidInputError(f"relevance has {len(values)} scores for {num_chunks} cache ids; give one per cache id")
     return tuple(float(v) for v in values)
+
+
+@dataclass(frozen=True)
+class CompileJob:
+    """Chunks to compile (``PIC.compile``), tokenized and addressed by the caller.
+
+    Attributes:
+        tokens: cache id -> content tokens, for every chunk of the call.
+        options: the compile options of every chunk.
+        todo: the ids to compile when no tier holds them (the call's, or the ones a fleet lease gave it).
+        on_chunk: called (on the engine thread) as each chunk of ``todo`` is stored: a progress bar.
+    """
+
+    tokens: Mapping[str, list[int]]
+    options: CompileOptions
+    todo: tuple[str, ...]
+    on_chunk: Callable[[], None] = lambda: None

@@ -1,24 +1,33 @@
-"""Who runs in the next forward: waiting and running queues, admission by blocks, a token budget, a
-sequence cap, and preemption (nano-vllm's scheduler, with linked requests).
+"""Who runs in the next forward: one token budget per step shared by decodes, recompute passes and chunk
+prefills (vLLM v1's scheduler, with linked requests and compiles).
 
-Every step, each running sequence gets the slot of its next token, in admission order; when the pool
-has no block for one, the most recently admitted running sequence is preempted (its blocks freed, its
-chunks kept resident, requeued at the front for a fresh recompute pass over its prompt and the tokens
-it has generated). Then waiting sequences are admitted in order while the token budget, the sequence
-cap and the pool's free and evictable blocks allow (not in a step that preempted: the blocks just freed
-go to the running ones). No deadlock: when nothing runs, nothing will free a block, so a sequence that
-still does not fit fails (``KVPoolExhaustedError``, or ``FinishReason.KV_POOL`` with its tokens so far).
+Each step, running sequences go first: each gets the slot of its next token, in admission order; when the
+pool has no block for one, the most recently admitted running sequence is preempted (its blocks freed,
+its chunks held, requeued at the front for a fresh pass over its prompt and the tokens it generated).
+The budget left goes to prefill work, first come first served: waiting sequences (their recompute passes)
+and chunk prefills are admitted in arrival order while the budget, the sequence cap and the pool allow. A
+chunk prefill takes what budget is left and goes on in the next step (chunked prefill), so a compile of
+many documents never stalls the running streams for more than a step. A recompute pass larger than the
+budget runs in a step with no other prefill work (it is not split). A sequence whose chunks are being
+fetched (``ChunkSources``) waits alone and is passed over.
+
+No deadlock: when nothing runs, nothing will free a block, so work that still does not fit fails
+(``KVPoolExhaustedError``, or ``FinishReason.KV_POOL`` with its tokens so far).
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from pic.compile import ChunkPrefill
+from pic.engine.chunk_sources import ChunkSources
 from pic.engine.generation import FinishReason
-from pic.engine.linker import Linker
-from pic.engine.sequence import Sequence, Status
+from pic.engine.kv_manager import KVManager
+from pic.engine.sequence import Sequence
 from pic.errors import KVPoolExhaustedError, PicError
+from pic.model import SeqInput
 
 
 @dataclass
@@ -30,33 +39,50 @@ class ScheduledBatch:
         decodes: running: their last token runs (``Sequence.next_slot`` is reserved).
         resumed: parked sequences whose generation starts: their first token is sampled from the
             hidden state their pass left (no forward).
+        pieces: chunk prefills and their part of this step's forward.
         failed: sequences that cannot run, with the error or the reason they finish early.
+        failed_prefills: chunk prefills that cannot run, with the error.
     """
 
     prefills: list[Sequence] = field(default_factory=list)
     decodes: list[Sequence] = field(default_factory=list)
     resumed: list[Sequence] = field(default_factory=list)
+    pieces: list[tuple[ChunkPrefill, SeqInput]] = field(default_factory=list)
     failed: list[tuple[Sequence, Exception | FinishReason]] = field(default_factory=list)
+    failed_prefills: list[tuple[ChunkPrefill, Exception]] = field(default_factory=list)
+
+    @property
+    def has_forward(self) -> bool:
+        return bool(self.prefills or self.decodes or self.pieces)
 
 
 class Scheduler:
     """Args:
-    linker: does the pool work of its decisions.
+    kv: does the pool work of its decisions.
+    sources: fetches waiting sequences' chunks; holds the queue of chunk prefills.
     max_num_seqs: most sequences running at once (parked ones do not count).
     max_num_batched_tokens: most tokens per forward; a recompute pass larger than it runs alone.
+    frees_soon: whether store I/O under way will free blocks (a compile's hold on a chunk being written
+        through): work that does not fit waits for it rather than fail.
     """
 
-    def __init__(self, linker: Linker, *, max_num_seqs: int, max_num_batched_tokens: int) -> None:
-        self.linker, self.max_num_seqs, self.max_num_batched_tokens = linker, max_num_seqs, max_num_batched_tokens
+    def __init__(
+        self,
+        kv: KVManager,
+        sources: ChunkSources,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        frees_soon: Callable[[], bool] = lambda: False,
+    ) -> None:
+        self.kv, self.sources, self.frees_soon = kv, sources, frees_soon
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order
 
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
-
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence, or a parked one whose generation starts."""
-        seq.status = Status.WAITING
+        seq.wait()
         self.waiting.append(seq)
 
     def remove(self, seq: Sequence) -> None:
@@ -69,8 +95,9 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         preempted = self._schedule_running(batch)
+        self._fetch_chunks(batch)
         if not preempted:
-            self._schedule_waiting(batch, budget=self.max_num_batched_tokens - len(batch.decodes))
+            self._schedule_prefill_work(batch, budget=self.max_num_batched_tokens - len(batch.decodes))
         return batch
 
     def _schedule_running(self, batch: ScheduledBatch) -> bool:
@@ -79,14 +106,14 @@ class Scheduler:
         self.running = []
         while todo:
             seq = todo.popleft()
-            while not self.linker.can_append(seq):
+            while not self.kv.can_append(seq):
                 if todo:  # preempt the most recently admitted sequence not yet scheduled, and look again
                     self._preempt(todo.pop())
                     preempted = True
-                elif not self._drop_holds(keep=None):  # (chunks kept for preempted sequences let go: look again)
+                elif not self._drop_holds(keep=None):  # (chunks kept for waiting sequences let go: look again)
                     break
             else:
-                seq.next_slot = self.linker.append(seq)
+                seq.next_slot = self.kv.append(seq)
                 batch.decodes.append(seq)
                 self.running.append(seq)
                 continue
@@ -97,48 +124,100 @@ class Scheduler:
                 batch.failed.append((seq, FinishReason.KV_POOL))
         return preempted
 
-    def _schedule_waiting(self, batch: ScheduledBatch, *, budget: int) -> None:
-        """Admit waiting sequences in order while the budget, the cap and the pool allow. A query-aware
-        policy's sequence runs its probe and its second pass in this step: the blocks the second may copy
-        and its query's tokens are counted now."""
-        reserved = 0  # blocks set aside for the second passes of this step's probes
-        while self.waiting and len(self.running) + len(batch.prefills) < self.max_num_seqs:
-            seq = self.waiting[0]
-            if seq.kv is not None:  # parked, generation starting: no blocks, no forward
-                self.waiting.popleft()
-                batch.resumed.append(seq)
-                self.running.append(seq)
-                continue
-            busy = bool(self.running or batch.prefills)
+    def _fetch_chunks(self, batch: ScheduledBatch) -> None:
+        """Start fetching every waiting sequence's missing chunks (a prefetch), failing those that cannot run."""
+        for seq in list(self.waiting):
             try:
-                plan = self.linker.plan(seq)
-                num_tokens = int(seq.selected.sum())
-                reserve = self.linker.probe_reserve(plan, seq)
-                if self.linker.probes(seq):
-                    num_tokens += plan.layout.query.num_tokens  # the second pass runs the query again
-                if busy and num_tokens > budget:
-                    return
-                if not self.linker.can_admit(plan, seq, reserved=reserved + reserve):
-                    if busy:
-                        return
-                    self._drop_holds(keep=seq)
-                    self.linker.check_admit(plan, seq, reserved=reserved + reserve)  # KVPoolExhaustedError
-                self.linker.admit(plan, seq, num_output_rows=1 if seq.sampling else len(seq.query_ids))
-                reserved += reserve
+                self.sources.ready(seq)
             except PicError as exc:
-                self.waiting.popleft()
-                out_of_blocks = isinstance(exc, KVPoolExhaustedError) and seq.output_ids
-                batch.failed.append((seq, FinishReason.KV_POOL if out_of_blocks else exc))
+                self.waiting.remove(seq)
+                batch.failed.append((seq, exc))
+
+    def _schedule_prefill_work(self, batch: ScheduledBatch, *, budget: int) -> None:
+        """Give ``budget`` tokens to prefill work, first come first served: waiting sequences and chunk prefills
+        (under way or new) in arrival order."""
+        self.sources.drop_abandoned()
+        queued = sorted([*self.waiting, *self.sources.prefills.values()], key=lambda w: w.order)
+        reserved = 0  # blocks set aside for the second passes of this step's probes
+        for work in queued:
+            if budget <= 0:
+                return
+            if isinstance(work, ChunkPrefill):
+                if not self._schedule_piece(work, batch, budget=budget, reserved=reserved):
+                    return
+                budget -= batch.pieces[-1][1].token_ids.shape[0]
                 continue
-            self.waiting.popleft()
-            budget -= num_tokens
-            batch.prefills.append(seq)
-            if seq.sampling is not None:
-                self.running.append(seq)
+            admitted = self._admit(work, batch, budget=budget, reserved=reserved)
+            if admitted is None:
+                return
+            budget, reserved = budget - admitted[0], reserved + admitted[1]
+
+    def _busy(self, batch: ScheduledBatch) -> bool:
+        """Whether something runs this step (and will free blocks or take budget)."""
+        return bool(self.running or batch.prefills or batch.pieces)
+
+    def _schedule_piece(self, prefill: ChunkPrefill, batch: ScheduledBatch, *, budget: int, reserved: int) -> bool:
+        """Add the next piece of ``prefill`` (starting it when the pool has its blocks); whether it ran."""
+        if not prefill.is_started:
+            if not self.kv.can_start(prefill, reserved=reserved):
+                if not self._busy(batch) and not self.frees_soon() and not self._drop_holds(keep=None):
+                    batch.failed_prefills.append((prefill, self._no_room(prefill)))
+                return False
+            self.kv.start(prefill)
+        batch.pieces.append((prefill, prefill.piece(budget)))
+        return True
+
+    def _no_room(self, prefill: ChunkPrefill) -> KVPoolExhaustedError:
+        pool, num_blocks = self.kv.pool, prefill.num_blocks(self.kv.pool.block_size)
+        try:
+            pool.check_available(
+                num_blocks, what=f"compiling chunk {prefill.cache_id} ({len(prefill.token_ids)} tokens)"
+            )
+        except KVPoolExhaustedError as exc:
+            return exc
+        return KVPoolExhaustedError(f"KV pool exhausted: chunk {prefill.cache_id} needs {num_blocks} blocks")
+
+    def _admit(self, seq: Sequence, batch: ScheduledBatch, *, budget: int, reserved: int) -> tuple[int, int] | None:
+        """Admit a waiting sequence: ``(tokens, blocks reserved)`` it takes, ``(0, 0)`` when it is passed over
+        (its chunks are being fetched, or it failed), ``None`` when it must wait and the ones after it too."""
+        if len(self.running) + len(batch.prefills) >= self.max_num_seqs:
+            return None
+        if seq.kv is not None:  # parked, generation starting: no blocks, no forward
+            self.waiting.remove(seq)
+            batch.resumed.append(seq)
+            self.running.append(seq)
+            return 0, 0
+        busy = self._busy(batch)
+        try:
+            if not self.sources.ready(seq):  # (again: this step's admissions may have evicted a chunk)
+                return 0, 0
+            plan = self.kv.plan(seq)
+            num_tokens = int(seq.selected.sum())
+            reserve = self.kv.probe_reserve(plan, seq)
+            if self.kv.probes(seq):
+                num_tokens += plan.layout.query.num_tokens  # the second pass runs the query again
+            if num_tokens > budget and (batch.prefills or batch.pieces):  # larger: no other prefill work beside it
+                return None
+            if not self.kv.can_admit(plan, seq, reserved=reserved + reserve):
+                if busy:
+                    return None
+                self._drop_holds(keep=seq)
+                self.kv.check_admit(plan, seq, reserved=reserved + reserve)  # KVPoolExhaustedError
+            self.kv.admit(plan, seq, num_output_rows=1 if seq.sampling else len(seq.query_ids))
+        except PicError as exc:
+            self.waiting.remove(seq)
+            out_of_blocks = isinstance(exc, KVPoolExhaustedError) and seq.output_ids
+            batch.failed.append((seq, FinishReason.KV_POOL if out_of_blocks else exc))
+            return 0, 0
+        self.waiting.remove(seq)
+        batch.prefills.append(seq)
+        if seq.sampling is not None:
+            self.running.append(seq)
+        return num_tokens, reserve
 
     def _preempt(self, seq: Sequence) -> None:
-        self.linker.preempt(seq)
-        seq.status = Status.WAITING
+        self.kv.preempt(seq)
+        seq.preempt()
         self.waiting.appendleft(seq)
 
     def _drop_holds(self, *, keep: Sequence | None) -> bool:
@@ -146,6 +225,6 @@ class Scheduler:
         dropped = False
         for seq in self.waiting:
             if seq is not keep and seq.held:
-                self.linker.drop_holds(seq)
+                self.kv.drop_holds(seq)
                 dropped = True
         return dropped

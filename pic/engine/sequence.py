@@ -1,14 +1,17 @@
-"""A request's state inside the engine, from arrival to its last token."""
+"""A request's state inside the engine, from arrival to its last token: ``Sequence``, whose status changes only
+through its own methods (``wait``, ``run``, ``park``, ``preempt``, ``finish``)."""
 
 from __future__ import annotations
 
 import enum
 import time
+from concurrent.futures import Future
 
 import torch
 
+from pic.compile import ChunkPrefill
 from pic.engine.detokenizer import Detokenizer
-from pic.engine.generation import FinishReason, Generation
+from pic.engine.generation import FinishReason
 from pic.engine.request import NewRequest, OutputSink
 from pic.engine.sampling import SamplingParams
 from pic.kv import ChunkInfo, ChunkKV, RequestKV
@@ -19,8 +22,11 @@ from pic.model import SeqInput
 
 
 class Status(enum.Enum):
-    WAITING = "waiting"  # queued for a recompute pass (new, or preempted)
-    RUNNING = "running"  # decoding: one token per step
+    """Where a sequence is in its life: WAITING -> RUNNING -> FINISHED, with PARKED between a link and its
+    generation and back to WAITING on preemption; any status can end in FINISHED (done, failed, aborted)."""
+
+    WAITING = "waiting"  # queued for a recompute pass (new, preempted, or a parked one whose generation starts)
+    RUNNING = "running"  # its recompute pass ran; decoding: one token per step
     PARKED = "parked"  # linked, not generating: ``PIC.link`` holds its KV until ``Linked.generate``
     FINISHED = "finished"
 
@@ -45,12 +51,18 @@ class Sequence:
         self.paced = new.paced
         self.status = Status.WAITING
         self.arrival_s = time.perf_counter()
+        self.order = self.arrival_s  # its place in the first-come-first-served order of prefill work
         self.scheduled_s: float | None = None  # first admitted
         self.linked_s: float | None = None  # first recompute pass done
         self.resumed_s: float | None = None  # generation started (parked sequences: ``Linked.generate``)
         self.first_token_s: float | None = None
         self.link_s: float | None = None  # ``PIC.link``'s wall time, for a parked sequence
-        self.chunks: list[ChunkInfo | ChunkKV] | None = None  # resolved at the first admission attempt
+        self.chunks: list[ChunkInfo | ChunkKV] | None = None  # resolved before its first admission
+        # Chunks being fetched: cache id -> the loader's future (a lower tier) or the compile (from its tokens);
+        # and the ones found in a lower tier, promoted into the pool at admission.
+        self.pending: dict[str, Future | ChunkPrefill] = {}
+        self.found: dict[str, ChunkKV] = {}
+        self.lost: set[str] = set()  # chunks no tier holds: compiled again from their tokens
         self.layout: Layout | None = None  # of prompt + generated tokens: a preempted sequence is re-laid out
         self.selected: torch.Tensor | None = None  # [T] bool, the policy's recompute mask for ``layout``
         self.kv: RequestKV | None = None
@@ -71,8 +83,41 @@ class Sequence:
         self.generator: torch.Generator | None = None
         self.num_preemptions = 0
         self.finish_reason: FinishReason | None = None
-        self.generation: Generation | None = None
         self.error: Exception | None = None
+
+    # -- status: the only places it changes ----------------------------------------------------------------
+
+    def wait(self) -> None:
+        """Queue for admission: new, or a parked sequence whose generation starts."""
+        assert self.status in (Status.WAITING, Status.PARKED), self
+        self.status = Status.WAITING
+
+    def run(self) -> None:
+        """Its recompute pass ran (or a parked one's generation started): it decodes from now on."""
+        assert self.status is Status.WAITING, self
+        self.status = Status.RUNNING
+
+    def park(self, query_hidden: torch.Tensor) -> None:
+        """Linked (``PIC.link``): hold the KV and the query's final hidden states ``[num_query, hidden_size]``
+        until ``Linked.generate`` resumes it."""
+        assert self.status is Status.WAITING, self
+        self.status, self.query_hidden = Status.PARKED, query_hidden
+
+    def preempt(self) -> None:
+        """Its blocks were freed for others: back to waiting, for a fresh pass over its prompt and output."""
+        assert self.status is Status.RUNNING, self
+        self.status = Status.WAITING
+        self.num_preemptions += 1
+
+    def finish(self, why: FinishReason | Exception) -> None:
+        """Done: ``why`` is the reason it ended, or the error it failed with."""
+        if isinstance(why, Exception):
+            self.error = why
+        else:
+            self.finish_reason = why
+        self.status = Status.FINISHED
+
+    # -- reads ------------------------------------------------------------------------------------------
 
     @property
     def num_prompt_tokens(self) -> int:

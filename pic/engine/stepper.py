@@ -5,14 +5,13 @@ from __future__ import annotations
 import contextlib
 import queue
 
-from pic.engine.commands import Abort, Query, Step, Submit
-from pic.engine.owner import OwnerThread
+from pic.engine.commands import Abort, Channel, Step, Submit
 from pic.engine.prepare import Preparer
 from pic.engine.request import Request, RequestOutput, check_request_id
 
 
 class Stepper:
-    """Requests whose outputs come from ``step`` (``PIC.engine()``; vLLM's ``LLMEngine`` loop).
+    """Requests whose outputs come from ``step`` (``PIC.stepper()``; vLLM's ``LLMEngine`` loop).
 
     Its requests advance in the steps ``step`` asks for, one per call when nothing else runs (so a
     ``while has_unfinished(): step()`` loop steps exactly as a single-threaded engine would), and in the
@@ -23,7 +22,7 @@ class Stepper:
         prepare: validates and tokenizes a request here, in the caller's thread (``Engine``'s).
     """
 
-    def __init__(self, owner: OwnerThread, prepare: Preparer) -> None:
+    def __init__(self, owner: Channel, prepare: Preparer) -> None:
         self._owner, self._prepare = owner, prepare
         self._outputs: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
         self._open: set[int] = set()  # ids whose last output ``step`` has not returned yet
@@ -66,9 +65,9 @@ class Stepper:
     @property
     def num_steps(self) -> int:
         """Steps the engine ran a forward in (for every caller's requests, these and others)."""
-        return self._owner.ask(Query.COUNTERS)[0]
+        return self._owner.ask(lambda core: core.num_steps)
 
     @property
     def num_batched_seqs(self) -> int:
         """Sequences those forwards carried (``num_batched_seqs / num_steps``: the mean batch)."""
-        return self._owner.ask(Query.COUNTERS)[1]
+        return self._owner.ask(lambda core: core.num_batched_seqs)

@@ -1,35 +1,83 @@
-"""``StoreView``: the chunk store for other threads; every call runs on the engine's thread."""
+"""``StoreView``: the chunk store for other threads. The device tier (the pool's resident chunks) is read on
+the engine's thread; the lower tiers (CPU, Redis) are called from the caller's own thread, so a slow store
+delays only its caller, never the engine's steps."""
 
 from __future__ import annotations
 
-from pic.engine.commands import Query
-from pic.engine.owner import OwnerThread
+from collections.abc import Callable
+
+import torch
+
+from pic.engine.commands import Channel
 from pic.errors import InvalidInputError
 from pic.kv import ChunkKV
+from pic.store import TieredStore
 from pic.store.description import ChunkDescription
 from pic.store.lease import FleetLeases
-from pic.store.tier import TierStats
+from pic.store.tier import Extent, TierStats
+
+
+class _DeviceOnCore:
+    """The device tier, every call run on the engine's thread (the ``Tier`` protocol)."""
+
+    name = "device"
+    last_error = None
+
+    def __init__(self, thread: Channel, kv_device: torch.device) -> None:
+        self._thread, self.kv_device = thread, kv_device
+
+    def _run(self, call: Callable) -> object:
+        return self._thread.ask(lambda core: call(core.store.device))
+
+    def contains(self, cache_id: str) -> bool:
+        return self._run(lambda d: d.contains(cache_id))
+
+    def extent(self, cache_id: str) -> Extent | None:
+        return self._run(lambda d: d.extent(cache_id))
+
+    def peek(self, cache_id: str) -> ChunkKV | None:
+        return self._run(lambda d: d.peek(cache_id))
+
+    def delete(self, cache_id: str) -> bool:
+        """Drop the chunk from the pool and the engine's memory of its tokens (an expired id is unknown)."""
+        return self._thread.ask(lambda core: core.sources.forget(cache_id) or core.store.device.delete(cache_id))
+
+    def pin(self, cache_id: str) -> bool:
+        return self._run(lambda d: d.pin(cache_id))
+
+    def unpin(self, cache_id: str) -> None:
+        self._run(lambda d: d.unpin(cache_id))
+
+    def ids(self) -> list[str]:
+        return self._run(lambda d: d.ids())
+
+    def stats(self) -> TierStats:
+        return self._run(lambda d: d.stats())
+
+    def leases(self, lease_s: float) -> FleetLeases | None:
+        return None
 
 
 class StoreView:
-    """Reads and operations on the engine's ``TieredStore`` (device, CPU and Redis tiers), between steps.
+    """Reads and operations on the engine's ``TieredStore`` (device, CPU and Redis tiers), from any thread.
 
     Attributes:
         fleet: compile-once leases in the Redis tier (``None`` without one); safe from any thread.
     """
 
-    def __init__(self, owner: OwnerThread, *, fleet: FleetLeases | None) -> None:
-        self._owner, self.fleet = owner, fleet
+    def __init__(self, thread: Channel, store: TieredStore) -> None:
+        self._store = store.view(_DeviceOnCore(thread, store.device.kv_device))
+        self.fleet: FleetLeases | None = store.fleet
 
-    def _ask(self, query: Query, cache_id: object) -> object:
+    def _id(self, cache_id: object) -> str:
         """Raises: InvalidInputError: ``cache_id`` is not a string."""
         if not isinstance(cache_id, str):
             raise InvalidInputError(f"cache id {cache_id!r:.80} is not a string (an id compile returned)")
-        return self._owner.ask(query, cache_id)
+        return cache_id
 
     def lookup(self, cache_id: str) -> list[str]:
         """Names of the tiers that hold ``cache_id``, fastest first."""
-        return self._ask(Query.LOOKUP, cache_id)
+        return self._store.lookup(self._id(cache_id))
 
     def describe(self, cache_id: str) -> ChunkDescription:
         """What the store knows of a chunk without reading its KV (tiers, tokens, bytes).
@@ -37,15 +85,15 @@ class StoreView:
         Raises:
             UnknownCacheIdError: no tier holds it.
         """
-        return self._ask(Query.DESCRIBE, cache_id)
+        return self._store.describe(self._id(cache_id))
 
     def contains(self, cache_id: str) -> bool:
-        return self._ask(Query.CONTAINS, cache_id)
+        return self._store.contains(self._id(cache_id))
 
     def get(self, cache_id: str) -> ChunkKV | None:
         """The chunk's KV from the fastest tier that holds it (a copy), on the engine's device; ``None``
         when no tier does."""
-        return self._ask(Query.GET, cache_id)
+        return self._store.get(self._id(cache_id))
 
     def pin(self, cache_id: str) -> None:
         """Never evict ``cache_id`` from the pool and the CPU tier (also once promoted into them).
@@ -53,20 +101,20 @@ class StoreView:
         Raises:
             UnknownCacheIdError: no tier holds it.
         """
-        self._ask(Query.PIN, cache_id)
+        self._store.pin(self._id(cache_id))
 
     def unpin(self, cache_id: str) -> None:
-        self._ask(Query.UNPIN, cache_id)
+        self._store.unpin(self._id(cache_id))
 
     def expire(self, cache_id: str) -> bool:
         """Remove ``cache_id`` from every tier; ``True`` if any held it. Live requests that link it keep
         its blocks until they are released."""
-        return self._ask(Query.EXPIRE, cache_id)
+        return self._store.expire(self._id(cache_id))
 
     def ids(self) -> list[str]:
         """Every cache id in any tier."""
-        return self._owner.ask(Query.STORE_IDS)
+        return self._store.ids()
 
     def stats(self) -> list[TierStats]:
         """One snapshot per tier, fastest first."""
-        return self._owner.ask(Query.STORE_STATS)
+        return self._store.stats()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import threading
 from collections import OrderedDict
 from collections.abc import Collection
 
@@ -13,6 +15,17 @@ from pic.store.lease import FleetLeases
 from pic.store.tier import Extent, TierStats
 
 _CPU = torch.device("cpu")
+
+
+def _locked(method):
+    """Run ``method`` under the tier's lock: the engine's loader threads and its callers' threads share it."""
+
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return locked
 
 
 class LruTier:
@@ -34,12 +47,14 @@ class LruTier:
         self._chunks: OrderedDict[str, ChunkKV] = OrderedDict()  # least recently used first
         self._pinned: set[str] = set()
         self._stats = TierStats(name=self.name, capacity_bytes=capacity_bytes)
+        self._lock = threading.RLock()
 
     @property
     def last_error(self) -> str | None:
         """Always ``None``: process memory does not fail."""
         return None
 
+    @_locked
     def get(self, cache_id: str) -> ChunkKV | None:
         chunk = self._chunks.get(cache_id)
         if chunk is None:
@@ -49,14 +64,17 @@ class LruTier:
         self._stats.hits += 1
         return chunk
 
+    @_locked
     def peek(self, cache_id: str) -> ChunkKV | None:
         """The chunk without counting a hit or making it recently used."""
         return self._chunks.get(cache_id)
 
+    @_locked
     def extent(self, cache_id: str) -> Extent | None:
         chunk = self._chunks.get(cache_id)
         return None if chunk is None else Extent(chunk.num_tokens, chunk.num_bytes)
 
+    @_locked
     def can_fit(self, num_bytes: int, *, keep: Collection[str] = ()) -> bool:
         """Whether ``num_bytes`` fit after evicting every chunk that is neither pinned nor in ``keep``."""
         if self.capacity_bytes is None:
@@ -64,6 +82,7 @@ class LruTier:
         held = self._pinned.union(c for c in keep if c in self._chunks)
         return sum(self._chunks[c].num_bytes for c in held) + num_bytes <= self.capacity_bytes
 
+    @_locked
     def put(self, chunk: ChunkKV, *, keep: Collection[str] = ()) -> bool:
         """Store ``chunk``, evicting least-recently-used chunks that are neither pinned nor in ``keep``
         (the chunks a ``compile`` call returns); ``False`` when it cannot fit (nothing is evicted then)."""
@@ -86,9 +105,11 @@ class LruTier:
             self._remove(victim)
             self._stats.evictions += 1
 
+    @_locked
     def contains(self, cache_id: str) -> bool:
         return cache_id in self._chunks
 
+    @_locked
     def delete(self, cache_id: str) -> bool:
         if cache_id not in self._chunks:
             return False
@@ -99,6 +120,7 @@ class LruTier:
         self._stats.num_bytes -= self._chunks.pop(cache_id).num_bytes
         self._pinned.discard(cache_id)
 
+    @_locked
     def pin(self, cache_id: str) -> bool:
         """Never evict ``cache_id``; ``False`` if this tier does not hold it."""
         if cache_id not in self._chunks:
@@ -106,12 +128,15 @@ class LruTier:
         self._pinned.add(cache_id)
         return True
 
+    @_locked
     def unpin(self, cache_id: str) -> None:
         self._pinned.discard(cache_id)
 
+    @_locked
     def ids(self) -> list[str]:
         return list(self._chunks)
 
+    @_locked
     def stats(self) -> TierStats:
         return dataclasses.replace(self._stats, num_entries=len(self._chunks))
 

@@ -2,13 +2,15 @@
 
 Writes go through to every tier (a fleet shares what one worker compiles): ``compile`` prefills a
 chunk straight into the pool and the store copies it down. Reads look in the pool first; a chunk found
-only in a lower tier comes back as a ``ChunkKV`` for the linker to promote into fresh blocks, and is
+only in a lower tier comes back as a ``ChunkKV`` for the engine to promote into fresh blocks, and is
 promoted into the lower tiers above the one that had it (Redis -> CPU). The CPU tier is a byte-bounded
 LRU; the pool evicts unreferenced chunks when it needs blocks. A chunk evicted from one tier stays in
 the tiers below. Pinned chunks are never evicted.
 
 Every tier answers the same protocol (``pic.store.tier``), so the store never asks which kind a tier
-is. It is not thread-safe: the engine's owner thread is its only caller.
+is. Threads: the device tier is the engine thread's alone (``add``, ``promote``, ``resident``); the lower
+tiers are safe from any thread, and the engine calls them only from its loader (``load``, ``write_lower``),
+so a slow or hung Redis never stops its steps. Other threads reach the store through ``view``.
 """
 
 from __future__ import annotations
@@ -38,14 +40,22 @@ class TieredStore:
         device: the KV pool's resident chunks.
         lower: the CPU and/or Redis tiers, fastest first (may be empty).
         lease_s: the fleet's compile leases' life in a shared tier (``StoreConfig.redis_lease_s``).
+        recheck_s: ``StoreConfig.shared_recheck_s``.
+        pinned: the set of pinned ids, when another ``TieredStore`` over the same tiers shares it (``view``).
     """
 
     def __init__(
-        self, device: DeviceTier, lower: list[LowerTier], *, lease_s: float = 10.0, recheck_s: float | None = 30.0
+        self,
+        device: DeviceTier,
+        lower: list[LowerTier],
+        *,
+        lease_s: float = 10.0,
+        recheck_s: float | None = 30.0,
+        pinned: set[str] | None = None,
     ) -> None:
-        self.device, self.lower, self._lease_s = device, lower, lease_s
+        self.device, self.lower = device, lower
         self.tiers: list[Tier] = [device, *lower]
-        self._pinned: set[str] = set()
+        self._pinned: set[str] = set() if pinned is None else pinned
         # The tiers a fleet shares (Redis): those that keep compile leases; the first one holds the fleet's.
         self._shared = [(tier, leases) for tier in lower if (leases := tier.leases(lease_s)) is not None]
         self._rechecks = SharedRechecks(recheck_s if self._shared else None)
@@ -73,49 +83,63 @@ class TieredStore:
             lower.append(redis)
         return cls(device, lower, lease_s=config.redis_lease_s, recheck_s=config.shared_recheck_s)
 
-    def add(self, info: ChunkInfo, block_ids: list[int], *, keep: Collection[str] = ()) -> bool:
-        """Make a chunk prefilled into ``block_ids`` resident and write it through to the lower tiers,
-        lowest first (the shared copy exists before the local ones).
-
-        Args:
-            keep: cache ids the lower tiers must not evict for it (the other chunks of a ``compile`` call).
-
-        Returns:
-            whether a lower tier holds it too (if not, the pool holds its only copy).
-
-        Raises:
-            StoreUnavailableError: Redis failed (``on_redis_error="raise"``).
-        """
+    def add(self, info: ChunkInfo, block_ids: list[int]) -> ChunkKV | None:
+        """Make a chunk prefilled into ``block_ids`` resident (engine thread); returns a copy of its KV for
+        ``write_lower`` (on a loader thread), or ``None`` without lower tiers."""
         self.device.add(info, block_ids)
         if info.cache_id in self._pinned:
             self.device.pin(info.cache_id)
         if not self.lower:
-            return False
+            return None
         self._rechecks.written(info.cache_id)
-        chunk = self.device.peek(info.cache_id)
-        assert chunk is not None
-        return any([tier.put(chunk, keep=keep) for tier in reversed(self.lower)])
+        return self.device.peek(info.cache_id)
 
-    def write_back(
-        self, cache_id: str, *, keep: Collection[str] = (), tiers: Collection[LowerTier] | None = None
+    def write_lower(
+        self,
+        chunk: ChunkKV,
+        *,
+        keep: Collection[str] = (),
+        tiers: Collection[LowerTier] | None = None,
+        missing_only: bool = False,
     ) -> list[str]:
-        """Copy a resident chunk down to the lower tiers (of ``tiers``; default: all) that lost it (Redis
-        restarted without persistence, or the chunk was compiled while Redis was down under
-        ``on_redis_error="miss"``); returns the names of the tiers written. ``compile`` calls it for the
-        chunks of the call that are already resident, so compiling a document again restores the fleet's
-        shared copy; ``resolve`` calls it for the shared tiers every ``StoreConfig.shared_recheck_s``.
+        """Copy ``chunk`` down to the lower tiers (of ``tiers``; default: all), lowest first (the shared copy
+        exists before the local ones); returns the names of the tiers that hold it now. Any thread.
+
+        ``missing_only``: write only to the tiers that lost it (Redis restarted without persistence, or the
+        chunk was compiled while Redis was down under ``on_redis_error="miss"``): ``compile`` does so for
+        resident chunks, so compiling a document again restores the fleet's shared copy, and a link of a
+        resident chunk does so for the shared tiers every ``StoreConfig.shared_recheck_s``.
+
+        Args:
+            keep: cache ids the lower tiers must not evict for it (the other chunks of a ``compile`` call).
 
         Raises:
             StoreUnavailableError: Redis failed (``on_redis_error="raise"``).
         """
-        missing = [tier for tier in self.lower if (tiers is None or tier in tiers) and not tier.contains(cache_id)]
-        chunk = self.device.peek(cache_id) if missing else None
-        if chunk is None:
-            return []
-        return [tier.name for tier in reversed(missing) if tier.put(chunk, keep=keep)][::-1]
+        targets = [t for t in self.lower if tiers is None or t in tiers]
+        if missing_only:
+            targets = [t for t in targets if not t.contains(chunk.cache_id)]
+        return [tier.name for tier in reversed(targets) if tier.put(chunk, keep=keep)][::-1]
+
+    def recheck_due(self, cache_id: str) -> ChunkKV | None:
+        """A resident chunk's KV when a check that the shared tiers still hold it is due (``SharedRechecks``;
+        engine thread): the caller runs ``write_lower(chunk, tiers=shared_tiers, missing_only=True)`` off the
+        engine thread and reports a failure with ``recheck_failed``."""
+        if not self._shared or not self._rechecks.is_due(cache_id):
+            return None
+        self._rechecks.forget(self.device.contains)
+        return self.device.peek(cache_id)
+
+    def recheck_failed(self, cache_id: str, error: Exception) -> None:
+        self._rechecks.failed()
+        logger.warning("pic: could not check that the shared tier holds chunk %s: %s", cache_id, error)
+
+    @property
+    def shared_tiers(self) -> list[LowerTier]:
+        return [tier for tier, _ in self._shared]
 
     def promote(self, chunk: ChunkKV) -> list[int]:
-        """Load a chunk that ``resolve`` found in a lower tier into fresh canonical blocks of the pool
+        """Load a chunk that ``load`` found in a lower tier into fresh canonical blocks of the pool
         (resident, pinned if it was pinned); returns its blocks, held once for the caller."""
         blocks = self.device.promote(chunk)
         if chunk.cache_id in self._pinned:
@@ -123,40 +147,12 @@ class TieredStore:
         return blocks
 
     def lower_can_fit(self, num_bytes: int, *, keep: Collection[str] = ()) -> bool:
-        """Whether a lower tier can take ``num_bytes`` more without evicting pinned chunks or ``keep``."""
+        """Whether a lower tier can take ``num_bytes`` more without evicting pinned chunks or ``keep`` (no I/O)."""
         return any(t.can_fit(num_bytes, keep=keep) for t in self.lower)
 
-    def resolve(self, cache_id: str) -> ChunkInfo | ChunkKV:
-        """A resident chunk's ``ChunkInfo``, or the ``ChunkKV`` of a chunk only a lower tier holds (in
-        that tier's memory; the linker promotes it into the pool).
-
-        Raises:
-            UnknownCacheIdError: no tier holds it; the message says where it looked and what failed.
-            StoreUnavailableError: Redis failed (``on_redis_error="raise"``).
-        """
-        info = self.device.info(cache_id) if isinstance(cache_id, str) else None
-        if info is not None:
-            self._recheck_shared(cache_id)
-            return info
-        chunk = self._get_lower(cache_id) if isinstance(cache_id, str) else None
-        if chunk is not None:
-            return chunk
-        raise self._unknown(cache_id)
-
-    def _recheck_shared(self, cache_id: str) -> None:
-        """Write a resident chunk back to the shared tier if it lost it, when ``SharedRechecks`` says a
-        check is due. A failure is logged, not raised: the link in progress needs only the pool."""
-        if not self._rechecks.is_due(cache_id):
-            return
-        self._rechecks.forget(self.device.contains)
-        try:
-            written = self.write_back(cache_id, tiers=[tier for tier, _ in self._shared])
-        except StoreUnavailableError as exc:
-            self._rechecks.failed()
-            logger.warning("pic: could not check that the shared tier holds chunk %s: %s", cache_id, exc)
-            return
-        if written:
-            logger.info("pic: chunk %s was missing from %s: written back", cache_id, ", ".join(written))
+    def resident(self, cache_id: str) -> ChunkInfo | None:
+        """The chunk's ``ChunkInfo`` if it is resident in the pool (engine thread; counts a hit or a miss)."""
+        return self.device.info(cache_id) if isinstance(cache_id, str) else None
 
     def describe(self, cache_id: str) -> ChunkDescription:
         """What the tiers know of ``cache_id`` from metadata alone: no KV is read, nothing is promoted
@@ -176,7 +172,7 @@ class TieredStore:
             if extent is not None:
                 held.append((tier.name, extent))
         if not held:
-            raise failed or self._unknown(cache_id)
+            raise failed or self.unknown(cache_id)
         first = held[0][1]
         return ChunkDescription(
             cache_id=cache_id,
@@ -185,7 +181,7 @@ class TieredStore:
             num_bytes=first.num_bytes,
         )
 
-    def _unknown(self, cache_id: object) -> UnknownCacheIdError:
+    def unknown(self, cache_id: object) -> UnknownCacheIdError:
         failures = [t.last_error for t in self.tiers if t.last_error]
         return UnknownCacheIdError(
             f"unknown cache id {cache_id!r}: in no tier ({', '.join(t.name for t in self.tiers)}); "
@@ -193,8 +189,13 @@ class TieredStore:
             + "compile its document first (an evicted chunk compiles again)"
         )
 
-    def _get_lower(self, cache_id: str) -> ChunkKV | None:
-        """The chunk from the first lower tier that has it, promoted into the lower tiers above that one."""
+    def load(self, cache_id: str) -> ChunkKV | None:
+        """The chunk from the first lower tier that has it, promoted into the lower tiers above that one
+        (``None``: none has it). Any thread: the engine runs it on a loader.
+
+        Raises:
+            StoreUnavailableError: Redis failed (``on_redis_error="raise"``).
+        """
         for level, tier in enumerate(self.lower):
             chunk = tier.get(cache_id)
             if chunk is not None:
@@ -260,6 +261,11 @@ class TieredStore:
     def stats(self) -> list[TierStats]:
         """One snapshot per tier, fastest first."""
         return [tier.stats() for tier in self.tiers]
+
+    def view(self, device: Tier) -> TieredStore:
+        """A store over the same lower tiers and pins whose device tier is ``device`` (one that runs its calls on
+        the engine's thread): what other threads use, so their store I/O never runs on the engine's thread."""
+        return TieredStore(device, self.lower, recheck_s=None, pinned=self._pinned)  # type: ignore[arg-type]
 
     @property
     def fleet(self) -> FleetLeases | None:

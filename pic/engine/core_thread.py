@@ -1,37 +1,39 @@
-"""The owner thread: the only thread that runs an ``EngineCore`` (vLLM's EngineCore busy loop, in-process).
+"""The core thread: the only thread that runs an ``EngineCore`` (vLLM's EngineCore busy loop, in-process).
 
-It blocks on its command queue while no request waits or runs (an idle engine costs no CPU), and otherwise
-alternates: run every command that arrived, then one step. Outputs reach their clients through the
-requests' sinks; answers through the commands' futures. Nothing else touches the core, its pool or its
-store, so nothing needs a lock.
+It blocks on its command queue while no work can run (an idle engine costs no CPU; a request waiting on the
+loader is woken by a ``Wake``), and otherwise alternates: run every command that arrived, then one step.
+Outputs reach their clients through the requests' sinks; answers through the commands' futures. Nothing
+else touches the core, its pool or its device tier, so nothing needs a lock.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import TypeVar
 
-from pic.engine.commands import Abort, Ask, Close, Command, Compile, Pause, Query, Resume, Step, Submit
+from pic.engine.commands import Abort, Ask, Close, Command, Compile, Pause, Resume, Step, Submit, Wake
 from pic.engine.core import EngineCore
 from pic.engine.request import RequestOutput
 from pic.engine.streams import wait
 from pic.errors import EngineClosedError, LinkedReleasedError
-from pic.store import TieredStore
+from pic.model.runner import AttentionObserver
 
 log = logging.getLogger("pic")
 _T = TypeVar("_T")
 
 
-class OwnerThread:
+class CoreThread:
     """The thread that owns a core, and the one way in: ``send`` a command, ``call`` one and wait for its
     answer. Holds no reference to the ``Engine`` it serves, so dropping the engine can close it."""
 
     def __init__(self, core: EngineCore) -> None:
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        core.wake = lambda: self._commands.put(Wake())
         self._thread = threading.Thread(target=run, args=(core, self._commands), name="pic-engine", daemon=True)
         self._closed = False
         self._thread.start()
@@ -40,8 +42,8 @@ class OwnerThread:
         return self._thread.is_alive()
 
     @property
-    def is_owner(self) -> bool:
-        """Whether the calling thread is the owner (a finalizer running inside a step, say)."""
+    def is_current(self) -> bool:
+        """Whether the calling thread is this one (a finalizer running inside a step, say)."""
         return threading.current_thread() is self._thread
 
     def send(self, command: Command) -> None:
@@ -60,11 +62,34 @@ class OwnerThread:
         self.send(make(reply))
         return self.wait(reply)
 
-    def ask(self, query: Query, arg: object = None) -> object:
-        return self.call(lambda reply: Ask(query, arg, reply))
+    def ask(self, read: Callable[[EngineCore], _T]) -> _T:
+        """``read(core)``, run between two steps."""
+        return self.call(lambda reply: Ask(read, reply))
 
     def wait(self, future: Future[_T]) -> _T:
         return wait(future, self.alive)
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[EngineCore]:
+        """Stop the core between two steps and lend it to the caller until the block exits."""
+        entered, resume = Future(), threading.Event()
+        self.send(Pause(entered, resume))
+        try:
+            yield self.wait(entered)
+        finally:
+            resume.set()
+
+    @contextlib.contextmanager
+    def observing(self, observer: AttentionObserver) -> Iterator[None]:
+        """``ModelRunner.observe_attention`` on the core's runner while the block runs."""
+        with self.paused() as core:
+            observing = core.runner.observe_attention(observer)
+            observing.__enter__()
+        try:
+            yield
+        finally:
+            with self.paused():
+                observing.__exit__(None, None, None)
 
     def close(self) -> None:
         """Close the engine: open requests fail with ``EngineClosedError``; waits for the thread (idempotent)."""
@@ -72,21 +97,21 @@ class OwnerThread:
             return
         self._closed = True
         self._commands.put(Close())
-        if not self.is_owner:
+        if not self.is_current:
             self._thread.join(timeout=60)
 
 
 def run(core: EngineCore, commands: queue.SimpleQueue[Command]) -> None:
     """Serve ``commands`` until ``Close``; then fail whatever is still open or still arrives."""
     while True:
-        command = commands.get() if not core.has_unfinished(paced=False) else _next(commands)
+        command = commands.get() if not core.has_work(paced=False) else _next(commands)
         while command is not None:
             if isinstance(command, Close):
                 _close(core, commands)
                 return
             _handle(core, command)
             command = _next(commands)
-        if core.has_unfinished(paced=False):
+        if core.has_work(paced=False):
             _step(core)
 
 
@@ -108,6 +133,12 @@ def _step(core: EngineCore) -> None:
 def _handle(core: EngineCore, command: Command) -> None:
     """Run one command; its exception goes to its reply (or, without one, to the log)."""
     reply = getattr(command, "reply", None)
+    if isinstance(command, Compile):  # answered by the core once its chunks are stored
+        try:
+            core.compile(command.job, reply)
+        except Exception as exc:
+            reply.set_exception(exc)
+        return
     try:
         result = _run(core, command)
     except Exception as exc:
@@ -130,48 +161,17 @@ def _run(core: EngineCore, command: Command) -> object:
             command.sink.put(RequestOutput.failure(command.request_id, error))
     elif isinstance(command, Abort):
         core.abort(command.request_id)
-    elif isinstance(command, Compile):
-        return core.compile(command.job)
     elif isinstance(command, Step):
-        if core.has_unfinished():
+        if core.has_work():
             _step(core)
     elif isinstance(command, Ask):
-        return _answer(core, command.query, command.arg)
+        return command.read(core)
     elif isinstance(command, Pause):
         command.entered.set_result(core)
         command.resume.wait()
-    else:
+    elif not isinstance(command, Wake):
         raise AssertionError(f"unknown engine command {command!r}")
     return None
-
-
-# The store operations a client may ask for, each a ``TieredStore`` method of one cache id.
-_STORE_CALLS = {
-    Query.LOOKUP: TieredStore.lookup,
-    Query.DESCRIBE: TieredStore.describe,
-    Query.CONTAINS: TieredStore.contains,
-    Query.GET: TieredStore.get,
-    Query.PIN: TieredStore.pin,
-    Query.UNPIN: TieredStore.unpin,
-    Query.EXPIRE: TieredStore.expire,
-}
-
-
-def _answer(core: EngineCore, query: Query, arg: object) -> object:
-    match query:
-        case Query.KV_STATS:
-            return core.pool.stats()
-        case Query.RESET_PEAK:
-            return core.pool.reset_peak()
-        case Query.COUNTERS:
-            return core.num_steps, core.num_batched_seqs
-        case Query.LOGITS:
-            return core.logits(arg)
-        case Query.STORE_STATS:
-            return core.store.stats()
-        case Query.STORE_IDS:
-            return core.store.ids()
-    return _STORE_CALLS[query](core.store, arg)
 
 
 def _close(core: EngineCore, commands: queue.SimpleQueue[Command]) -> None:

@@ -1,16 +1,18 @@
-"""From cache ids to KV blocks for the scheduler: resolve, lay out, select, admit, grow, preempt, release.
+"""``KVManager``: the one owner of the KV pool's blocks for the scheduler (vLLM's KVCacheManager), for linked
+requests and chunk compiles alike: plan, admit, append, preempt, free.
 
-The scheduler decides *who* runs; the linker does the store and pool work its decisions need. Every
-method runs on the thread stepping the engine.
+The scheduler decides *who* runs; the KV manager does the pool work its decisions need. Every method runs on
+the engine thread.
 """
 
 from __future__ import annotations
 
 import torch
 
+from pic.compile import ChunkPrefill
 from pic.engine.sequence import Sequence
-from pic.errors import CompileOptionsMismatchError, ContextLengthError, PolicyError
-from pic.kv import BlockPool, ChunkInfo, ChunkKV, KVCache
+from pic.errors import ContextLengthError, PolicyError
+from pic.kv import BlockPool, KVCache
 from pic.link import lay_out
 from pic.link.assemble import AssemblyPlan, assemble, plan_assembly
 from pic.link.recompute import RecomputePass
@@ -18,8 +20,8 @@ from pic.model import ModelSpec
 from pic.store import TieredStore
 
 
-class Linker:
-    """Block-level work on sequences.
+class KVManager:
+    """Block-level work on sequences and chunk prefills.
 
     Args:
         pool, cache: the KV pool's allocator and tensors.
@@ -45,19 +47,12 @@ class Linker:
         self._block_size, self._share, self._backend = block_size, share_chunk_blocks, attention_backend
 
     def plan(self, seq: Sequence) -> AssemblyPlan:
-        """What admitting ``seq`` takes from the pool now; resolves its chunks (again, after an eviction)
-        and lays it out (prompt and the tokens it generated before a preemption).
+        """What admitting ``seq`` takes from the pool now (its chunks are at hand: ``ChunkSources.ready``); lays
+        it out (prompt and the tokens it generated before a preemption).
 
         Raises:
-            UnknownCacheIdError, StoreUnavailableError, CompileOptionsMismatchError, ContextLengthError,
-            PolicyError: the request cannot run (it fails; nothing was taken).
+            ContextLengthError, PolicyError: the request cannot run (it fails; nothing was taken).
         """
-        evicted = seq.chunks and any(
-            isinstance(c, ChunkInfo) and not self.pool.is_resident(c.cache_id) for c in seq.chunks
-        )
-        if seq.chunks is None or evicted:
-            seq.chunks = self._resolve(seq)
-            seq.layout = None
         if seq.layout is None or seq.layout.num_tokens != seq.num_prompt_tokens + len(seq.output_ids):
             self._lay_out(seq)
         dynamic = seq.policy.is_dynamic
@@ -178,6 +173,14 @@ class Linker:
         seq.pass_ = None
         seq.kv.release_held()
 
+    def can_start(self, prefill: ChunkPrefill, *, reserved: int = 0) -> bool:
+        """Whether the pool has the blocks of a chunk prefill beside ``reserved`` set aside for this step."""
+        return self.pool.num_available() >= prefill.num_blocks(self._block_size) + reserved
+
+    def start(self, prefill: ChunkPrefill) -> None:
+        """Take a chunk prefill's blocks."""
+        prefill.start(self.pool, self.cache)
+
     def can_append(self, seq: Sequence) -> bool:
         """Whether ``append`` can take the slot of the sequence's next token."""
         kv = seq.kv
@@ -194,7 +197,6 @@ class Linker:
                 seq.held[cid] = self.pool.hold(cid)
         seq.kv.release()
         seq.kv, seq.pass_ = None, None
-        seq.num_preemptions += 1
 
     def release(self, seq: Sequence) -> None:
         """Drop every block reference the sequence owns (idempotent)."""
@@ -204,27 +206,10 @@ class Linker:
         self.drop_holds(seq)
 
     def drop_holds(self, seq: Sequence) -> None:
-        """Let the chunks a preempted sequence keeps resident go (it resolves them again when admitted)."""
+        """Let the chunks a waiting sequence keeps resident go: when evicted, they are loaded from a lower tier or
+        compiled again from their tokens before it is admitted (``ChunkSources``)."""
         held, seq.held = seq.held, {}
         self.pool.free(b for blocks in held.values() for b in blocks)
-
-    def _resolve(self, seq: Sequence) -> list[ChunkInfo | ChunkKV]:
-        options = seq.compile_options.without_context()
-        chunks = []
-        for cid in seq.cache_ids:
-            chunk = self.store.resolve(cid)
-            if chunk.options.without_context() != options:
-                raise CompileOptionsMismatchError(
-                    f"chunk {cid} was compiled with {chunk.options.without_context()!r} but policy "
-                    f"{seq.policy.spec!r} needs {options!r}; compile it with compile(docs, policy={seq.policy.spec!r})"
-                )
-            if seq.policy.needs_context and not chunk.options.context:
-                raise CompileOptionsMismatchError(
-                    f"chunk {cid} was compiled without a context but policy {seq.policy.spec!r} needs chunks "
-                    f"compiled in context; compile it with compile(docs, context=...) (PIC.chat_context for a chat)"
-                )
-            chunks.append(chunk)
-        return chunks
 
     def _check_length(self, seq: Sequence) -> None:
         num_tokens, context = seq.layout.num_tokens, self.spec.max_context

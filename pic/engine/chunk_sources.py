@@ -1,0 +1,165 @@
+"""``ChunkSources``: where a waiting request's chunks come from, without the engine thread waiting on any.
+
+A chunk resident in the pool is used as it is. One that is not is fetched while the request waits alone
+and the others step: loaded from a lower tier on the loader (``pic.engine.loader``), or, when no tier holds
+it, compiled again from its tokens, which the engine remembers for every chunk it compiled or linked (a
+request always has its documents' tokens). So an eviction, a preemption or a restarted Redis costs a
+request time, never its chunks. The same queue holds the chunk prefills of ``compile`` calls: one prefill
+per chunk, however many wait for it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future
+
+from pic.compile import ChunkPrefill
+from pic.config import CompileOptions
+from pic.engine.loader import Loader
+from pic.engine.sequence import Sequence
+from pic.errors import CompileOptionsMismatchError
+from pic.kv import ChunkInfo, ChunkKV
+from pic.store import TieredStore
+
+# Tokens of the chunks the engine remembers how to compile again (the least recently used are forgotten
+# beyond it): 4M tokens, 32 MB of int64 at most, shared with the pool's resident chunks' infos.
+_MAX_RECIPE_TOKENS = 1 << 22
+
+
+class ChunkSources:
+    """Resolves sequences' chunks, and queues the chunk prefills that ``compile`` and resolution need.
+
+    Args:
+        store: the chunk store (its device tier, on this thread).
+        loader: runs the lower tiers' I/O.
+        bos_token_id: the model's BOS token, prefilled before a chunk per its options.
+        next_order: the clock of the engine's first-come-first-served order (its requests' arrival times).
+
+    Attributes:
+        prefills: cache id -> its prefill, in arrival order: the compile work the scheduler runs.
+    """
+
+    def __init__(
+        self, store: TieredStore, loader: Loader, *, bos_token_id: int | None, next_order: Callable[[], float]
+    ) -> None:
+        self.store, self.loader, self.bos_token_id, self._next_order = store, loader, bos_token_id, next_order
+        self.prefills: dict[str, ChunkPrefill] = {}
+        self._recipes: OrderedDict[str, ChunkInfo] = OrderedDict()
+        self._num_recipe_tokens = 0
+
+    def drop_abandoned(self) -> None:
+        """Stop the prefills whose waiters all ended (a request that failed meanwhile: its other chunk did not
+        fit, say), freeing their blocks: no work runs for nobody."""
+        for cid, prefill in list(self.prefills.items()):
+            if all(w.is_finished for w in prefill.waiters):
+                prefill.abort()
+                del self.prefills[cid]
+
+    def compile(self, cache_id: str, content: list[int], options: CompileOptions, *, waiter: object) -> ChunkPrefill:
+        """The prefill of ``cache_id`` (a new one, queued, unless one is under way), with ``waiter`` told when done."""
+        prefill = self.prefills.get(cache_id)
+        if prefill is None:
+            prefill = ChunkPrefill(cache_id, content, options, bos_token_id=self.bos_token_id, order=self._next_order())
+            self.prefills[cache_id] = prefill
+        prefill.waiters.append(waiter)
+        return prefill
+
+    def remember(self, info: ChunkInfo) -> None:
+        """Keep what compiling chunk ``info`` again takes (its tokens and options)."""
+        if info.cache_id in self._recipes:
+            self._recipes.move_to_end(info.cache_id)
+            return
+        self._recipes[info.cache_id] = info
+        self._num_recipe_tokens += info.num_tokens
+        while self._num_recipe_tokens > _MAX_RECIPE_TOKENS:
+            _, old = self._recipes.popitem(last=False)
+            self._num_recipe_tokens -= old.num_tokens
+
+    def forget(self, cache_id: str) -> None:
+        """Forget a chunk's tokens (it was expired: linking its id again is an error)."""
+        info = self._recipes.pop(cache_id, None)
+        if info is not None:
+            self._num_recipe_tokens -= info.num_tokens
+
+    def ready(self, seq: Sequence) -> bool:
+        """Whether every chunk of ``seq`` is at hand (``seq.chunks``: resident ``ChunkInfo`` or loaded
+        ``ChunkKV``); if not, starts fetching those that are not (a prefetch: it runs while others step).
+
+        Raises:
+            UnknownCacheIdError: a chunk no tier holds and the engine never saw.
+            StoreUnavailableError: Redis failed (``on_redis_error="raise"``).
+            CompileOptionsMismatchError: a chunk compiled with other options than the policy needs.
+        """
+        if seq.chunks is not None and not self._evicted(seq):
+            return True
+        for cid, fetch in list(seq.pending.items()):  # (a compile done is no longer pending: ``chunk_done``)
+            if isinstance(fetch, Future) and fetch.done():
+                del seq.pending[cid]
+                chunk = fetch.result()
+                if chunk is None:
+                    seq.lost.add(cid)
+                else:
+                    seq.found[cid] = chunk
+                    self.remember(chunk.info)
+        if seq.pending:
+            return False
+        chunks = {cid: self._find(seq, cid) for cid in dict.fromkeys(seq.cache_ids)}
+        if seq.pending:
+            return False
+        lost = [cid for cid, chunk in chunks.items() if chunk is None]
+        recipes = {cid: self._recipe(seq, cid) for cid in lost}  # every one known before any compile starts
+        for cid, recipe in recipes.items():
+            kept = recipe.token_ids.tolist()
+            content = kept[1:] if recipe.options.add_bos else kept
+            seq.pending[cid] = self.compile(cid, content, recipe.options, waiter=seq)
+        if seq.pending:
+            return False
+        seq.chunks = [self._checked(seq, chunks[cid]) for cid in seq.cache_ids]
+        seq.found, seq.lost, seq.layout = {}, set(), None
+        return True
+
+    def _evicted(self, seq: Sequence) -> bool:
+        return any(isinstance(c, ChunkInfo) and not self.store.device.contains(c.cache_id) for c in seq.chunks)
+
+    def _find(self, seq: Sequence, cid: str) -> ChunkInfo | ChunkKV | None:
+        """The chunk if it is at hand; else ``None``: a load starts (``seq.pending``) or, when no tier holds it
+        (``seq.lost``, or no lower tier), the caller compiles it again."""
+        if cid in seq.found:  # loaded for it (asked of the pool once: a miss is counted once)
+            return seq.found[cid]
+        info = self.store.resident(cid)
+        if info is not None:
+            if (copy := self.store.recheck_due(cid)) is not None:
+                self.loader.recheck(copy)
+            self.remember(info)
+            return info
+        if self.loader.has_lower_tiers and cid not in seq.lost:
+            seq.pending[cid] = self.loader.load(cid)
+        return None
+
+    def _recipe(self, seq: Sequence, cid: str) -> ChunkInfo:
+        """What compiling ``cid`` again takes: the tokens the engine kept, or those of the sequence's own chunk.
+
+        Raises:
+            UnknownCacheIdError: the engine has not seen its tokens.
+        """
+        recipe = self._recipes.get(cid) or next((c for c in seq.chunks or () if c.cache_id == cid), None)
+        if recipe is None:
+            raise self.store.unknown(cid)
+        return recipe
+
+    @staticmethod
+    def _checked(seq: Sequence, chunk: ChunkInfo | ChunkKV) -> ChunkInfo | ChunkKV:
+        """Raises: CompileOptionsMismatchError: ``chunk`` was compiled with other options than the policy needs."""
+        options, policy, cid = seq.compile_options.without_context(), seq.policy, chunk.cache_id
+        if chunk.options.without_context() != options:
+            raise CompileOptionsMismatchError(
+                f"chunk {cid} was compiled with {chunk.options.without_context()!r} but policy "
+                f"{policy.spec!r} needs {options!r}; compile it with compile(docs, policy={policy.spec!r})"
+            )
+        if policy.needs_context and not chunk.options.context:
+            raise CompileOptionsMismatchError(
+                f"chunk {cid} was compiled without a context but policy {policy.spec!r} needs chunks "
+                f"compiled in context; compile it with compile(docs, context=...) (PIC.chat_context for a chat)"
+            )
+        return chunk

@@ -1,0 +1,240 @@
+"""``CompileCall``: one ``compile`` call inside the engine, from its chunks' prefills to its answer.
+
+A call's chunks are prefilled as scheduled work (``ChunkSources.prefills``), between and beside other
+requests' steps, and written through to the lower tiers on the loader. The call holds each of its
+chunks in the pool until a lower tier has it too (or, without one, until the call ends), so every id
+it returns is held by some tier when ``compile`` returns, and it never evicts its own chunks.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+from pic.compile import ChunkPrefill, prefill_blocks
+from pic.engine.chunk_sources import ChunkSources
+from pic.engine.loader import Loader
+from pic.engine.request import CompileJob
+from pic.engine.sequence import Sequence
+from pic.kv import BlockPool
+
+
+class CompileCall:
+    """A compile call's progress (engine thread). ``reply`` gets the ids it compiled, or the error that
+    stopped it; ``done`` says when.
+
+    Attributes:
+        checks: cache id -> the loader's answer to "does a lower tier hold it?" (not resident at arrival).
+        new: the ids no tier holds, to prefill (known once every check is answered).
+        prefilling: ids whose prefill is queued or under way.
+        writes: cache id -> the loader's write of it to the lower tiers.
+        held: cache id -> the blocks the call holds of it.
+        compiled: the ids it prefilled, in order.
+    """
+
+    def __init__(self, job: CompileJob, reply: Future) -> None:
+        self.job, self.reply = job, reply
+        self.keep = list(job.tokens)  # what the lower tiers must not evict for the call's chunks
+        self.checks: dict[str, Future] = {}
+        self.new: list[str] = []  # the ids no tier holds: to prefill
+        self.prefilling: set[str] = set()
+        self.writes: dict[str, Future] = {}
+        self.held: dict[str, list[int]] = {}
+        self.compiled: list[str] = []
+        self.error: Exception | None = None
+
+    @property
+    def is_finished(self) -> bool:
+        """Failed: its chunks need not be prefilled for it any more."""
+        return self.error is not None
+
+    @property
+    def done(self) -> bool:
+        return self.error is not None or not (self.checks or self.prefilling or self.writes)
+
+    def chunk_ready(self, cache_id: str, blocks: list[int]) -> None:
+        """Its prefill of ``cache_id`` is resident; the call holds ``blocks`` (one reference each)."""
+        self.prefilling.discard(cache_id)
+        self.held[cache_id] = blocks
+        self.compiled.append(cache_id)
+        self.job.on_chunk()
+
+    def written(self, cache_id: str, tiers: list[str], pool: BlockPool) -> None:
+        """A lower tier (``tiers``: those that hold it now) has ``cache_id``: the call's hold on it can go."""
+        del self.writes[cache_id]
+        if tiers and cache_id in self.held:
+            pool.free(self.held.pop(cache_id))
+
+    def fail(self, error: Exception) -> None:
+        self.error = self.error or error
+
+    def end(self, pool: BlockPool, *, answer: bool = True) -> None:
+        """Release the call's holds and answer it (``answer=False``: its caller raises instead)."""
+        for blocks in self.held.values():
+            pool.free(blocks)
+        self.held = {}
+        if not answer:
+            return
+        if self.error is not None:
+            self.reply.set_exception(self.error)
+        else:
+            self.reply.set_result(self.compiled)
+
+
+class CompileCalls:
+    """The engine's open compile calls and the chunk prefills they wait for (engine thread).
+
+    Args:
+        sources: queues the chunk prefills (one per chunk, shared with requests that need it compiled again).
+        loader: the lower tiers' I/O.
+        pool: the KV pool the chunks are held in.
+        kv_bytes_per_token: K and V bytes of one token (what a chunk takes in a lower tier).
+    """
+
+    def __init__(self, sources: ChunkSources, loader: Loader, pool: BlockPool, *, kv_bytes_per_token: int) -> None:
+        self.sources, self.loader, self.store, self.pool = sources, loader, sources.store, pool
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.open: list[CompileCall] = []
+
+    def add(self, job: CompileJob, reply: Future) -> None:
+        """Start a call: hold its resident chunks (and write them back to lower tiers that lost them), ask the
+        lower tiers about the others, queue the prefills of those no tier holds.
+
+        Raises:
+            KVPoolExhaustedError: the new chunks cannot fit in the pool (``_check_room``; nothing is started).
+        """
+        call = CompileCall(job, reply)
+        for cid in call.keep:  # every resident chunk of the call's documents stays for its length
+            if cid not in job.todo and self.store.device.contains(cid):
+                call.held[cid] = self.pool.hold(cid)
+        for cid in dict.fromkeys(job.todo):
+            if self.store.device.contains(cid):
+                self._hold_resident(call, cid)
+            elif self.loader.has_lower_tiers:
+                call.checks[cid] = self.loader.contains(cid)
+            else:
+                call.new.append(cid)
+        if not call.checks:
+            self._start_prefills(call)  # KVPoolExhaustedError: refused before any work (holds released)
+        self.open.append(call)
+        self.poll()
+
+    def _start_prefills(self, call: CompileCall) -> None:
+        """Once the call knows which of its chunks no tier holds: check that they fit, queue their prefills."""
+        try:
+            self._check_room(call.job, call.new)
+        except Exception:
+            call.end(self.pool, answer=False)
+            raise
+        for cid in call.new:
+            self.sources.compile(cid, call.job.tokens[cid], call.job.options, waiter=call)
+            call.prefilling.add(cid)
+
+    def _check_room(self, job: CompileJob, new: list[str]) -> None:
+        """Refuse, before any work, a call whose new chunks cannot fit in the pool beside the chunks in use:
+        one at a time (plus its lead blocks) when a lower tier can take them, else all together.
+
+        Raises:
+            KVPoolExhaustedError: with the blocks needed and available.
+        """
+        if not new:
+            return
+        bos, bs = self.sources.bos_token_id, self.pool.block_size
+        prefills = [ChunkPrefill(cid, job.tokens[cid], job.options, bos_token_id=bos, order=0) for cid in new]
+        sizes = [prefill_blocks(len(p.token_ids), num_dropped=p.num_dropped, block_size=bs) for p in prefills]
+        num_bytes = sum(len(job.tokens[cid]) + job.options.add_bos for cid in new) * self.kv_bytes_per_token
+        hold_all = not self.store.lower_can_fit(num_bytes, keep=list(job.tokens))  # the pool keeps the only copy
+        num_needed = (sum(c for c, _ in sizes) if hold_all else max(c for c, _ in sizes)) + max(n for _, n in sizes)
+        self.pool.check_available(
+            num_needed, what=f"the {len(new)} new chunks of this compile call"
+        )  # (residents held)
+
+    def _hold_resident(self, call: CompileCall, cid: str) -> None:
+        call.held[cid] = self.pool.hold(cid)
+        if self.loader.has_lower_tiers:
+            copy = self.store.device.peek(cid)
+            call.writes[cid] = self.loader.write(copy, keep=call.keep, missing_only=True)
+
+    def poll(self) -> None:
+        """Take in the loader's answers and end the calls that are done."""
+        for call in self.open:
+            for cid, check in list(call.checks.items()):
+                if check.done():
+                    del call.checks[cid]
+                    self._checked(call, cid, check)
+                    if not call.checks and call.error is None:
+                        try:
+                            self._start_prefills(call)
+                        except Exception as exc:  # KVPoolExhaustedError
+                            call.error = exc
+            for cid, write in list(call.writes.items()):
+                if write.done():
+                    try:
+                        call.written(cid, write.result(), self.pool)
+                    except Exception as exc:  # StoreUnavailableError: on_redis_error="raise"
+                        call.writes.pop(cid, None)
+                        call.fail(exc)
+        for call in [c for c in self.open if c.done]:
+            self.open.remove(call)
+            call.end(self.pool)
+
+    def _checked(self, call: CompileCall, cid: str, check: Future) -> None:
+        try:
+            held_below = check.result()
+        except Exception as exc:
+            call.fail(exc)
+            return
+        if not held_below:
+            if self.store.device.contains(cid):  # compiled meanwhile
+                self._hold_resident(call, cid)
+            else:
+                call.new.append(cid)
+
+    @property
+    def num_writing(self) -> int:
+        """Chunk writes to the lower tiers under way: when they end, their calls' holds may go."""
+        return sum(len(call.writes) for call in self.open)
+
+    @property
+    def has_news(self) -> bool:
+        """Whether a loader answer waits to be taken in (``poll`` has work)."""
+        return any(f.done() for call in self.open for f in (*call.checks.values(), *call.writes.values()))
+
+    def chunk_done(self, prefill: ChunkPrefill) -> None:
+        """A prefill's last piece ran: make the chunk resident, hand each waiter a hold on it, write it through."""
+        info, blocks = prefill.finish()
+        del self.sources.prefills[prefill.cache_id]
+        copy = self.store.add(info, blocks)
+        self.sources.remember(info)
+        calls = [w for w in prefill.waiters if isinstance(w, CompileCall)]
+        # Written through for compile calls; a chunk compiled again for a request (no tier held it) stays in the
+        # pool (the shared tier gets it back from the next compile of its document or a periodic recheck).
+        keep = {c for call in calls for c in call.keep}
+        write = self.loader.write(copy, keep=keep) if copy is not None and calls else None
+        for waiter in prefill.waiters:
+            held = self.pool.hold(info.cache_id)
+            if isinstance(waiter, CompileCall):
+                waiter.chunk_ready(info.cache_id, held)
+                if write is not None:
+                    waiter.writes[info.cache_id] = write
+            elif waiter.is_finished:  # a request that ended while its chunk compiled
+                self.pool.free(held)
+            else:  # resident and held for it now: nothing of it is pending
+                waiter.held[info.cache_id] = held
+                waiter.pending.pop(info.cache_id, None)
+        self.pool.free(blocks)
+
+    def prefill_failed(self, prefill: ChunkPrefill, error: Exception) -> list[Sequence]:
+        """A prefill cannot run: its blocks go, its calls fail; returns the requests that waited for it."""
+        prefill.abort()
+        self.sources.prefills.pop(prefill.cache_id, None)
+        for call in prefill.waiters:
+            if isinstance(call, CompileCall):
+                call.prefilling.discard(prefill.cache_id)
+                call.fail(error)
+        return [w for w in prefill.waiters if isinstance(w, Sequence) and not w.is_finished]
+
+    def fail_all(self, error: Exception) -> None:
+        for call in self.open:
+            call.fail(error)
+            call.end(self.pool)
+        self.open = []

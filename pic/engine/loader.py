@@ -1,0 +1,79 @@
+"""``Loader``: the engine's store I/O (CPU and Redis tiers) on threads of its own.
+
+The engine thread never waits on a lower tier: it hands each load or write to the loader and goes on
+stepping the other requests; the loader wakes it when one is done (LMCache's asynchronous loading, with
+the engine's own thread as vLLM's busy loop). A Redis that hangs costs its timeout to the requests and
+compiles that needed it, not to the others. Results come back as ``concurrent.futures.Future`` objects,
+read by the engine thread once done (``Future.done``), so no lock guards engine state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from pic.kv import ChunkKV
+from pic.store import TieredStore
+
+# Threads loading at once: enough that one request stuck on a hung Redis does not hold up loads from the
+# CPU tier, few enough that a flood of requests does not open a connection each. Writes go through one
+# thread, in the order the chunks were compiled, as they did from the engine thread: concurrent large
+# writes would hold several parts in Redis's input buffers at once (a server near its maxmemory refuses
+# them) and would store chunks out of order (its LRU keeps the newest).
+_NUM_LOAD_THREADS = 4
+
+
+class Loader:
+    """Runs ``TieredStore``'s lower-tier operations on a thread pool.
+
+    Args:
+        store: the engine's store (its lower tiers are thread-safe).
+        wake: called (from a loader thread) after each operation, so the engine thread runs again.
+    """
+
+    def __init__(self, store: TieredStore, *, wake: Callable[[], None]) -> None:
+        self.store, self._wake = store, wake
+        self._loads = ThreadPoolExecutor(_NUM_LOAD_THREADS, thread_name_prefix="pic-loader") if store.lower else None
+        self._writes = ThreadPoolExecutor(1, thread_name_prefix="pic-writer") if store.lower else None
+
+    @property
+    def has_lower_tiers(self) -> bool:
+        return self._loads is not None
+
+    def load(self, cache_id: str) -> Future[ChunkKV | None]:
+        """The chunk from the first lower tier that holds it (``TieredStore.load``), or ``None``."""
+        return self._submit(self._loads, self.store.load, cache_id)
+
+    def contains(self, cache_id: str) -> Future[bool]:
+        """Whether a lower tier holds the chunk (a compile's question: asked on the writer thread, in order with
+        the compile's writes, on one connection as the engine thread did)."""
+        return self._submit(self._writes, lambda cid: any(t.contains(cid) for t in self.store.lower), cache_id)
+
+    def write(self, chunk: ChunkKV, *, keep: Collection[str] = (), missing_only: bool = False) -> Future[list[str]]:
+        """Write ``chunk`` down to the lower tiers (``TieredStore.write_lower``); the names of those that hold it."""
+        write = self.store.write_lower
+        return self._submit(self._writes, lambda c: write(c, keep=keep, missing_only=missing_only), chunk)
+
+    def recheck(self, chunk: ChunkKV) -> None:
+        """Write a resident chunk back to the shared tiers that lost it (fire and forget; a failure is logged
+        and pauses the checks)."""
+
+        def run(c: ChunkKV) -> None:
+            try:
+                self.store.write_lower(c, tiers=self.store.shared_tiers, missing_only=True)
+            except Exception as exc:
+                self.store.recheck_failed(c.cache_id, exc)
+
+        self._submit(self._writes, run, chunk)
+
+    def _submit(self, threads: ThreadPoolExecutor | None, fn: Callable, arg: object) -> Future:
+        assert threads is not None, "no lower tier to do I/O with"
+        future = threads.submit(fn, arg)
+        future.add_done_callback(lambda _: self._wake())
+        return future
+
+    def close(self) -> None:
+        """Stop taking work; running operations finish on their own (a hung Redis: at its timeout)."""
+        for threads in (self._loads, self._writes):
+            if threads is not None:
+                threads.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,149 @@
+"""The engine schedules all its work (issue 32): a compile never stalls running streams, preemption keeps
+what a request needs, and a hung store stalls only the requests that need it.
+
+Each test reproduces a defect of the engine before its scheduler took compiles and store I/O: on that
+engine, the first saw a 0.7-1.2 s gap, the second ``UnknownCacheIdError`` for an evicted chunk, the third a
+9.5 s completion that needed no Redis.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+import time
+
+import pytest
+
+import pic
+from pic.errors import StoreUnavailableError
+from tests.conftest import make_engine
+from tests.redis_server import redis_server as new_redis_server
+
+NUM_DOC_TOKENS = 290
+
+
+def _documents(num: int, *, seed: int, vocab_size: int) -> list[list[int]]:
+    """``num`` distinct documents of token ids (new to any cache: the seed makes them differ)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab_size) for _ in range(NUM_DOC_TOKENS)] for _ in range(num)]
+
+
+def _stream_gaps(engine: pic.PIC, ids: list[str], stop: threading.Event, times: list[float]) -> None:
+    """Stream tokens until ``stop``, recording when each piece arrived (re-linking when a generation ends)."""
+    while not stop.is_set():
+        for _ in engine.link(ids, [5, 6, 7], policy="naive").stream(max_new_tokens=400):
+            times.append(time.perf_counter())
+            if stop.is_set():
+                break
+
+
+def test_a_compile_of_60_documents_never_stalls_a_stream_for_more_than_a_step():
+    engine = make_engine("stories260K", eos_token_ids=(), kv_pool_tokens=1 << 16)  # the default budget: 256 tokens
+    ids = engine.compile(["Tom had a big red ball.", "Lily loved to sing."])
+    docs = _documents(60, seed=1, vocab_size=engine.spec.vocab_size)
+    stop, times = threading.Event(), []
+    streamer = threading.Thread(target=_stream_gaps, args=(engine, ids, stop, times))
+    streamer.start()
+    time.sleep(0.3)
+    start = time.perf_counter()
+    compiled = engine.compile(docs, progress=False)
+    end = time.perf_counter()
+    time.sleep(0.1)
+    stop.set()
+    streamer.join(30)
+    assert len(set(compiled)) == 60 and all(engine.store.contains(cid) for cid in compiled)
+    during = [t for t in times if start <= t <= end + 0.25]
+    gaps = [b - a for a, b in zip([start, *during], [*during, end], strict=True)]
+    assert len(during) > 10, f"{len(during)} tokens in the {end - start:.2f} s compile"
+    assert max(gaps) < 0.25, f"longest gap {max(gaps):.3f} s during a {end - start:.2f} s compile"
+
+
+def test_48_preempting_requests_over_a_4096_token_pool_all_finish_with_their_alone_output():
+    """The default policy copies the chunk blocks it writes, so only holds keep the chunks resident. The pool
+    holds ~25 of the 48 requests: the rest are preempted, their chunks' holds let go and the
+    chunks evicted; each request loads or compiles them again from their tokens and ends as it does alone."""
+    docs = [" ".join(["Tom had a big red ball and he played with it all day."] * 6), "Lily loved to sing."]
+    queries = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    requests = [pic.Request([], q, max_new_tokens=150) for q in queries for _ in range(16)]
+    small = make_engine("stories260K", eos_token_ids=(), kv_pool_tokens=4096)
+    ids = small.compile(docs)
+    for r in requests:
+        r.cache_ids = ids
+    big = make_engine("stories260K", eos_token_ids=())
+    big.compile(docs)
+    alone = {tuple(q): big.generate_many([pic.Request(ids, q, max_new_tokens=150)])[0].token_ids for q in queries}
+    outs = small.generate_many(requests, progress=False)
+    assert sum(out.stats.num_preemptions for out in outs) > 0 and small.kv_stats().num_evicted_chunks > 0
+    for request, out in zip(requests, outs, strict=True):
+        assert out.token_ids == alone[tuple(request.query)]
+
+
+@pytest.fixture
+def frozen_redis(tmp_path):
+    """A redis-server of its own, which the test may freeze (SIGSTOP); thawed and stopped after."""
+    server = new_redis_server(tmp_path).start()
+    frozen = []
+
+    def freeze() -> None:
+        os.kill(server._proc.pid, signal.SIGSTOP)
+        frozen.append(True)
+
+    yield server.url, freeze
+    if frozen:
+        os.kill(server._proc.pid, signal.SIGCONT)
+    server.stop()
+
+
+def test_a_frozen_redis_fails_only_the_requests_that_need_it(frozen_redis):
+    url, freeze = frozen_redis
+    store = pic.StoreConfig(redis_url=url, redis_timeout_s=2.0, cpu_bytes=0)
+    engine = make_engine("stories260K", eos_token_ids=())
+    engine = pic.PIC(engine.model, engine.tokenizer, store=store, config=engine.config)
+    other = pic.PIC(engine.model, engine.tokenizer, store=store, config=engine.config)
+    resident = engine.compile(["Tom had a big red ball."])  # in engine's pool and in Redis
+    only_in_redis = other.compile(["Lily loved to sing every morning."])  # not in engine's pool
+    freeze()
+    failures: list[Exception] = []
+
+    def needs_redis() -> None:
+        try:
+            engine.link(only_in_redis, "Lily").generate(max_new_tokens=4)
+        except Exception as exc:
+            failures.append(exc)
+
+    def compiles_while_frozen() -> None:
+        try:
+            engine.compile(["A new document written through to Redis."])
+        except Exception as exc:
+            failures.append(exc)
+
+    start = time.perf_counter()
+    waiting = [threading.Thread(target=needs_redis), threading.Thread(target=compiles_while_frozen)]
+    for thread in waiting:
+        thread.start()
+    time.sleep(0.2)  # both are waiting on Redis now
+    began = time.perf_counter()
+    out = engine.link(resident, "Tom").generate(max_new_tokens=16)
+    assert time.perf_counter() - began < 1.0 and out.stats.num_generated_tokens == 16
+    began = time.perf_counter()
+    assert engine.generate_many([pic.Request([], "Once upon a time", max_new_tokens=16)])[0].token_ids
+    assert time.perf_counter() - began < 1.0
+    for thread in waiting:
+        thread.join(30)
+    assert len(failures) == 2 and all(isinstance(e, StoreUnavailableError) for e in failures), failures
+    assert time.perf_counter() - start >= 2.0  # they failed at their timeout, not before
+
+
+def test_a_chunk_evicted_before_its_request_runs_is_compiled_again_from_its_tokens():
+    """The server compiles a request's inline documents, then submits it: under load the chunk could be
+    evicted in between (a 404 for an id the client never named). The engine keeps every chunk's tokens."""
+    engine = make_engine("stories260K", kv_pool_tokens=1024, default_policy="naive")
+    (cid,) = engine.compile(["Tom had a big red ball."])
+    want = engine.link([cid], "Tom").generate(max_new_tokens=8).token_ids
+    for doc in _documents(4, seed=2, vocab_size=engine.spec.vocab_size):  # one call each: each evicts the oldest
+        engine.compile([doc])
+    assert cid not in engine.store.ids()  # no tier holds it
+    assert engine.link([cid], "Tom").generate(max_new_tokens=8).token_ids == want
+    assert cid in engine.store.ids()
