@@ -26,7 +26,7 @@ from pic.engine import Request as PicRequest
 from pic.engine import RequestOutput
 from pic.engine.generation import FinishReason, Generation
 from pic.errors import PicError
-from pic.serve.http import Guard, error_response, pic_error_response
+from pic.serve.http import Guard, error_response, exception_error, pic_error_response
 from pic.serve.loop import AsyncEngine
 from pic.serve.metrics import CONTENT_TYPE, EngineFigures, Metrics, RequestCounter
 from pic.serve.schemas import ChatBody, ChunksBody, CompletionBody, Sampling
@@ -40,7 +40,7 @@ def build_app(engine: PIC, *, model_name: str, api_key: str | None = None, max_b
     aengine = AsyncEngine(engine)
 
     def figures() -> EngineFigures:
-        steps = engine.engine()
+        steps = engine.stepper()
         return EngineFigures(
             tiers=tuple(engine.store.stats()), kv=engine.kv_stats(), num_steps=steps.num_steps,
             num_batched_seqs=steps.num_batched_seqs,
@@ -125,8 +125,8 @@ def build_app(engine: PIC, *, model_name: str, api_key: str | None = None, max_b
     async def _reply(request: PicRequest, body: Sampling, *, chat: bool):
         outputs, streaming = aengine.generate(request, pieces=body.stream), False
         try:  # cancelled before it returns (the client left): closing the outputs aborts the request
-            first = await anext(outputs)  # a request that fails does so before its first token: a JSON error
-            if first.error is not None:
+            first = await anext(outputs)
+            if first.error is not None:  # failed before its first token (or, not streaming, at any point)
                 return pic_error_response(first.error)
             meta = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time())}
             meta["model"] = model_name
@@ -231,11 +231,17 @@ async def _events(
     on_finish: Callable[[Generation], None],
 ) -> AsyncIterator[str]:
     """Server-sent events: one per output with new text or the end, then (``stream_options.include_usage``)
-    a usage chunk with no choices, then ``[DONE]``. A client that goes away closes this generator, which
-    closes ``rest``: the request is aborted and its blocks freed."""
+    a usage chunk with no choices, then ``[DONE]``. A request that fails after its first token (the status,
+    200, is sent already) ends with one event whose data is OpenAI's error object, and no usage nor ``[DONE]``:
+    the ``openai`` client raises on it, where a stream that just ended would hand over the text cut short as
+    if it were whole. A client that goes away closes this generator, which closes ``rest``: the request is
+    aborted and its blocks freed."""
     try:
         out, sent = first, 0
         while True:
+            if out.error is not None:
+                yield _error_event(out.error)
+                return
             if out.text or out.finished:
                 generation = out.generation if out.finished else None
                 chunk = _completion(meta, out.text, generation, chat=chat, chunk=True, first=sent == 0)
@@ -253,6 +259,13 @@ async def _events(
         yield "data: [DONE]\n\n"
     finally:
         await rest.aclose()
+
+
+def _error_event(error: Exception) -> str:
+    """The event that ends a stream whose request failed: the body a JSON error would have had (the same
+    status in its ``code``, the same type and message)."""
+    _status, body = exception_error(error)
+    return f"data: {json.dumps(body)}\n\n"
 
 
 def _unknown_model(asked: str, served: str) -> JSONResponse:

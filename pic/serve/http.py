@@ -32,20 +32,38 @@ _STATUS: tuple[tuple[type[PicError], int], ...] = (
 )
 
 
+def error_body(status: int, message: str, *, kind: str = "invalid_request_error", param: str | None = None) -> dict:
+    """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}`` (a JSON response's body, or the
+    data of a stream's last event: the ``openai`` client raises on either)."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
 def error_response(status: int, message: str, *, kind: str = "invalid_request_error", param: str | None = None):
-    """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
-    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
+    """OpenAI's error body as a JSON response with ``status``."""
+    return JSONResponse(error_body(status, message, kind=kind, param=param), status_code=status)
+
+
+def exception_error(exc: Exception) -> tuple[int, dict]:
+    """The status and error body of a request that failed with ``exc``: a ``PicError``'s status by its class
+    (any other one is a 400); any other exception is a bug or a device fault of the server's, not the client's
+    doing: a 500. One mapping whether the failure comes before the response (a JSON error) or after its
+    first token (a stream's error event), so the client reads the same status either way."""
+    if not isinstance(exc, PicError):
+        status, message, kind = 500, f"the request failed: {type(exc).__name__}: {exc}", "server_error"
+    else:
+        status, message = next((code for cls, code in _STATUS if isinstance(exc, cls)), 400), str(exc)
+        kind = "not_found_error" if status == 404 else "server_busy" if status == 503 else "invalid_request_error"
+    return status, error_body(status, message, kind=kind)
+
+
+def pic_error_response(exc: Exception) -> JSONResponse:
+    """The JSON error response of a request that failed with ``exc`` (see ``exception_error``)."""
+    status, body = exception_error(exc)
     return JSONResponse(body, status_code=status)
 
 
-def pic_error_response(exc: PicError) -> JSONResponse:
-    status = next((code for cls, code in _STATUS if isinstance(exc, cls)), 400)
-    kind = "not_found_error" if status == 404 else "server_busy" if status == 503 else "invalid_request_error"
-    return error_response(status, str(exc), kind=kind)
-
-
 async def _send_json(send, status: int, message: str, kind: str) -> None:
-    body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": status}}).encode()
+    body = json.dumps(error_body(status, message, kind=kind)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if status == 401:
         headers.append((b"www-authenticate", b"Bearer"))
