@@ -179,7 +179,7 @@ def test_batched_linking_is_close_in_the_test_dtype():
     the logits they get alone, within ``batch_logits``; generated together, each runs to its length or
     an EOS, recomputes what it recomputes alone, and the pool ends empty. (Token equality across batches:
     ``test_batched_generation_equals_one_at_a_time``, in ``EXACT``.)"""
-    engine = make_target_engine("stories260K")
+    engine = make_target_engine("stories260K", max_num_batched_tokens=8192)  # a budget that holds them all
     ids = engine.compile(list(DOCS))
     requests = mixed_requests(ids)
     steps = engine.stepper().num_steps
