@@ -117,10 +117,11 @@ class PICConfig(_Frozen):
         max_num_seqs: most requests the engine runs at once (one decode token each per step).
         max_num_batched_tokens: the token budget of one engine step (vLLM's): one token per running request,
             then recompute passes and chunk-prefill pieces (a compile's chunks run in pieces of what is left,
-            so running streams wait at most a step's worth). A recompute pass larger than it runs in a step
-            with no other prefill work. ``None``: 8192 on CUDA, 256 on the CPU, where a step's time grows with
-            its tokens (on the embedded model a 60-document compile then keeps the streams' p99 gap within
-            3x of their gap alone: docs/engine.md). ``PIC.config`` holds the resolved value.
+            so running streams wait at most a step's worth), and so does a static policy's recompute pass; one
+            that cannot be split (a dynamic policy's, a probe) runs in a step with no other prefill work.
+            ``None``: 8192 on CUDA, 256 on the CPU, where a step's time grows with its tokens (on the
+            embedded model a 200-document compile then keeps 16 streams' p99 gap within 2x of their gap
+            alone: docs/engine.md). ``PIC.config`` holds the resolved value.
         attention_backend: ``"auto"``: the Triton fused-RoPE kernel on CUDA (when Triton is installed),
             the torch reference elsewhere; ``"torch"`` or ``"triton"`` force one (``"triton"`` on the CPU
             runs Triton's interpreter, for tests: ``TRITON_INTERPRET=1`` before Triton is imported).

@@ -15,6 +15,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 import pic
 from pic.errors import StoreUnavailableError
@@ -147,3 +148,23 @@ def test_a_chunk_evicted_before_its_request_runs_is_compiled_again_from_its_toke
     assert cid not in engine.store.ids()  # no tier holds it
     assert engine.link([cid], "Tom").generate(max_new_tokens=8).token_ids == want
     assert cid in engine.store.ids()
+
+
+@pytest.mark.parametrize("policy", ["full", "legolink:16", "mepic"])
+def test_a_recompute_pass_larger_than_the_budget_runs_in_pieces_and_links_as_one(policy):
+    """Chunked prefill of a link: a static policy's pass over a 64-token budget runs over several steps
+    beside the other work, with the logits and tokens of the pass run in one forward."""
+    docs = _documents(3, seed=3, vocab_size=512)
+    docs = [d[:100] for d in docs]
+    results = []
+    for budget in (64, 8192):
+        engine = make_engine("stories260K", max_num_batched_tokens=budget)
+        ids = engine.compile(docs)
+        steps = engine.stepper().num_steps
+        linked = engine.link(ids, "Once upon a time there was", policy=policy)
+        results.append(
+            (engine.stepper().num_steps - steps, linked.logits, linked.generate(max_new_tokens=12).token_ids)
+        )
+    (pieces, logits, tokens), (one, whole_logits, whole_tokens) = results
+    assert one == 1 and (pieces >= 2) == (policy == "full")  # (the others recompute fewer than 64 tokens)
+    assert torch.allclose(logits, whole_logits, atol=1e-4, rtol=0) and tokens == whole_tokens

@@ -119,7 +119,7 @@ class EngineCore:
         """Whether a step would do something now; ``paced=False``: not counting sequences that run only in
         steps their client asks for. Sequences waiting on the loader do not count until it answers."""
         sched = self.scheduler
-        seqs = [s for s in (*sched.waiting, *sched.running) if paced or not s.paced]
+        seqs = [s for s in (*sched.waiting, *sched.prefilling, *sched.running) if paced or not s.paced]
         ready = any(s.status is Status.RUNNING or not s.pending or any(f.done() for f in s.pending.values()
                     if isinstance(f, Future)) for s in seqs)  # fmt: skip
         return ready or self._prefill_work() or self.compiles.has_news
@@ -152,16 +152,17 @@ class EngineCore:
     def _run(self, batch: ScheduledBatch) -> list[RequestOutput]:
         """The forward over the batch's passes, pieces and decode tokens, then one token per sampling sequence."""
         start = time.perf_counter()
-        for seq in batch.prefills:
+        passes = batch.prefills + batch.partial  # (passes that end this step first: second passes index them)
+        for seq in passes:
             seq.scheduled_s = seq.scheduled_s or start
-        inputs = [seq.pass_.seq_input() for seq in batch.prefills] + [piece for _, piece in batch.pieces]
+        inputs = [seq.pass_.seq_input(seq.num_piece_tokens) for seq in passes] + [piece for _, piece in batch.pieces]
         inputs += decode_inputs(batch.decodes, self.runner.spec.device)
         try:
             hidden = self.runner.forward(inputs) if inputs else []
             hidden, failed = self.decoder.second_passes(self.kv, batch.prefills, hidden)
         except Exception as exc:  # the batch's work fails; the engine and every other request go on
             log.exception("pic: a forward failed")
-            outputs = [self._finish(seq, exc) for seq in batch.prefills + batch.decodes]
+            outputs = [self._finish(seq, exc) for seq in passes + batch.decodes]
             for prefill, _ in batch.pieces:
                 outputs += [self._finish(seq, exc) for seq in self.compiles.prefill_failed(prefill, exc)]
             return outputs
@@ -193,7 +194,7 @@ class EngineCore:
             torch.cuda.synchronize(self.runner.spec.device)  # link returns with the pass done (its time is honest)
         for seq in parked:
             seq.sink.put(link_output(seq))
-        num_before = len(batch.prefills) + len(batch.pieces)
+        num_before = len(batch.prefills) + len(batch.partial) + len(batch.pieces)
         rows += [(seq, h[-1]) for seq, h in zip(batch.decodes, hidden[num_before:], strict=True)]
         for seq in batch.resumed:
             seq.run()

@@ -94,6 +94,14 @@ class KVManager:
         chosen[: seq.probed_chunks.shape[0]] = seq.probed_chunks  # chunk tokens keep their indices
         return chosen | ~layout.cached
 
+    def can_chunk(self, seq: Sequence, plan: AssemblyPlan) -> bool:
+        """Whether the sequence's next pass may run in pieces (``RecomputePass.chunkable``): a static policy, no
+        probe, no context scaling, positions increasing."""
+        policy = seq.policy
+        if self.probes(seq) or policy.is_dynamic or policy.context_scaling() is not None:
+            return False
+        return _increasing(plan.layout.positions[seq.selected])
+
     def probes(self, seq: Sequence) -> bool:
         """Whether the sequence's next pass is a query-aware policy's probe."""
         return seq.policy.is_query_aware and seq.probed_chunks is None
@@ -137,6 +145,7 @@ class KVManager:
             num_layers=self.spec.num_layers,
             num_output_rows=num_output_rows,
             probe=self.probes(seq),
+            chunkable=self.can_chunk(seq, plan),
         )
 
     def after_probe(self, seq: Sequence) -> None:
@@ -218,3 +227,9 @@ class KVManager:
                 f"linked prompt has {num_tokens} tokens, more than the {context}-token context of "
                 f"{self.spec.architecture}"
             )
+
+
+def _increasing(positions: torch.Tensor) -> bool:
+    """Whether ``positions`` ``[n]`` (a pass's tokens, in order) strictly increase: then a pass split in pieces
+    attends exactly as one forward (each piece sees only earlier positions)."""
+    return bool((positions[1:] > positions[:-1]).all())

@@ -7,9 +7,9 @@ its chunks held, requeued at the front for a fresh pass over its prompt and the 
 The budget left goes to prefill work, first come first served: waiting sequences (their recompute passes)
 and chunk prefills are admitted in arrival order while the budget, the sequence cap and the pool allow. A
 chunk prefill takes what budget is left and goes on in the next step (chunked prefill), so a compile of
-many documents never stalls the running streams for more than a step. A recompute pass larger than the
-budget runs in a step with no other prefill work (it is not split). A sequence whose chunks are being
-fetched (``ChunkSources``) waits alone and is passed over.
+many documents never stalls the running streams for more than a step; so does a static policy's recompute
+pass larger than the budget. One that cannot be split (dynamic, probing) runs with no other prefill work.
+A sequence whose chunks are being fetched (``ChunkSources``) waits alone and is passed over.
 
 No deadlock: when nothing runs, nothing will free a block, so work that still does not fit fails
 (``KVPoolExhaustedError``, or ``FinishReason.KV_POOL`` with its tokens so far).
@@ -39,6 +39,8 @@ class ScheduledBatch:
         decodes: running: their last token runs (``Sequence.next_slot`` is reserved).
         resumed: parked sequences whose generation starts: their first token is sampled from the
             hidden state their pass left (no forward).
+        partial: admitted sequences whose recompute pass runs a piece this step and goes on in the next
+            (``Sequence.num_piece_tokens``; chunked prefill of a long static pass).
         pieces: chunk prefills and their part of this step's forward.
         failed: sequences that cannot run, with the error or the reason they finish early.
         failed_prefills: chunk prefills that cannot run, with the error.
@@ -47,13 +49,14 @@ class ScheduledBatch:
     prefills: list[Sequence] = field(default_factory=list)
     decodes: list[Sequence] = field(default_factory=list)
     resumed: list[Sequence] = field(default_factory=list)
+    partial: list[Sequence] = field(default_factory=list)
     pieces: list[tuple[ChunkPrefill, SeqInput]] = field(default_factory=list)
     failed: list[tuple[Sequence, Exception | FinishReason]] = field(default_factory=list)
     failed_prefills: list[tuple[ChunkPrefill, Exception]] = field(default_factory=list)
 
     @property
     def has_forward(self) -> bool:
-        return bool(self.prefills or self.decodes or self.pieces)
+        return bool(self.prefills or self.decodes or self.partial or self.pieces)
 
 
 class Scheduler:
@@ -79,6 +82,7 @@ class Scheduler:
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order
+        self.prefilling: list[Sequence] = []  # admitted, their pass run in pieces (not decoding yet)
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence, or a parked one whose generation starts."""
@@ -89,6 +93,8 @@ class Scheduler:
         """Forget a sequence that finished or was aborted (its blocks are the engine's to free)."""
         if seq in self.running:
             self.running.remove(seq)
+        elif seq in self.prefilling:
+            self.prefilling.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
 
@@ -137,7 +143,7 @@ class Scheduler:
         """Give ``budget`` tokens to prefill work, first come first served: waiting sequences and chunk prefills
         (under way or new) in arrival order."""
         self.sources.drop_abandoned()
-        queued = sorted([*self.waiting, *self.sources.prefills.values()], key=lambda w: w.order)
+        queued = sorted([*self.prefilling, *self.waiting, *self.sources.prefills.values()], key=lambda w: w.order)
         reserved = 0  # blocks set aside for the second passes of this step's probes
         for work in queued:
             if budget <= 0:
@@ -154,7 +160,7 @@ class Scheduler:
 
     def _busy(self, batch: ScheduledBatch) -> bool:
         """Whether something runs this step (and will free blocks or take budget)."""
-        return bool(self.running or batch.prefills or batch.pieces)
+        return bool(self.running or self.prefilling or batch.prefills or batch.partial or batch.pieces)
 
     def _schedule_piece(self, prefill: ChunkPrefill, batch: ScheduledBatch, *, budget: int, reserved: int) -> bool:
         """Add the next piece of ``prefill`` (starting it when the pool has its blocks); whether it ran."""
@@ -180,7 +186,11 @@ class Scheduler:
     def _admit(self, seq: Sequence, batch: ScheduledBatch, *, budget: int, reserved: int) -> tuple[int, int] | None:
         """Admit a waiting sequence: ``(tokens, blocks reserved)`` it takes, ``(0, 0)`` when it is passed over
         (its chunks are being fetched, or it failed), ``None`` when it must wait and the ones after it too."""
-        if len(self.running) + len(batch.prefills) >= self.max_num_seqs:
+        if seq in self.prefilling:  # its pass goes on
+            if seq.pass_.piece_size(budget) > budget and (batch.prefills or batch.partial or batch.pieces):
+                return None
+            return self._place(seq, batch, budget=budget), 0
+        if len(self.running) + len(self.prefilling) + len(batch.prefills) >= self.max_num_seqs:
             return None
         if seq.kv is not None:  # parked, generation starting: no blocks, no forward
             self.waiting.remove(seq)
@@ -196,7 +206,8 @@ class Scheduler:
             reserve = self.kv.probe_reserve(plan, seq)
             if self.kv.probes(seq):
                 num_tokens += plan.layout.query.num_tokens  # the second pass runs the query again
-            if num_tokens > budget and (batch.prefills or batch.pieces):  # larger: no other prefill work beside it
+            # a larger pass runs in pieces, or (not splittable) with no other prefill work beside it
+            if num_tokens > budget and not self.kv.can_chunk(seq, plan) and (batch.prefills or batch.pieces):
                 return None
             if not self.kv.can_admit(plan, seq, reserved=reserved + reserve):
                 if busy:
@@ -210,10 +221,24 @@ class Scheduler:
             batch.failed.append((seq, FinishReason.KV_POOL if out_of_blocks else exc))
             return 0, 0
         self.waiting.remove(seq)
+        extra = num_tokens - seq.pass_.num_tokens  # a probe's second pass
+        return extra + self._place(seq, batch, budget=budget), reserve
+
+    def _place(self, seq: Sequence, batch: ScheduledBatch, *, budget: int) -> int:
+        """Schedule the next piece of an admitted sequence's pass: all that is left, or (a pass that runs in
+        pieces) what the budget holds; returns its tokens. A sequence whose pass ends this step decodes next."""
+        num_tokens = seq.num_piece_tokens = seq.pass_.piece_size(budget)
+        if num_tokens < seq.pass_.num_left:
+            if seq not in self.prefilling:
+                self.prefilling.append(seq)
+            batch.partial.append(seq)
+            return num_tokens
+        if seq in self.prefilling:
+            self.prefilling.remove(seq)
         batch.prefills.append(seq)
         if seq.sampling is not None:
             self.running.append(seq)
-        return num_tokens, reserve
+        return num_tokens
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv.preempt(seq)

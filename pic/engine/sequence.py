@@ -67,7 +67,8 @@ class Sequence:
         self.selected: torch.Tensor | None = None  # [T] bool, the policy's recompute mask for ``layout``
         self.kv: RequestKV | None = None
         self.held: dict[str, list[int]] = {}  # chunk blocks kept while preempted
-        self.pass_: RecomputePass | None = None  # the recompute pass of the current step
+        self.pass_: RecomputePass | None = None  # the recompute pass under way
+        self.num_piece_tokens: int | None = None  # tokens of it the current step runs (chunked prefill)
         # Query-aware policies: the chunk tokens the probe chose (``[n]`` bool over the prompt's tokens before the
         # query), kept so a preempted sequence runs the same second pass, not a new probe; and the probe pass's
         # result until the second pass is done.

@@ -60,7 +60,10 @@ class RecomputePass:
         num_output_rows: the last tokens of the prompt whose final hidden states the forward returns
             (1 to sample the next token; the query's length for ``Linked.logits``).
         probe: this pass is a query-aware policy's probe: it records the query's attention at every layer
-            (``ProbeRecorder``) and returns no hidden states; ``Linker.after_probe`` sets up the second pass.
+            (``ProbeRecorder``) and returns no hidden states; ``KVManager.after_probe`` sets up the second pass.
+        chunkable: the pass may run in pieces over several forwards (chunked prefill: ``piece_size``): only a
+            static policy's pass whose tokens' positions increase, so that a piece attends to the pieces before
+            it exactly as one forward would (the slots of later pieces are unwritten: masked).
     """
 
     def __init__(
@@ -73,40 +76,72 @@ class RecomputePass:
         num_layers: int,
         num_output_rows: int,
         probe: bool = False,
+        chunkable: bool = False,
     ) -> None:
         self.assembly, self.layout, self.policy = assembly, layout, policy
         self.num_layers, self.is_probe = num_layers, probe
         self.num_output_rows_asked = num_output_rows  # the second pass's, after a probe
         self.num_output_rows = 0 if probe else num_output_rows
         self.index = selected.nonzero().squeeze(1)  # [n] prompt indices of the tokens run (CPU)
+        self.chunkable = chunkable and not probe and not policy.is_dynamic
+        self.num_done = 0  # tokens run by the pieces so far
         self._tracker: _PassTracker | None = None
         self._recorder: ProbeRecorder | None = None
+        self._inputs: tuple[torch.Tensor, ...] | None = None  # token ids, positions, slots of the pass (device)
 
     @property
     def num_tokens(self) -> int:
         """Tokens the pass runs through the first layer."""
         return self.index.shape[0]
 
-    def seq_input(self) -> SeqInput:
-        """The request's sequence in a forward (writes its slots' logical positions)."""
+    @property
+    def num_left(self) -> int:
+        """Tokens the pass has still to run."""
+        return self.num_tokens - self.num_done
+
+    @property
+    def is_done(self) -> bool:
+        return self.num_done == self.num_tokens
+
+    def piece_size(self, max_tokens: int) -> int:
+        """Tokens the next piece runs: every token left, or (a chunkable pass) at most ``max_tokens``, keeping
+        the rows the pass returns in its last piece."""
+        left = self.num_left
+        if not self.chunkable or left <= max_tokens:
+            return left
+        size = min(max_tokens, left - self.num_output_rows)
+        return size if size > 0 else left
+
+    def seq_input(self, num_tokens: int | None = None) -> SeqInput:
+        """The request's sequence in a forward: the next ``num_tokens`` of the pass (``None``: all that are left).
+        The first piece writes the logical positions of the request's slots, those of later pieces' tokens
+        excepted (unwritten: masked until their piece runs)."""
         req, layout = self.assembly.req, self.layout
         device = req.cache.device
-        index = to_device(self.index, device)  # host tensors: copies without a host sync
-        slots, positions = to_device(layout.slots, device), to_device(layout.positions, device)
-        req.kv_positions[slots] = positions
-        if self.is_probe:
-            self._recorder = ProbeRecorder(layout, req, num_layers=self.num_layers)
-        elif self.policy.is_dynamic:
-            self._tracker = _PassTracker(
-                req.cache, self.num_layers, layout, self.assembly.source_rows, self.policy, index, req
-            )
-        n = index.shape[0]
+        if self._inputs is None:
+            index = to_device(self.index, device)  # host tensors: copies without a host sync
+            slots, positions = to_device(layout.slots, device), to_device(layout.positions, device)
+            req.kv_positions[slots] = positions
+            if self.is_probe:
+                self._recorder = ProbeRecorder(layout, req, num_layers=self.num_layers)
+            elif self.policy.is_dynamic:
+                self._tracker = _PassTracker(
+                    req.cache, self.num_layers, layout, self.assembly.source_rows, self.policy, index, req
+                )
+            self._inputs = (to_device(layout.token_ids, device)[index], positions[index], slots[index])
+            if self.chunkable:
+                req.kv_positions[self._inputs[2]] = -1  # each piece writes its own (``ModelRunner.forward``)
+        start = self.num_done
+        end = start + (self.num_left if num_tokens is None else num_tokens)
+        self.num_done = end
+        rows = torch.arange(end - start - self.num_output_rows, end - start, device=device) if self.is_done else None
+        token_ids, positions, slots = (t[start:end] for t in self._inputs)
         return SeqInput(
             kv=req,
-            token_ids=to_device(layout.token_ids, device)[index],
-            positions=positions[index],
-            slots=slots[index],
-            output_rows=torch.arange(n - self.num_output_rows, n, device=device),
+            token_ids=token_ids,
+            positions=positions,
+            slots=slots,
+            output_rows=rows,
             after_layer=self._tracker or self._recorder,
         )
 
