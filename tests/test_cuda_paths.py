@@ -69,14 +69,15 @@ def test_the_cpu_tier_is_page_locked_only_for_an_engine_on_cuda():
 
 
 def test_write_through_to_page_locked_memory_waits_for_the_pool_writes():
-    """``TieredStore.add`` copies the pool's blocks out (D2H) and ``write_lower`` puts the copy in the CPU tier;
-    the data is there on return."""
+    """``TieredStore.copy_for_lower`` copies the pool's blocks out (D2H) and ``write_lower`` puts the copy in the
+    CPU tier; the data is there on return."""
     (store, pool, cache), chunk = make_store(target().device), make_chunk()
     k, v = chunk.k.to(target().device), chunk.v.to(target().device)
     blocks = pool.allocate(3)
     busy_gpu()
     cache.write(blocks, k, v)  # queued behind the busy GPU
-    assert store.write_lower(store.add(ChunkInfo("c", chunk.token_ids, chunk.options), blocks)) == ["cpu"]
+    store.add(ChunkInfo("c", chunk.token_ids, chunk.options), blocks)
+    assert store.write_lower(store.copy_for_lower("c")) == ["cpu"]
     copy = store.lower[0].peek("c")
     assert torch.equal(copy.k, chunk.k) and torch.equal(copy.v, chunk.v)  # read at once, no sync of ours
 
@@ -87,7 +88,8 @@ def test_promotion_from_page_locked_memory_survives_its_source_being_freed():
     (store, pool, cache), chunk = make_store(target().device), make_chunk()
     blocks = pool.allocate(3)
     cache.write(blocks, chunk.k.to(target().device), chunk.v.to(target().device))
-    store.write_lower(store.add(ChunkInfo("c", chunk.token_ids, chunk.options), blocks))
+    store.add(ChunkInfo("c", chunk.token_ids, chunk.options), blocks)
+    store.write_lower(store.copy_for_lower("c"))
     pool.free(blocks)
     assert store.device.delete("c") and store.lookup("c") == ["cpu"]
     source = store.load("c")

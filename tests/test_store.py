@@ -219,3 +219,21 @@ def test_shared_rechecks_schedule(monkeypatch):
     rechecks.forget(lambda cid: cid in ids[:10])  # 103 clocks: those of chunks no longer resident go
     assert not rechecks.is_due(ids[0]) and rechecks.is_due(ids[20]) and rechecks.is_due(ids[50])
     assert not SharedRechecks(None).is_due("a") and SharedRechecks(0.0).is_due("a")
+
+
+def test_compiling_resident_chunks_again_copies_none_out_of_the_pool_when_every_tier_holds_them(monkeypatch):
+    """A compile of documents already resident asks the lower tiers which lack them first: the copy out of the
+    pool (on the engine's thread) is made only for a tier that lost one."""
+    engine = engine_with(pool_blocks=64, cpu_chunks=None)
+    copies = []
+    real = pic.store.TieredStore.copy_for_lower
+    monkeypatch.setattr(pic.store.TieredStore, "copy_for_lower", lambda s, cid: copies.append(cid) or real(s, cid))
+    ids = engine.compile(docs(0, 3))
+    assert sorted(copies) == sorted(ids)  # written through once each
+    copies.clear()
+    assert engine.compile(docs(0, 3)) == ids and copies == []
+    assert engine.store.lookup(ids[0]) == ["device", "cpu"]
+    with engine.paused() as core:
+        assert core.store.lower[0].delete(ids[0])  # the CPU tier loses one
+    assert engine.compile(docs(0, 3)) == ids and copies == [ids[0]]
+    assert engine.store.lookup(ids[0]) == ["device", "cpu"]

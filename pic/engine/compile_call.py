@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 
-from pic.compile import ChunkPrefill, prefill_blocks
+from pic.compile import ChunkPrefill, lead_tokens, prefill_blocks
 from pic.engine.chunk_sources import ChunkSources
 from pic.engine.loader import Loader
 from pic.engine.request import CompileJob
@@ -23,7 +23,7 @@ class CompileCall:
     stopped it; ``done`` says when.
 
     Attributes:
-        checks: cache id -> the loader's answer to "does a lower tier hold it?" (not resident at arrival).
+        checks: cache id -> the loader's answer to "which lower tiers lack it?" (for every id of ``todo``).
         new: the ids no tier holds, to prefill (known once every check is answered).
         prefilling: ids whose prefill is queued or under way.
         writes: cache id -> the loader's write of it to the lower tiers.
@@ -96,22 +96,20 @@ class CompileCalls:
         self.open: list[CompileCall] = []
 
     def add(self, job: CompileJob, reply: Future) -> None:
-        """Start a call: hold its resident chunks (and write them back to lower tiers that lost them), ask the
-        lower tiers about the others, queue the prefills of those no tier holds.
+        """Start a call: hold its resident chunks, ask the lower tiers which of its chunks they lack (resident
+        ones are written back to them, ``_checked``), queue the prefills of those no tier holds.
 
         Raises:
             KVPoolExhaustedError: the new chunks cannot fit in the pool (``_check_room``; nothing is started).
         """
         call = CompileCall(job, reply)
         for cid in call.keep:  # every resident chunk of the call's documents stays for its length
-            if cid not in job.todo and self.store.device.contains(cid):
-                call.held[cid] = self.pool.hold(cid)
-        for cid in dict.fromkeys(job.todo):
             if self.store.device.contains(cid):
-                self._hold_resident(call, cid)
-            elif self.loader.has_lower_tiers:
-                call.checks[cid] = self.loader.contains(cid)
-            else:
+                call.held[cid] = self.pool.hold(cid)
+        for cid in dict.fromkeys(job.todo):  # which lower tiers lack each: write back, or compile
+            if self.loader.has_lower_tiers:
+                call.checks[cid] = self.loader.missing(cid)
+            elif cid not in call.held:
                 call.new.append(cid)
         if not call.checks:
             self._start_prefills(call)  # KVPoolExhaustedError: refused before any work (holds released)
@@ -130,29 +128,22 @@ class CompileCalls:
             call.prefilling.add(cid)
 
     def _check_room(self, job: CompileJob, new: list[str]) -> None:
-        """Refuse, before any work, a call whose new chunks cannot fit in the pool beside the chunks in use:
-        one at a time (plus its lead blocks) when a lower tier can take them, else all together.
+        """Refuse, before any work, a call whose new chunks cannot fit in the pool beside the chunks in use
+        (the call's resident ones are held already): one at a time (plus its lead blocks) when a lower tier can
+        take them, else all together.
 
         Raises:
             KVPoolExhaustedError: with the blocks needed and available.
         """
         if not new:
             return
-        bos, bs = self.sources.bos_token_id, self.pool.block_size
-        prefills = [ChunkPrefill(cid, job.tokens[cid], job.options, bos_token_id=bos, order=0) for cid in new]
-        sizes = [prefill_blocks(len(p.token_ids), num_dropped=p.num_dropped, block_size=bs) for p in prefills]
+        num_lead = len(lead_tokens(job.options, self.sources.bos_token_id))
+        dropped, bs = job.options.num_dropped, self.pool.block_size
+        sizes = [prefill_blocks(num_lead + len(job.tokens[cid]), num_dropped=dropped, block_size=bs) for cid in new]
         num_bytes = sum(len(job.tokens[cid]) + job.options.add_bos for cid in new) * self.kv_bytes_per_token
         hold_all = not self.store.lower_can_fit(num_bytes, keep=list(job.tokens))  # the pool keeps the only copy
         num_needed = (sum(c for c, _ in sizes) if hold_all else max(c for c, _ in sizes)) + max(n for _, n in sizes)
-        self.pool.check_available(
-            num_needed, what=f"the {len(new)} new chunks of this compile call"
-        )  # (residents held)
-
-    def _hold_resident(self, call: CompileCall, cid: str) -> None:
-        call.held[cid] = self.pool.hold(cid)
-        if self.loader.has_lower_tiers:
-            copy = self.store.device.peek(cid)
-            call.writes[cid] = self.loader.write(copy, keep=call.keep, missing_only=True)
+        self.pool.check_available(num_needed, what=f"the {len(new)} new chunks of this compile call")
 
     def poll(self) -> None:
         """Take in the loader's answers and end the calls that are done."""
@@ -165,7 +156,7 @@ class CompileCalls:
                         try:
                             self._start_prefills(call)
                         except Exception as exc:  # KVPoolExhaustedError
-                            call.error = exc
+                            call.fail(exc)
             for cid, write in list(call.writes.items()):
                 if write.done():
                     try:
@@ -178,16 +169,21 @@ class CompileCalls:
             call.end(self.pool)
 
     def _checked(self, call: CompileCall, cid: str, check: Future) -> None:
+        """The lower tiers that lack ``cid`` are known: a resident chunk is written back to them (copied out of
+        the pool only then); one no tier holds is to be compiled."""
         try:
-            held_below = check.result()
+            missing = check.result()
         except Exception as exc:
             call.fail(exc)
             return
-        if not held_below:
-            if self.store.device.contains(cid):  # compiled meanwhile
-                self._hold_resident(call, cid)
-            else:
-                call.new.append(cid)
+        if cid not in call.held and self.store.device.contains(cid):  # compiled meanwhile
+            call.held[cid] = self.pool.hold(cid)
+        if cid in call.held:
+            if missing:
+                copy = self.store.copy_for_lower(cid)
+                call.writes[cid] = self.loader.write(copy, keep=call.keep, tiers=missing)
+        elif len(missing) == len(self.store.lower):
+            call.new.append(cid)
 
     @property
     def num_writing(self) -> int:
@@ -203,13 +199,15 @@ class CompileCalls:
         """A prefill's last piece ran: make the chunk resident, hand each waiter a hold on it, write it through."""
         info, blocks = prefill.finish()
         del self.sources.prefills[prefill.cache_id]
-        copy = self.store.add(info, blocks)
+        self.store.add(info, blocks)
         self.sources.remember(info)
         calls = [w for w in prefill.waiters if isinstance(w, CompileCall)]
         # Written through for compile calls; a chunk compiled again for a request (no tier held it) stays in the
         # pool (the shared tier gets it back from the next compile of its document or a periodic recheck).
-        keep = {c for call in calls for c in call.keep}
-        write = self.loader.write(copy, keep=keep) if copy is not None and calls else None
+        write = None
+        if calls and self.loader.has_lower_tiers:
+            keep = {c for call in calls for c in call.keep}
+            write = self.loader.write(self.store.copy_for_lower(info.cache_id), keep=keep)
         for waiter in prefill.waiters:
             held = self.pool.hold(info.cache_id)
             if isinstance(waiter, CompileCall):

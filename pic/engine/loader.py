@@ -14,6 +14,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from pic.kv import ChunkKV
 from pic.store import TieredStore
+from pic.store.tier import LowerTier
 
 # Threads loading at once: enough that one request stuck on a hung Redis does not hold up loads from the
 # CPU tier, few enough that a flood of requests does not open a connection each. Writes go through one
@@ -44,15 +45,17 @@ class Loader:
         """The chunk from the first lower tier that holds it (``TieredStore.load``), or ``None``."""
         return self._submit(self._loads, self.store.load, cache_id)
 
-    def contains(self, cache_id: str) -> Future[bool]:
-        """Whether a lower tier holds the chunk (a compile's question: asked on the writer thread, in order with
-        the compile's writes, on one connection as the engine thread did)."""
-        return self._submit(self._writes, lambda cid: any(t.contains(cid) for t in self.store.lower), cache_id)
+    def missing(self, cache_id: str) -> Future[list[LowerTier]]:
+        """The lower tiers that do not hold the chunk (``TieredStore.missing``): a compile's question, asked on
+        the writer thread, in order with the compile's writes, on one connection as the engine thread did."""
+        return self._submit(self._writes, self.store.missing, cache_id)
 
-    def write(self, chunk: ChunkKV, *, keep: Collection[str] = (), missing_only: bool = False) -> Future[list[str]]:
-        """Write ``chunk`` down to the lower tiers (``TieredStore.write_lower``); the names of those that hold it."""
-        write = self.store.write_lower
-        return self._submit(self._writes, lambda c: write(c, keep=keep, missing_only=missing_only), chunk)
+    def write(
+        self, chunk: ChunkKV, *, keep: Collection[str] = (), tiers: Collection[LowerTier] | None = None
+    ) -> Future[list[str]]:
+        """Write ``chunk`` down to the lower tiers (of ``tiers``; default: all: ``TieredStore.write_lower``); the
+        names of those that took it."""
+        return self._submit(self._writes, lambda c: self.store.write_lower(c, keep=keep, tiers=tiers), chunk)
 
     def recheck(self, chunk: ChunkKV) -> None:
         """Write a resident chunk back to the shared tiers that lost it (fire and forget; a failure is logged

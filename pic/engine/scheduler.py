@@ -55,8 +55,13 @@ class ScheduledBatch:
     failed_prefills: list[tuple[ChunkPrefill, Exception]] = field(default_factory=list)
 
     @property
+    def has_prefill_work(self) -> bool:
+        """Whether a recompute pass or a chunk prefill runs in this step."""
+        return bool(self.prefills or self.partial or self.pieces)
+
+    @property
     def has_forward(self) -> bool:
-        return bool(self.prefills or self.decodes or self.partial or self.pieces)
+        return bool(self.decodes) or self.has_prefill_work
 
 
 class Scheduler:
@@ -160,34 +165,30 @@ class Scheduler:
 
     def _busy(self, batch: ScheduledBatch) -> bool:
         """Whether something runs this step (and will free blocks or take budget)."""
-        return bool(self.running or self.prefilling or batch.prefills or batch.partial or batch.pieces)
+        return bool(self.running or self.prefilling) or batch.has_prefill_work
 
     def _schedule_piece(self, prefill: ChunkPrefill, batch: ScheduledBatch, *, budget: int, reserved: int) -> bool:
-        """Add the next piece of ``prefill`` (starting it when the pool has its blocks); whether it ran."""
+        """Add the next piece of ``prefill`` (starting it when the pool has its blocks); whether it ran. One that
+        cannot start while nothing runs and no hold or store write will free a block fails with the pool's
+        ``KVPoolExhaustedError`` (blocks needed and available)."""
         if not prefill.is_started:
             if not self.kv.can_start(prefill, reserved=reserved):
                 if not self._busy(batch) and not self.frees_soon() and not self._drop_holds(keep=None):
-                    batch.failed_prefills.append((prefill, self._no_room(prefill)))
+                    what = f"compiling chunk {prefill.cache_id} ({len(prefill.token_ids)} tokens)"
+                    try:
+                        self.kv.pool.check_available(prefill.num_blocks(self.kv.pool.block_size), what=what)
+                    except KVPoolExhaustedError as exc:
+                        batch.failed_prefills.append((prefill, exc))
                 return False
             self.kv.start(prefill)
         batch.pieces.append((prefill, prefill.piece(budget)))
         return True
 
-    def _no_room(self, prefill: ChunkPrefill) -> KVPoolExhaustedError:
-        pool, num_blocks = self.kv.pool, prefill.num_blocks(self.kv.pool.block_size)
-        try:
-            pool.check_available(
-                num_blocks, what=f"compiling chunk {prefill.cache_id} ({len(prefill.token_ids)} tokens)"
-            )
-        except KVPoolExhaustedError as exc:
-            return exc
-        return KVPoolExhaustedError(f"KV pool exhausted: chunk {prefill.cache_id} needs {num_blocks} blocks")
-
     def _admit(self, seq: Sequence, batch: ScheduledBatch, *, budget: int, reserved: int) -> tuple[int, int] | None:
         """Admit a waiting sequence: ``(tokens, blocks reserved)`` it takes, ``(0, 0)`` when it is passed over
         (its chunks are being fetched, or it failed), ``None`` when it must wait and the ones after it too."""
         if seq in self.prefilling:  # its pass goes on
-            if seq.pass_.piece_size(budget) > budget and (batch.prefills or batch.partial or batch.pieces):
+            if seq.pass_.piece_size(budget) > budget and batch.has_prefill_work:
                 return None
             return self._place(seq, batch, budget=budget), 0
         if len(self.running) + len(self.prefilling) + len(batch.prefills) >= self.max_num_seqs:
@@ -207,7 +208,7 @@ class Scheduler:
             if self.kv.probes(seq):
                 num_tokens += plan.layout.query.num_tokens  # the second pass runs the query again
             # a larger pass runs in pieces, or (not splittable) with no other prefill work beside it
-            if num_tokens > budget and not self.kv.can_chunk(seq, plan) and (batch.prefills or batch.pieces):
+            if num_tokens > budget and not self.kv.can_chunk(seq, plan) and batch.has_prefill_work:
                 return None
             if not self.kv.can_admit(plan, seq, reserved=reserved + reserve):
                 if busy:

@@ -83,16 +83,19 @@ class TieredStore:
             lower.append(redis)
         return cls(device, lower, lease_s=config.redis_lease_s, recheck_s=config.shared_recheck_s)
 
-    def add(self, info: ChunkInfo, block_ids: list[int]) -> ChunkKV | None:
-        """Make a chunk prefilled into ``block_ids`` resident (engine thread); returns a copy of its KV for
-        ``write_lower`` (on a loader thread), or ``None`` without lower tiers."""
+    def add(self, info: ChunkInfo, block_ids: list[int]) -> None:
+        """Make a chunk prefilled into ``block_ids`` resident (engine thread; pinned if its id is)."""
         self.device.add(info, block_ids)
         if info.cache_id in self._pinned:
             self.device.pin(info.cache_id)
-        if not self.lower:
-            return None
-        self._rechecks.written(info.cache_id)
-        return self.device.peek(info.cache_id)
+
+    def copy_for_lower(self, cache_id: str) -> ChunkKV:
+        """A copy of a resident chunk's KV out of the pool, for ``write_lower`` on another thread (engine thread).
+        The shared tiers are about to get it: it counts as checked (``SharedRechecks``)."""
+        self._rechecks.written(cache_id)
+        chunk = self.device.peek(cache_id)
+        assert chunk is not None, f"chunk {cache_id} is not resident"
+        return chunk
 
     def write_lower(
         self,
@@ -103,12 +106,13 @@ class TieredStore:
         missing_only: bool = False,
     ) -> list[str]:
         """Copy ``chunk`` down to the lower tiers (of ``tiers``; default: all), lowest first (the shared copy
-        exists before the local ones); returns the names of the tiers that hold it now. Any thread.
+        exists before the local ones); returns the names of the tiers that took it. Any thread.
 
         ``missing_only``: write only to the tiers that lost it (Redis restarted without persistence, or the
         chunk was compiled while Redis was down under ``on_redis_error="miss"``): ``compile`` does so for
-        resident chunks, so compiling a document again restores the fleet's shared copy, and a link of a
-        resident chunk does so for the shared tiers every ``StoreConfig.shared_recheck_s``.
+        resident chunks (``missing``, then ``tiers=`` those), so compiling a document again restores the fleet's
+        shared copy, and a link of a resident chunk does so for the shared tiers every
+        ``StoreConfig.shared_recheck_s``.
 
         Args:
             keep: cache ids the lower tiers must not evict for it (the other chunks of a ``compile`` call).
@@ -118,8 +122,16 @@ class TieredStore:
         """
         targets = [t for t in self.lower if tiers is None or t in tiers]
         if missing_only:
-            targets = [t for t in targets if not t.contains(chunk.cache_id)]
+            targets = [t for t in self.missing(chunk.cache_id) if t in targets]
         return [tier.name for tier in reversed(targets) if tier.put(chunk, keep=keep)][::-1]
+
+    def missing(self, cache_id: str) -> list[LowerTier]:
+        """The lower tiers that do not hold ``cache_id``, fastest first. Any thread.
+
+        Raises:
+            StoreUnavailableError: Redis failed (``on_redis_error="raise"``).
+        """
+        return [tier for tier in self.lower if not tier.contains(cache_id)]
 
     def recheck_due(self, cache_id: str) -> ChunkKV | None:
         """A resident chunk's KV when a check that the shared tiers still hold it is due (``SharedRechecks``;
