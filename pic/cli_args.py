@@ -32,6 +32,23 @@ def positive_int(text: str) -> int:
     return value
 
 
+_BYTE_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def byte_size(text: str) -> int:
+    """A positive number of bytes, plain or with a binary unit: ``1073741824``, ``512M``, ``10G``, ``1T``."""
+    number, unit = text.strip().upper().removesuffix("B").removesuffix("I"), ""
+    if number[-1:] in _BYTE_UNITS:
+        number, unit = number[:-1], number[-1]
+    try:
+        value = float(number) * _BYTE_UNITS[unit]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (bytes, or a number with K, M, G or T)") from None
+    if not math.isfinite(value) or value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive size")
+    return int(value)
+
+
 def cases(text: str) -> int:
     """A number of evaluation cases, 1 to ``MAX_CASES`` (a typo's 100,000,000 would allocate for each first)."""
     value = positive_int(text)

@@ -154,6 +154,12 @@ class StoreConfig(_Frozen):
     Attributes:
         cpu_bytes: capacity of the CPU tier (page-locked when CUDA is available, so copies to the
             GPU are asynchronous); ``0`` (default): no CPU tier; ``None``: unbounded.
+        disk_path: a directory on a local disk where compiled chunks are kept as files (under a folder per
+            model), so they survive a restart and are shared by the processes of one machine that name the
+            same directory; ``None`` (default): no disk tier. Set ``disk_bytes`` with it.
+        disk_bytes: the disk tier's capacity in bytes of chunk files; least recently used files are
+            evicted (by whichever process writes) to stay within it.
+        on_disk_error: as ``on_redis_error``, for a disk that fails (full, read-only, I/O errors).
         redis_url: a Redis shared by a fleet of workers (``redis://``, ``rediss://`` or ``unix://``,
             with a password as redis-py takes it; a Redis Cluster as
             ``redis-cluster://[:password@]host:port[,host:port...]``; a Sentinel-managed master as
@@ -183,11 +189,14 @@ class StoreConfig(_Frozen):
 
     The device tier is the KV pool itself (``PICConfig.kv_pool_tokens``): compiled chunks are resident
     there as canonical blocks, evicted least recently used first when requests need the blocks. The CPU
-    tier evicts least-recently-used chunks that are not pinned; a chunk evicted from one tier stays
+    and disk tiers evict least-recently-used chunks that are not pinned; a chunk evicted from one tier stays
     in the tiers below it. Without a lower tier, an evicted chunk is gone: ``compile`` it again.
     """
 
     cpu_bytes: int | None = Field(default=0, ge=0)
+    disk_path: str | None = Field(default=None, min_length=1)
+    disk_bytes: int | None = Field(default=None, ge=1)
+    on_disk_error: Literal["raise", "miss"] = "raise"
     redis_url: str | None = Field(default=None, pattern=r"^(redis|rediss|unix|redis-cluster|redis-sentinel)://")
     redis_read_from_replicas: bool = False
     namespace: str = Field(default="pic", pattern=r"^[A-Za-z0-9_.-]{1,64}$")
@@ -197,6 +206,14 @@ class StoreConfig(_Frozen):
     redis_parts_ttl_s: float = Field(default=60.0, ge=0.001, le=7 * 24 * 3600)
     redis_lease_s: float = Field(default=10.0, ge=0.1, le=3600)
     shared_recheck_s: float | None = Field(default=30.0, ge=0)
+
+    @model_validator(mode="after")
+    def _disk_bytes_with_path(self) -> StoreConfig:
+        """A disk tier needs a bound: an unbounded cache would fill the disk it shares with everything else."""
+        if (self.disk_path is None) != (self.disk_bytes is None):
+            given = f"disk_path={self.disk_path!r}" if self.disk_path is not None else f"disk_bytes={self.disk_bytes}"
+            raise ValueError(f"{given} needs {'disk_bytes' if self.disk_path else 'disk_path'} too")
+        return self
 
     @model_validator(mode="after")
     def _parse_redis_url(self) -> StoreConfig:

@@ -224,7 +224,7 @@ def test_unreachable_redis_raises_naming_the_url(tmp_path, caplog):
         generate(lenient, ids)
     with caplog.at_level(logging.WARNING, logger="pic.store"):
         assert lenient.compile(list(DOCS)) == ids  # Redis down: logged, the chunks live in the device tier
-    assert "serving from the upper tiers" in caplog.text
+    assert "serving from the other tiers" in caplog.text
     assert generate(lenient, ids) == expected and lenient.store.lookup(ids[0]) == ["device"]
 
     server.start()  # restarted, empty (no persistence)

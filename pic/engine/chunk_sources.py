@@ -14,6 +14,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
 
+import torch
+
 from pic.compile import ChunkPrefill
 from pic.config import CompileOptions
 from pic.engine.loader import Loader
@@ -75,6 +77,13 @@ class ChunkSources:
         while self._num_recipe_tokens > _MAX_RECIPE_TOKENS:
             _, old = self._recipes.popitem(last=False)
             self._num_recipe_tokens -= old.num_tokens
+
+    def remember_content(self, cache_id: str, content: list[int], options: CompileOptions) -> None:
+        """Keep the tokens of a ``compile`` call's chunk that is not prefilled here (a lower tier holds it), so
+        that a link whose load finds that copy damaged or gone (a corrupt file, a flushed Redis) compiles it
+        again instead of failing."""
+        kept = ([] if self.bos_token_id is None else [self.bos_token_id] * options.add_bos) + content
+        self.remember(ChunkInfo(cache_id=cache_id, token_ids=torch.tensor(kept, dtype=torch.long), options=options))
 
     def forget(self, cache_id: str) -> None:
         """Forget a chunk's tokens (it was expired: linking its id again is an error)."""

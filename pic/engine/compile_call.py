@@ -103,6 +103,8 @@ class CompileCalls:
             KVPoolExhaustedError: the new chunks cannot fit in the pool (``_check_room``; nothing is started).
         """
         call = CompileCall(job, reply)
+        for cid, content in job.tokens.items():  # also those a lower tier holds: its copy may prove bad
+            self.sources.remember_content(cid, content, job.options)
         for cid in call.keep:  # every resident chunk of the call's documents stays for its length
             if self.store.device.contains(cid):
                 call.held[cid] = self.pool.hold(cid)

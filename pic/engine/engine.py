@@ -42,7 +42,7 @@ class Engine:
         model: a supported ``*ForCausalLM`` (Llama, Mistral, Qwen2, Qwen3 families), on its device.
         tokenizer: its tokenizer (``self.tokenizer`` wraps it in a ``SharedTokenizer``: safe from any thread).
         config: engine options (``PICConfig``); ``self.config`` holds them with the ``None`` defaults resolved.
-        store: where chunks live besides the KV pool (``StoreConfig``: CPU and Redis tiers; default: none).
+        store: where chunks live besides the KV pool (``StoreConfig``: CPU, disk and Redis tiers; default: none).
 
     Raises:
         UnsupportedModelError: the model has no rotary embeddings or an unsupported layer layout.

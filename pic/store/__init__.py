@@ -1,7 +1,8 @@
-"""Where compiled chunks live: the KV pool (device tier), CPU and Redis tiers behind a ``TieredStore``."""
+"""Where compiled chunks live: the KV pool (device tier), CPU, disk and Redis tiers behind a ``TieredStore``."""
 
 from pic.store.description import ChunkDescription
 from pic.store.device import DeviceTier
+from pic.store.disk import DiskTier
 from pic.store.lru import LruTier
 from pic.store.redis_tier import RedisTier
 from pic.store.tier import Extent, LowerTier, Tier, TierStats
@@ -10,6 +11,7 @@ from pic.store.tiered import TieredStore
 __all__ = [
     "ChunkDescription",
     "DeviceTier",
+    "DiskTier",
     "Extent",
     "LowerTier",
     "LruTier",

@@ -11,7 +11,7 @@ class ChunkDescription:
 
     Attributes:
         cache_id: its content address.
-        tiers: names of the tiers holding it, fastest first (``"device"``, ``"cpu"``, ``"redis"``).
+        tiers: names of the tiers holding it, fastest first (``"device"``, ``"cpu"``, ``"disk"``, ``"redis"``).
         num_tokens: tokens it contributes to a linked prompt.
         num_bytes: bytes of its K and V together (in each tier that holds it).
     """

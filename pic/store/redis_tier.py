@@ -19,6 +19,7 @@ from pic.errors import StoreUnavailableError
 from pic.kv import ChunkKV
 from pic.redis_url import redact
 from pic.store import serde
+from pic.store.guard import FailureGuard
 from pic.store.lease import FleetLeases
 from pic.store.redis_client import connect
 from pic.store.tier import Extent, TierStats
@@ -234,7 +235,7 @@ class RedisTier:
         return stats
 
     def _count_entries(self, stats: TierStats) -> None:
-        with _Guard(self, always_raise=True):
+        with self._guard(always_raise=True):
             ids = self._scan_ids()
             pipe = self._client.pipeline(transaction=False)  # one GET per key: MGET is CROSSSLOT on a cluster
             for cache_id in ids:
@@ -247,29 +248,12 @@ class RedisTier:
                 stats.num_entries += 1
                 stats.num_bytes += 2 * meta.tensor_bytes
 
-    def _guard(self) -> _Guard:
-        return _Guard(self)
+    def _guard(self, *, always_raise: bool = False) -> FailureGuard:
+        return FailureGuard(self, redis.RedisError, on_error=self._on_error, always_raise=always_raise)
 
-
-class _Guard:
-    """Turns a Redis failure inside ``with`` into ``StoreUnavailableError`` or a logged, swallowed miss."""
-
-    def __init__(self, tier: RedisTier, *, always_raise: bool = False) -> None:
-        self._tier, self._always_raise = tier, always_raise
-
-    def __enter__(self) -> None:
-        self._tier._last_error = None
-
-    def __exit__(self, kind, exc, tb) -> bool:
-        if exc is None or not isinstance(exc, redis.RedisError):
-            return False
-        tier = self._tier
-        tier._last_error = f"Redis at {tier.url} failed: {type(exc).__name__}: {exc}"
-        tier._stats.errors += 1
-        if tier._on_error == "raise" or self._always_raise:
-            raise StoreUnavailableError(tier._last_error) from exc
-        log.warning("pic: %s; serving from the upper tiers", tier._last_error)
-        return True
+    def _failed(self, exc: BaseException) -> str:
+        self._stats.errors += 1
+        return f"Redis at {self.url} failed: {type(exc).__name__}: {exc}"
 
 
 def _glob(text: str) -> str:

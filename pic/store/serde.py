@@ -14,7 +14,7 @@ failure is a ``CorruptEntryError``, which the Redis tier turns into a logged mis
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import msgpack
@@ -171,7 +171,33 @@ def decode(meta: Meta, parts: Iterable[bytes | None], *, pin: bool = False) -> C
         offset += size
     if offset != buffer.numel():
         raise CorruptEntryError(f"parts hold {offset} of the {buffer.numel()} payload bytes")
-    if h.hexdigest() != meta.checksum:
+    return _chunk(meta, buffer, h.hexdigest())
+
+
+def read_payload(meta: Meta, readinto: Callable[[memoryview], int], *, pin: bool = False) -> ChunkKV:
+    """The chunk of a validated ``meta`` read straight into its tensors by ``readinto`` (a file's: no
+    intermediate copy), in ``part_bytes`` steps, hashing each step as it lands.
+
+    Raises:
+        CorruptEntryError: the source ends before the payload does, or a bad checksum.
+    """
+    buffer = torch.empty(2 * meta.tensor_bytes, dtype=torch.uint8, pin_memory=pin)
+    view, h = memoryview(buffer.numpy()), xxhash.xxh3_128()
+    for start in range(0, len(view), meta.part_bytes):
+        step = view[start : start + meta.part_bytes]
+        got = 0
+        while got < len(step):
+            n = readinto(step[got:])
+            if not n:
+                raise CorruptEntryError(f"payload ends after {start + got} of its {len(view)} bytes")
+            got += n
+        h.update(step)
+    return _chunk(meta, buffer, h.hexdigest())
+
+
+def _chunk(meta: Meta, buffer: torch.Tensor, checksum: str) -> ChunkKV:
+    """The chunk over ``buffer`` (``[2 * tensor_bytes]`` uint8: K's bytes, then V's) once its checksum matches."""
+    if checksum != meta.checksum:
         raise CorruptEntryError("payload checksum mismatch")
     dtype, half = _DTYPES[meta.dtype], meta.tensor_bytes
     k, v = (buffer[i * half : (i + 1) * half].view(dtype).view(meta.shape) for i in (0, 1))

@@ -25,7 +25,7 @@ class TierStats:
     """Counters of one tier (a snapshot when returned by ``stats()``).
 
     Attributes:
-        name: ``"device"``, ``"cpu"`` or ``"redis"``.
+        name: ``"device"``, ``"cpu"``, ``"disk"`` or ``"redis"``.
         num_entries: chunks it holds.
         num_bytes: bytes of K and V it holds.
         capacity_bytes: its capacity; ``None`` when unbounded.

@@ -1,11 +1,11 @@
-"""``TieredStore``: the device tier (chunks resident in the KV pool), then CPU and Redis tiers.
+"""``TieredStore``: the device tier (chunks resident in the KV pool), then CPU, disk and Redis tiers.
 
 Writes go through to every tier (a fleet shares what one worker compiles): ``compile`` prefills a
 chunk straight into the pool and the store copies it down. Reads look in the pool first; a chunk found
 only in a lower tier comes back as a ``ChunkKV`` for the engine to promote into fresh blocks, and is
-promoted into the lower tiers above the one that had it (Redis -> CPU). The CPU tier is a byte-bounded
-LRU; the pool evicts unreferenced chunks when it needs blocks. A chunk evicted from one tier stays in
-the tiers below. Pinned chunks are never evicted.
+promoted into the lower tiers above the one that had it (Redis -> disk -> CPU). The CPU and disk tiers
+are byte-bounded LRUs; the pool evicts unreferenced chunks when it needs blocks. A chunk evicted from one
+tier stays in the tiers below. Pinned chunks are never evicted.
 
 Every tier answers the same protocol (``pic.store.tier``), so the store never asks which kind a tier
 is. Threads: the device tier is the engine thread's alone (``add``, ``promote``, ``resident``); the lower
@@ -24,6 +24,7 @@ from pic.kv import ChunkInfo, ChunkKV
 from pic.store import serde
 from pic.store.description import ChunkDescription
 from pic.store.device import DeviceTier
+from pic.store.disk import DiskTier
 from pic.store.lease import FleetLeases
 from pic.store.lru import LruTier
 from pic.store.recheck import SharedRechecks
@@ -68,6 +69,16 @@ class TieredStore:
         lower: list[LowerTier] = []
         if config.cpu_bytes != 0:
             lower.append(LruTier(capacity_bytes=config.cpu_bytes, pin=pin))
+        if config.disk_path is not None:
+            disk = DiskTier(
+                config.disk_path,
+                expected=expected,
+                capacity_bytes=config.disk_bytes,
+                on_error=config.on_disk_error,
+                part_bytes=config.part_bytes,
+                pin=pin,
+            )
+            lower.append(disk)
         if config.redis_url is not None:
             redis = RedisTier(
                 config.redis_url,

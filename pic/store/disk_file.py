@@ -1,0 +1,144 @@
+"""One chunk in one file: the disk tier's format, written atomically and read without trusting it.
+
+A file is ``MAGIC``, the metadata record's length (8 bytes, little endian), the metadata record of
+``pic.store.serde`` (msgpack, validated as Redis entries are) and the payload, K's bytes then V's. The
+payload's checksum is in the metadata, so a torn, truncated or flipped file is found on read.
+
+Writes go to a temporary file in the same directory that is then renamed over the final name
+(``os.replace`` is atomic on POSIX): a reader sees the old file, the new one, or none, never half of
+one, and a writer that dies mid-write leaves only a temporary file, which no reader opens (``sweep_tmp``
+removes those of dead processes). Two processes writing the same chunk each rename a whole file; the
+last rename wins and both were good.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import itertools
+import os
+import re
+import struct
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+from pic.kv import ChunkKV
+from pic.store import serde
+
+MAGIC = b"PICKV\x00\x01\x00"
+SUFFIX = ".kv"
+_TMP_PREFIX = ".tmp."
+_LENGTH = struct.Struct("<Q")
+_HEADER_BYTES = len(MAGIC) + _LENGTH.size
+_counter = itertools.count()
+_ID = re.compile(r"^[0-9a-f]{32}$")  # pic.ids.chunk_id
+
+
+def is_cache_id(text: object) -> bool:
+    """Whether ``text`` can be a cache id: only those become file names (no ``..``, no ``/``)."""
+    return isinstance(text, str) and _ID.match(text) is not None
+
+
+def listing(directory: Path) -> dict[str, tuple[int, int]]:
+    """Every chunk file in ``directory``: cache id -> (bytes, mtime in ns), least recently used first."""
+    found = []
+    for entry in os.scandir(directory):
+        cache_id = entry.name.removesuffix(SUFFIX)
+        if entry.name.endswith(SUFFIX) and is_cache_id(cache_id):
+            with contextlib.suppress(FileNotFoundError):  # evicted by another process meanwhile
+                st = entry.stat()
+                found.append((st.st_mtime_ns, cache_id, st.st_size))
+    return {cache_id: (size, mtime) for mtime, cache_id, size in sorted(found)}
+
+
+@contextlib.contextmanager
+def locked(directory: Path) -> Iterator[None]:
+    """``directory``'s exclusive lock (``flock`` on its ``.lock``: between processes, and between one process's
+    threads, since each call opens its own descriptor); closing the descriptor releases it."""
+    with open(directory / ".lock", "rb") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def write(path: Path, chunk: ChunkKV, *, fingerprint: str, part_bytes: int) -> Path:
+    """Write ``chunk`` to a temporary file beside ``path`` and return that file: the caller renames it to
+    ``path`` (``os.replace``) once it has decided, under its lock, that the chunk fits.
+
+    Raises:
+        OSError: the write failed (the temporary file is removed).
+    """
+    encoded = serde.encode(chunk, fingerprint=fingerprint, part_bytes=part_bytes)
+    tmp = temporary(path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(MAGIC + _LENGTH.pack(len(encoded.meta)) + encoded.meta)
+            for part in encoded.parts:
+                f.write(part)
+        return tmp
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def temporary(path: Path) -> Path:
+    """This thread's temporary name for ``path``: unique per process, thread and write, and naming the
+    process, so ``sweep_tmp`` can tell a dead writer's leftovers from a live one's file."""
+    name = f"{_TMP_PREFIX}{path.name}.{os.getpid()}.{threading.get_ident()}.{next(_counter)}"
+    return path.with_name(name)
+
+
+def read_meta(f: BinaryIO, *, cache_id: str, expected: serde.Expected, file_bytes: int) -> serde.Meta:
+    """The validated metadata of an open chunk file, checking first that its size is exactly what the
+    metadata promises (so the payload is never allocated for a truncated or padded file).
+
+    Raises:
+        serde.CorruptEntryError: not a chunk file, another chunk's, or the wrong size.
+    """
+    header = f.read(_HEADER_BYTES)
+    if len(header) != _HEADER_BYTES or header[: len(MAGIC)] != MAGIC:
+        raise serde.CorruptEntryError("not a pic chunk file (bad magic or short header)")
+    (meta_bytes,) = _LENGTH.unpack(header[len(MAGIC) :])
+    if meta_bytes > file_bytes - _HEADER_BYTES:
+        raise serde.CorruptEntryError(f"metadata of {meta_bytes} bytes in a {file_bytes}-byte file")
+    meta = serde.parse_meta(f.read(meta_bytes), cache_id=cache_id, expected=expected)
+    expected_bytes = _HEADER_BYTES + meta_bytes + 2 * meta.tensor_bytes
+    if file_bytes != expected_bytes:
+        raise serde.CorruptEntryError(f"file has {file_bytes} bytes; its metadata says {expected_bytes}")
+    return meta
+
+
+def read(path: Path, *, cache_id: str, expected: serde.Expected, pin: bool = False) -> ChunkKV:
+    """The chunk in ``path``, read straight into its tensors and checked.
+
+    Raises:
+        FileNotFoundError: no such file (evicted or never written).
+        serde.CorruptEntryError: damaged, truncated or foreign.
+    """
+    with open(path, "rb", buffering=0) as f:
+        meta = read_meta(f, cache_id=cache_id, expected=expected, file_bytes=os.fstat(f.fileno()).st_size)
+        return serde.read_payload(meta, f.readinto, pin=pin)
+
+
+def sweep_tmp(directory: Path) -> int:
+    """Remove the temporary files of writers that are no longer running (a crash mid-write); returns how many."""
+    removed = 0
+    for entry in os.scandir(directory):
+        if not entry.name.startswith(_TMP_PREFIX):
+            continue
+        pid = entry.name.split(".")[-3]
+        if pid.isdigit() and not _alive(int(pid)):
+            Path(entry.path).unlink(missing_ok=True)
+            removed += 1
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
