@@ -204,12 +204,14 @@ class CompileCalls:
         self.store.add(info, blocks)
         self.sources.remember(info)
         calls = [w for w in prefill.waiters if isinstance(w, CompileCall)]
-        # Written through for compile calls; a chunk compiled again for a request (no tier held it) stays in the
-        # pool (the shared tier gets it back from the next compile of its document or a periodic recheck).
+        # Written through for compile calls (which wait for it); a chunk compiled again for a request (no tier
+        # held it, or its copy proved damaged) is written back to the tiers that lack it, and nobody waits.
         write = None
         if calls and self.loader.has_lower_tiers:
             keep = {c for call in calls for c in call.keep}
             write = self.loader.write(self.store.copy_for_lower(info.cache_id), keep=keep)
+        elif self.loader.has_lower_tiers:
+            self.loader.write_back(self.store.copy_for_lower(info.cache_id))
         for waiter in prefill.waiters:
             held = self.pool.hold(info.cache_id)
             if isinstance(waiter, CompileCall):

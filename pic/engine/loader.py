@@ -9,12 +9,15 @@ read by the engine thread once done (``Future.done``), so no lock guards engine 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from pic.kv import ChunkKV
 from pic.store import TieredStore
 from pic.store.tier import LowerTier
+
+log = logging.getLogger(__name__)
 
 # Threads loading at once: enough that one request stuck on a hung Redis does not hold up loads from the
 # CPU tier, few enough that a flood of requests does not open a connection each. Writes go through one
@@ -66,6 +69,18 @@ class Loader:
                 self.store.write_lower(c, tiers=self.store.shared_tiers, missing_only=True)
             except Exception as exc:
                 self.store.recheck_failed(c.cache_id, exc)
+
+        self._submit(self._writes, run, chunk)
+
+    def write_back(self, chunk: ChunkKV) -> None:
+        """Write a chunk compiled again for a request (no tier held it, or its copy was damaged) to the lower
+        tiers that lack it, fire and forget: a failure is logged, never the request's."""
+
+        def run(c: ChunkKV) -> None:
+            try:
+                self.store.write_lower(c, missing_only=True)
+            except Exception as exc:  # StoreUnavailableError
+                log.warning("pic: could not write chunk %s, compiled again, to the lower tiers: %s", c.cache_id, exc)
 
         self._submit(self._writes, run, chunk)
 
