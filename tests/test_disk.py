@@ -17,7 +17,7 @@ from pic.config import CompileOptions
 from pic.errors import StoreUnavailableError
 from pic.ids import chunk_id
 from pic.kv import ChunkKV
-from pic.store import DiskTier, serde
+from pic.store import DiskTier, disk_file, serde
 from pic.store.disk_file import SUFFIX
 
 FINGERPRINT = "0123456789abcdef0123456789abcdef"
@@ -40,7 +40,7 @@ def tier(path: Path, capacity: int = 1 << 30, **kwargs) -> DiskTier:
 
 
 def files(t: DiskTier) -> list[Path]:
-    return sorted(p for p in t.path.iterdir() if p.name != ".lock")
+    return sorted(p for p in t.path.iterdir() if p.name not in (".lock", ".usage"))
 
 
 def assert_same(a: ChunkKV, b: ChunkKV) -> None:
@@ -135,6 +135,27 @@ def test_a_restart_with_a_smaller_limit_evicts_down_to_it_and_removes_dead_write
     smaller = tier(tmp_path / "d", capacity=2 * size)
     assert len(smaller.ids()) == 2 and smaller.stats().num_bytes <= 2 * size
     assert not leftover.exists() and live.exists()
+
+
+def test_the_usage_record_spares_listings_and_a_wrong_one_is_corrected(tmp_path, monkeypatch):
+    chunks = [make_chunk(i, num_tokens=8) for i in range(140)]
+    size = probe_size(tmp_path / "probe", chunks[0])
+    t = tier(tmp_path / "d", capacity=100 * size)
+    listings, real = [], disk_file.listing
+    monkeypatch.setattr(disk_file, "listing", lambda d: listings.append(d) or real(d))
+    for c in chunks[:90]:
+        assert t.put(c)
+    assert listings == []  # the record says there is room
+    for c in chunks[90:]:
+        assert t.put(c)
+        assert sum(p.stat().st_size for p in files(t)) <= 100 * size
+    assert 0 < len(listings) < 20  # each listing evicts a few files ahead (1/32 of the capacity), not one
+    disk_file.write_usage(t.path, 100 * size)  # a record left high (a process died between its steps)
+    assert t.put(chunks[0]) and disk_file.read_usage(t.path) == sum(p.stat().st_size for p in files(t))
+    (t.path / ".usage").write_text("garbage")
+    assert t.put(make_chunk(999, num_tokens=8)) and disk_file.read_usage(t.path) == sum(
+        p.stat().st_size for p in files(t)
+    )
 
 
 def test_a_failing_disk_raises_naming_the_path_or_is_a_logged_miss(tmp_path, caplog):

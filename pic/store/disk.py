@@ -76,8 +76,8 @@ class DiskTier:
             self.path.mkdir(parents=True, exist_ok=True)
             (self.path / ".lock").touch()
             removed = disk_file.sweep_tmp(self.path)
-            with disk_file.locked(self.path):
-                self._evict(disk_file.listing(self.path), 0, keep=())  # a smaller limit than the last run's
+            with disk_file.locked(self.path):  # a smaller limit than the last run's evicts; the usage record is redone
+                self._make_room(None, 0, keep=(), rescan=True)
         except OSError as exc:
             raise StoreUnavailableError(f"disk tier at {self.path} cannot start: {exc}") from exc
         if removed:
@@ -106,7 +106,7 @@ class DiskTier:
         except serde.CorruptEntryError as exc:
             log.warning("pic: dropping chunk file %s: %s", path, exc)
             self._count(errors=1)
-            path.unlink(missing_ok=True)
+            self._remove(path)
             return None
         with contextlib.suppress(FileNotFoundError):
             os.utime(path)  # recently used, for every process sharing the directory
@@ -135,15 +135,14 @@ class DiskTier:
         return path is not None and path.exists()
 
     def can_fit(self, num_bytes: int, *, keep: Collection[str] = ()) -> bool:
-        """Whether ``num_bytes`` fit after evicting every file that is neither pinned nor in ``keep``
-        (one directory listing; another process may fill it meanwhile, which ``put`` then finds)."""
-        if num_bytes > self.capacity_bytes:
-            return False
-        held = self._pins().union(keep)
-        with self._guard():
-            held_bytes = sum(size for cid, (size, _) in disk_file.listing(self.path).items() if cid in held)
-            return held_bytes + num_bytes <= self.capacity_bytes
-        return False
+        """Whether ``num_bytes`` fit after evicting every file that is neither pinned nor in ``keep`` (a ``stat``
+        of each of those, no listing: the engine thread asks; another process may fill the directory meanwhile,
+        which ``put`` then finds)."""
+        held_bytes = 0
+        for cache_id in self._pins().union(keep):
+            with contextlib.suppress(OSError, TypeError):  # not on disk (None: not an id)
+                held_bytes += self._file(cache_id).stat().st_size  # type: ignore[union-attr]
+        return held_bytes + num_bytes <= self.capacity_bytes
 
     def put(self, chunk: ChunkKV, *, keep: Collection[str] = ()) -> bool:
         """Write ``chunk``, evicting least-recently-used files that are neither pinned nor in ``keep``;
@@ -158,9 +157,7 @@ class DiskTier:
             tmp = disk_file.write(path, chunk, fingerprint=self._expected.fingerprint, part_bytes=self._part_bytes)
             try:
                 with disk_file.locked(self.path):
-                    files = disk_file.listing(self.path)
-                    files.pop(chunk.cache_id, None)  # another process's copy of it, which the rename replaces
-                    fits = self._evict(files, tmp.stat().st_size, keep=keep)
+                    fits = self._make_room(chunk.cache_id, tmp.stat().st_size, keep=keep)
                     if fits:
                         os.replace(tmp, path)
             finally:
@@ -172,11 +169,7 @@ class DiskTier:
         path = self._file(cache_id)
         self.unpin(cache_id)
         with self._guard():
-            try:
-                path.unlink()  # type: ignore[union-attr]
-                return True
-            except (FileNotFoundError, AttributeError):
-                return False
+            return path is not None and self._remove(path)
         return False
 
     def pin(self, cache_id: str) -> bool:
@@ -217,22 +210,57 @@ class DiskTier:
 
     # -- the directory ------------------------------------------------------------------------------
 
-    def _evict(self, files: dict[str, tuple[int, int]], num_bytes: int, *, keep: Collection[str]) -> bool:
-        """Remove the least recently used evictable files until ``num_bytes`` more fit (under the lock);
-        ``False`` (nothing removed) when they cannot."""
+    def _make_room(self, cache_id: str | None, num_bytes: int, *, keep: Collection[str], rescan: bool = False) -> bool:
+        """Under the directory's lock: reserve ``num_bytes`` for ``cache_id`` in the usage record (``.usage``: the
+        bytes of every file, kept by every process), evicting first when they do not fit; ``False`` (nothing
+        evicted) when they cannot. The record is trusted only to say "there is room": when it says "full" (or is
+        missing, or ``rescan``), the directory is listed and the record rewritten from the files, so a record
+        left high by a process that died is corrected at the next eviction, and one is never left low (bytes are
+        reserved before a rename and released after an unlink)."""
+        used = None if rescan else disk_file.read_usage(self.path)
+        if used is None or used + num_bytes > self.capacity_bytes:
+            files = disk_file.listing(self.path)
+            files.pop(cache_id, None)  # another process's copy of it, which the rename replaces
+            used = self._evict(files, num_bytes, keep=keep)
+            if used + num_bytes > self.capacity_bytes:
+                disk_file.write_usage(self.path, used)
+                return False
+        disk_file.write_usage(self.path, used + num_bytes)
+        return True
+
+    def _evict(self, files: dict[str, tuple[int, int]], num_bytes: int, *, keep: Collection[str]) -> int:
+        """Remove the least recently used evictable files (under the lock) until ``num_bytes`` more fit, and on
+        towards 1/32 of the capacity below that (never past it), so that a full directory is listed once per
+        several writes rather than at each; removes nothing when ``num_bytes`` cannot fit. Returns the bytes left."""
         total = sum(size for size, _ in files.values())
+        if total + num_bytes <= self.capacity_bytes:
+            return total
         pinned = self._pins()
         victims = [cid for cid in files if cid not in pinned and cid not in keep]
-        freeable = sum(files[cid][0] for cid in victims)
-        if total - freeable + num_bytes > self.capacity_bytes:
-            return False
+        if total - sum(files[cid][0] for cid in victims) + num_bytes > self.capacity_bytes:
+            return total
+        goal = self.capacity_bytes - num_bytes - self.capacity_bytes // 32
         for cache_id in victims:
-            if total + num_bytes <= self.capacity_bytes:
-                break
+            size = files[cache_id][0]
+            if total + num_bytes <= self.capacity_bytes and total - size < goal:
+                break  # it fits, and one more would evict past the goal
             self._file(cache_id).unlink(missing_ok=True)  # type: ignore[union-attr]
-            total -= files[cache_id][0]
+            total -= size
             self._count(evictions=1)
-        return True
+        return total
+
+    def _remove(self, path: Path) -> bool:
+        """Unlink a chunk file and release its bytes in the usage record; ``False`` if it was not there."""
+        with disk_file.locked(self.path):
+            try:
+                size = path.stat().st_size
+                path.unlink()
+            except FileNotFoundError:
+                return False
+            used = disk_file.read_usage(self.path)
+            if used is not None:
+                disk_file.write_usage(self.path, max(0, used - size))
+            return True
 
     def _count(self, **counts: int) -> None:
         with self._lock:

@@ -53,6 +53,20 @@ def listing(directory: Path) -> dict[str, tuple[int, int]]:
     return {cache_id: (size, mtime) for mtime, cache_id, size in sorted(found)}
 
 
+def read_usage(directory: Path) -> int | None:
+    """The bytes of chunk files the usage record says ``directory`` holds; ``None`` when there is no readable
+    record (then the caller lists the directory). Read and written under ``locked``."""
+    try:
+        text = (directory / ".usage").read_text()
+    except FileNotFoundError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def write_usage(directory: Path, num_bytes: int) -> None:
+    (directory / ".usage").write_text(str(num_bytes))
+
+
 @contextlib.contextmanager
 def locked(directory: Path) -> Iterator[None]:
     """``directory``'s exclusive lock (``flock`` on its ``.lock``: between processes, and between one process's
