@@ -43,6 +43,20 @@ def test_top_k_1_and_tiny_top_p_are_greedy(engine):
     assert fresh(engine).generate(max_new_tokens=24, temperature=1.5, top_p=1e-6, seed=0).token_ids == greedy
 
 
+@pytest.mark.parametrize(
+    "options",
+    [{"temperature": 5e-324}, {"temperature": 1e-45}, {"temperature": 1e-38, "seed": 3},
+     {"temperature": 0.8, "top_p": 1e-300, "top_k": 1}, {"temperature": 1.0, "top_p": 5e-324}],
+)  # fmt: skip
+def test_a_vanishing_temperature_or_top_p_is_greedy_not_token_0(engine, options):
+    """Issue 33: logits divided by 5e-324 overflow to inf (a NaN softmax), and float32 rounds a top_p of
+    1e-300 to 0: both sampled token id 0 at every step. They mean greedy."""
+    greedy = fresh(engine).generate(max_new_tokens=12).token_ids
+    assert set(greedy) != {0}
+    assert fresh(engine).generate(max_new_tokens=12, **options).token_ids == greedy
+    assert pic.SamplingParams(**options).temperature == 0.0
+
+
 def test_stop_string(engine):
     text = fresh(engine).generate(max_new_tokens=40).text
     stop = text[10:14]

@@ -7,11 +7,20 @@ from collections.abc import Sequence
 from typing import TypedDict
 
 import torch
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from pic.config import _Frozen, as_tuple
 from pic.errors import InvalidInputError
 from pic.kv.transfer import long_tensor
+
+# Temperatures below this sample greedily (vLLM's threshold): dividing float32 logits by a smaller one
+# overflows to inf, and a softmax of infs is NaN (every token id 0). At 1e-5 the distribution is one-hot
+# already, up to ties.
+GREEDY_TEMPERATURE = 1e-5
+# A top_p below this samples greedily: the most likely token of a vocabulary under a million tokens has at
+# least this probability, so the nucleus is that token alone (and float32 rounds a top_p under 1e-45 to 0,
+# which would drop every token).
+GREEDY_TOP_P = 1e-6
 
 
 class SamplingParams(_Frozen):
@@ -23,8 +32,10 @@ class SamplingParams(_Frozen):
 
     Attributes:
         max_new_tokens: most tokens to generate.
-        temperature: 0 is greedy (argmax); otherwise logits are divided by it before sampling.
-        top_p: nucleus sampling: keep the smallest set of tokens whose probability reaches ``top_p``.
+        temperature: 0 is greedy (argmax); otherwise logits are divided by it before sampling. Under
+            ``GREEDY_TEMPERATURE`` (1e-5) it is greedy too (set to 0).
+        top_p: nucleus sampling: keep the smallest set of tokens whose probability reaches ``top_p``. Under
+            ``GREEDY_TOP_P`` (1e-6) the nucleus is the most likely token: greedy (temperature set to 0).
         top_k: keep the ``top_k`` most likely tokens (0: all).
         seed: seeds a private generator, so equal seeds give equal samples (``0 <= seed < 2**64``).
         stop: strings that end the generation; the text stops before the first one.
@@ -36,6 +47,17 @@ class SamplingParams(_Frozen):
     top_k: int = Field(default=0, ge=0)
     seed: int | None = Field(default=None, ge=0, lt=2**64)
     stop: tuple[str, ...] = ()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _vanishing_is_greedy(cls, data: object) -> object:
+        """A vanishing temperature or top_p means greedy; sampling with it would pick token 0 every time."""
+        if not isinstance(data, dict):
+            return data
+        t, p = data.get("temperature"), data.get("top_p")
+        tiny_t = isinstance(t, float) and 0.0 < t < GREEDY_TEMPERATURE
+        tiny_p = isinstance(p, float) and 0.0 < p < GREEDY_TOP_P
+        return {**data, "temperature": 0.0} if tiny_t or tiny_p else data
 
     @field_validator("stop", mode="before")
     @classmethod

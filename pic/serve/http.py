@@ -1,11 +1,14 @@
-"""HTTP plumbing of the server: OpenAI-style error bodies, the bearer-key check and the body-size limit.
+"""HTTP plumbing of the server: OpenAI-style error bodies, the bearer-key check, the body-size limit and the
+body-read timeout.
 
-Both guards are plain ASGI middleware, so they run before routing and parsing: an unauthenticated or
-oversized request never reaches a handler (nor a JSON parser).
+The guards are plain ASGI middleware, so they run before routing and parsing: an unauthenticated, oversized
+or stalled request never reaches a handler (nor a JSON parser). The header-read timeout comes before any
+ASGI code runs: ``protocol.py``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 
@@ -67,17 +70,20 @@ async def _send_json(send, status: int, message: str, kind: str) -> None:
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if status == 401:
         headers.append((b"www-authenticate", b"Bearer"))
+    if status == 408:
+        headers.append((b"connection", b"close"))  # the rest of the body may still come: no next request
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
 
 class Guard:
     """ASGI middleware: ``Authorization: Bearer <api_key>`` on every path but ``/health`` (compared in
-    constant time), and request bodies of at most ``max_body_bytes`` (413 otherwise, by the declared length
-    or by the bytes actually received)."""
+    constant time), request bodies of at most ``max_body_bytes`` (413 otherwise, by the declared length or by
+    the bytes actually received), and no wait of over ``body_timeout_s`` for the next piece of a body (408,
+    and the connection closed: a client trickling nothing holds no handler)."""
 
-    def __init__(self, app, *, api_key: str | None, max_body_bytes: int) -> None:
-        self.app, self.max_body_bytes = app, max_body_bytes
+    def __init__(self, app, *, api_key: str | None, max_body_bytes: int, body_timeout_s: float = 30.0) -> None:
+        self.app, self.max_body_bytes, self.body_timeout_s = app, max_body_bytes, body_timeout_s
         self._key = None if api_key is None else f"Bearer {api_key}".encode()
 
     async def __call__(self, scope, receive, send) -> None:
@@ -90,34 +96,46 @@ class Guard:
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
             return await _send_json(send, 413, self._too_large(int(declared)), "invalid_request_error")
-        received, too_large = 0, False
+        received, refused, body_done = 0, None, False
 
-        async def limited_receive():
-            nonlocal received, too_large
-            message = await receive()
+        async def guarded_receive():
+            nonlocal received, refused, body_done
+            if body_done:  # after the body, receive waits for the disconnect: as long as it takes
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.body_timeout_s)
+            except asyncio.TimeoutError:
+                refused = _Refused(408, self._stalled(received))
+                raise refused from None
+            body_done = not message.get("more_body", False)
             received += len(message.get("body", b""))
             if received > self.max_body_bytes:
-                too_large = True
-                raise _BodyTooLarge(received)
+                refused = _Refused(413, self._too_large(received))
+                raise refused
             return message
 
         async def checked_send(message) -> None:
-            # A framework that catches the error while reading the body answers 400 on its own: say 413.
-            if not too_large:
+            # A framework that catches the error while reading the body answers 400 on its own: say why.
+            if refused is None:
                 await send(message)
             elif message["type"] == "http.response.start":
-                await _send_json(send, 413, self._too_large(received), "invalid_request_error")
+                await _send_json(send, refused.status, refused.message, "invalid_request_error")
 
         try:
-            await self.app(scope, limited_receive, checked_send)
-        except _BodyTooLarge as exc:
-            await _send_json(send, 413, self._too_large(exc.num_bytes), "invalid_request_error")
+            await self.app(scope, guarded_receive, checked_send)
+        except _Refused as exc:
+            await _send_json(send, exc.status, exc.message, "invalid_request_error")
 
     def _too_large(self, num_bytes: int) -> str:
         return f"request body of {num_bytes} bytes is over the limit of {self.max_body_bytes} bytes"
 
+    def _stalled(self, num_bytes: int) -> str:
+        return f"the request body stalled: nothing more came for {self.body_timeout_s:g} s after {num_bytes} bytes"
 
-class _BodyTooLarge(Exception):
-    def __init__(self, num_bytes: int) -> None:
-        super().__init__(num_bytes)
-        self.num_bytes = num_bytes
+
+class _Refused(Exception):
+    """A body the Guard refuses while the app reads it: the status (413, 408) and the message to answer."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status, self.message = status, message

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pic.cli_args import chat_template, nonempty, policy, port, positive_int, redis_url
+from pic.cli_args import byte_size, chat_template, nonempty, policy, port, positive_float, positive_int, redis_url
 
 
 def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -20,7 +20,27 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "--on-redis-error", choices=("raise", "miss"), default="raise",
         help="when Redis fails: raise (503) or miss (serve from the upper tiers, log it)",
     )  # fmt: skip
+    serve.add_argument(
+        "--disk-path", default=None, metavar="DIR",
+        help="keep compiled chunks in files under DIR: they survive a restart (needs --disk-bytes)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--disk-bytes", type=byte_size, default=None, metavar="SIZE",
+        help="the disk tier's capacity (bytes, or 512M, 10G ...); least recently used chunks are evicted",
+    )  # fmt: skip
+    serve.add_argument(
+        "--on-disk-error", choices=("raise", "miss"), default="raise",
+        help="when the disk fails (full, read-only): raise (503) or miss (serve from the other tiers, log it)",
+    )  # fmt: skip
     serve.add_argument("--max-body-bytes", type=positive_int, default=8 << 20, help="larger request bodies get a 413")
+    serve.add_argument(
+        "--header-timeout", type=positive_float, default=10.0, metavar="SECONDS",
+        help="a request's header must arrive within this many seconds (else 408, and the connection closed)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--body-timeout", type=positive_float, default=30.0, metavar="SECONDS",
+        help="the longest wait for the next piece of a request body (else 408, and the connection closed)",
+    )  # fmt: skip
     serve.add_argument(
         "--kv-pool-tokens", type=positive_int, default=None,
         help="KV pool size in tokens: live requests and resident chunks (default: 80%% of free GPU memory; "
@@ -45,12 +65,13 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         from pic.errors import MissingDependencyError
 
-        raise MissingDependencyError('pic serve needs FastAPI and uvicorn: pip install "pic[serve]"') from None
+        raise MissingDependencyError('pic serve needs FastAPI and uvicorn: pip install "pic-kv[serve]"') from None
     import pic
     from pic.check import check
     from pic.serve.app import build_app
+    from pic.serve.protocol import timed_protocol
 
-    store = pic.StoreConfig(redis_url=args.redis_url, on_redis_error=args.on_redis_error) if args.redis_url else None
+    store = store_config(args)
     options = {"kv_pool_tokens": args.kv_pool_tokens, "default_policy": args.policy}
     config = pic.PICConfig(**{key: value for key, value in options.items() if value is not None})
     model = args.model or pic.EMBEDDED_MODEL
@@ -63,9 +84,28 @@ def run(args: argparse.Namespace) -> int:
     if not result.passed and not args.skip_check:
         print("pic: error: refusing to serve a model that fails the check (--skip-check overrides)", file=sys.stderr)
         return 1
-    app = build_app(engine, model_name=name, api_key=args.api_key, max_body_bytes=args.max_body_bytes)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    app = build_app(
+        engine, model_name=name, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+        body_timeout_s=args.body_timeout,
+    )  # fmt: skip
+    http = timed_protocol(headers_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info", http=http)
     return 0
+
+
+def store_config(args: argparse.Namespace):
+    """The ``StoreConfig`` the store flags ask for; ``None``: the default (the KV pool alone).
+
+    Raises:
+        InvalidInputError: ``--disk-path`` without ``--disk-bytes`` or the reverse.
+    """
+    import pic
+
+    fields = {"redis_url": args.redis_url, "disk_path": args.disk_path, "disk_bytes": args.disk_bytes}
+    if all(value is None for value in fields.values()):
+        return None
+    errors = {"on_redis_error": args.on_redis_error, "on_disk_error": args.on_disk_error}
+    return pic.StoreConfig(**fields, **errors)
 
 
 def _use_chat_template(engine, template: str) -> None:

@@ -1,34 +1,31 @@
 """Request bodies of the OpenAI-compatible routes, validated (pydantic) before anything reaches the engine.
 
 Values are taken as JSON types, strictly (``"max_tokens": "4"``, ``true`` or ``4.0`` is refused, as the Python
-API refuses them). Unknown fields are ignored, as OpenAI's clients send some this server has no use for
-(``user`` ...); OpenAI parameters it does not honour are refused with a 400 naming them when they ask for
-something (``logprobs: 5``, ``frequency_penalty: 0.5``), and accepted at their neutral value (``null``, 0,
-``false``), so that a request never silently gets less than it asked for.
+API refuses them). A top-level field that is neither the route's own nor an OpenAI parameter is a 400 naming
+it (``documents`` belongs under ``"pic"``); OpenAI parameters the server has no use for are accepted and
+ignored (``user``, ``metadata`` ...: ``openai_params.IGNORED``); those it does not honour are refused with a 400
+naming them when they ask for something (``logprobs: 5``, ``frequency_penalty: 0.5``), and accepted at their
+neutral value (``null``, 0, ``false``), so that a request never silently gets less than it asked for.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-# OpenAI parameters this server does not implement, with the values that ask for nothing.
-UNSUPPORTED: dict[str, tuple[object, ...]] = {
-    "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0),
-    "echo": (None, False),
-    "best_of": (None, 1),
-    "suffix": (None, ""),
-    "frequency_penalty": (None, 0),
-    "presence_penalty": (None, 0),
-    "logit_bias": (None, {}),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
-    "functions": (None, []),
-    "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}),
+from pic.engine.sampling import GREEDY_TEMPERATURE, GREEDY_TOP_P
+from pic.serve.openai_params import openai_properties, unknown_fields, unsupported_parameters
+
+# What the schema says of an integer field: JSON Schema's "integer" takes 4.0 too; this server does not.
+_INT = "a JSON integer, written without a fraction (4.0 is refused, as the Python API refuses it)"
+# Documents the schema asks to be non-empty (an empty one has no tokens: a 400).
+_NONEMPTY_ITEMS = {"items": {"type": "string", "minLength": 1}}
+# ``context`` and ``system`` both given: refused.
+_BOTH_CONTEXTS = {
+    "required": ["context", "system"],
+    "properties": {"context": {"type": "string"}, "system": {"type": "string"}},
 }
 
 
@@ -58,39 +55,55 @@ class PicOptions(_Body):
     model_config = ConfigDict(extra="forbid")
 
     cache_ids: list[str] = Field(default_factory=list, max_length=4096)
-    documents: list[str] = Field(default_factory=list, max_length=1024)
+    documents: list[str] = Field(default_factory=list, max_length=1024, json_schema_extra=_NONEMPTY_ITEMS)
     policy: str | None = None
     prefix: str = ""
     relevance: list[float] | None = Field(default=None, max_length=5120)
 
 
 class Sampling(_Body):
-    """OpenAI's sampling fields (their defaults: temperature 1, top_p 1), and ``top_k`` (0: off)."""
+    """OpenAI's sampling fields (their defaults: temperature 1, top_p 1), and ``top_k`` (0: off).
+
+    A ``temperature`` under ``GREEDY_TEMPERATURE`` or a ``top_p`` under ``GREEDY_TOP_P`` is greedy (the
+    temperature becomes 0): what sampling at them means, without the float32 overflow that makes it NaN.
+    """
+
+    model_config = ConfigDict(json_schema_extra=lambda schema, cls: cls._openai_schema(schema))
+    route: ClassVar[str] = ""
 
     model: str
-    max_tokens: int | None = Field(default=16, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0)
-    seed: int | None = Field(default=None, ge=0, lt=2**64)
-    stop: str | list[str] | None = None
-    n: int = 1
+    max_tokens: int | None = Field(default=16, ge=1, description=_INT)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0, description=f"under {GREEDY_TEMPERATURE:g}: greedy")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description=f"under {GREEDY_TOP_P:g}: greedy")
+    top_k: int = Field(default=0, ge=0, description=f"0: off; {_INT}")
+    seed: int | None = Field(default=None, ge=0, lt=2**64, description=_INT)
+    stop: str | list[str] | None = Field(default=None, json_schema_extra=lambda schema: _stop_schema(schema))
+    n: int = Field(default=1, description=f"1 only; {_INT}", json_schema_extra={"minimum": 1, "maximum": 1})
     stream: bool = False
     stream_options: StreamOptions | None = None
     pic: PicOptions = Field(default_factory=PicOptions)
 
     @model_validator(mode="before")
     @classmethod
-    def _refuse_unsupported(cls, data: Any) -> Any:
+    def _refuse_unknown_and_unsupported(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            asked = [key for key, neutral in UNSUPPORTED.items() if key in data and data[key] not in neutral]
-            if asked:
-                raise PydanticCustomError(
-                    "unsupported_parameter",
-                    "{names}: not supported by this server (leave them out)",
-                    {"names": ", ".join(f"{key}={data[key]!r:.40}" for key in asked)},
-                )
+            refused = unknown_fields(data, set(cls.model_fields), cls.route) or unsupported_parameters(data)
+            if refused is not None:
+                kind, param, message = refused
+                raise PydanticCustomError(kind, "{message}", {"message": message, "param": param})
         return data
+
+    @model_validator(mode="after")
+    def _greedy_when_vanishing(self) -> Sampling:
+        if self.temperature < GREEDY_TEMPERATURE or self.top_p < GREEDY_TOP_P:
+            self.temperature = 0.0
+        return self
+
+    @classmethod
+    def _openai_schema(cls, schema: dict) -> None:
+        """The body's schema lists the OpenAI parameters it accepts beyond its fields, and no others."""
+        schema.setdefault("properties", {}).update(openai_properties())
+        schema["additionalProperties"] = False
 
     @field_validator("n")
     @classmethod
@@ -110,6 +123,8 @@ class Sampling(_Body):
 
 
 class CompletionBody(Sampling):
+    route: ClassVar[str] = "/v1/completions"
+
     prompt: str
 
 
@@ -119,9 +134,9 @@ class ChunksBody(_Body):
     dropped), or after the chat template's system turn with ``system`` as the system prompt (``""``: no system
     message), as chat requests compile their inline documents."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"not": _BOTH_CONTEXTS})
 
-    documents: list[str] = Field(min_length=1, max_length=1024)
+    documents: list[str] = Field(min_length=1, max_length=1024, json_schema_extra=_NONEMPTY_ITEMS)
     policy: str | None = None
     context: str | None = Field(default=None, min_length=1)
     system: str | None = None
@@ -143,8 +158,10 @@ class ChatBody(Sampling):
     """``POST /v1/chat/completions``: the documents go where ``pic.link_chat`` puts them (the start of the first
     user message, or a ``{documents}`` marker); ``pic.prefix`` does not apply."""
 
+    route: ClassVar[str] = "/v1/chat/completions"
+
     messages: list[ChatMessage] = Field(min_length=1, max_length=1024)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, description=_INT)
 
     @field_validator("pic")
     @classmethod
@@ -152,3 +169,10 @@ class ChatBody(Sampling):
         if value.prefix:
             raise ValueError("pic.prefix does not apply to chat: the chat template writes the text before the chunks")
         return value
+
+
+def _stop_schema(schema: dict) -> None:
+    """``stop``: a non-empty string, at most 4 of them, or null (what ``Sampling._stops`` lets through)."""
+    text = {"type": "string", "minLength": 1}
+    schema.pop("anyOf", None)
+    schema["anyOf"] = [text, {"type": "array", "items": text, "maxItems": 4}, {"type": "null"}]

@@ -1,0 +1,102 @@
+"""The JSON bodies the server answers, as pydantic models: only for ``/openapi.json`` (``openapi.py``), so a
+client or a fuzzer can check every response against them. The handlers build plain dicts (``replies.py``);
+``tests/test_schemathesis.py`` checks that the two agree.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: int
+
+
+class ErrorBody(BaseModel):
+    """OpenAI's error body; ``code`` is the HTTP status."""
+
+    error: ErrorDetail
+
+
+class Health(BaseModel):
+    status: Literal["ok"]
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class CacheIds(BaseModel):
+    cache_ids: list[str]
+
+
+class ChunkInfo(BaseModel):
+    id: str
+    tiers: list[str]
+    num_tokens: int
+    bytes: int
+
+
+class Deleted(BaseModel):
+    id: str
+    deleted: Literal[True]
+
+
+class Usage(BaseModel):
+    """OpenAI's usage, with the prompt tokens linking reused (cached KV) and recomputed."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    reused_tokens: int
+    recomputed_tokens: int
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None
+    finish_reason: Literal["stop", "length"] | None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: None
+    finish_reason: Literal["stop", "length"] | None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage

@@ -1,0 +1,378 @@
+"""What a fuzzer found in ``pic serve`` (issue: HTTP strictness): misplaced fields silently ignored, vanishing
+temperatures sampling token 0, an ``/openapi.json`` that did not match the server, 405s without ``Allow``, and
+no deadline on reading a request (100 connections trickling a byte a second were all held open)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import select
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+import pic
+from pic.serve.app import build_app
+from pic.serve.protocol import timed_protocol
+from tests.models import QUERY, model
+from tests.test_chat import CHATML, chat_tokenizer
+
+KEY = "strict-key"
+MODEL = "stories260K"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serving(app, *, headers_timeout_s: float = 10.0, body_timeout_s: float = 30.0) -> Iterator[str]:
+    """``app`` on uvicorn with ``pic serve``'s protocol (its read deadlines) on a free loopback port; yields its
+    base URL."""
+    port = free_port()
+    protocol = timed_protocol(headers_timeout_s=headers_timeout_s, body_timeout_s=body_timeout_s)
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", http=protocol)
+    srv = uvicorn.Server(config)
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not srv.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        srv.should_exit = True
+        thread.join(10)
+
+
+def served_app(**options):
+    """stories260K (with a chat template) in ``pic serve``'s app, behind ``KEY``."""
+    engine = pic.PIC(model(MODEL), chat_tokenizer(CHATML))
+    return engine, build_app(engine, model_name=MODEL, api_key=KEY, **options)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[tuple[str, pic.PIC]]:
+    engine, app = served_app()
+    with serving(app) as url:
+        yield url, engine
+
+
+def _http(server) -> httpx.Client:
+    return httpx.Client(base_url=server[0], headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+
+
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 4}
+COMPLETION = {"model": MODEL, "prompt": QUERY, "max_tokens": 4}
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "param", "named"),
+    [
+        ("/v1/completions", {**COMPLETION, "documents": ["x"]}, "documents", 'go under "pic": {"documents": [...]}'),
+        ("/v1/chat/completions", {**CHAT, "cache_ids": ["x"]}, "cache_ids", '"pic": {"cache_ids": [...]}'),
+        ("/v1/completions", {**COMPLETION, "policy": "mepic"}, "policy", '"pic": {"policy": "..."}'),
+        ("/v1/completions", {**COMPLETION, "temprature": 0}, "temprature", "not a parameter of /v1/completions"),
+        ("/v1/completions", {**COMPLETION, "messages": []}, "messages", "go to /v1/chat/completions"),
+        ("/v1/chat/completions", {**CHAT, "prompt": "x"}, "prompt", "a prompt goes to /v1/completions"),
+    ],
+)
+def test_an_unknown_top_level_field_is_a_400_naming_its_place(server, route, body, param, named):
+    """A top-level ``documents`` was silently ignored: the answer never saw the documents."""
+    with _http(server) as http:
+        response = http.post(route, json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert f"unknown field {param!r}" in error["message"] and named in error["message"], error
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+
+
+def test_openai_parameters_that_clients_send_are_accepted(server):
+    """What the ``openai`` client and LangChain's ``ChatOpenAI`` send (``user``, ``metadata``, ``store``,
+    ``n``, ``stream_options``, ``logprobs: false`` ...) is accepted and ignored; a value that asks for something
+    the server does not do stays a 400."""
+    client = openai.OpenAI(base_url=f"{server[0]}/v1", api_key=KEY, max_retries=0)
+    harmless = {
+        "user": "u-1", "metadata": {"team": "a"}, "store": False, "service_tier": "auto", "n": 1,
+        "parallel_tool_calls": False, "prompt_cache_key": "k", "safety_identifier": "s", "logprobs": False,
+        "modalities": ["text"], "frequency_penalty": 0.0, "presence_penalty": 0.0,
+    }  # fmt: skip
+    greedy = client.chat.completions.create(messages=CHAT["messages"], model=MODEL, max_tokens=6, temperature=0)
+    out = client.chat.completions.create(
+        messages=CHAT["messages"], model=MODEL, max_tokens=6, temperature=0, **harmless
+    )
+    assert out.choices[0].message.content == greedy.choices[0].message.content
+    stream = client.chat.completions.create(
+        messages=CHAT["messages"], model=MODEL, max_completion_tokens=6, temperature=0, stream=True,
+        stream_options={"include_usage": True}, user="u-1",
+    )  # fmt: skip
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == greedy.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == 6
+    # LangChain's ChatOpenAI: its default parameters, a message with a name
+    langchain = {
+        "model": MODEL, "stream": False, "n": 1, "temperature": 0.7, "max_completion_tokens": 4, "logprobs": False,
+        "messages": [{"role": "user", "content": "Tell me a story.", "name": "bob"}],
+    }  # fmt: skip
+    with _http(server) as http:
+        assert http.post("/v1/chat/completions", json=langchain).status_code == 200
+        completion = http.post("/v1/completions", json={**COMPLETION, "user": "u", "echo": False, "best_of": 1})
+        assert completion.status_code == 200, completion.text
+        asked = http.post("/v1/completions", json={**COMPLETION, "presence_penalty": False, "modalities": ["audio"]})
+        assert asked.status_code == 400 and "presence_penalty=False, modalities=['audio']" in asked.text
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [{"temperature": 5e-324}, {"temperature": 1e-45}, {"temperature": 1e-40}, {"top_p": 1e-300, "top_k": 1}],
+    ids=["temperature-5e-324", "temperature-1e-45", "temperature-1e-40", "top_p-1e-300"],
+)
+def test_a_vanishing_temperature_or_top_p_is_greedy(server, sampling):
+    """float32 made these 0 (or the logits over them inf): every token was id 0. They are greedy now."""
+    engine = server[1]
+    expected = engine.link([], QUERY).generate(max_new_tokens=8)
+    with _http(server) as http:
+        response = http.post("/v1/completions", json={**COMPLETION, "max_tokens": 8, "seed": 1, **sampling})
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["text"] == expected.text
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "allow"),
+    [
+        ("PUT", "/v1/completions", "POST"),
+        ("GET", "/v1/chat/completions", "POST"),
+        ("POST", "/health", "GET"),
+        ("OPTIONS", "/v1/chunks/abc", "DELETE, GET"),
+        ("PATCH", "/v1/chunks", "POST"),
+    ],
+)
+def test_a_405_names_the_allowed_methods(server, method, path, allow):
+    """A 405 without ``Allow`` (and one naming only GET where DELETE works too) broke HTTP's contract."""
+    with _http(server) as http:
+        response = http.request(method, path)
+    assert response.status_code == 405
+    assert response.headers["allow"] == allow
+    assert response.json()["error"]["code"] == 405
+
+
+def test_openapi_declares_what_the_server_answers(server):
+    """Each route's statuses with OpenAI's error shape, the event stream, /metrics as text, strict integers."""
+    with _http(server) as http:
+        raw = http.get("/openapi.json").text
+    spec = json.loads(raw)
+    paths, schemas = spec["paths"], spec["components"]["schemas"]
+    statuses = {path: {m: sorted(op["responses"]) for m, op in ops.items()} for path, ops in paths.items()}
+    work = ["200", "400", "401", "404", "408", "413", "422", "500", "503"]
+    assert statuses["/v1/completions"]["post"] == work
+    assert statuses["/v1/chat/completions"]["post"] == work
+    assert statuses["/v1/chunks"]["post"] == ["200", "400", "401", "408", "413", "422", "500", "503"]
+    assert statuses["/v1/chunks/{cache_id}"] == {
+        m: ["200", "401", "404", "408", "413", "500", "503"] for m in ("get", "delete")
+    }
+    assert statuses["/health"]["get"] == ["200", "408", "413"]
+    for ops in paths.values():
+        for op in ops.values():
+            for status, answer in op["responses"].items():
+                if status != "200":
+                    assert answer["content"] == {
+                        "application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}
+                    }
+    assert schemas["ErrorDetail"]["required"] == ["message", "type", "param", "code"]
+    assert set(paths["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
+    assert set(paths["/v1/completions"]["post"]["responses"]["200"]["content"]) == {
+        "application/json",
+        "text/event-stream",
+    }
+    body = schemas["CompletionBody"]
+    assert body["additionalProperties"] is False and "documents" not in body["properties"]
+    assert body["properties"]["logprobs"]["enum"] == [None, False, 0] and "user" in body["properties"]
+    seed = body["properties"]["seed"]["anyOf"][0]
+    assert seed["type"] == "integer" and '"exclusiveMaximum": 18446744073709551616' in raw.replace(":18", ": 18")
+    assert body["properties"]["max_tokens"]["anyOf"][0] == {"type": "integer", "minimum": 1}
+    assert spec["components"]["securitySchemes"] == {"bearer": {"type": "http", "scheme": "bearer"}}
+    assert "security" not in paths["/health"]["get"] and paths["/v1/models"]["get"]["security"] == [{"bearer": []}]
+    assert "HTTPValidationError" not in schemas
+
+
+def test_a_server_fault_is_a_json_500(server, monkeypatch):
+    """A bug outside the engine's requests (here the store's describe) answers OpenAI's error body, not
+    uvicorn's text/plain "Internal Server Error" the schema does not declare."""
+    engine = server[1]
+
+    def broken(cache_id):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(engine.store, "describe", broken)
+    with _http(server) as http:
+        response = http.get("/v1/chunks/abc")
+    assert response.status_code == 500
+    assert response.json()["error"] == {
+        "message": "the request failed: RuntimeError: injected", "type": "server_error", "param": None, "code": 500,
+    }  # fmt: skip
+
+
+# The read deadlines of the server below, short so that the tests are fast.
+DEADLINE_S = 1.0
+
+
+@pytest.fixture(scope="module")
+def quick() -> Iterator[str]:
+    """A server whose header and body deadlines are ``DEADLINE_S``; yields its base URL."""
+    _engine, app = served_app(body_timeout_s=DEADLINE_S)
+    with serving(app, headers_timeout_s=DEADLINE_S, body_timeout_s=DEADLINE_S) as url:
+        yield url
+
+
+def _connect(url: str) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    return socket.create_connection((host, int(port)), timeout=10)
+
+
+def _exchange(
+    sock: socket.socket, pieces: list[bytes], interval_s: float, limit_s: float, *, until_answered: bool = False
+) -> tuple[bytes, float | None]:
+    """Send ``pieces``, one each ``interval_s``, reading what comes back, until the server closes the connection,
+    ``limit_s`` passes or (``until_answered``) a whole response came; returns what came back and when the server
+    closed the connection (seconds; ``None``: open)."""
+    start, received, pending, next_send = time.monotonic(), bytearray(), list(pieces), time.monotonic()
+    while (now := time.monotonic()) - start < limit_s:
+        if pending and now >= next_send:
+            try:
+                sock.sendall(pending.pop(0))
+            except OSError:  # closed under us
+                return bytes(received), now - start
+            next_send = now + interval_s
+        if select.select([sock], [], [], 0.02)[0]:
+            try:
+                data = sock.recv(65536)
+            except ConnectionResetError:
+                data = b""
+            if not data:
+                return bytes(received), time.monotonic() - start
+            received += data
+            if until_answered and not pending and _answered(bytes(received)):
+                break
+    return bytes(received), None
+
+
+def _answered(received: bytes) -> bool:
+    """``received`` holds a whole response (its header, and as many body bytes as it declares)."""
+    head, sep, body = received.partition(b"\r\n\r\n")
+    lengths = [line.split(b":")[1] for line in head.lower().split(b"\r\n") if line.startswith(b"content-length:")]
+    return bool(sep and lengths) and len(body) >= int(lengths[0])
+
+
+def _request(method: str, path: str, body: bytes = b"", *, auth: bool = True, length: int | None = None) -> bytes:
+    headers = [f"{method} {path} HTTP/1.1", "Host: test", "Content-Type: application/json"]
+    headers += [f"Authorization: Bearer {KEY}"] if auth else []
+    headers += [f"Content-Length: {len(body) if length is None else length}", "", ""]
+    return "\r\n".join(headers).encode() + body
+
+
+def _closed_in_time(closed_after: float | None) -> bool:
+    return closed_after is not None and DEADLINE_S * 0.9 <= closed_after <= DEADLINE_S + 3
+
+
+def test_a_stalled_or_trickled_header_gets_a_408_and_the_connection_closed(quick):
+    """Half a header then nothing, nothing at all, or 20 connections trickling a byte each 0.2 s: each is
+    closed at the header deadline (uvicorn alone held them as long as they trickled)."""
+    with _connect(quick) as sock:
+        received, closed_after = _exchange(sock, [_request("GET", "/health")[:30]], 0.0, 6)
+    assert _closed_in_time(closed_after), closed_after
+    assert received.startswith(b"HTTP/1.1 408 ") and b"did not arrive within 1 s" in received, received
+    with _connect(quick) as sock:
+        assert _closed_in_time(_exchange(sock, [], 0.0, 6)[1])
+    socks, header = [_connect(quick) for _ in range(20)], _request("GET", "/health")
+    start, open_, step = time.monotonic(), set(range(20)), 0
+    while open_ and time.monotonic() - start < 6:
+        for i in list(open_):
+            try:
+                socks[i].sendall(header[step : step + 1])
+                while select.select([socks[i]], [], [], 0)[0]:
+                    if not socks[i].recv(65536):  # closed (after its 408)
+                        open_.discard(i)
+                        break
+            except OSError:
+                open_.discard(i)
+        step += 1
+        time.sleep(0.2)
+    elapsed = time.monotonic() - start
+    for sock in socks:
+        sock.close()
+    assert not open_ and elapsed <= DEADLINE_S + 3, (open_, elapsed)
+
+
+def test_a_stalled_body_gets_a_408_and_is_counted(quick):
+    """A body that stops coming: 408 in OpenAI's error shape at the body deadline, the connection closed."""
+    with _connect(quick) as sock:
+        request = _request("POST", "/v1/completions", json.dumps(COMPLETION).encode())
+        received, closed_after = _exchange(sock, [request[:-10]], 0.0, 6)
+    assert _closed_in_time(closed_after), closed_after
+    head, _, body = received.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408 ") and b"connection: close" in head.lower(), head
+    assert json.loads(body)["error"]["message"].startswith("the request body stalled: nothing more came for 1 s")
+    with httpx.Client(base_url=quick, headers={"Authorization": f"Bearer {KEY}"}) as http:
+        assert 'route="/v1/completions",status="408"' in http.get("/metrics").text
+
+
+def test_a_slow_but_progressing_request_is_served(quick):
+    """A header in pieces within its deadline and a body whose pieces come every 0.25 s for 2 s (twice the
+    body deadline in all): the deadlines bound stalls, not slow links. A kept-alive connection's next
+    request gets a fresh header deadline, from its first byte (and a 408 when it stalls)."""
+    body = json.dumps({**COMPLETION, "max_tokens": 1, "pic": {"documents": ["A dog ran."]}}).encode()
+    request = _request("POST", "/v1/completions", body)
+    split = request.index(b"\r\n\r\n") // 2
+    pieces = [request[:split], request[split : split * 2]] + [
+        request[i : i + len(body) // 8 + 1] for i in range(split * 2, len(request), len(body) // 8 + 1)
+    ]
+    with _connect(quick) as sock:
+        received, closed_after = _exchange(sock, pieces, 0.25, len(pieces) * 0.25 + 5, until_answered=True)
+        assert received.startswith(b"HTTP/1.1 200 "), received[:300]
+        assert closed_after is None  # kept alive
+        time.sleep(DEADLINE_S * 1.2)  # idle longer than the header deadline: uvicorn's keep-alive (5 s) allows it
+        received, closed_after = _exchange(sock, [_request("GET", "/health")], 0.0, 5, until_answered=True)
+        assert received.startswith(b"HTTP/1.1 200 "), received[:300]
+        received, closed_after = _exchange(sock, [_request("GET", "/health")[:20]], 0.0, 6)  # and stalls
+        assert received.startswith(b"HTTP/1.1 408 ") and _closed_in_time(closed_after), (received, closed_after)
+
+
+def test_a_body_nobody_reads_is_not_drained_forever(quick):
+    """An early answer (a 401 before the body is read) while the client trickles the rest of a large body:
+    uvicorn reads on for as long as bytes come; the connection is closed at the body deadline."""
+    request = _request("POST", "/v1/completions", auth=False, length=100_000)
+    with _connect(quick) as sock:
+        received, closed_after = _exchange(sock, [request] + [b"x"] * 40, 0.2, 8)
+    assert received.startswith(b"HTTP/1.1 401 "), received[:300]
+    assert _closed_in_time(closed_after), closed_after
+
+
+def test_serve_flags_set_the_read_deadlines(monkeypatch):
+    """``--header-timeout`` and ``--body-timeout`` reach the protocol and the app; a bad value is an argparse
+    error (exit 2), as every ``pic serve`` flag."""
+    import uvicorn as uvicorn_module
+
+    from pic.cli import main
+    from pic.serve.http import Guard
+
+    served = []
+    monkeypatch.setattr(uvicorn_module, "run", lambda app, **kw: served.append((app, kw)))
+    assert main(["serve", "--skip-check", "--header-timeout", "2.5", "--body-timeout", "7"]) == 0
+    app, options = served[0]
+    assert options["http"].headers_timeout_s == 2.5 and options["http"].body_timeout_s == 7
+    guard = next(m for m in app.user_middleware if m.cls is Guard)
+    assert guard.kwargs["body_timeout_s"] == 7
+    app.state.engine.engine.close()
+    for bad in ("0", "nan", "-1"):
+        with pytest.raises(SystemExit) as exit_:
+            main(["serve", "--header-timeout", bad])
+        assert exit_.value.code == 2
