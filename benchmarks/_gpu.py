@@ -153,6 +153,6 @@ def pyplot(path: Path) -> Any:
         matplotlib.use("Agg")
         from matplotlib import pyplot as plt
     except ImportError:
-        print(f"matplotlib is not installed: no plot ({path}); pip install 'pic[eval]'")
+        print(f"matplotlib is not installed: no plot ({path}); pip install 'pic-kv[eval]'")
         return None
     return plt

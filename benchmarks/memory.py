@@ -188,7 +188,7 @@ def plot(results: dict[str, list[dict]], title: str, path: Path) -> None:
         matplotlib.use("Agg")
         from matplotlib import pyplot as plt
     except ImportError:
-        print(f"matplotlib is not installed: no plot ({path}); pip install 'pic[eval]'")
+        print(f"matplotlib is not installed: no plot ({path}); pip install 'pic-kv[eval]'")
         return
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
     for (name, rows), (marker, width) in zip(results.items(), STYLES, strict=False):  # coinciding lines stay visible

@@ -156,7 +156,7 @@ def plot(medians: dict[str, dict], title: str, path: Path) -> None:
         matplotlib.use("Agg")
         from matplotlib import pyplot as plt
     except ImportError:
-        print(f"matplotlib is not installed: no plot ({path}); pip install 'pic[eval]'")
+        print(f"matplotlib is not installed: no plot ({path}); pip install 'pic-kv[eval]'")
         return
     engines = [name for name in medians if name != FACADE]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4), dpi=110)

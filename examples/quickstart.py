@@ -15,7 +15,7 @@ docs = [
     "A little bird fell from its nest. It was sad because it could not fly yet.",
 ]
 ids = pic.compile(docs)  # each document prefilled alone, once; ids are content hashes
-print("cache ids:", [i[:12] for i in ids])
+print("cache ids:", ", ".join(ids))  # whole ids: link() takes nothing shorter
 
 for order, query in ((ids, "One day, Tom"), (ids[::-1], "Then Lily")):
     linked = pic.link(order, query)  # default policy regions: the chunks nearest the query, within a fifth

@@ -60,7 +60,7 @@ def run_demo(engine: PIC | None = None, *, max_new_tokens: int = 48) -> None:
         return _chat_demo(engine, max_new_tokens)
     ids = engine.compile(list(STORIES))
     for story, cid in zip(STORIES, ids, strict=True):
-        print(f"  compiled {cid[:12]}  {story}")
+        print(f"  compiled {cid}  {story}")  # the whole id: link() takes nothing shorter
     print(f"query: {QUERY!r}\n")
     for order_name, order in (("stories 1,2,3", [0, 1, 2]), ("stories 3,2,1", [2, 1, 0])):
         print(f"== linked {order_name} + query ==")

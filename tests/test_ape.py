@@ -143,6 +143,7 @@ def test_ape_requests_batch_with_others(stories):
 
 
 def test_ape_needs_the_torch_backend():
+    pytest.importorskip("triton", reason="the Triton backend needs triton (pip install 'pic-kv[triton]')")
     engine = make_engine("stories260K", attention_backend="triton")
     ids = engine.compile(list(DOCS), context=CONTEXT)
     with pytest.raises(pic.PolicyError, match="torch attention backend only.*'triton'"):

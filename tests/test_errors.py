@@ -8,6 +8,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 import pic
 from pic.config import CompileOptions
+from pic.link.policies import registry
 from tests.conftest import make_engine
 from tests.models import model, tokenizer
 
@@ -75,7 +76,6 @@ def test_non_rope_model_refused():
         pic.PIC(gpt2, tokenizer())
 
 
-@pic.policies.register
 class NeedsExtraBos(pic.policies.Naive):
     """A policy whose chunks need one extra leading BOS at compile time."""
 
@@ -85,7 +85,13 @@ class NeedsExtraBos(pic.policies.Naive):
         return base.model_copy(update={"num_extra_bos": 1})
 
 
-def test_chunk_compiled_with_other_options(engine):
+@pytest.fixture
+def extra_bos_policy(monkeypatch):
+    """``NeedsExtraBos`` registered for one test (a policy left in the registry shows up in later tests' lists)."""
+    monkeypatch.setitem(registry._POLICIES, NeedsExtraBos.name, NeedsExtraBos)
+
+
+def test_chunk_compiled_with_other_options(engine, extra_bos_policy):
     ids = engine.compile(DOCS)
     with pytest.raises(pic.CompileOptionsMismatchError, match=f"{ids[0]}.*test-extra-bos"):
         engine.link(ids, "One day,", policy="test-extra-bos")

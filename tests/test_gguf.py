@@ -9,7 +9,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -17,7 +22,8 @@ import torch
 
 import pic
 import pic.cli
-from pic.model import gguf
+from pic.model import gguf, hub
+from pic.model.hub import close_model_name
 from pic.model.loading import load_pretrained, model_name
 
 
@@ -132,7 +138,7 @@ def test_missing_gguf_packages_are_named(tmp_path, cache_dir, monkeypatch, missi
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == missing else real(name, *a))
     with pytest.raises(
-        pic.ModelLoadError, match=rf"^loading the GGUF file .* needs {missing}: pip install 'pic\[gguf\]'$"
+        pic.ModelLoadError, match=rf"^loading the GGUF file .* needs {missing}: pip install 'pic-kv\[gguf\]'$"
     ):
         pic.load(_gguf_file(tmp_path))
     assert not cache_dir.exists() or list(cache_dir.iterdir()) == []
@@ -145,3 +151,122 @@ def test_cli_loads_a_gguf_file(tmp_path, cache_dir, fake_convert, capsys):
     assert capsys.readouterr().out.startswith("PASS: ") and fake_convert == [path]
     assert pic.cli.main(["check", "--model", str(tmp_path), "--gguf-file", path.name, "--max-new-tokens", "2"]) == 0
     assert fake_convert == [path]  # converted once
+
+
+# Loading by name without a network: the Hub is asked only when it answers, so a missing model fails at once
+# (transformers alone retries for about 24 s first), and a name close to a known one says which it meant.
+
+
+def _closed_port() -> int:
+    """A local port nothing listens on: a connection to it is refused at once, on any machine."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture
+def unreachable_hub(monkeypatch) -> str:
+    """The Hub's endpoint moved to a closed local port, offline mode off: what a machine without a network sees."""
+    import huggingface_hub.constants
+
+    port = _closed_port()
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", f"http://127.0.0.1:{port}")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    for variable in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "PIC_HUB_CHECK", "HTTP_PROXY", "http_proxy"):
+        monkeypatch.delenv(variable, raising=False)
+    return f"127.0.0.1:{port}"
+
+
+@pytest.mark.parametrize(
+    ("name", "meant"),
+    [
+        ("smollm3", "smollm2"),
+        ("smolm2", "smollm2"),
+        ("SmolLM2-135M-Instruct", "smollm2"),
+        ("HuggingFaceTB/SmolLM2-135M-Instruct", "smollm2"),
+        ("nonexistent-model-xyz", None),
+        ("Qwen/Qwen2.5-0.5B-Instruct", None),
+        ("llama2", None),
+        ("gpt2", None),
+    ],
+)
+def test_a_close_name_is_suggested(name, meant):
+    assert close_model_name(name) == meant
+
+
+@pytest.mark.parametrize("name", ["smollm3", "SmolLM2-135M-Instruct", "smolm2"])
+def test_a_close_name_offline_fails_at_once_saying_what_was_meant(name, monkeypatch):
+    """Issue "what a new user tripped on", item 2: HF_HUB_OFFLINE=1, and a typo of a known name."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # read by pic although huggingface_hub was imported before
+    start = time.perf_counter()
+    with pytest.raises(pic.ModelLoadError, match=rf"^cannot load model '{name}' \(did you mean 'smollm2'") as caught:
+        pic.load(name)
+    assert time.perf_counter() - start < 2.0
+    assert "only the Hugging Face cache was read: HF_HUB_OFFLINE is set" in str(caught.value)
+
+
+def test_an_unknown_name_without_a_network_fails_at_once(unreachable_hub):
+    start = time.perf_counter()
+    with pytest.raises(pic.ModelLoadError, match=r"^cannot load model 'nonexistent-model-xyz': ") as caught:
+        pic.load("nonexistent-model-xyz")
+    assert time.perf_counter() - start < 2.0
+    message = str(caught.value)
+    assert f"only the Hugging Face cache was read: {unreachable_hub} is out of reach" in message
+    assert "did you mean" not in message
+    start = time.perf_counter()  # a GGUF file in a Hub repository: the same
+    with pytest.raises(pic.ModelLoadError, match=rf"only the cache was read: {unreachable_hub} is out of reach"):
+        pic.load("nobody/model-GGUF", gguf_file="model.Q8_0.gguf")
+    assert time.perf_counter() - start < 2.0
+
+
+def test_a_cached_model_loads_at_once_without_a_network(tmp_path):
+    """A Hub model in the Hugging Face cache loads in seconds with the Hub unreachable (transformers alone asks
+    the Hub for every file, five times each: 95 s here). In a subprocess: the cache's location is read at import."""
+    snapshot = tmp_path / "hub" / "models--someone--stories" / "snapshots" / ("ab" * 20)
+    shutil.copytree(pic.EMBEDDED_MODEL, snapshot)
+    (tmp_path / "hub" / "models--someone--stories" / "refs").mkdir()
+    (tmp_path / "hub" / "models--someone--stories" / "refs" / "main").write_text("ab" * 20)
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "PIC_HUB_CHECK")}
+    env |= {"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_ENDPOINT": f"http://127.0.0.1:{_closed_port()}"}
+    script = "import time, pic; t = time.perf_counter(); e = pic.load('someone/stories'); "
+    script += "print(e.model_name, time.perf_counter() - t)"
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    name, seconds = proc.stdout.split()
+    assert name == "someone/stories" and float(seconds) < 10.0
+
+
+def test_the_hub_check_names_why_it_failed(monkeypatch):
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        assert hub.connect_failure("127.0.0.1", server.getsockname()[1], 2.0) is None
+    assert "refused" in hub.connect_failure("127.0.0.1", _closed_port(), 2.0).lower()
+
+    def black_hole(*args, **kwargs):
+        time.sleep(1.0)
+        raise TimeoutError("timed out")
+
+    monkeypatch.setattr(hub.socket, "create_connection", black_hole)
+    start = time.perf_counter()
+    assert hub.connect_failure("10.255.255.1", 443, 0.2) == "no answer within 0.2 s"
+    assert time.perf_counter() - start < 0.9  # the slow lookup is left behind, not waited for
+
+
+def test_the_hub_check_goes_through_the_https_proxy(monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "https://huggingface.co")
+    for variable in ("NO_PROXY", "no_proxy", "HTTPS_PROXY", "https_proxy"):
+        monkeypatch.delenv(variable, raising=False)
+    assert hub._hub_address() == ("huggingface.co", 443)
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.example:3128")
+    assert hub._hub_address() == ("proxy.example", 3128)
+    monkeypatch.setenv("NO_PROXY", "huggingface.co")
+    assert hub._hub_address() == ("huggingface.co", 443)
+    for variable in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("PIC_HUB_CHECK", "0")  # the escape hatch for a network only the Hub's client gets through
+    monkeypatch.setattr(hub, "connect_failure", lambda *a: pytest.fail("checked"))
+    assert hub.hub_access().online

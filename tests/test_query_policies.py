@@ -257,6 +257,7 @@ def test_probe_copies_only_the_blocks_its_second_pass_writes(stories):
 def test_query_aware_policies_on_the_triton_kernel():
     """The probe reads K from the paged cache in torch whatever backend attends: on Triton (its interpreter
     here) the choices and logits are the torch backend's."""
+    pytest.importorskip("triton", reason="the Triton backend needs triton (pip install 'pic-kv[triton]')")
     torch_engine = make_engine("llama")
     triton_engine = make_engine("llama", attention_backend="triton")
     for policy in ("prophetkv:0.3", "a3:0.3", "regions:0.3,rank=probe"):

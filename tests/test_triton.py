@@ -22,7 +22,9 @@ from tests.attention_cases import make_case, rel_error, rope_table
 from tests.conftest import make_target_engine
 from tests.models import DOCS, PREFIX, QUERY
 
-triton_backend = pytest.importorskip("pic.attention.triton_backend", reason="the test extra installs Triton")
+triton_backend = pytest.importorskip(
+    "pic.attention.triton_backend", reason="needs triton: pip install 'pic-kv[triton]' (.ci/run installs it)"
+)
 
 DEVICE = torch.device(os.environ.get("PIC_TEST_DEVICE", "cpu"))
 # Relative error bounds per dtype (the acceptance bounds).

@@ -14,7 +14,9 @@ import torch
 from pic.attention import AttentionShape, TorchBackend
 from tests.attention_cases import make_case, rel_error
 
-triton_backend = pytest.importorskip("pic.attention.triton_backend", reason="the test extra installs Triton")
+triton_backend = pytest.importorskip(
+    "pic.attention.triton_backend", reason="needs triton: pip install 'pic-kv[triton]' (.ci/run installs it)"
+)
 from pic.attention import triton_plan  # noqa: E402  (imports Triton)
 from tests.compile_kernels import jit_cache_sizes  # noqa: E402
 

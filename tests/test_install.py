@@ -1,0 +1,97 @@
+"""Installing pic as a new user does: the distribution's name, its extras, every install hint, and CI running
+the README's own commands (issue "what a new user tripped on", item 1)."""
+
+from __future__ import annotations
+
+import configparser
+import importlib.metadata
+import json
+import re
+from pathlib import Path
+
+import pic
+
+ROOT = Path(__file__).resolve().parent.parent
+NAME = "pic-kv"  # `pic` on PyPI is an unrelated project
+# Where an install hint may be written: errors and docstrings, examples, docs, benchmarks, tests.
+HINT_FILES = sorted(
+    [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]
+    + [p for d in ("pic", "examples", "benchmarks", "tests") for p in (ROOT / d).rglob("*.py")]
+)
+
+
+def _setup() -> configparser.ConfigParser:
+    config = configparser.ConfigParser()
+    config.read(ROOT / "setup.cfg")
+    return config
+
+
+def _extras() -> dict[str, list[str]]:
+    """``extra -> [requirement names]`` from setup.cfg."""
+    section = _setup()["options.extras_require"]
+    return {extra: [re.split(r"[<>=!~ ;\[]", r)[0] for r in section[extra].split()] for extra in section}
+
+
+def _readme_block(heading: str) -> list[str]:
+    """The lines of the first bash block under ``## heading`` in the README."""
+    text = (ROOT / "README.md").read_text()
+    section = text.split(f"## {heading}\n", 1)[1]
+    return section.split("```bash\n", 1)[1].split("```", 1)[0].splitlines()
+
+
+def _command(line: str) -> str:
+    """A shell line without its trailing comment."""
+    return line.split("  #", 1)[0].strip()
+
+
+def test_the_distribution_is_pic_kv_and_the_command_pic():
+    setup = _setup()
+    assert setup["metadata"]["name"] == NAME
+    assert setup["options.entry_points"]["console_scripts"].split() == ["pic", "=", "pic.cli:main"]
+
+
+def test_the_installed_metadata_is_this_checkout():
+    """``pip install -e .`` registered this tree as pic-kv (run it again after pulling a rename)."""
+    installed = [d for d in importlib.metadata.distributions(name=NAME) if d.read_text("direct_url.json")]
+    assert installed, f"{NAME} is not installed: pip install -e '.[test,triton]'"
+    url = json.loads(installed[0].read_text("direct_url.json"))
+    assert url.get("dir_info", {}).get("editable") and Path(url["url"].removeprefix("file://")) == ROOT
+    assert installed[0].version == pic.__version__
+    scripts = {e.name: e.value for e in installed[0].entry_points if e.group == "console_scripts"}
+    assert scripts == {"pic": "pic.cli:main"}
+    assert set(installed[0].metadata.get_all("Provides-Extra")) == set(_extras())
+
+
+def test_extras():
+    """The test extra leaves the 286 MB triton wheel to the triton extra (CI asks for both); the serve extra
+    brings the openai client its examples use; the test extra the schemathesis that the API tests use."""
+    extras = _extras()
+    assert "triton" not in extras["test"] and extras["triton"] == ["triton"]
+    assert "openai" in extras["serve"] and "schemathesis" in extras["test"]
+    assert set(extras["serve"]) | set(extras["gguf"]) | set(extras["eval"]) <= set(extras["test"])
+
+
+def test_no_hint_installs_the_other_pic():
+    """``pip install 'pic[gguf]'`` would fetch the unrelated PyPI project: every hint says pic-kv (a local
+    path such as ``-e ".[gguf]"`` is fine)."""
+    wrong = [
+        f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+        for path in HINT_FILES
+        if path != Path(__file__)
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if re.search(r"(?<![\w\-./])pic\[", line) or re.search(r"pip install +(-U +)?['\"]?pic(?![\w\-])", line)
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_ci_runs_the_readme_install_and_test_commands():
+    """``bash .ci/run`` is the README's test line in a fresh virtualenv, after this machine's torch pin (a local
+    CPU wheel here; the README tells everyone else to take torch's CPU index)."""
+    install = _readme_block("Install")
+    torch_line, test_line = _command(install[0]), _command(install[-1])
+    assert torch_line == "pip install torch --index-url https://download.pytorch.org/whl/cpu"
+    assert test_line.endswith("&& python -m pytest -q") and '".[test,triton]"' in test_line
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert "python3 -m venv --clear .ci/.venv" in ci and ". .ci/.venv/bin/activate" in ci  # from scratch
+    assert ci[-1] == f"pip install torch==2.13.0 && {test_line}"
+    assert _command(_readme_block("Tests")[0]) == "python -m pytest -q"
