@@ -260,6 +260,20 @@ class Soak:
             return tuple(self.rng.choices(pool, k=k))  # repeats allowed
         return tuple(self.rng.sample(pool, min(k, len(pool))))
 
+    def written_back(self, side: Side, ids: list[str], *, certain: bool) -> None:
+        """A chunk compiled again for a link is written back to Redis on the engine's writer thread, after the link
+        returns: wait for that thread, then expect each there (``certain``: the link compiled them all) or take
+        what Redis says (a refused link may have compiled some of them)."""
+        with side.engine.paused() as core:
+            settled = core.loader.settled()
+        settled.result(timeout=60)
+        for cid in ids:
+            held = "redis" in side.engine.store.lookup(cid)
+            assert held or not certain, (side.name, cid, "compiled again but not written back")
+            if held:
+                self.redis.add(cid)
+                self.seen["chunk compiled again and written back"] += 1
+
     def op_link(
         self, side: Side, ids: tuple[str, ...] | None = None, args: tuple | None = None, *, retry: bool = False
     ) -> tuple[str, ...]:
@@ -272,6 +286,7 @@ class Soak:
         # A chunk no tier holds that the engine compiled or linked before is compiled again from its tokens: chunk
         # by chunk, so a link refused for room may leave some of them resident.
         recompiles = linkable and not all(self.known(side, cid) for cid in ids)
+        unknown = [cid for cid in dict.fromkeys(ids) if not self.known(side, cid)]
         num_private, promoted, clean = self.link_need(side, ids, policy, query, prefix)
         available = self.available(side, {cid for cid in ids if cid in side.pool.chunks})
         was_resident = {cid for cid in ids if cid in side.pool.chunks}
@@ -286,6 +301,7 @@ class Soak:
         except pic.KVPoolExhaustedError:
             assert linkable and (recompiles or num_private + promoted > available), (num_private, promoted, available)
             assert recompiles or _snapshot(side.pool) == before, "a refused link took blocks"
+            self.written_back(side, unknown, certain=False)
             self.seen["link KVPoolExhaustedError"] += 1
             if not retry and self.rng.random() < 0.3:  # the same link once every live request is gone
                 self.seen["retry after releasing all"] += 1
@@ -296,6 +312,7 @@ class Soak:
             return ids
         assert linkable and (recompiles or num_private + promoted <= available), (num_private, promoted, available)
         self.seen["link compiled a chunk again from its tokens"] += recompiles
+        self.written_back(side, unknown, certain=True)
         side.recipes |= set(ids)
         self.seen["link ok"] += 1
         self.seen["chunks promoted"] += len(set(ids) - was_resident)

@@ -84,6 +84,11 @@ class Loader:
 
         self._submit(self._writes, run, chunk)
 
+    def settled(self) -> Future[None]:
+        """Done once every write, check and write-back submitted before it has run (the writer thread runs them
+        in order): what a caller waits on to see the lower tiers after the engine's fire-and-forget writes."""
+        return self._submit(self._writes, lambda _: None, None)
+
     def _submit(self, threads: ThreadPoolExecutor | None, fn: Callable, arg: object) -> Future:
         assert threads is not None, "no lower tier to do I/O with"
         future = threads.submit(fn, arg)
