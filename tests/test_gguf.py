@@ -23,6 +23,7 @@ import torch
 import pic
 import pic.cli
 from pic.model import gguf, hub
+from pic.model.gguf import KNOWN_GGUF_MODELS
 from pic.model.hub import close_model_name
 from pic.model.loading import load_pretrained, model_name
 
@@ -191,7 +192,7 @@ def unreachable_hub(monkeypatch) -> str:
     ],
 )
 def test_a_close_name_is_suggested(name, meant):
-    assert close_model_name(name) == meant
+    assert close_model_name(name, KNOWN_GGUF_MODELS) == meant
 
 
 @pytest.mark.parametrize("name", ["smollm3", "SmolLM2-135M-Instruct", "smolm2"])

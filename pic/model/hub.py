@@ -17,9 +17,8 @@ import socket
 import threading
 import urllib.parse
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass
-
-from pic.model.gguf import KNOWN_GGUF_MODELS
 
 HUB_CHECK_TIMEOUT_S = 2.0
 _TRUE = {"1", "ON", "YES", "TRUE"}  # huggingface_hub's reading of a boolean environment variable
@@ -72,18 +71,19 @@ def connect_failure(host: str, port: int, timeout_s: float) -> str | None:
     return failures[0] if failures else "the check failed"
 
 
-def close_model_name(name: str) -> str | None:
-    """The short model name (``"smollm2"``) that ``name`` probably meant, or ``None``.
+def close_model_name(name: str, known: Mapping[str, str]) -> str | None:
+    """The short model name (``"smollm2"``) of ``known`` (short name -> the model's own name) that ``name``
+    probably meant, or ``None``.
 
     ``name``'s last path part matches a known model's full name in any case
     (``"HuggingFaceTB/SmolLM2-135M-Instruct"``), or is within a typo of a short name (``"smollm3"``,
     ``"smolm2"``).
     """
     last = name.strip().rstrip("/").rsplit("/", 1)[-1].lower()
-    for short, full in KNOWN_GGUF_MODELS.items():
+    for short, full in known.items():
         if last == full.lower():
             return short
-    close = difflib.get_close_matches(last, list(KNOWN_GGUF_MODELS), n=1, cutoff=0.75)
+    close = difflib.get_close_matches(last, list(known), n=1, cutoff=0.75)
     return close[0] if close else None
 
 

@@ -94,7 +94,7 @@ def load_pretrained(
 def _not_loaded(name: str, exc: BaseException, access: HubAccess) -> str:
     """Why ``name`` did not load: the name the user probably meant first, then transformers' reason, and
     whether the Hub was asked."""
-    meant = close_model_name(name)
+    meant = close_model_name(name, KNOWN_GGUF_MODELS)
     guess = f" (did you mean {meant!r}, {KNOWN_GGUF_MODELS[meant]}?)" if meant else ""
     asked = "" if access.online else f" (only the Hugging Face cache was read: {access.reason})"
     return (
