@@ -7,7 +7,7 @@ it), so two processes on one machine that share the directory share one LRU. Eve
 an exclusive ``flock`` on ``{dir}/.lock``: it evicts the least recently used files (never a pinned one
 or one the call keeps) until its own fits in ``capacity_bytes``, then renames its file into place. So
 the byte limit holds across processes, and reads take no lock (a file evicted while it is being read
-stays readable through its open descriptor).
+stays readable through its open descriptor). The byte budget's bookkeeping is ``pic.store.disk_budget``.
 
 A damaged, truncated or foreign file is logged, removed and a miss (a recompile, never a wrong answer).
 A failing disk (full, read-only, I/O errors) is a ``StoreUnavailableError`` naming the path, or with
@@ -28,7 +28,7 @@ from typing import Literal
 
 from pic.errors import StoreUnavailableError
 from pic.kv import ChunkKV
-from pic.store import disk_file, serde
+from pic.store import disk_budget, disk_file, serde
 from pic.store.guard import FailureGuard
 from pic.store.lease import FleetLeases
 from pic.store.tier import Extent, TierStats
@@ -106,7 +106,7 @@ class DiskTier:
         except serde.CorruptEntryError as exc:
             log.warning("pic: dropping chunk file %s: %s", path, exc)
             self._count(errors=1)
-            self._remove(path)
+            disk_budget.remove(self.path, path)
             return None
         with contextlib.suppress(FileNotFoundError):
             os.utime(path)  # recently used, for every process sharing the directory
@@ -169,7 +169,7 @@ class DiskTier:
         path = self._file(cache_id)
         self.unpin(cache_id)
         with self._guard():
-            return path is not None and self._remove(path)
+            return path is not None and disk_budget.remove(self.path, path)
         return False
 
     def pin(self, cache_id: str) -> bool:
@@ -208,59 +208,16 @@ class DiskTier:
         """``None``: a local disk is this machine's, not a fleet's."""
         return None
 
-    # -- the directory ------------------------------------------------------------------------------
-
     def _make_room(self, cache_id: str | None, num_bytes: int, *, keep: Collection[str], rescan: bool = False) -> bool:
-        """Under the directory's lock: reserve ``num_bytes`` for ``cache_id`` in the usage record (``.usage``: the
-        bytes of every file, kept by every process), evicting first when they do not fit; ``False`` (nothing
-        evicted) when they cannot. The record is trusted only to say "there is room": when it says "full" (or is
-        missing, or ``rescan``), the directory is listed and the record rewritten from the files, so a record
-        left high by a process that died is corrected at the next eviction, and one is never left low (bytes are
-        reserved before a rename and released after an unlink)."""
-        used = None if rescan else disk_file.read_usage(self.path)
-        if used is None or used + num_bytes > self.capacity_bytes:
-            files = disk_file.listing(self.path)
-            files.pop(cache_id, None)  # another process's copy of it, which the rename replaces
-            used = self._evict(files, num_bytes, keep=keep)
-            if used + num_bytes > self.capacity_bytes:
-                disk_file.write_usage(self.path, used)
-                return False
-        disk_file.write_usage(self.path, used + num_bytes)
-        return True
-
-    def _evict(self, files: dict[str, tuple[int, int]], num_bytes: int, *, keep: Collection[str]) -> int:
-        """Remove the least recently used evictable files (under the lock) until ``num_bytes`` more fit, and on
-        towards 1/32 of the capacity below that (never past it), so that a full directory is listed once per
-        several writes rather than at each; removes nothing when ``num_bytes`` cannot fit. Returns the bytes left."""
-        total = sum(size for size, _ in files.values())
-        if total + num_bytes <= self.capacity_bytes:
-            return total
-        pinned = self._pins()
-        victims = [cid for cid in files if cid not in pinned and cid not in keep]
-        if total - sum(files[cid][0] for cid in victims) + num_bytes > self.capacity_bytes:
-            return total
-        goal = self.capacity_bytes - num_bytes - self.capacity_bytes // 32
-        for cache_id in victims:
-            size = files[cache_id][0]
-            if total + num_bytes <= self.capacity_bytes and total - size < goal:
-                break  # it fits, and one more would evict past the goal
-            self._file(cache_id).unlink(missing_ok=True)  # type: ignore[union-attr]
-            total -= size
-            self._count(evictions=1)
-        return total
-
-    def _remove(self, path: Path) -> bool:
-        """Unlink a chunk file and release its bytes in the usage record; ``False`` if it was not there."""
-        with disk_file.locked(self.path):
-            try:
-                size = path.stat().st_size
-                path.unlink()
-            except FileNotFoundError:
-                return False
-            used = disk_file.read_usage(self.path)
-            if used is not None:
-                disk_file.write_usage(self.path, max(0, used - size))
-            return True
+        """Reserve ``num_bytes`` under the directory's lock (``disk_budget``), evicting neither pinned files nor
+        ``keep``; ``False`` when they cannot fit."""
+        exempt = self._pins().union(keep)
+        room = disk_budget.make_room(
+            self.path, capacity=self.capacity_bytes, cache_id=cache_id, num_bytes=num_bytes, exempt=exempt,
+            rescan=rescan,
+        )  # fmt: skip
+        self._count(evictions=room.num_evicted)
+        return room.fits
 
     def _count(self, **counts: int) -> None:
         with self._lock:

@@ -1,0 +1,87 @@
+"""The disk tier's byte budget: what to evict so that a new chunk file fits, decided under the directory's lock.
+
+Every process sharing a directory keeps its files within one ``capacity`` in bytes. A usage record (``.usage``,
+the bytes of every chunk file, read and written under ``disk_file.locked``) spares a listing of the directory
+while there is room. It is trusted only to say "there is room": when it says "full", is missing or unreadable,
+the directory is listed and the record rewritten from the files. Bytes are reserved before a file is renamed
+into place and released after one is unlinked, so a process that dies between its steps leaves the record high
+(corrected at the next listing), never low (which could let the files exceed the capacity).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+from pathlib import Path
+
+from pic.store import disk_file
+
+
+@dataclass(frozen=True)
+class Room:
+    """What ``make_room`` did.
+
+    Attributes:
+        fits: the bytes were reserved (``False``: they cannot fit, and nothing was evicted).
+        num_evicted: files removed to make room.
+    """
+
+    fits: bool
+    num_evicted: int = 0
+
+
+def make_room(
+    directory: Path, *, capacity: int, cache_id: str | None, num_bytes: int, exempt: Collection[str],
+    rescan: bool = False,
+) -> Room:  # fmt: skip
+    """Reserve ``num_bytes`` for ``cache_id`` in ``directory``'s usage record, evicting least recently used files
+    not in ``exempt`` first when they do not fit (under ``disk_file.locked(directory)``). ``rescan``: list the
+    directory whatever the record says (a start)."""
+    used = None if rescan else disk_file.read_usage(directory)
+    num_evicted = 0
+    if used is None or used + num_bytes > capacity:
+        files = disk_file.listing(directory)
+        files.pop(cache_id, None)  # another process's copy of it, which the rename replaces
+        used, num_evicted = evict(directory, files, capacity=capacity, num_bytes=num_bytes, exempt=exempt)
+        if used + num_bytes > capacity:
+            disk_file.write_usage(directory, used)
+            return Room(fits=False)
+    disk_file.write_usage(directory, used + num_bytes)
+    return Room(fits=True, num_evicted=num_evicted)
+
+
+def evict(
+    directory: Path, files: dict[str, tuple[int, int]], *, capacity: int, num_bytes: int, exempt: Collection[str]
+) -> tuple[int, int]:
+    """Remove the least recently used files of ``files`` (``disk_file.listing``) not in ``exempt`` until
+    ``num_bytes`` more fit in ``capacity``, and on towards 1/32 of the capacity below that (never past it), so
+    that a full directory is listed once per several writes rather than at each; nothing when ``num_bytes``
+    cannot fit. Returns the bytes left and the number of files removed."""
+    total = sum(size for size, _ in files.values())
+    if total + num_bytes <= capacity:
+        return total, 0
+    victims = [cid for cid in files if cid not in exempt]
+    if total - sum(files[cid][0] for cid in victims) + num_bytes > capacity:
+        return total, 0
+    goal, num_evicted = capacity - num_bytes - capacity // 32, 0
+    for cache_id in victims:
+        size = files[cache_id][0]
+        if total + num_bytes <= capacity and total - size < goal:
+            break  # it fits, and one more would evict past the goal
+        (directory / f"{cache_id}{disk_file.SUFFIX}").unlink(missing_ok=True)
+        total, num_evicted = total - size, num_evicted + 1
+    return total, num_evicted
+
+
+def remove(directory: Path, path: Path) -> bool:
+    """Unlink a chunk file of ``directory`` and release its bytes in the usage record; ``False`` if it was not there."""
+    with disk_file.locked(directory):
+        try:
+            size = path.stat().st_size
+            path.unlink()
+        except FileNotFoundError:
+            return False
+        used = disk_file.read_usage(directory)
+        if used is not None:
+            disk_file.write_usage(directory, max(0, used - size))
+        return True
