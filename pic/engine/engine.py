@@ -158,7 +158,7 @@ class Engine:
         Ids are content addresses: compiling a document that is already cached does no work, and
         compiling one whose chunk was evicted compiles it again. Each chunk is prefilled straight into
         canonical blocks of the KV pool (resident: the device tier), in pieces the scheduler fits between
-        the running requests' steps, and written through to the CPU and Redis tiers off the engine's
+        the running requests' steps, and written through to the CPU, disk and Redis tiers off the engine's
         thread. Every id returned is held by some tier when ``compile`` returns: the call never evicts its
         own chunks to make room for its other chunks. Workers sharing a Redis tier compile each chunk once
         between them (``pic.store.lease``).

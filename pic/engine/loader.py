@@ -1,4 +1,4 @@
-"""``Loader``: the engine's store I/O (CPU and Redis tiers) on threads of its own.
+"""``Loader``: the engine's store I/O (CPU, disk and Redis tiers) on threads of its own.
 
 The engine thread never waits on a lower tier: it hands each load or write to the loader and goes on
 stepping the other requests; the loader wakes it when one is done (LMCache's asynchronous loading, with

@@ -1,5 +1,5 @@
 """``StoreView``: the chunk store for other threads. The device tier (the pool's resident chunks) is read on
-the engine's thread; the lower tiers (CPU, Redis) are called from the caller's own thread, so a slow store
+the engine's thread; the lower tiers (CPU, disk, Redis) are called from the caller's own thread, so a slow store
 delays only its caller, never the engine's steps."""
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ class _DeviceOnCore:
 
 
 class StoreView:
-    """Reads and operations on the engine's ``TieredStore`` (device, CPU and Redis tiers), from any thread.
+    """Reads and operations on the engine's ``TieredStore`` (device, CPU, disk and Redis tiers), from any thread.
 
     Attributes:
         fleet: compile-once leases in the Redis tier (``None`` without one); safe from any thread.
