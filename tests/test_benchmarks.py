@@ -288,3 +288,34 @@ def test_regions_why_benchmark_quick(tmp_path):
             and accuracy["naive, in context"]["chunk_tokens_recomputed"] == 0
         )
         assert 0 < accuracy["regions, in context"]["chunk_tokens_recomputed"] <= 0.25
+
+
+def test_disk_benchmark_quick(tmp_path):
+    """The disk tier against recompute on the embedded model: every row timed in every round, reads checked."""
+    _quick("disk.py", tmp_path)
+    report = json.loads((tmp_path / "disk_quick.json").read_text())
+    rows = ("prefill", "compile_to_disk", "disk_cold", "disk_warm", "link_from_disk", "link_prefill")
+    assert set(report["raw_s"]) == set(rows) and all(len(report["raw_s"][r]) == 2 for r in rows)
+    assert report["chunk_file_bytes_median"] > 0 and report["break_even_gb_per_s"] > 0
+
+
+def test_decode_profile_quick(tmp_path):
+    """Both engines' decode steps split by category: the categories and "other" add up to the step."""
+    _quick("decode_profile.py", tmp_path, "--steps", "4")
+    report = json.loads((tmp_path / "decode_profile_quick.json").read_text())
+    for who in ("pic", "transformers"):
+        row = report[who]
+        parts = ("projections", "lm_head", "norms", "activation", "attention", "sampling", "embedding", "other")
+        assert abs(sum(row[p] for p in parts) - row["step_ms"]) < 1e-6
+        assert row["projections"] > 0 and row["attention"] > 0 and row["unprofiled_step_ms"] > 0
+        assert any(op["op"] == "aten::mm" for op in row["top_aten_ops"])
+
+
+def test_cpu_matmul_quick(tmp_path):
+    """One token's products in float32, bfloat16 and int8, per SmolLM2 shape and per decode step."""
+    _quick("cpu_matmul.py", tmp_path)
+    report = json.loads((tmp_path / "cpu_matmul_quick.json").read_text())
+    assert len(report["us_per_product"]) == 5 and report["ms_per_decode_step"]["float32"] > 0
+    assert set(report["ms_per_decode_step"]) == {
+        "float32", "bfloat16", "int8 dynamic (fbgemm)", "int8 weight-only (_weight_int8pack_mm)"
+    }  # fmt: skip
