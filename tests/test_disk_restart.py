@@ -18,7 +18,8 @@ import torch
 import pic
 from pic.cli import main
 from pic.errors import StoreUnavailableError
-from tests.test_serve import DOCS, KEY, QUERY, _free_port, _wait_healthy
+from tests.serving import free_port
+from tests.test_serve import DOCS, KEY, QUERY, _wait_healthy
 
 # Not the start-up check's documents (pic.check), so the restarted server has never seen them
 SERVED = ("A little bird flew over the hill to find food.", "Sam and his sister built a tall sand castle.")
@@ -103,7 +104,7 @@ def test_a_restarted_server_answers_by_the_cache_ids_it_compiled_before(tmp_path
     """Two ``pic serve`` processes in turn on one ``--disk-path``: the second, whose pool never saw the chunks,
     answers by the first one's cache ids, with its text; a corrupted file is compiled again."""
     headers = {"Authorization": f"Bearer {KEY}"}
-    port = _free_port()
+    port = free_port()
     proc = _serve(tmp_path, port)
     try:
         _wait_healthy(proc, port)
@@ -118,7 +119,7 @@ def test_a_restarted_server_answers_by_the_cache_ids_it_compiled_before(tmp_path
     data[-3] ^= 0x55  # a flipped payload byte: only the checksum finds it
     corrupt.write_bytes(bytes(data))
 
-    port = _free_port()
+    port = free_port()
     proc = _serve(tmp_path, port)
     try:
         _wait_healthy(proc, port)

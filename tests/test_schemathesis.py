@@ -20,7 +20,8 @@ import time
 
 import schemathesis  # noqa: F401  (imported so that a missing schemathesis fails the collection)
 
-from tests.test_serve_strict import KEY, served_app, serving
+from tests.serving import serving
+from tests.test_serve_strict import KEY, served_app
 
 # Statuses that count as rejecting a schema-invalid request (schemathesis' default list lacks 413).
 _CONFIG = """

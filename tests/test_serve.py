@@ -6,49 +6,23 @@ import collections
 import contextlib
 import json
 import random
-import socket
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 import pic
 from pic.serve.app import build_app
 from tests.models import DOCS, QUERY, model
+from tests.serving import free_port, serving
 from tests.test_chat import CHATML, chat_tokenizer
 from tests.test_check import break_attention_scale
 
 KEY = "test-key"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def _running(app):
-    """``app`` on a uvicorn server on a free loopback port; yields its base URL."""
-    port = _free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not srv.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        srv.should_exit = True
-        thread.join(10)
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +30,7 @@ def server():
     """A uvicorn server on a free loopback port, serving stories260K; yields ``(base_url, engine, app)``."""
     engine = pic.PIC(model("stories260K"), chat_tokenizer(CHATML))  # a copy of the tokenizer, with a template
     app = build_app(engine, model_name="stories260K", api_key=KEY, max_body_bytes=64 << 10)
-    with _running(app) as url:
+    with serving(app) as url:
         yield url, engine, app
 
 
@@ -164,7 +138,7 @@ def test_a_client_that_leaves_a_non_streaming_completion_aborts_it():
     ids = engine.compile(list(DOCS))
     steps = engine.stepper()
     body = {"model": "stories260K", "prompt": QUERY, "max_tokens": 450, "temperature": 0, "pic": {"cache_ids": ids}}
-    with _running(build_app(engine, model_name="stories260K")) as url:
+    with serving(build_app(engine, model_name="stories260K")) as url:
         before = steps.num_steps
         with pytest.raises(httpx.TimeoutException), httpx.Client(base_url=url, timeout=0.2) as http:
             http.post("/v1/completions", json=body)
@@ -438,7 +412,7 @@ def _wait_healthy(proc: subprocess.Popen, port: int) -> None:
 def test_two_servers_share_chunks_through_redis(redis_url, server):
     """Two ``pic serve`` processes on one real redis-server: what one compiles, the other links (its pool
     never saw the chunks), with the text this process's engine gives."""
-    ports = [_free_port(), _free_port()]
+    ports = [free_port(), free_port()]
     procs = [_serve_process(redis_url, port) for port in ports]
     try:
         for proc, port in zip(procs, ports, strict=True):

@@ -12,7 +12,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.test_serve_strict import COMPLETION, KEY, served_app, serving
+from tests.serving import serving
+from tests.test_serve_strict import COMPLETION, KEY, served_app
 
 # The read deadlines of the server below, short so that the tests are fast.
 DEADLINE_S = 1.0

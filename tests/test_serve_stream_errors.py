@@ -20,8 +20,8 @@ import pic
 from pic.errors import KVPoolExhaustedError
 from pic.serve.app import build_app
 from tests.models import QUERY, model
+from tests.serving import serving
 from tests.test_chat import CHATML, chat_tokenizer
-from tests.test_serve import _running
 
 # The failing forward's number: the prefill and two decodes run (three tokens), the third decode fails.
 _GOOD_FORWARDS = 3
@@ -38,7 +38,7 @@ def served() -> Iterator[tuple[str, pic.PIC]]:
     """stories260K behind a real uvicorn server (no EOS: a generation runs until it fails or hits its
     ``max_tokens``); yields ``(base_url, engine)``."""
     engine = pic.PIC(model("stories260K"), chat_tokenizer(CHATML), config=pic.PICConfig(eos_token_ids=()))
-    with _running(build_app(engine, model_name="stories260K")) as url:
+    with serving(build_app(engine, model_name="stories260K")) as url:
         yield url, engine
 
 

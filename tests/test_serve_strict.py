@@ -1,55 +1,24 @@
 """What a fuzzer found in ``pic serve`` (issue: HTTP strictness): misplaced fields silently ignored, vanishing
-temperatures sampling token 0, an ``/openapi.json`` that did not match the server, 405s without ``Allow``. (The read deadlines: tests/test_serve_deadlines.py.)"""
+temperatures sampling token 0, an ``/openapi.json`` that did not match the server, 405s without ``Allow``.
+(The read deadlines: tests/test_serve_deadlines.py.)"""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import socket
-import threading
-import time
 from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 import pic
 from pic.serve.app import build_app
-from pic.serve.protocol import timed_protocol
 from tests.models import QUERY, model
+from tests.serving import serving
 from tests.test_chat import CHATML, chat_tokenizer
 
 KEY = "strict-key"
 MODEL = "stories260K"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def serving(app, *, headers_timeout_s: float = 10.0, body_timeout_s: float = 30.0) -> Iterator[str]:
-    """``app`` on uvicorn with ``pic serve``'s protocol (its read deadlines) on a free loopback port; yields its
-    base URL."""
-    port = free_port()
-    protocol = timed_protocol(headers_timeout_s=headers_timeout_s, body_timeout_s=body_timeout_s)
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", http=protocol)
-    srv = uvicorn.Server(config)
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not srv.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        srv.should_exit = True
-        thread.join(10)
 
 
 def served_app(**options):

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -35,6 +34,7 @@ import pic
 from pic.cli import main
 from pic.evaluation.accuracy import evaluate_accuracy
 from pic.evaluation.qa import qa_workload
+from tests.serving import free_port
 from tests.smollm2 import (
     DOCS,
     MESSAGES,
@@ -158,17 +158,11 @@ def test_batched_generation_equals_one_at_a_time(smollm2):
 KEY = "KEY"  # the README's serve example uses it
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(smollm2, tmp_path_factory) -> Iterator[str]:
     """``pic serve --model smollm2`` in a subprocess (after the fixture converted the model); yields its URL."""
     logs = tmp_path_factory.mktemp("serve")
-    port = _free_port()
+    port = free_port()
     command = [sys.executable, "-m", "pic", "serve", "--model", "smollm2", "--port", str(port), "--api-key", KEY]
     with open(logs / "stdout", "w+b") as stdout, open(logs / "stderr", "w+b") as stderr:
         process = subprocess.Popen(command, stdout=stdout, stderr=stderr)

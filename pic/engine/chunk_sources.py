@@ -17,6 +17,7 @@ from concurrent.futures import Future
 import torch
 
 from pic.compile import ChunkPrefill
+from pic.compile.prefill import lead_tokens
 from pic.config import CompileOptions
 from pic.engine.loader import Loader
 from pic.engine.sequence import Sequence
@@ -82,7 +83,10 @@ class ChunkSources:
         """Keep the tokens of a ``compile`` call's chunk that is not prefilled here (a lower tier holds it), so
         that a link whose load finds that copy damaged or gone (a corrupt file, a flushed Redis) compiles it
         again instead of failing."""
-        kept = ([] if self.bos_token_id is None else [self.bos_token_id] * options.add_bos) + content
+        if cache_id in self._recipes:  # the common case (a server compiles inline documents on every request)
+            self._recipes.move_to_end(cache_id)
+            return
+        kept = (lead_tokens(options, self.bos_token_id) + content)[options.num_dropped :]  # as ChunkPrefill keeps
         self.remember(ChunkInfo(cache_id=cache_id, token_ids=torch.tensor(kept, dtype=torch.long), options=options))
 
     def forget(self, cache_id: str) -> None:

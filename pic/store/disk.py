@@ -116,13 +116,15 @@ class DiskTier:
         """The chunk's size from its file's header and metadata (no payload read); a damaged file is a miss
         here, left for ``get`` to remove."""
         path = self._file(cache_id)
+        if path is None:
+            return None
         with self._guard():
             try:
-                with open(path, "rb") as f:  # type: ignore[arg-type]  # None: TypeError below
+                with open(path, "rb") as f:
                     size = os.fstat(f.fileno()).st_size
                     meta = disk_file.read_meta(f, cache_id=cache_id, expected=self._expected, file_bytes=size)
                 return Extent(len(meta.token_ids), 2 * meta.tensor_bytes)
-            except (FileNotFoundError, TypeError, serde.CorruptEntryError):
+            except (FileNotFoundError, serde.CorruptEntryError):
                 return None
         return None  # the disk failed and on_error == "miss"
 
@@ -139,9 +141,9 @@ class DiskTier:
         of each of those, no listing: the engine thread asks; another process may fill the directory meanwhile,
         which ``put`` then finds)."""
         held_bytes = 0
-        for cache_id in self._pins().union(keep):
-            with contextlib.suppress(OSError, TypeError):  # not on disk (None: not an id)
-                held_bytes += self._file(cache_id).stat().st_size  # type: ignore[union-attr]
+        for path in filter(None, map(self._file, self._pins().union(keep))):
+            with contextlib.suppress(OSError):  # not on disk
+                held_bytes += path.stat().st_size
         return held_bytes + num_bytes <= self.capacity_bytes
 
     def put(self, chunk: ChunkKV, *, keep: Collection[str] = ()) -> bool:
