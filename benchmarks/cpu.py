@@ -11,7 +11,9 @@ first C / 512 chunks and a random 32-token query. Per context, in each round (af
 ``hf``, transformers' forward over the prompt with ``logits_to_keep=32``, and for ``full`` and each policy,
 ``engine.link(ids, query, policy=p).generate(max_new_tokens=1)`` (link and first token); medians of the rounds.
 Decode: ``_decode.decode`` at batch 1 (pic links with Full Recompute, so its tokens can be compared with
-transformers'), tokens/s after the first token.
+transformers'), tokens/s after the first token. Then, at the last decode context, ``_decode_rates`` in interleaved
+rounds: transformers at batch 1 and pic after mepic links, with the model's weights and with int8 decode weights
+(``decode_weights="int8"``), at batch 1 and at each of ``--batches`` requests decoding together.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import pic
 sys.path.insert(0, str(Path(__file__).parent))
 import _gpu  # noqa: E402
 from _decode import HF, decode, prompt_ids  # noqa: E402
+from _decode_rates import hf_rate, pic_rate  # noqa: E402
 
 SHAPE = {"hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 2,
          "intermediate_size": 1376, "vocab_size": 32000}  # fmt: skip
@@ -146,6 +149,26 @@ def plot(report: dict, path: Path) -> None:
     print(f"wrote {path}")
 
 
+def decode_rates(engine: pic.PIC, fast: pic.PIC, model, ids: list[str], docs: list[list[int]], args) -> dict:
+    """Decode tokens/s at the last decode context: transformers at batch 1, pic (model and int8 decode weights) at
+    batch 1 and each of ``args.batches``, after mepic links of one request; interleaved rounds, medians."""
+    context = args.decode_contexts[-1]
+    chunks = list(range(context // args.chunk_tokens))
+    rng = random.Random(args.seed + 1)
+    query = [rng.randrange(3, args.vocab) for _ in range(args.query_tokens)]
+    prompt = prompt_ids(docs, chunks, query, engine.bos_token_id)
+    fast.compile([docs[c] for c in chunks], progress=False)
+    fns = {HF: hf_rate(model, prompt, args.new_tokens)}
+    for batch in (1, *args.batches):
+        for name, e in (("pic", engine), ("pic int8", fast)):
+            link = lambda e=e: e.link([ids[c] for c in chunks], query, policy="mepic")  # noqa: E731
+            fns[f"{name} x{batch}"] = pic_rate(link, batch, args.new_tokens)
+    _gpu.interleaved(fns, rounds=1)  # warm-up
+    med = _gpu.medians(raw := _gpu.interleaved(fns, rounds=args.decode_repeats))
+    return {"prompt_tokens": len(prompt), "policy": "mepic", "tokens_per_s": med, "rounds": raw,
+            "over_hf": {name: rate / med[HF] for name, rate in med.items()}}  # fmt: skip
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 8192])
@@ -154,6 +177,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--decode-repeats", type=int, default=2)
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--batches", type=int, nargs="*", default=[8, 16], help="pic's decode batches beside batch 1")
     parser.add_argument("--memory-context", type=int, default=8192, help="peak RSS at this context (0: none)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="a tiny Llama, short contexts, one round: a smoke run")
@@ -169,7 +193,7 @@ def main() -> int:
             1,
             4,
         )
-        args.memory_context = 256
+        args.memory_context, args.batches = 256, [2]
     args.chunk_tokens, args.query_tokens, args.vocab = (64 if args.quick else 512), 32, shape["vocab_size"]
     args.device, args.decode_policy = torch.device("cpu"), "full"
     model = random_llama(shape, max_positions=max(args.contexts) + 256)
@@ -200,6 +224,12 @@ def main() -> int:
         row = decode(engine, model, ids, docs, 1, args)
         print(f"{context:>6}: decode pic/hf {row['pic_over_hf_decode_tokens_per_s']:.2f}x", flush=True)
         report["decode"].append(row)
+    int8 = pic.PICConfig(**config.model_dump(exclude={"decode_weights"}), decode_weights="int8")
+    fast = pic.PIC(model, engine.tokenizer, config=int8)
+    report["decode_rates"] = decode_rates(engine, fast, model, ids, docs, args)
+    rates = report["decode_rates"]
+    shown = [f"{n} {r:.1f} ({rates['over_hf'][n]:.2f}x hf)" for n, r in rates["tokens_per_s"].items()]
+    print(f"{rates['prompt_tokens']:>6}: decode tok/s " + ", ".join(shown), flush=True)
     if args.memory_context and sys.platform == "linux":
         report["memory"] = memory_row(engine, model, ids, docs, args.memory_context, args)
         print(f"{args.memory_context:>6}: peak RSS above the start, KiB: {report['memory']['peak_kib']}", flush=True)

@@ -14,9 +14,12 @@ Time to first token, in each round (after one warm-up round), in turn: ``hf``, t
 (float32, SDPA, ``logits_to_keep=1``, then the argmax); ``llama.cpp``, ``llama-cpp-python`` evaluating the same token
 ids from an empty cache on the GGUF the package ships (its weights as stored: Q4_1), then the argmax; and for
 ``full`` and each policy, ``engine.link_chat(ids, messages, policy=p).generate(max_new_tokens=1)``. Medians.
-Decode: greedy, ``--new-tokens`` tokens, tokens/s after the first: pic after a mepic link, transformers' ``generate``,
-llama.cpp one ``eval`` per token. Every engine runs on one thread (torch and llama.cpp's ``n_threads`` and
-``n_threads_batch``).
+Decode (``_decode_rates``): greedy, ``--new-tokens`` tokens, tokens/s after the first, in interleaved rounds:
+transformers' forward per token over its prompt cache, llama.cpp one ``eval`` per token from its prompt's state, pic
+after a mepic link with the model's float32 weights and with int8 decode weights (``decode_weights="int8"``), at
+batch 1 and, for pic, at each of ``--batches`` copies of the request decoding together. The answers (each policy's
+greedy reply beside Full Recompute's, and Full Recompute's with int8 decode weights) come from one more run. Every
+engine runs on one thread (torch and llama.cpp's ``n_threads`` and ``n_threads_batch``).
 
 llama.cpp is optional: ``pip install llama-cpp-python`` (it compiles llama.cpp from source, ~10 minutes on 2 cores;
 docs/cpu.md). Without it its columns are left out, with a message.
@@ -36,8 +39,10 @@ import pic
 sys.path.insert(0, str(Path(__file__).parent))
 import _gpu  # noqa: E402
 from _decode import HF, agreeing, hf_generate  # noqa: E402
+from _decode_rates import hf_rate, llama_rate, pic_rate  # noqa: E402
 
 LLAMA_CPP = "llama.cpp"
+INT8 = "int8"  # pic with int8 decode weights
 POLICIES = ("mepic", "legolink:16", "cacheblend:0.15")
 DOCS = ("policies.md", "store.md", "engine.md", "serve.md", "chat.md", "install.md", "api.md", "internals.md")
 QUESTION = "Which tokens does the mepic policy recompute, and why?"
@@ -148,23 +153,38 @@ def ttft(engine: pic.PIC, llm, ids: list[str], prompt: list[int], args) -> dict:
     }
 
 
-def answers(engine: pic.PIC, llm, ids: list[str], prompt: list[int], args) -> dict:
-    """Each policy's greedy answer beside Full Recompute's (and transformers' and llama.cpp's), with decode speed."""
+def answers(engine: pic.PIC, fast: pic.PIC, llm, ids: list[str], prompt: list[int], args) -> dict:
+    """Each policy's greedy answer beside Full Recompute's (and transformers', llama.cpp's, and Full Recompute's with
+    int8 decode weights)."""
     gens = {p: engine.link_chat(ids, messages(), policy=p).generate(max_new_tokens=args.new_tokens)
             for p in ("full", *args.policies)}  # fmt: skip
+    gens[f"full, {INT8}"] = fast.link_chat(ids, messages(), policy="full").generate(max_new_tokens=args.new_tokens)
     hf = hf_generate(engine.model, [prompt], argparse.Namespace(device=torch.device("cpu"), new_tokens=args.new_tokens))
     full = gens["full"].token_ids
-    out = {p: {"text": g.text, "tokens_agreeing_with_full": agreeing(g.token_ids, full),
-               "decode_tokens_per_s": (len(g.token_ids) - 1) / g.stats.decode_s} for p, g in gens.items()}  # fmt: skip
-    out[HF] = {"text": engine.tokenizer.decode(hf["tokens"][0], skip_special_tokens=True),
-               "tokens_agreeing_with_full": agreeing(hf["tokens"][0], full),
-               "decode_tokens_per_s": (args.new_tokens - 1) / hf["decode_s"]}  # fmt: skip
+    texts = {p: (g.text, g.token_ids) for p, g in gens.items()}
+    texts[HF] = (engine.tokenizer.decode(hf["tokens"][0], skip_special_tokens=True), hf["tokens"][0])
     if llm is not None:
-        row = llama_decode(llm, prompt, args.new_tokens)
-        out[LLAMA_CPP] = {"text": engine.tokenizer.decode(row["tokens"], skip_special_tokens=True),
-                          "tokens_agreeing_with_full": agreeing(row["tokens"], full),
-                          "decode_tokens_per_s": (args.new_tokens - 1) / row["decode_s"]}  # fmt: skip
-    return out
+        tokens = llama_decode(llm, prompt, args.new_tokens)["tokens"]
+        texts[LLAMA_CPP] = (engine.tokenizer.decode(tokens, skip_special_tokens=True), tokens)
+    return {name: {"text": text, "tokens_agreeing_with_full": agreeing(tokens, full)}
+            for name, (text, tokens) in texts.items()}  # fmt: skip
+
+
+def decode(engine: pic.PIC, fast: pic.PIC, llm, ids: list[str], prompt: list[int], args) -> dict:
+    """Decode tokens/s in interleaved rounds: transformers, llama.cpp, pic (float32 and int8 decode weights) at
+    batch 1, and pic at each of ``args.batches``; medians and ratios."""
+    fns = {HF: hf_rate(engine.model, prompt, args.new_tokens)}
+    if llm is not None:
+        fns[LLAMA_CPP] = llama_rate(llm, prompt, args.new_tokens, llama_greedy)
+    for batch in (1, *args.batches):
+        for name, e in (("pic", engine), (f"pic {INT8}", fast)):
+            link = lambda e=e: e.link_chat(ids, messages(), policy="mepic")  # noqa: E731
+            fns[f"{name} x{batch}"] = pic_rate(link, batch, args.new_tokens)
+    raw = _gpu.interleaved(fns, rounds=args.repeats)
+    med = _gpu.medians(raw)
+    baselines = [b for b in (HF, LLAMA_CPP) if b in med]
+    return {"policy": "mepic", "batches": [1, *args.batches], "tokens_per_s": med, "rounds": raw,
+            "ratio": {b: {name: rate / med[b] for name, rate in med.items()} for b in baselines}}  # fmt: skip
 
 
 def plot(report: dict, path: Path) -> None:
@@ -189,16 +209,27 @@ def main() -> int:
     parser.add_argument("--policies", nargs="+", default=list(POLICIES))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--batches", type=int, nargs="*", default=[8, 16], help="pic's decode batches beside batch 1")
     parser.add_argument("--no-llama-cpp", action="store_true", help="leave llama.cpp out even when installed")
     parser.add_argument("--quick", action="store_true", help="4 short passages, one round: a smoke run")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.quick:
-        args.chunks, args.chunk_tokens, args.repeats, args.new_tokens = 4, 48, 1, 4
-    engine = pic.load("smollm2", config=pic.PICConfig(attention_backend="torch"), progress=False)
+        args.chunks, args.chunk_tokens, args.repeats, args.new_tokens, args.batches = 4, 48, 1, 4, [2]
+    configs = {
+        w: pic.PICConfig(attention_backend="torch", kv_pool_tokens=32768, decode_weights=w) for w in ("model", INT8)
+    }
+    engine = pic.load("smollm2", config=configs["model"], progress=False)
+    build_s = {}  # an engine over the loaded model: what int8 decode weights add to start-up (packing them)
+    for name, config in configs.items():
+        start = time.perf_counter()
+        built = pic.PIC(engine.model, engine.tokenizer, config=config)
+        build_s[name] = time.perf_counter() - start
+    fast = built
     docs = passages(engine.tokenizer, num=args.chunks, min_tokens=args.chunk_tokens, max_tokens=2 * args.chunk_tokens)
     ids = engine.compile(docs, progress=False)
+    assert fast.compile(docs, progress=False) == ids  # int8 decode weights compile the same KV
     probe = engine.link_chat(ids, messages(), policy="full")
     prompt = probe.input_ids.tolist()
     probe.generate(max_new_tokens=1)  # releases its blocks
@@ -208,18 +239,22 @@ def main() -> int:
     environment = _gpu.environment(torch.device("cpu")) | {"torch_threads": 1, "llama_cpp_threads": 1,
                                                            "llama_cpp": _gpu._version("llama-cpp-python")}  # fmt: skip
     report = {"command": _gpu.command(), "environment": environment, "model": "SmolLM2-135M-Instruct",
-              "weights": {"pic and transformers": "float32 (the GGUF dequantized)", LLAMA_CPP: "Q4_1 (the GGUF)"},
+              "weights": {"pic and transformers": "float32 (the GGUF dequantized)", LLAMA_CPP: "Q4_1 (the GGUF)",
+                          f"pic {INT8}": "int8 copies of the large matrices in decode steps (pic.model.products)"},
               "settings": {"chunks": args.chunks, "chunk_tokens": [len(engine.tokenizer(d)["input_ids"]) for d in docs],
                            "question": QUESTION, "policies": args.policies, "repeats": args.repeats,
-                           "new_tokens": args.new_tokens},
-              "prompt_tokens": len(prompt)}  # fmt: skip
+                           "new_tokens": args.new_tokens, "batches": args.batches},
+              "prompt_tokens": len(prompt), "engine_build_s": build_s}  # fmt: skip
     report["ttft"] = ttft(engine, llm, ids, prompt, args)
-    report["answers"] = answers(engine, llm, ids, prompt, args)
+    report["answers"] = answers(engine, fast, llm, ids, prompt, args)
     for name, s in report["ttft"]["median_s"].items():
         speedups = ", ".join(f"{b}/{name} {r[name]:.1f}x" for b, r in report["ttft"]["speedup"].items() if name in r)
-        answer = report["answers"][name]
-        print(f"{name:>16}: TTFT {s:.3f} s  {speedups}  decode {answer['decode_tokens_per_s']:.1f} tok/s  "
-              f"agrees with full for {answer['tokens_agreeing_with_full']} tokens", flush=True)  # fmt: skip
+        agree = report["answers"][name]["tokens_agreeing_with_full"]
+        print(f"{name:>16}: TTFT {s:.3f} s  {speedups}  agrees with full for {agree} tokens", flush=True)
+    report["decode"] = decode(engine, fast, llm, ids, prompt, args)
+    for name, rate in report["decode"]["tokens_per_s"].items():
+        ratios = ", ".join(f"/{b} {r[name]:.2f}x" for b, r in report["decode"]["ratio"].items())
+        print(f"{name:>16}: decode {rate:.1f} tok/s  {ratios}", flush=True)
     _gpu.write_json(args.out / "cpu_rag.json", report)
     plot(report, args.out / "cpu_rag.png")
     return 0

@@ -91,6 +91,29 @@ def wrapped(owner: object, attribute: str, name: str):
         setattr(owner, attribute, original)
 
 
+@contextlib.contextmanager
+def int8_ranges(products: object, lm_head: torch.nn.Module):
+    """Label int8 decode products (``pic.model.products.Int8Products``: no module call, so no hook sees them) as
+    projections or the LM head; the float products it falls back to are modules, labelled by their hooks."""
+    packed = getattr(products, "_packed", None)
+    if packed is None:
+        yield
+        return
+    original = products.linear
+
+    def linear(module, x):
+        if id(module) not in packed:
+            return original(module, x)
+        with record_function("lm_head" if module is lm_head else "projections"):
+            return original(module, x)
+
+    products.linear = linear
+    try:
+        yield
+    finally:
+        del products.linear
+
+
 def totals(prof) -> dict[str, float]:
     """Inclusive CPU milliseconds of each category in a profile (the attention module less its projections)."""
     found = {e.key: e.cpu_time_total / 1e3 for e in prof.key_averages()}
@@ -137,11 +160,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=24, help="decode steps profiled per engine")
     parser.add_argument("--quick", action="store_true", help="the embedded model, short prompt: a smoke run")
+    parser.add_argument("--decode-weights", choices=["model", "int8"], default="model", help="pic's (PICConfig)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
     torch.set_num_threads(1)
     name = pic.EMBEDDED_MODEL if args.quick else "smollm2"
-    engine = pic.load(name, config=pic.PICConfig(attention_backend="torch"), progress=False)
+    config = pic.PICConfig(attention_backend="torch", decode_weights=args.decode_weights)
+    engine = pic.load(name, config=config, progress=False)
     if args.quick:
         ids = engine.compile(["Tom had a red ball. He liked to kick it.\n", "Lily loved to sing.\n"], progress=False)
         link = lambda: engine.link(ids, "One day, Tom and Lily", policy="mepic")  # noqa: E731
@@ -150,10 +175,12 @@ def main() -> int:
         link = lambda: engine.link_chat(ids, messages(), policy="mepic")  # noqa: E731
     prompt = link().input_ids  # the linked prompt: transformers decodes after the same tokens
     report = {"command": _gpu.command(), "environment": _gpu.environment(torch.device("cpu")) | {"torch_threads": 1},
-              "model": str(name), "steps": args.steps, "prompt_tokens": int(prompt.shape[0])}  # fmt: skip
+              "model": str(name), "decode_weights": args.decode_weights, "steps": args.steps,
+              "prompt_tokens": int(prompt.shape[0])}  # fmt: skip
     report["pic"] = measure_pic(engine, link, args.steps)
     report["transformers"] = measure_hf(engine.model, prompt, args.steps)
-    _gpu.write_json(args.out / ("decode_profile_quick.json" if args.quick else "decode_profile.json"), report)
+    stem = "decode_profile" + ("_int8" if args.decode_weights == "int8" else "") + ("_quick" if args.quick else "")
+    _gpu.write_json(args.out / f"{stem}.json", report)
     for who in ("pic", "transformers"):
         row = report[who]
         print(f"{who:>12}: {row['step_ms']:.1f} ms/step profiled ({row['unprofiled_step_ms']:.1f} unprofiled): "
@@ -172,10 +199,11 @@ def measure_pic(engine: pic.PIC, link: Callable[[], pic.Linked], num_steps: int)
     import pic.engine.decoding as decoding
 
     with engine.paused() as core:
-        backend = core.runner.attention_backend
+        backend, products = core.runner.attention_backend, core.runner._decode
     handles = hook_modules(engine.model)
     try:
         with contextlib.ExitStack() as stack:
+            stack.enter_context(int8_ranges(products, engine.model.get_output_embeddings()))
             stack.enter_context(wrapped(decoding, "sample_rows", "sampling"))
             for method in ("plan", "store", "attend"):
                 stack.enter_context(wrapped(backend, method, "attention"))

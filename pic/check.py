@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pic.config import DecodeWeights
+
 if TYPE_CHECKING:
     from pic.api import PIC
 
@@ -49,7 +51,9 @@ class CheckResult:
         num_equal: the leading tokens on which both agree.
         num_decisive: the steps before transformers' first near-tie, a step whose two best logits are closer
             than ``2 * tolerance``, where an error within the tolerance may flip the choice. Tokens must be
-            equal up to there (in float32 on the CPU: all of them, as a rule).
+            equal up to there (in float32 on the CPU: all of them, as a rule). With int8 decode weights
+            (``PICConfig.decode_weights``) only the first token, the exact link's, is decisive.
+        int8_decode: the engine decodes with int8 weights: tokens after the first are approximate.
     """
 
     model: str
@@ -59,6 +63,7 @@ class CheckResult:
     num_tokens: int
     num_equal: int
     num_decisive: int
+    int8_decode: bool = False
 
     @property
     def passed(self) -> bool:
@@ -75,6 +80,8 @@ class CheckResult:
             tokens = f"greedy tokens first differ at step {self.num_equal} of {self.num_tokens}, at or after a near-tie"
         else:
             tokens = f"greedy tokens DIFFER at step {self.num_equal} of {self.num_tokens}"
+        if self.int8_decode:
+            tokens += " (int8 decode weights: only the first token is exact)"
         return (
             f"{verdict}: Full Recompute vs transformers on {self.model}: max |logit diff| "
             f"{self.max_abs_logit_diff:.3g} {relation} tolerance {self.tolerance:.3g}; {tokens}"
@@ -114,6 +121,9 @@ def check(engine: PIC, *, num_new_tokens: int = 8, tolerance: float | None = Non
     diff = (logits.float() - ref_logits).abs().max().item()
     common = min(len(generated), len(ref_tokens))
     decisive = next((i for i, m in enumerate(margins) if m < 2 * tolerance), len(margins))
+    int8_decode = engine.config.decode_weights == DecodeWeights.INT8
+    if int8_decode:
+        decisive = min(decisive, 1)
     return CheckResult(
         model=f"{spec.architecture} ({str(spec.dtype).removeprefix('torch.')}, {spec.device})",
         max_abs_logit_diff=diff,
@@ -122,6 +132,7 @@ def check(engine: PIC, *, num_new_tokens: int = 8, tolerance: float | None = Non
         num_tokens=len(ref_tokens),
         num_equal=next((i for i, (a, b) in enumerate(zip(generated, ref_tokens, strict=False)) if a != b), common),
         num_decisive=decisive,
+        int8_decode=int8_decode,
     )
 
 

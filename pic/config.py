@@ -9,6 +9,7 @@ not a number, and infinities and NaN are refused.
 from __future__ import annotations
 
 import difflib
+import enum
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -88,6 +89,13 @@ class CompileOptions(_Frozen):
         return self.model_copy(update={"context": ()}) if self.context else self
 
 
+class DecodeWeights(str, enum.Enum):
+    """The weights a decode step's matrix products read (``PICConfig.decode_weights``, ``pic.model.products``)."""
+
+    MODEL = "model"  # the model's own weights and dtype: exact (the default)
+    INT8 = "int8"  # int8 copies of the large matrices (fbgemm's dynamic quantization): CPU, float32 models only
+
+
 class PICConfig(_Frozen):
     """Engine configuration.
 
@@ -125,6 +133,11 @@ class PICConfig(_Frozen):
         attention_backend: ``"auto"``: the Triton fused-RoPE kernel on CUDA (when Triton is installed),
             the torch reference elsewhere; ``"torch"`` or ``"triton"`` force one (``"triton"`` on the CPU
             runs Triton's interpreter, for tests: ``TRITON_INTERPRET=1`` before Triton is imported).
+        decode_weights: ``"model"`` (the default): every product reads the model's own weights, exactly.
+            ``"int8"``: decode steps (and their LM head) read int8 copies of the large matrices, made when the
+            engine is built (about a quarter more weight memory); not exact, a float32 model on the CPU only.
+            Prompts, compiles and every first token stay exact, so cache ids do not change
+            (``pic.model.products``; speed and accuracy in docs/cpu.md).
     """
 
     block_size: int = Field(default=16, ge=1, le=4096)
@@ -137,8 +150,19 @@ class PICConfig(_Frozen):
     max_num_seqs: int = Field(default=64, ge=1, le=4096)
     max_num_batched_tokens: int | None = Field(default=None, ge=1)
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    decode_weights: DecodeWeights = DecodeWeights.MODEL
 
     _eos_tuple = field_validator("eos_token_ids", mode="before")(as_tuple)
+
+    @field_validator("decode_weights", mode="before")
+    @classmethod
+    def _decode_weights_name(cls, value: object) -> object:
+        if isinstance(value, str) and not isinstance(value, DecodeWeights):
+            names = [w.value for w in DecodeWeights]
+            if value not in names:
+                raise ValueError(f"{value!r} is not one of {names}")
+            return DecodeWeights(value)
+        return value
 
     @field_validator("eos_token_ids")
     @classmethod

@@ -211,6 +211,10 @@ def test_cpu_benchmark_writes_json(tmp_path):
     assert decode["prompt_tokens"] == 160 and decode["tokens_agreeing_with_hf"] == [4]
     ratio = decode["pic"]["decode_tokens_per_s"] / decode["hf"]["decode_tokens_per_s"]
     assert decode["pic_over_hf_decode_tokens_per_s"] == ratio
+    rates = report["decode_rates"]
+    assert rates["prompt_tokens"] == 160 and rates["policy"] == "mepic"
+    assert list(rates["tokens_per_s"]) == ["hf", "pic x1", "pic int8 x1", "pic x2", "pic int8 x2"]
+    assert rates["over_hf"] == {n: r / rates["tokens_per_s"]["hf"] for n, r in rates["tokens_per_s"].items()}
     memory = report["memory"]
     assert memory["context_tokens"] == 256 and list(memory["peak_kib"]) == ["hf", "full", "mepic"]
     assert all(isinstance(kib, int) for kib in memory["peak_kib"].values())  # what it measures: the test below
@@ -232,7 +236,8 @@ def test_peak_rss_sees_a_run_s_own_allocation_and_not_what_came_before():
 
 def test_cpu_rag_benchmark_writes_json(tmp_path):
     """SmolLM2 on a RAG prompt of docs/ passages through its chat template: TTFT of link under each policy against
-    transformers' prefill (and llama.cpp's when installed), decode speeds, answers beside Full Recompute's."""
+    transformers' prefill (and llama.cpp's when installed), answers beside Full Recompute's, decode tokens/s of each
+    engine at batch 1 and pic's (float32 and int8 decode weights) in a batch."""
     proc = _quick("cpu_rag.py", tmp_path)
     report = json.loads((tmp_path / "cpu_rag.json").read_text())
     assert report["command"].endswith(f"cpu_rag.py --quick --out {tmp_path}")
@@ -250,9 +255,16 @@ def test_cpu_rag_benchmark_writes_json(tmp_path):
     assert ttft["speedup"]["hf"] == {p: ttft["median_s"]["hf"] / ttft["median_s"][p] for p in ["full", *policies]}
     assert ttft["first_token"]["full"] == ttft["first_token"]["hf"]  # Full Recompute is the plain chat prompt
     answers = report["answers"]
-    assert list(answers) == ["full", *policies, *baselines]
+    assert list(answers) == ["full", *policies, "full, int8", *baselines]
     assert answers["full"]["tokens_agreeing_with_full"] == answers["hf"]["tokens_agreeing_with_full"] == 4
-    assert all(a["decode_tokens_per_s"] > 0 and 0 <= a["tokens_agreeing_with_full"] <= 4 for a in answers.values())
+    assert answers["full, int8"]["tokens_agreeing_with_full"] >= 1  # the first token is the exact link's
+    assert all(0 <= a["tokens_agreeing_with_full"] <= 4 for a in answers.values())
+    decode = report["decode"]
+    variants = ["pic x1", "pic int8 x1", "pic x2", "pic int8 x2"]
+    assert list(decode["tokens_per_s"]) == [*baselines, *variants] and decode["batches"] == [1, 2]
+    assert all(rate > 0 for rate in decode["tokens_per_s"].values())
+    assert decode["ratio"]["hf"]["pic x1"] == decode["tokens_per_s"]["pic x1"] / decode["tokens_per_s"]["hf"]
+    assert set(report["engine_build_s"]) == {"model", "int8"} and min(report["engine_build_s"].values()) > 0
 
 
 def test_gpu_script_dry_run_proves_its_steps_within_one_device_call(tmp_path):
@@ -319,3 +331,15 @@ def test_cpu_matmul_quick(tmp_path):
     assert set(report["ms_per_decode_step"]) == {
         "float32", "bfloat16", "int8 dynamic (fbgemm)", "int8 weight-only (_weight_int8pack_mm)"
     }  # fmt: skip
+
+
+def test_decode_compile_quick(tmp_path):
+    """torch.compile of a decode step's layer work, against eager, on the embedded model: the compile time, both
+    rates and their largest difference."""
+    _quick("decode_compile.py", tmp_path)
+    report = json.loads((tmp_path / "decode_compile.json").read_text())
+    assert report["first_call_s"] > 0 and report["num_layers"] == 5
+    med = report["median_ms_per_step"]
+    assert report["eager_over_compiled"] == med["eager"] / med["compiled"]
+    assert all(len(v) == 2 for v in report["rounds_ms"].values())
+    assert 0 <= report["max_abs_difference"] < 1e-3

@@ -332,6 +332,26 @@ def test_serve_flags_size_the_pool_pick_the_policy_and_a_chat_template(monkeypat
     engine.close()
 
 
+def test_serve_decode_weights_flag_reaches_the_engine_and_the_check(monkeypatch, capsys):
+    """``--decode-weights int8`` builds the engine with int8 decode weights, and the start-up check says that only
+    the first token is held to transformers; another value is an argparse error before any model loads."""
+    import uvicorn as uvicorn_module
+
+    from pic.cli import main
+    from pic.config import DecodeWeights
+
+    apps = []
+    monkeypatch.setattr(uvicorn_module, "run", lambda app, **kw: apps.append(app))
+    assert main(["serve", "--decode-weights", "int8"]) == 0
+    engine = apps[0].state.engine.engine
+    assert engine.config.decode_weights is DecodeWeights.INT8
+    assert "PASS" in capsys.readouterr().out.split("int8 decode weights")[0]
+    engine.close()
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--decode-weights", "int4"])
+    assert exit_.value.code == 2 and "invalid choice: 'int4'" in capsys.readouterr().err
+
+
 def test_serve_refuses_a_chat_template_that_fails_on_messages(monkeypatch, tmp_path, capsys):
     """A template that parses but raises on messages, or drops the documents' place, stops the start."""
     import uvicorn as uvicorn_module

@@ -1,9 +1,11 @@
 """The reference backend: fused-RoPE paged attention in plain torch (CPU tests, and the fallback everywhere).
 
-Decoding sequences (one query token each) are attended as one padded group; each recompute pass on its
-own (a loop over sequences, never a mask over the whole batch). What every layer shares (the groups'
-cos/sin at their query and slot positions, cast to the model dtype as transformers casts, their gathered
-block tables and their masks for every window of the model) is built in ``plan``, once per forward.
+Decoding sequences (one query token each) are attended as one group: over K and V each keeps between steps
+(``KeptKV``: one SDPA call per sequence), or, for a batch of short sequences, gathered and padded to the
+longest; each recompute pass on its own (a loop over sequences, never a mask over the whole batch). What every
+layer shares (the groups' cos/sin at their query and slot positions, cast to the model dtype as transformers
+casts, their gathered block tables and their masks for every window of the model) is built in ``plan``, once per
+forward.
 """
 
 from __future__ import annotations
@@ -12,21 +14,21 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
-from torch.nn.utils.rnn import pad_sequence
 
 from pic.attention.ape import ContextScaling, ape_attention
 from pic.attention.backend import AttentionBackend, AttentionShape
 from pic.attention.batch import AttentionBatch
+from pic.attention.kept_kv import KeptKV
 from pic.attention.rope import rotate, signed_sin
-from pic.attention.rotated_k import RotatedK
 from pic.attention.tiles import causal_masks, is_causal_run, query_tiles, written_slots
 
-# The key of a sequence's RotatedK in its scratch (AttentionBatch.scratch).
-_ROTATED_K = "torch.rotated_k"
-# Several decoding sequences read their kept K when the longest has this many slots: below it, a few small
-# operations per sequence and layer cost more than rotating every slot (A/B on a 2-core CPU, tokens/s kept
-# over gathered: 0.89x at 144 slots and batch 16, 1.08x at 528 and batch 16, 1.14x at 2K and batch 4).
-_KEEP_ROTATED_MIN_SLOTS = 512
+# The key of a sequence's KeptKV in its scratch (AttentionBatch.scratch).
+_KEPT_KV = "torch.kept_kv"
+# Several decoding sequences read their kept K and V when the longest has this many slots: below it, a few small
+# operations per sequence and layer cost more than gathering every slot (A/B on a 2-core CPU, tokens/s kept
+# over gathered, when only K was kept: 0.89x at 144 slots and batch 16, 1.08x at 528 and batch 16, 1.14x at 2K
+# and batch 4).
+_KEEP_MIN_SLOTS = 512
 
 
 @dataclass(frozen=True)
@@ -54,9 +56,9 @@ class TorchGroup:
         causal: a recompute pass whose query positions are its slots' positions, in slot order (a prompt run
             whole, as Full Recompute runs it): without a window, row ``i`` attends slots ``0..i``, which is
             SDPA's ``is_causal`` (its fused kernel, the call transformers makes), so no mask is built for it.
-        rotated: per decoding sequence, its K kept rotated from step to step (``RotatedK``), when the batch
-            carries the sequences' scratch; K is then read from there (padded with zeros past a sequence's own
-            slots, which its mask excludes), not gathered and rotated.
+        kept: per decoding sequence, its rotated K and its V kept from step to step (``KeptKV``), when the batch
+            carries the sequences' scratch; each sequence then attends over its own kept K and V (one SDPA call
+            each, no padding, so in a batch as alone), nothing gathered or rotated but the new slots.
         context: APE's groups (``pic.attention.ape``): ``[b, S]`` bool, the chunk slots among those read, and
             each sequence's ``ContextScaling``; ``None`` for plain attention.
     """
@@ -71,7 +73,7 @@ class TorchGroup:
     masks: dict[int | None, torch.Tensor | None]
     tiles: tuple[tuple[slice, int], ...]
     causal: bool = False
-    rotated: tuple[RotatedK, ...] = ()
+    kept: tuple[KeptKV, ...] = ()
     context: tuple[torch.Tensor, list[ContextScaling | None]] | None = None
 
     def queries(self, x: torch.Tensor) -> torch.Tensor:
@@ -119,13 +121,17 @@ def _split_context(batch: AttentionBatch, seqs: torch.Tensor) -> tuple[torch.Ten
     return seqs[~scaled], seqs[scaled]
 
 
-def _rotated_ks(batch: AttentionBatch, group: TorchGroup, seqs: torch.Tensor) -> tuple[RotatedK, ...]:
-    """The decoding sequences' (``seqs`` ``[b]``, the group's) kept ``RotatedK``, each advanced to this step's
+def _kept_kvs(
+    batch: AttentionBatch, group: TorchGroup, seqs: torch.Tensor, dtype: torch.dtype | None
+) -> tuple[KeptKV, ...]:
+    """The decoding sequences' (``seqs`` ``[b]``, the group's) ``KeptKV`` (in ``dtype``), each advanced to this step's
     written slots."""
     counts = (batch.kv_positions[seqs] >= 0).sum(1).tolist()  # [b] written slots (a host sync)
     states = []
     for i, (seq, count) in enumerate(zip(seqs.tolist(), counts, strict=True)):
-        state = batch.scratch[seq].setdefault(_ROTATED_K, RotatedK())
+        state = batch.scratch[seq].get(_KEPT_KV)
+        if state is None or state.dtype != dtype:
+            state = batch.scratch[seq][_KEPT_KV] = KeptKV(dtype)
         state.advance(group.slots[i, :count], group.k_cos[i, :count], group.k_sin[i, :count])
         states.append(state)
     return tuple(states)
@@ -137,9 +143,19 @@ def _take(x: torch.Tensor, rows: torch.Tensor | slice) -> torch.Tensor:
 
 
 class TorchBackend(AttentionBackend[TorchPlan]):
-    """The reference: gathers each group's paged K and V, rotates them, and runs SDPA with an explicit mask."""
+    """The reference: gathers each group's paged K and V, rotates them, and runs SDPA with an explicit mask.
+
+    Args:
+        shape: the model's attention shape.
+        decode_kv_dtype: the dtype of decoding sequences' kept K and V (``KeptKV``), and of their attention;
+            ``None``: the model's (exact). int8 decode weights use float16 (``pic.model.products``).
+    """
 
     name = "torch"
+
+    def __init__(self, shape: AttentionShape, *, decode_kv_dtype: torch.dtype | None = None) -> None:
+        super().__init__(shape)
+        self.decode_kv_dtype = decode_kv_dtype
 
     def plan(self, batch: AttentionBatch) -> TorchPlan:
         device, dtype = batch.q_positions.device, self.shape.dtype
@@ -147,14 +163,14 @@ class TorchBackend(AttentionBackend[TorchPlan]):
         q_rows = batch.rope_offsets[seq_of_row] + batch.q_positions  # [N] rows of the rotary tables
         q_cos, q_sin = _rotary(batch, q_rows, dtype)  # [N, D] each
         for b in batch.prefill_seqs if batch.scratch else ():
-            batch.scratch[b].pop(_ROTATED_K, None)  # a recompute pass may rewrite the sequence's KV in place
+            batch.scratch[b].pop(_KEPT_KV, None)  # a recompute pass may rewrite the sequence's KV in place
         decode = decode_context = None
         plain, scaled = _split_context(batch, batch.decode_seqs)
         if plain.numel():
             rows = batch.cu_seqlens_q[:-1].to(device)[plain]  # [b] the decode tokens' rows
             decode = self._group(batch, rows, plain, q_cos, q_sin)
-            if batch.scratch and (len(rows) == 1 or decode.slots.shape[1] >= _KEEP_ROTATED_MIN_SLOTS):
-                decode = replace(decode, rotated=_rotated_ks(batch, decode, plain))
+            if batch.scratch and (len(rows) == 1 or decode.slots.shape[1] >= _KEEP_MIN_SLOTS):
+                decode = replace(decode, kept=_kept_kvs(batch, decode, plain, self.decode_kv_dtype))
         if scaled.numel():
             rows = batch.cu_seqlens_q[:-1].to(device)[scaled]
             decode_context = self._group(batch, rows, scaled, q_cos, q_sin)
@@ -264,12 +280,8 @@ def _operands(
     """Rotated ``q`` ``[b, Hq, n, D]`` (from the group's queries ``[b, n, Hq, D]``), the group's gathered and
     rotated K ``[b, Hkv, S, D]`` and V ``[b, Hkv, S, D]`` (``None`` without ``v_cache``)."""
     q = rotate(q, group.q_cos, group.q_sin).transpose(1, 2)  # [b, Hq, n, D]
-    if group.rotated:
-        keys = [state.keys(k_cache) for state in group.rotated]  # per sequence [S_i, Hkv, D]
-        k = (keys[0][None] if len(keys) == 1 else pad_sequence(keys, batch_first=True)).transpose(1, 2)
-    else:
-        k = _gather(k_cache, group.slots)  # [b, S, Hkv, D]: written slots only (see TorchGroup)
-        k = rotate(k, group.k_cos, group.k_sin).transpose(1, 2)  # [b, Hkv, S, D]
+    k = _gather(k_cache, group.slots)  # [b, S, Hkv, D]: written slots only (see TorchGroup)
+    k = rotate(k, group.k_cos, group.k_sin).transpose(1, 2)  # [b, Hkv, S, D]
     if v_cache is None:
         return q, k, None
     return q, k, _gather(v_cache, group.slots).transpose(1, 2)
@@ -292,6 +304,8 @@ def _attend(
 ) -> torch.Tensor:
     """The group's queries ``q`` ``[b, n, Hq, D]`` over its KV; returns ``[b, n, Hq, D]``."""
     assert window in group.masks, f"sliding_window={window} was not planned for (the model's: {list(group.masks)})"
+    if group.kept:
+        return _attend_kept(group, q, k_cache, v_cache, scaling=scaling, window=window)
     q, k, v = _operands(group, q, k_cache, v_cache)
     mask = group.masks[window]  # [b, n, S]
     if group.context is not None:  # APE's context scaling: scores computed in full (a few query rows)
@@ -313,3 +327,30 @@ def _attend(
             q[:, :, rows], k[:, :, :end], v[:, :, :end], attn_mask=tile_mask, scale=scaling, enable_gqa=True
         )
     return out.transpose(1, 2)
+
+
+def _attend_kept(
+    group: TorchGroup,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    *,
+    scaling: float,
+    window: int | None,
+) -> torch.Tensor:
+    """Decode over each sequence's ``KeptKV``: one SDPA call per sequence on views of its kept K and V (padding
+    sequences to the longest would copy every sequence's K and V at every layer). ``q`` ``[b, 1, Hq, D]``;
+    returns ``[b, 1, Hq, D]``."""
+    q = rotate(q, group.q_cos, group.q_sin)  # [b, 1, Hq, D]
+    num_q_heads, dim = q.shape[2], q.shape[3]
+    out = torch.empty_like(q)
+    mask = group.masks[window]  # [b, 1, S] or None; without a window every written slot is at or before the query
+    for i, state in enumerate(group.kept):
+        k, v = state.kv(k_cache, v_cache)  # [Hkv, S_i, D] each
+        grouped = q[i, 0].view(1, k.shape[0], num_q_heads // k.shape[0], dim)  # [1, Hkv, Hq / Hkv, D]: heads as rows
+        seq_mask = None if window is None or mask is None else mask[i, None, None, :, : k.shape[1]]  # [1, 1, 1, S_i]
+        attended = F.scaled_dot_product_attention(
+            grouped.to(k.dtype), k[None], v[None], attn_mask=seq_mask, scale=scaling
+        )
+        out[i, 0] = attended.view(num_q_heads, dim)  # (cast back to q's dtype)
+    return out

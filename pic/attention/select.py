@@ -28,7 +28,14 @@ def triton_unavailable(device: torch.device) -> str | None:
     return f"the Triton kernels run on CUDA, not on {device} (on the CPU in Triton's interpreter: TRITON_INTERPRET=1)"
 
 
-def select_backend(requested: str, shape: AttentionShape, *, device: torch.device, rope: RopeTable) -> AttentionBackend:
+def select_backend(
+    requested: str,
+    shape: AttentionShape,
+    *,
+    device: torch.device,
+    rope: RopeTable,
+    decode_kv_dtype: torch.dtype | None = None,
+) -> AttentionBackend:
     """The backend for ``requested``: ``"auto"`` takes Triton on CUDA when it is installed and can run
     the model, else the torch reference; ``"torch"`` and ``"triton"`` force one. Triton is imported
     here, only when chosen.
@@ -38,12 +45,13 @@ def select_backend(requested: str, shape: AttentionShape, *, device: torch.devic
         shape: the model's attention shape.
         device: where the model and its KV live.
         rope: the engine's rotary table (the kernel reads the rotate-half layout, ``head_dim`` wide).
+        decode_kv_dtype: the torch backend's ``decode_kv_dtype`` (``None``: the model's; Triton ignores it).
 
     Raises:
         InvalidInputError: ``"triton"`` where it cannot run (the message says why).
     """
     if requested == "torch":
-        return TorchBackend(shape)
+        return TorchBackend(shape, decode_kv_dtype=decode_kv_dtype)
     head_dim = shape.head_dim
     reason = triton_unavailable(device)
     if reason is None and (head_dim % 2 or rope.head_dim != head_dim):
@@ -51,7 +59,7 @@ def select_backend(requested: str, shape: AttentionShape, *, device: torch.devic
     if reason is None and not rope.halves_equal:
         reason = "the rotary table's halves are not equal (the kernel reads the rotate-half layout)"
     if requested == "auto" and (reason is not None or device.type != "cuda"):
-        return TorchBackend(shape)
+        return TorchBackend(shape, decode_kv_dtype=decode_kv_dtype)
     if reason is not None:
         raise InvalidInputError(f"attention_backend={requested!r} cannot run: {reason}")
     from pic.attention.triton_backend import TritonBackend

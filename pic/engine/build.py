@@ -41,7 +41,7 @@ def build_core(
         InvalidInputError: a KV pool larger than the device's free memory; a bad attention backend.
         StoreUnavailableError: an unreachable Redis (``on_redis_error="raise"``).
     """
-    runner = ModelRunner(model, attention_backend=config.attention_backend)
+    runner = ModelRunner(model, attention_backend=config.attention_backend, decode_weights=config.decode_weights)
     spec = runner.spec
     expected = Expected(
         fingerprint=fingerprint,

@@ -75,7 +75,8 @@ class Decoder:
         rows = [(seq, h) for seq, h in rows if not seq.is_finished]
         if not rows:
             return outputs
-        logits = self.runner.logits(torch.stack([h for _, h in rows]))  # [B, vocab_size] float32, these rows only
+        decode = all(seq.output_ids for seq, _ in rows)  # every row follows a decode step
+        logits = self.runner.logits(torch.stack([h for _, h in rows]), decode=decode)  # [B, vocab_size] float32
         tokens = sample_rows(logits, [seq.sampling for seq, _ in rows], [seq.generator for seq, _ in rows])
         return outputs + [self._append(seq, token) for (seq, _), token in zip(rows, tokens, strict=True)]
 

@@ -156,6 +156,7 @@ def decode_inputs(seqs: list[Sequence], device: torch.device) -> list[SeqInput]:
             positions=positions[i : i + 1],
             slots=slots[i : i + 1],
             output_rows=first_row,
+            decode=True,
         )
         for i, s in enumerate(seqs)
     ]

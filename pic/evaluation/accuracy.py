@@ -115,7 +115,7 @@ def evaluate_accuracy(
     done: list[QACase] = []
     for number, case in enumerate(tqdm(workload.cases, desc="pic eval accuracy", unit="case", disable=not progress)):
         try:
-            link = _linker(engine, case)
+            link = case_linker(engine, case)
             for label, outcome in _run_case(link, case, full, rows, max_new_tokens).items():
                 outcomes[label].append(outcome)  # a case counts for every policy or for none
             if number < num_sink_cases:
@@ -128,7 +128,7 @@ def evaluate_accuracy(
     return _report(engine, workload, done, outcomes, sinks)
 
 
-def _linker(engine: PIC, case: QACase) -> Callable[[Row], Linked]:
+def case_linker(engine: PIC, case: QACase) -> Callable[[Row], Linked]:
     """``link(row)``: the case's documents compiled for the row's policy (alone, or in the chat's context;
     cached after the first time) and linked where the chat template puts them, with the reply's start appended
     to the query."""

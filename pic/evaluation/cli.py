@@ -75,13 +75,17 @@ def add_parser(
             help=f"folder for <name>.json and <name>.png (default: ./{DEFAULT_EVAL_DIR})",
         )
         parser.add_argument("--name", type=file_stem, default=name, help=f"file name stem (default: {name})")
+        parser.add_argument(
+            "--decode-weights", choices=["model", "int8"], default="model",
+            help="int8: decode steps read int8 copies of the weights (CPU, float32; not exact); default: the model's",
+        )  # fmt: skip
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, object]:
     """``PIC.from_pretrained`` options the evaluation's arguments set."""
     from pic.config import PICConfig
 
-    return {"config": PICConfig(add_bos=_ADD_BOS[args.add_bos])}
+    return {"config": PICConfig(add_bos=_ADD_BOS[args.add_bos], decode_weights=args.decode_weights)}
 
 
 def run(args: argparse.Namespace, load: Callable[[], object]) -> int:

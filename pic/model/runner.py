@@ -18,7 +18,9 @@ import torch
 from torch import nn
 
 from pic.attention import AttentionBackend, AttentionBatch, AttentionShape, RopeTable, make_batch, select_backend
+from pic.config import DecodeWeights
 from pic.kv import KVCache, RequestKV
+from pic.model.products import FloatProducts, products_for
 from pic.model.spec import ModelSpec, inspect_model
 
 
@@ -67,6 +69,8 @@ class SeqInput:
             It returns ``None`` or ``[n']`` bool: the tokens that go on to the next layer.
             Dropped tokens keep whatever KV their slots hold in later layers; ``output_rows`` tokens
             must not be dropped.
+        decode: the sequence's next token after its last (a decode step): a forward in which every sequence
+            decodes runs ``ModelRunner``'s decode products.
     """
 
     kv: RequestKV
@@ -75,6 +79,7 @@ class SeqInput:
     slots: torch.Tensor
     output_rows: torch.Tensor | None = None
     after_layer: LayerHook | None = None
+    decode: bool = False
 
 
 class ModelRunner:
@@ -83,13 +88,18 @@ class ModelRunner:
     Args:
         model: a supported transformers causal LM (``inspect_model``).
         attention_backend: ``"auto"``, ``"torch"`` or ``"triton"`` (``select_backend``).
+        decode_weights: what decode steps' matrix products read (``pic.model.products``): the model's own weights
+            (exact), or int8 copies (CPU), with which decoding tokens also attend over a float16 copy of their K and
+            V (the torch backend's ``decode_kv_dtype``). Every other forward runs the model's own.
 
     Attributes:
         attention_backend: the backend chosen (its ``name`` says which); every forward plans it once
             and every layer attends and stores through it.
     """
 
-    def __init__(self, model: nn.Module, *, attention_backend: str = "auto") -> None:
+    def __init__(
+        self, model: nn.Module, *, attention_backend: str = "auto", decode_weights: DecodeWeights = DecodeWeights.MODEL
+    ) -> None:
         self.spec: ModelSpec = inspect_model(model)
         self.model = model.eval()
         inner = model.model
@@ -107,9 +117,12 @@ class ModelRunner:
             sliding_windows=spec.sliding_windows,
         )
         self.attention_backend: AttentionBackend = select_backend(
-            attention_backend, shape, device=spec.device, rope=self.rope
-        )
+            attention_backend, shape, device=spec.device, rope=self.rope,
+            decode_kv_dtype=torch.float16 if decode_weights == DecodeWeights.INT8 else None,
+        )  # fmt: skip
         self._observer: AttentionObserver | None = None
+        self._float = FloatProducts()
+        self._decode = products_for(decode_weights, self._layers, self._lm_head)
 
     @contextlib.contextmanager
     def observe_attention(self, observer: AttentionObserver) -> Iterator[None]:
@@ -143,8 +156,9 @@ class ModelRunner:
         hidden = self._embed(torch.cat([s.token_ids for s in seqs]))  # [N, hidden_size]
         hooked = any(s.after_layer is not None for s in seqs)
         cache = seqs[0].kv.cache
+        products = self._decode if all(s.decode for s in seqs) else self._float
         for index, layer in enumerate(self._layers):
-            hidden, q = self._layer(index, layer, hidden, cache, batch, plan, rows)
+            hidden, q = self._layer(index, layer, hidden, cache, batch, plan, rows, products)
             if hooked:
                 view = LayerView(
                     layer=index, alive=alive, rows=rows, q=q, k_cache=cache.k[index],
@@ -161,10 +175,12 @@ class ModelRunner:
         num_tokens = sum(s.token_ids.shape[0] for s in seqs)
         return [self._outputs(seq, start, hidden, alive, num_tokens) for seq, start in zip(seqs, starts, strict=True)]
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[m, hidden_size]`` final hidden states -> ``[m, vocab_size]`` float32 logits."""
+    def logits(self, hidden: torch.Tensor, *, decode: bool = False) -> torch.Tensor:
+        """``[m, hidden_size]`` final hidden states -> ``[m, vocab_size]`` float32 logits; ``decode``: every row
+        follows a decode step (the LM head reads what decode steps read)."""
+        products = self._decode if decode else self._float
         with torch.no_grad():
-            return self._lm_head(hidden).float()
+            return products.linear(self._lm_head, hidden).float()
 
     def _outputs(
         self, seq: SeqInput, start: int, hidden: torch.Tensor, alive: torch.Tensor, alive_all: int
@@ -222,16 +238,18 @@ class ModelRunner:
         batch: AttentionBatch,
         plan: object,
         rows: torch.Tensor,
+        products: FloatProducts,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One decoder layer; ``hidden`` ``[N, hidden_size]``, ``rows`` ``[N]`` cache rows to write, ``plan``
-        the backend's plan of ``batch``. Returns the new hidden states and the layer's NoPE queries
-        ``[N, num_q_heads, head_dim]``."""
+        the backend's plan of ``batch``, ``products`` its matrix products. Returns the new hidden states and the
+        layer's NoPE queries ``[N, num_q_heads, head_dim]``."""
         attn = layer.self_attn
         num_tokens, head_dim = hidden.shape[0], self.spec.head_dim
         x = layer.input_layernorm(hidden)
-        q = attn.q_proj(x).view(num_tokens, -1, head_dim)  # [N, Hq, D]
-        k = attn.k_proj(x).view(num_tokens, -1, head_dim)  # [N, Hkv, D]
-        v = attn.v_proj(x).view(num_tokens, -1, head_dim)  # [N, Hkv, D]
+        q, k, v = products.qkv(attn, x)
+        q = q.view(num_tokens, -1, head_dim)  # [N, Hq, D]
+        k = k.view(num_tokens, -1, head_dim)  # [N, Hkv, D]
+        v = v.view(num_tokens, -1, head_dim)  # [N, Hkv, D]
         if self.spec.has_qk_norm:
             q, k = attn.q_norm(q), attn.k_norm(k)
         backend = self.attention_backend
@@ -240,5 +258,5 @@ class ModelRunner:
         if self._observer is not None:
             self._observer(index, q, cache.k[index], batch, attn.scaling, window)
         out = backend.attend(q, cache.k[index], cache.v[index], plan, scaling=attn.scaling, sliding_window=window)
-        hidden = hidden + attn.o_proj(out.reshape(num_tokens, -1))
-        return hidden + layer.mlp(layer.post_attention_layernorm(hidden)), q
+        hidden = hidden + products.linear(attn.o_proj, out.reshape(num_tokens, -1))
+        return hidden + products.mlp(layer.mlp, layer.post_attention_layernorm(hidden)), q

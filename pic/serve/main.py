@@ -54,6 +54,11 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "--chat-template", type=chat_template, default=None, metavar="FILE",
         help="a Jinja chat template file for /v1/chat/completions (replaces the tokenizer's own)",
     )  # fmt: skip
+    serve.add_argument(
+        "--decode-weights", choices=["model", "int8"], default=None,
+        help="int8: decode steps read int8 copies of the weights (CPU, float32; ~1.6x faster decode, not exact: "
+        "docs/cpu.md); default: the model's own",
+    )  # fmt: skip
     serve.add_argument("--skip-check", action="store_true", help="serve even if the start-up `pic check` fails")
     return serve
 
@@ -72,7 +77,8 @@ def run(args: argparse.Namespace) -> int:
     from pic.serve.protocol import timed_protocol
 
     store = store_config(args)
-    options = {"kv_pool_tokens": args.kv_pool_tokens, "default_policy": args.policy}
+    options = {"kv_pool_tokens": args.kv_pool_tokens, "default_policy": args.policy,
+               "decode_weights": args.decode_weights}  # fmt: skip
     config = pic.PICConfig(**{key: value for key, value in options.items() if value is not None})
     model = args.model or pic.EMBEDDED_MODEL
     engine = pic.load(model, device=args.device, dtype=args.dtype, gguf_file=args.gguf_file, config=config, store=store)

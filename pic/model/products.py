@@ -1,0 +1,140 @@
+"""The matrix products of a decode step: the model's own float weights, or int8 copies of the large ones.
+
+One token's decode step on a CPU is bound by streaming the weights through matrix-vector products (SmolLM2-135M:
+540 MB of float32 per token, ~38 ms of an ~85 ms step on one thread; ``docs/cpu.md``). fbgemm's int8 products with
+dynamic activation quantization (``torch.ops.quantized.linear_dynamic``) read a quarter of the bytes and ran one
+token's products 3.3x faster on this machine's CPU (``benchmarks/cpu_matmul.py``): 2.5x on 576x576 matrices, 3.4-3.7x
+on the MLP's, 7.1x on the LM head, but 0.66x on 576x192 ones alone; packed with q (one 960x576 product) k and v
+gain too. A packed matrix with fewer than ``INT8_MIN_WEIGHTS`` weights keeps its float products.
+
+``DecodeWeights.INT8`` is an optional mode, not exact: weights are quantized per output channel (symmetric), and
+each product quantizes its input per tensor, over the step's rows, at run time; so a sequence's tokens depend a
+little on which others decode beside it. Only decode steps use it (forwards in which every sequence runs one
+token, and their LM head): compiles, recompute passes and every prompt's first token stay in float, so the
+compiled KV and the cache ids are the same as without it. The int8 copies are made once, when the engine is
+built, and add about a quarter of the float32 weights' bytes; the model's own modules are not changed.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+from pic.config import DecodeWeights
+from pic.errors import InvalidInputError, UnsupportedModelError
+
+# Packed matrices with fewer weights keep their float products in int8 mode (576x192 alone: int8 was 0.66x float32).
+INT8_MIN_WEIGHTS = 1 << 18
+
+
+class FloatProducts:
+    """The model's own modules: what every forward but an int8 decode step runs."""
+
+    def qkv(self, attn: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The attention's q, k and v projections of ``x`` ``[N, hidden_size]``: ``[N, out_features]`` each."""
+        return attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+
+    def linear(self, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[N, in_features]`` -> ``[N, out_features]``."""
+        return module(x)
+
+    def mlp(self, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """The layer's MLP over ``x`` ``[N, hidden_size]``."""
+        return mlp(x)
+
+
+class Int8Products(FloatProducts):
+    """int8 copies of a model's large linear layers (every decoder layer's, and the LM head), made once.
+
+    Products that read the same input are packed as one matrix: q, k and v (one product instead of three, and one
+    quantization of the input), gate and up; o, down and the LM head on their own. Per output channel, that is the
+    same arithmetic as separate products (the input's scale is per tensor either way).
+
+    Args:
+        layers: the model's decoder layers; each MLP must be gated (``down(act(gate(x)) * up(x))``).
+        lm_head: the output projection.
+
+    Raises:
+        InvalidInputError: the model is not float32 on the CPU, or torch has no fbgemm/x86 quantized engine.
+        UnsupportedModelError: an MLP of another form.
+    """
+
+    def __init__(self, layers: nn.ModuleList, lm_head: nn.Linear) -> None:
+        weight = lm_head.weight
+        if weight.device.type != "cpu" or weight.dtype != torch.float32:
+            raise InvalidInputError(
+                f"decode_weights='int8' needs a float32 model on the CPU (fbgemm's int8 products); this one is "
+                f"{weight.dtype} on {weight.device}"
+            )
+        engines = torch.backends.quantized.supported_engines
+        if not {"x86", "fbgemm"} & set(engines):
+            raise InvalidInputError(f"decode_weights='int8' needs torch's x86 or fbgemm quantized engine: {engines}")
+        # id(module) -> (fbgemm's packed weight, output sizes of the linears packed in it)
+        self._packed: dict[int, tuple[torch.ScriptObject, list[int]]] = {}
+        self.num_bytes = 0  # of int8 weights (a byte each)
+        self._add(lm_head, [lm_head])
+        for layer in layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            _check_gated(mlp)
+            self._add(attn, [attn.q_proj, attn.k_proj, attn.v_proj])
+            self._add(attn.o_proj, [attn.o_proj])
+            self._add(mlp, [mlp.gate_proj, mlp.up_proj])
+            self._add(mlp.down_proj, [mlp.down_proj])
+
+    def qkv(self, attn: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if id(attn) not in self._packed:
+            return super().qkv(attn, x)
+        q, k, v = self._run(attn, x)
+        return q, k, v
+
+    def linear(self, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        return self._run(module, x)[0] if id(module) in self._packed else module(x)
+
+    def mlp(self, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if id(mlp) not in self._packed:
+            return mlp(x)
+        gate, up = self._run(mlp, x)
+        return self.linear(mlp.down_proj, mlp.act_fn(gate) * up)
+
+    def _add(self, owner: nn.Module, linears: list[nn.Linear]) -> None:
+        """Pack ``linears`` (one input) as one int8 matrix under ``owner``, if it has ``INT8_MIN_WEIGHTS`` weights."""
+        num_weights = sum(linear.weight.numel() for linear in linears)
+        if num_weights >= INT8_MIN_WEIGHTS:
+            self._packed[id(owner)] = (_pack(linears), [linear.out_features for linear in linears])
+            self.num_bytes += num_weights
+
+    def _run(self, owner: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+        """``x`` ``[N, in_features]`` through ``owner``'s packed matrix, split per linear: ``[N, out_i]`` views."""
+        packed, sizes = self._packed[id(owner)]
+        # reduce_range: 7-bit activations, torch's default for these engines (no overflow without VNNI either).
+        return list(torch.ops.quantized.linear_dynamic(x, packed, True).split(sizes, dim=-1))
+
+
+def products_for(mode: DecodeWeights, layers: nn.ModuleList, lm_head: nn.Linear) -> FloatProducts:
+    """The decode step's products for ``mode``."""
+    return Int8Products(layers, lm_head) if mode == DecodeWeights.INT8 else FloatProducts()
+
+
+def _check_gated(mlp: nn.Module) -> None:
+    if not all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+        raise UnsupportedModelError(
+            f"decode_weights='int8' runs gated MLPs (gate_proj, up_proj, down_proj, act_fn), not {type(mlp).__name__}"
+        )
+
+
+def _pack(linears: list[nn.Linear]) -> torch.ScriptObject:
+    """fbgemm's prepacked int8 weight of ``linears`` stacked by output (per output channel, symmetric) and their float
+    biases (zeros for a linear without one, when another has one)."""
+    weight = torch.cat([linear.weight.detach() for linear in linears])  # [sum(out), in]
+    scales = (weight.abs().amax(1) / 127).clamp(min=1e-12).double()  # [sum(out)]
+    zeros = torch.zeros(weight.shape[0], dtype=torch.long)
+    with warnings.catch_warnings():  # torch deprecates quantized tensors (pytorch#184982); the op is what runs
+        warnings.simplefilter("ignore", UserWarning)
+        qweight = torch.quantize_per_channel(weight, scales, zeros, 0, torch.qint8)
+    bias = None
+    if any(linear.bias is not None for linear in linears):
+        bias = torch.cat([weight.new_zeros(linear.out_features) if linear.bias is None else linear.bias.detach()
+                          for linear in linears])  # fmt: skip
+    return torch.ops.quantized.linear_prepack(qweight, bias)
