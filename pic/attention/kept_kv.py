@@ -21,7 +21,10 @@ the same KV: ``advance`` checks the slots, and the backend drops it whenever the
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
+import torch.nn.functional as F
 
 from pic.attention.rope import rotate
 
@@ -72,6 +75,41 @@ class KeptKV:
         v_buf[:, filled:total] = v_cache.flatten(0, 1).index_select(0, new).transpose(0, 1)
         self._layers[k_cache.data_ptr()] = (k_buf, v_buf, total)
         return k_buf[:, :total], v_buf[:, :total]
+
+
+def attend_kept(
+    kept: Sequence[KeptKV],
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    mask: torch.Tensor | None,
+    *,
+    scaling: float,
+) -> torch.Tensor:
+    """Decode over each sequence's kept K and V: one SDPA call per sequence on views of its buffers (padding the
+    sequences to the longest would copy every sequence's K and V at every layer), so a sequence in a batch gets bit
+    for bit what it gets alone.
+
+    Args:
+        kept: per decoding sequence, its ``KeptKV``, advanced to this step.
+        q: ``[b, 1, Hq, D]``, the sequences' rotated queries.
+        k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]``, this layer's NoPE K and V.
+        mask: ``[b, 1, S]`` bool over the sequences' slots in slot order (a sliding window's), or ``None``.
+
+    Returns:
+        ``[b, 1, Hq, D]`` in ``q``'s dtype.
+    """
+    num_q_heads, dim = q.shape[2], q.shape[3]
+    out = torch.empty_like(q)
+    for i, state in enumerate(kept):
+        k, v = state.kv(k_cache, v_cache)  # [Hkv, S_i, D] each
+        grouped = q[i, 0].view(1, k.shape[0], num_q_heads // k.shape[0], dim)  # [1, Hkv, Hq / Hkv, D]: heads as rows
+        seq_mask = None if mask is None else mask[i, None, None, :, : k.shape[1]]  # [1, 1, 1, S_i]
+        attended = F.scaled_dot_product_attention(
+            grouped.to(k.dtype), k[None], v[None], attn_mask=seq_mask, scale=scaling
+        )
+        out[i, 0] = attended.view(num_q_heads, dim)  # (cast back to q's dtype)
+    return out
 
 
 def _grown(

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from pic.attention.ape import ContextScaling, ape_attention
 from pic.attention.backend import AttentionBackend, AttentionShape
 from pic.attention.batch import AttentionBatch
-from pic.attention.kept_kv import KeptKV
+from pic.attention.kept_kv import KeptKV, attend_kept
 from pic.attention.rope import rotate, signed_sin
 from pic.attention.tiles import causal_masks, is_causal_run, query_tiles, written_slots
 
@@ -304,8 +304,9 @@ def _attend(
 ) -> torch.Tensor:
     """The group's queries ``q`` ``[b, n, Hq, D]`` over its KV; returns ``[b, n, Hq, D]``."""
     assert window in group.masks, f"sliding_window={window} was not planned for (the model's: {list(group.masks)})"
-    if group.kept:
-        return _attend_kept(group, q, k_cache, v_cache, scaling=scaling, window=window)
+    if group.kept:  # without a window, every slot a sequence kept is at or before its query
+        mask = None if window is None else group.masks[window]
+        return attend_kept(group.kept, rotate(q, group.q_cos, group.q_sin), k_cache, v_cache, mask, scaling=scaling)
     q, k, v = _operands(group, q, k_cache, v_cache)
     mask = group.masks[window]  # [b, n, S]
     if group.context is not None:  # APE's context scaling: scores computed in full (a few query rows)
@@ -327,30 +328,3 @@ def _attend(
             q[:, :, rows], k[:, :, :end], v[:, :, :end], attn_mask=tile_mask, scale=scaling, enable_gqa=True
         )
     return out.transpose(1, 2)
-
-
-def _attend_kept(
-    group: TorchGroup,
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    *,
-    scaling: float,
-    window: int | None,
-) -> torch.Tensor:
-    """Decode over each sequence's ``KeptKV``: one SDPA call per sequence on views of its kept K and V (padding
-    sequences to the longest would copy every sequence's K and V at every layer). ``q`` ``[b, 1, Hq, D]``;
-    returns ``[b, 1, Hq, D]``."""
-    q = rotate(q, group.q_cos, group.q_sin)  # [b, 1, Hq, D]
-    num_q_heads, dim = q.shape[2], q.shape[3]
-    out = torch.empty_like(q)
-    mask = group.masks[window]  # [b, 1, S] or None; without a window every written slot is at or before the query
-    for i, state in enumerate(group.kept):
-        k, v = state.kv(k_cache, v_cache)  # [Hkv, S_i, D] each
-        grouped = q[i, 0].view(1, k.shape[0], num_q_heads // k.shape[0], dim)  # [1, Hkv, Hq / Hkv, D]: heads as rows
-        seq_mask = None if window is None or mask is None else mask[i, None, None, :, : k.shape[1]]  # [1, 1, 1, S_i]
-        attended = F.scaled_dot_product_attention(
-            grouped.to(k.dtype), k[None], v[None], attn_mask=seq_mask, scale=scaling
-        )
-        out[i, 0] = attended.view(num_q_heads, dim)  # (cast back to q's dtype)
-    return out
