@@ -13,7 +13,6 @@ Each function returns a callable that runs one round and returns tokens/s (``_gp
 from __future__ import annotations
 
 import copy
-import inspect
 import time
 from collections.abc import Callable
 
@@ -21,11 +20,12 @@ import torch
 
 import pic
 from pic.engine import generate_together
+from pic.evaluation.workload import cache_argument
 
 
 def hf_rate(model: torch.nn.Module, prompt: list[int], new_tokens: int) -> Callable[[], float]:
     """transformers' decode after ``prompt``: ``new_tokens - 1`` greedy steps over a copy of its prompt cache."""
-    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"  # 5.24 renamed
+    name = cache_argument(model)  # transformers 5.24 renamed past_key_values
     with torch.no_grad():
         out = model(torch.tensor([prompt]), use_cache=True, logits_to_keep=1)
     prompt_cache, first = out.past_key_values, int(out.logits[0, -1].argmax())

@@ -227,6 +227,8 @@ def main() -> int:
         built = pic.PIC(engine.model, engine.tokenizer, config=config)
         build_s[name] = time.perf_counter() - start
     fast = built
+    with fast.paused() as core:  # that the int8 copies were made (a str mode once slipped past validation)
+        int8_bytes = core.runner._decode.num_bytes
     docs = passages(engine.tokenizer, num=args.chunks, min_tokens=args.chunk_tokens, max_tokens=2 * args.chunk_tokens)
     ids = engine.compile(docs, progress=False)
     assert fast.compile(docs, progress=False) == ids  # int8 decode weights compile the same KV
@@ -244,7 +246,8 @@ def main() -> int:
               "settings": {"chunks": args.chunks, "chunk_tokens": [len(engine.tokenizer(d)["input_ids"]) for d in docs],
                            "question": QUESTION, "policies": args.policies, "repeats": args.repeats,
                            "new_tokens": args.new_tokens, "batches": args.batches},
-              "prompt_tokens": len(prompt), "engine_build_s": build_s}  # fmt: skip
+              "prompt_tokens": len(prompt), "engine_build_s": build_s,
+              "int8_weight_bytes": int8_bytes}  # fmt: skip
     report["ttft"] = ttft(engine, llm, ids, prompt, args)
     report["answers"] = answers(engine, fast, llm, ids, prompt, args)
     for name, s in report["ttft"]["median_s"].items():

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import inspect
 import statistics
 import sys
 import time
@@ -35,6 +34,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import pic
+from pic.evaluation.workload import cache_argument
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _gpu  # noqa: E402
@@ -93,25 +93,23 @@ def wrapped(owner: object, attribute: str, name: str):
 
 @contextlib.contextmanager
 def int8_ranges(products: object, lm_head: torch.nn.Module):
-    """Label int8 decode products (``pic.model.products.Int8Products``: no module call, so no hook sees them) as
-    projections or the LM head; the float products it falls back to are modules, labelled by their hooks."""
-    packed = getattr(products, "_packed", None)
-    if packed is None:
+    """Label int8 decode products (``pic.model.products.Int8Products._run``, every packed matrix: q/k/v, o, gate/up,
+    down, the LM head; no module call, so no hook sees them) as projections or the LM head; the float products it
+    falls back to are modules, labelled by their hooks."""
+    original = getattr(products, "_run", None)
+    if original is None:  # float products: module calls
         yield
         return
-    original = products.linear
 
-    def linear(module, x):
-        if id(module) not in packed:
-            return original(module, x)
-        with record_function("lm_head" if module is lm_head else "projections"):
-            return original(module, x)
+    def run(owner, x):
+        with record_function("lm_head" if owner is lm_head else "projections"):
+            return original(owner, x)
 
-    products.linear = linear
+    products._run = run
     try:
         yield
     finally:
-        del products.linear
+        del products._run
 
 
 def totals(prof) -> dict[str, float]:
@@ -222,7 +220,7 @@ def measure_hf(model: torch.nn.Module, prompt: torch.Tensor, num_steps: int) -> 
         with torch.no_grad():
             out = model(prompt[None], use_cache=True, logits_to_keep=1)
             cache, token = out.past_key_values, out.logits[0, -1].argmax()
-            name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+            name = cache_argument(model)
             start = time.perf_counter()
             for _ in range(n):
                 out = model(token.view(1, 1), use_cache=True, **{name: cache})

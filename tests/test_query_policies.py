@@ -16,7 +16,7 @@ from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 import pic
-from pic.evaluation.workload import _cache_name
+from pic.evaluation.workload import cache_argument
 from pic.policies import A3, ProphetKV
 from tests.conftest import make_engine
 from tests.models import DOCS, PREFIX, QUERY, model
@@ -50,7 +50,7 @@ def naive_attentions(family: str, layout: pic.policies.Layout) -> tuple[list[tor
         ]
         query = layout.query.tokens
         out = m(
-            ids[query][None], position_ids=positions[query][None], **{_cache_name(m): DynamicCache(layers)},
+            ids[query][None], position_ids=positions[query][None], **{cache_argument(m): DynamicCache(layers)},
             output_attentions=True,
         )  # fmt: skip
     return [a[0] for a in out.attentions], out.logits[0]

@@ -66,9 +66,8 @@ class KeptKV:
         total = self.slots.shape[0]
         k_buf, v_buf, filled = self._layers.get(k_cache.data_ptr(), (None, None, 0))
         if k_buf is None or k_buf.shape[1] < total:
-            k_buf, v_buf = (
-                _grown(buf, filled, total, cache, self.dtype) for buf, cache in ((k_buf, k_cache), (v_buf, v_cache))
-            )
+            k_buf = _grown(k_buf, filled, total, k_cache, self.dtype)
+            v_buf = _grown(v_buf, filled, total, v_cache, self.dtype)
         new = self.slots[filled:]
         k_new = k_cache.flatten(0, 1).index_select(0, new)  # [new, Hkv, D] NoPE
         k_buf[:, filled:total] = rotate(k_new, self._cos[filled:], self._sin[filled:]).transpose(0, 1)

@@ -125,7 +125,7 @@ def _sample_text(
         )
     ids = torch.full((num_texts, 1), start, dtype=torch.long, device=device)
     out = model(ids, use_cache=True)
-    cache = _cache_name(model)
+    cache = cache_argument(model)
     tokens = []
     for _ in tqdm(range(num_tokens), desc=f"pic sample {num_texts} passages", unit="token", disable=not progress):
         logits = out.logits[:, -1].float().cpu()
@@ -136,7 +136,7 @@ def _sample_text(
     return torch.cat(tokens, dim=1).tolist()
 
 
-def _cache_name(model: torch.nn.Module) -> str:
+def cache_argument(model: torch.nn.Module) -> str:
     """The name of the KV cache in the model's forward and output: ``cache`` from transformers 5.24, which
     deprecates the older ``past_key_values`` (a warning on every step, removal announced for 5.40)."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"

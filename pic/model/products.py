@@ -9,10 +9,11 @@ gain too. A packed matrix with fewer than ``INT8_MIN_WEIGHTS`` weights keeps its
 
 ``DecodeWeights.INT8`` is an optional mode, not exact: weights are quantized per output channel (symmetric), and
 each product quantizes its input per tensor, over the step's rows, at run time; so a sequence's tokens depend a
-little on which others decode beside it. Only decode steps use it (forwards in which every sequence runs one
-token, and their LM head): compiles, recompute passes and every prompt's first token stay in float, so the
-compiled KV and the cache ids are the same as without it. The int8 copies are made once, when the engine is
-built, and add about a quarter of the float32 weights' bytes; the model's own modules are not changed.
+little on which others decode beside it. Only decode steps use it (forwards in which every sequence decodes its next
+token, ``SeqInput.decode``, and the LM head over their rows): compiles, recompute passes and every prompt's first
+token stay in float, so the compiled KV and the cache ids are the same as without it. The int8 copies are made once,
+when the engine is built, and add about a quarter of the float32 weights' bytes; the model's own modules are not
+changed.
 """
 
 from __future__ import annotations
