@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -316,15 +317,18 @@ def test_disk_benchmark_quick(tmp_path):
 
 
 def test_decode_profile_quick(tmp_path):
-    """Both engines' decode steps split by category: the categories and "other" add up to the step."""
+    """Both engines' decode steps split by category: the categories and "other" add up to the step, and the
+    profiler saw each step's products. No time is asserted: a category is a difference of two timed runs, which
+    a loaded machine can make negative (a unit test asserts what a broken script gets wrong, not a speed)."""
     _quick("decode_profile.py", tmp_path, "--steps", "4")
     report = json.loads((tmp_path / "decode_profile_quick.json").read_text())
     for who in ("pic", "transformers"):
         row = report[who]
         parts = ("projections", "lm_head", "norms", "activation", "attention", "sampling", "embedding", "other")
+        assert all(math.isfinite(row[p]) for p in parts) and math.isfinite(row["unprofiled_step_ms"])
         assert abs(sum(row[p] for p in parts) - row["step_ms"]) < 1e-6
-        assert row["projections"] > 0 and row["attention"] > 0 and row["unprofiled_step_ms"] > 0
-        assert any(op["op"] == "aten::mm" for op in row["top_aten_ops"])
+        mm = [op for op in row["top_aten_ops"] if op["op"] == "aten::mm"]
+        assert row["aten_calls_per_step"] > 0 and mm and mm[0]["calls_per_step"] > 0  # call counts: not timings
 
 
 def test_cpu_matmul_quick(tmp_path):

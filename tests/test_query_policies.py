@@ -102,7 +102,11 @@ def test_prophetkv_limits_are_naive_and_full(family, prefix):
         with engine.link(ids, QUERY, prefix=prefix, policy=policy) as linked:
             return linked.logits
 
-    assert torch.allclose(logits("prophetkv:0"), logits("naive"), atol=TOL, rtol=0)
+    # float32 rounding: prophetkv:0's logits come from its second pass, a forward batched and shaped otherwise than
+    # naive's single pass, so sums run in another order. Measured: 0 to 1.9e-6 here, 1.3e-5 on a loaded 2-core
+    # machine (stories260K, logits up to 20: about 6 float32 ulps of them); a real difference (naive against full)
+    # is 1.7 or more. So the bound of the other two limits below, 1e-4.
+    assert torch.allclose(logits("prophetkv:0"), logits("naive"), atol=1e-4, rtol=0)
     assert torch.allclose(logits("prophetkv:1.0"), logits("full"), atol=1e-4, rtol=0)
     assert torch.allclose(logits("a3:1.0"), logits("full"), atol=1e-4, rtol=0)
 
