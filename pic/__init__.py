@@ -23,6 +23,7 @@ from pic.api import PIC
 from pic.check import CheckResult, check
 from pic.config import CompileOptions, PICConfig, StoreConfig
 from pic.engine import (
+    CompileReport,
     Engine,
     FinishReason,
     Generation,
@@ -140,6 +141,7 @@ __all__ = [
     "CheckResult",
     "CompileOptions",
     "CompileOptionsMismatchError",
+    "CompileReport",
     "Engine",
     "EngineClosedError",
     "ContextLengthError",

@@ -96,7 +96,8 @@ def check(engine: PIC, *, num_new_tokens: int = 8, tolerance: float | None = Non
 
     Compares the logits at every query position with ``model(input_ids).logits`` over ``Linked.input_ids``,
     then ``num_new_tokens`` greedy tokens with ``model.generate`` from the same ids (both stop at the
-    engine's EOS ids). The compiled chunks stay cached; the linked request is released.
+    engine's EOS ids). The chunks are compiled into the KV pool only: the check writes nothing into the CPU, disk
+    or Redis tiers (a server checks its model at every start). The linked request is released.
 
     Args:
         num_new_tokens: greedy tokens to compare (at least 1).
@@ -109,7 +110,8 @@ def check(engine: PIC, *, num_new_tokens: int = 8, tolerance: float | None = Non
 
         raise InvalidInputError(f"num_new_tokens={num_new_tokens}: must be at least 1")
     spec = engine.spec
-    linked = engine.link(engine.compile(list(DOCS)), QUERY, prefix=PREFIX, policy="full")
+    ids = engine.compile_report(list(DOCS), lower_tiers=False).ids  # the pool only: nothing into the user's tiers
+    linked = engine.link(ids, QUERY, prefix=PREFIX, policy="full")
     with linked:
         logits = linked.logits
         ids = linked.input_ids.to(spec.device)[None]

@@ -199,6 +199,11 @@ class StoreConfig(_Frozen):
             values over 512 MiB; redis-py reads 8 MiB values several times faster per byte than
             values of hundreds of MiB, see ``benchmarks/store.py``).
         redis_timeout_s: socket timeout of Redis calls.
+        tier_retry_s: a lower tier that failed (Redis timing out or refusing connections; a disk tier whose
+            writes fail: full, read-only) is not called again for this many seconds: its calls fail at once
+            (``"raise"``) or miss (``"miss"``), so a stall costs one timeout, not one per call. Then one call
+            tries it again (a circuit breaker: ``pic.store.breaker``). Chunks a ``"miss"`` tier failed to take
+            are written to it once it works again, if still resident in the pool.
         redis_parts_ttl_s: a chunk's parts are written with this time to live, cleared once its metadata
             lands: a writer that dies mid-write leaves nothing behind after it. Must exceed the time to
             write one chunk (a part that expires first makes that write store nothing).
@@ -227,6 +232,7 @@ class StoreConfig(_Frozen):
     on_redis_error: Literal["raise", "miss"] = "raise"
     part_bytes: int = Field(default=8 * 2**20, ge=1, le=512 * 2**20)
     redis_timeout_s: float = Field(default=10.0, gt=0)
+    tier_retry_s: float = Field(default=5.0, gt=0, le=3600)
     redis_parts_ttl_s: float = Field(default=60.0, ge=0.001, le=7 * 24 * 3600)
     redis_lease_s: float = Field(default=10.0, ge=0.1, le=3600)
     shared_recheck_s: float | None = Field(default=30.0, ge=0)

@@ -13,7 +13,9 @@ import torch  # noqa: E402
 import pic
 from pic.kv.memory import DEFAULT_CPU_POOL_TOKENS
 from tests.device import target
+from tests.full_disk import small_disk  # noqa: F401  (a 2 MiB tmpfs, for every test file)
 from tests.models import FAMILIES, model, target_model, tokenizer
+from tests.redis_server import paused_redis  # noqa: F401  (a redis-server a test may pause)
 from tests.redis_server import redis_server as new_redis_server
 from tests.smollm2 import smollm2  # noqa: F401  (the session's SmolLM2 engine, for every test file)
 

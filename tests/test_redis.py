@@ -9,6 +9,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 
 import msgpack
 import pytest
@@ -26,6 +27,10 @@ from tests.redis_server import PASSWORD
 from tests.redis_server import redis_server as new_redis_server
 
 SMALL_PARTS = 4096  # several parts per chunk, so part handling is exercised
+
+
+# The tests that restart a Redis give the tier's breaker a short retry: after a failure, calls are refused that long.
+RETRY_S = 0.3
 
 
 def redis_engine(url: str, family: str = "stories260K", **store) -> pic.PIC:
@@ -209,7 +214,7 @@ def test_unreachable_redis_raises_naming_the_url(tmp_path, caplog):
     expected = generate(engine, ids)
     server.stop()  # mid-run
     assert generate(engine, ids) == expected  # device hits touch Redis at most every shared_recheck_s
-    fresh = redis_engine(server.url)
+    fresh = redis_engine(server.url, tier_retry_s=RETRY_S)
     where = f"127.0.0.1:{server.port}"
     with pytest.raises(pic.StoreUnavailableError, match=f"Redis at redis://:\\*\\*\\*@{where}/0 failed") as info:
         generate(fresh, ids)
@@ -228,6 +233,7 @@ def test_unreachable_redis_raises_naming_the_url(tmp_path, caplog):
     assert generate(lenient, ids) == expected and lenient.store.lookup(ids[0]) == ["device"]
 
     server.start()  # restarted, empty (no persistence)
+    time.sleep(RETRY_S)  # the breaker, open since the failures above, lets the next call try Redis again
     assert fresh.compile(list(DOCS)) == ids
     assert generate(fresh, ids) == expected
     server.stop()
@@ -271,7 +277,8 @@ def test_a_redis_outage_leaves_monitoring_describing_and_the_device_tier_working
     from pic.serve.app import build_app
 
     server = new_redis_server(tmp_path).start()
-    engine = pic.PIC(model("stories260K"), tokenizer(), store=pic.StoreConfig(redis_url=server.url))
+    store = pic.StoreConfig(redis_url=server.url, tier_retry_s=RETRY_S)
+    engine = pic.PIC(model("stories260K"), tokenizer(), store=store)
     ids = engine.compile(list(DOCS))
     server.stop()
     tiers = {t.name: t for t in engine.store.stats()}  # no exception: monitoring needs it now
@@ -287,6 +294,7 @@ def test_a_redis_outage_leaves_monitoring_describing_and_the_device_tier_working
         assert http.get(f"/v1/chunks/{ids[0]}").json()["tiers"] == ["device"]
         assert http.delete(f"/v1/chunks/{ids[0]}").status_code == 503
     server.start()  # back (empty: no persistence)
+    time.sleep(RETRY_S)  # until the breaker lets a call try Redis again
     assert engine.store.expire(ids[0]) and engine.store.lookup(ids[0]) == []
     server.stop()
 
@@ -315,7 +323,7 @@ def test_linking_a_resident_chunk_restores_what_redis_lost(tmp_path, monkeypatch
     monkeypatch.setattr("pic.store.recheck.time.monotonic", lambda: clock[0])
     server = new_redis_server(tmp_path).start()
     url = server.url
-    engine = redis_engine(url, shared_recheck_s=30)
+    engine = redis_engine(url, shared_recheck_s=30, tier_retry_s=RETRY_S)
     ids = engine.compile(list(DOCS))
     expected = generate(engine, ids)  # compiled just now: nothing to check
     server.client().flushall()  # a restart without persistence
@@ -330,6 +338,7 @@ def test_linking_a_resident_chunk_restores_what_redis_lost(tmp_path, monkeypatch
     assert generate(engine, ids) == expected  # Redis down ("raise"): the link still serves from the pool
     assert "could not check that the shared tier holds chunk" in caplog.text
     server.start()  # back, empty
+    time.sleep(RETRY_S)  # (the tier's breaker, open since the failure, lets a call through again)
     clock[0] += 29  # rechecks paused for 30 s after the failure
     assert generate(engine, ids) == expected and engine.store.lookup(ids[0]) == ["device"]
     clock[0] += 2

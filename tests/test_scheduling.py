@@ -8,9 +8,7 @@ engine, the first saw a 0.7-1.2 s gap, the second ``UnknownCacheIdError`` for an
 
 from __future__ import annotations
 
-import os
 import random
-import signal
 import threading
 import time
 
@@ -20,7 +18,6 @@ import torch
 import pic
 from pic.errors import StoreUnavailableError
 from tests.conftest import make_engine
-from tests.redis_server import redis_server as new_redis_server
 
 NUM_DOC_TOKENS = 290
 
@@ -81,24 +78,8 @@ def test_48_preempting_requests_over_a_4096_token_pool_all_finish_with_their_alo
         assert out.token_ids == alone[tuple(request.query)]
 
 
-@pytest.fixture
-def frozen_redis(tmp_path):
-    """A redis-server of its own, which the test may freeze (SIGSTOP); thawed and stopped after."""
-    server = new_redis_server(tmp_path).start()
-    frozen = []
-
-    def freeze() -> None:
-        os.kill(server._proc.pid, signal.SIGSTOP)
-        frozen.append(True)
-
-    yield server.url, freeze
-    if frozen:
-        os.kill(server._proc.pid, signal.SIGCONT)
-    server.stop()
-
-
-def test_a_frozen_redis_fails_only_the_requests_that_need_it(frozen_redis):
-    url, freeze = frozen_redis
+def test_a_frozen_redis_fails_only_the_requests_that_need_it(paused_redis):
+    url, freeze = paused_redis.url, paused_redis.pause
     store = pic.StoreConfig(redis_url=url, redis_timeout_s=2.0, cpu_bytes=0)
     engine = make_engine("stories260K", eos_token_ids=())
     engine = pic.PIC(engine.model, engine.tokenizer, store=store, config=engine.config)

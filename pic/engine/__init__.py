@@ -3,10 +3,11 @@
 from pic.engine.engine import Engine
 from pic.engine.generation import FinishReason, Generation, GenerationStats
 from pic.engine.linked import Linked, generate_together
-from pic.engine.request import Request, RequestOutput
+from pic.engine.request import CompileReport, Request, RequestOutput
 from pic.engine.sampling import SamplingParams
 
 __all__ = [
+    "CompileReport",
     "Engine",
     "FinishReason",
     "Generation",

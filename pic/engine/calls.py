@@ -10,10 +10,11 @@ from tqdm.auto import tqdm
 
 from pic.config import CompileOptions
 from pic.engine.commands import Abort, Channel, Compile, Submit
+from pic.engine.compile_call import Stored
 from pic.engine.generation import Generation
 from pic.engine.linked import Linked
 from pic.engine.prepare import Documents, Preparer
-from pic.engine.request import CompileJob, LinkOutput, NewRequest, Request, RequestOutput
+from pic.engine.request import CompileJob, CompileReport, LinkOutput, NewRequest, Request, RequestOutput
 from pic.engine.streams import RequestStream
 from pic.errors import InvalidInputError
 from pic.link.policies import Policy
@@ -122,21 +123,31 @@ def compile_documents(
     fleet: FleetLeases | None,
     has_chunk: Callable[[str], bool],
     progress: bool | None,
-) -> None:
+    lower_tiers: bool = True,
+) -> CompileReport:
     """Compile the documents no tier holds (between the workers sharing ``fleet``, once each); returns when
-    every one is stored (``progress``: a bar; ``None``: for ``_PROGRESS_MIN`` documents or more).
+    every one is stored, saying where (``progress``: a bar; ``None``: for ``_PROGRESS_MIN`` documents or more).
+    ``lower_tiers=False``: into the KV pool only, without a fleet (``CompileJob.lower_tiers``).
 
     Raises:
         as ``Engine.compile``.
     """
     show = len(found.tokens) >= _PROGRESS_MIN if progress is None else progress
+    num_compiled = 0
     with tqdm(total=len(found.tokens), desc="pic compile", unit="chunk", disable=not show) as bar:
 
-        def compile_ids(todo: Sequence[str]) -> list[str]:
-            job = CompileJob(tokens=found.tokens, options=options, todo=tuple(todo), on_chunk=lambda: bar.update(1))
-            return thread.call(lambda reply: Compile(job, reply))
+        def compile_ids(todo: Sequence[str]) -> Stored:
+            nonlocal num_compiled
+            job = CompileJob(
+                tokens=found.tokens, options=options, todo=tuple(todo), on_chunk=lambda: bar.update(1),
+                lower_tiers=lower_tiers,
+            )  # fmt: skip
+            stored = thread.call(lambda reply: Compile(job, reply))
+            num_compiled += len(stored.compiled)
+            return stored
 
-        if fleet is not None:  # workers sharing the Redis tier compile each chunk once between them
-            fleet.compile_once(found.ids, has_chunk=has_chunk, compile=compile_ids)
-        compile_ids(found.ids)  # the rest; resident chunks are written back where a lower tier lost them
+        if fleet is not None and lower_tiers:  # workers sharing the Redis tier compile each chunk once between them
+            fleet.compile_once(found.ids, has_chunk=has_chunk, compile=lambda todo: compile_ids(todo).compiled)
+        stored = compile_ids(found.ids)  # the rest; resident chunks are written back where a lower tier lost them
         bar.update(bar.total - bar.n)  # (the chunks a tier held already)
+    return CompileReport(ids=found.ids, tiers=[stored.tiers[cid] for cid in found.ids], num_compiled=num_compiled)

@@ -3,12 +3,16 @@
 A call's chunks are prefilled as scheduled work (``ChunkSources.prefills``), between and beside other
 requests' steps, and written through to the lower tiers on the loader. The call holds each of its
 chunks in the pool until a lower tier has it too (or, without one, until the call ends), so every id
-it returns is held by some tier when ``compile`` returns, and it never evicts its own chunks.
+it returns is held by some tier when ``compile`` returns, and it never evicts its own chunks. Its answer
+says which tiers hold each chunk (``Stored``): a tier under ``on_*_error="miss"`` that failed does not, and the
+caller is told so rather than assured of a copy that is not there.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 from pic.compile import ChunkPrefill, lead_tokens, prefill_blocks
 from pic.engine.chunk_sources import ChunkSources
@@ -16,10 +20,24 @@ from pic.engine.loader import Loader
 from pic.engine.request import CompileJob
 from pic.engine.sequence import Sequence
 from pic.kv import BlockPool
+from pic.store import TieredStore
+
+
+@dataclass(frozen=True)
+class Stored:
+    """A compile call's answer.
+
+    Attributes:
+        compiled: the ids it prefilled, in order.
+        tiers: every id of the call -> the names of the tiers holding its chunk when the call ended, fastest first.
+    """
+
+    compiled: list[str]
+    tiers: dict[str, tuple[str, ...]]
 
 
 class CompileCall:
-    """A compile call's progress (engine thread). ``reply`` gets the ids it compiled, or the error that
+    """A compile call's progress (engine thread). ``reply`` gets its ``Stored`` answer, or the error that
     stopped it; ``done`` says when.
 
     Attributes:
@@ -29,6 +47,7 @@ class CompileCall:
         writes: cache id -> the loader's write of it to the lower tiers.
         held: cache id -> the blocks the call holds of it.
         compiled: the ids it prefilled, in order.
+        lower: cache id -> names of the lower tiers known to hold it (found by the check, or written).
     """
 
     def __init__(self, job: CompileJob, reply: Future) -> None:
@@ -40,6 +59,7 @@ class CompileCall:
         self.writes: dict[str, Future] = {}
         self.held: dict[str, list[int]] = {}
         self.compiled: list[str] = []
+        self.lower: defaultdict[str, set[str]] = defaultdict(set)
         self.error: Exception | None = None
 
     @property
@@ -61,23 +81,31 @@ class CompileCall:
     def written(self, cache_id: str, tiers: list[str], pool: BlockPool) -> None:
         """A lower tier (``tiers``: those that hold it now) has ``cache_id``: the call's hold on it can go."""
         del self.writes[cache_id]
+        self.lower[cache_id].update(tiers)
         if tiers and cache_id in self.held:
             pool.free(self.held.pop(cache_id))
 
     def fail(self, error: Exception) -> None:
         self.error = self.error or error
 
-    def end(self, pool: BlockPool, *, answer: bool = True) -> None:
-        """Release the call's holds and answer it (``answer=False``: its caller raises instead)."""
+    def end(self, pool: BlockPool, store: TieredStore) -> None:
+        """Answer the call (where its chunks are in ``store``, or its error) and release its holds."""
+        if self.error is not None:
+            self.reply.set_exception(self.error)
+        else:  # (before the holds go: every chunk of the call is resident)
+            tiers = {cid: self._tiers(cid, store) for cid in self.job.tokens}
+            self.reply.set_result(Stored(compiled=self.compiled, tiers=tiers))
+        self.release(pool)
+
+    def release(self, pool: BlockPool) -> None:
+        """Free the call's holds on its chunks."""
         for blocks in self.held.values():
             pool.free(blocks)
         self.held = {}
-        if not answer:
-            return
-        if self.error is not None:
-            self.reply.set_exception(self.error)
-        else:
-            self.reply.set_result(self.compiled)
+
+    def _tiers(self, cache_id: str, store: TieredStore) -> tuple[str, ...]:
+        device = ("device",) if store.device.contains(cache_id) else ()
+        return device + tuple(t.name for t in store.lower if t.name in self.lower.get(cache_id, ()))
 
 
 class CompileCalls:
@@ -109,7 +137,7 @@ class CompileCalls:
             if self.store.device.contains(cid):
                 call.held[cid] = self.pool.hold(cid)
         for cid in dict.fromkeys(job.todo):  # which lower tiers lack each: write back, or compile
-            if self.loader.has_lower_tiers:
+            if self.loader.has_lower_tiers and job.lower_tiers:
                 call.checks[cid] = self.loader.missing(cid)
             elif cid not in call.held:
                 call.new.append(cid)
@@ -123,7 +151,7 @@ class CompileCalls:
         try:
             self._check_room(call.job, call.new)
         except Exception:
-            call.end(self.pool, answer=False)
+            call.release(self.pool)  # not answered: the caller raises
             raise
         for cid in call.new:
             self.sources.compile(cid, call.job.tokens[cid], call.job.options, waiter=call)
@@ -168,7 +196,7 @@ class CompileCalls:
                         call.fail(exc)
         for call in [c for c in self.open if c.done]:
             self.open.remove(call)
-            call.end(self.pool)
+            call.end(self.pool, self.store)
 
     def _checked(self, call: CompileCall, cid: str, check: Future) -> None:
         """The lower tiers that lack ``cid`` are known: a resident chunk is written back to them (copied out of
@@ -178,6 +206,7 @@ class CompileCalls:
         except Exception as exc:
             call.fail(exc)
             return
+        call.lower[cid].update(t.name for t in self.store.lower if t not in missing)
         if cid not in call.held and self.store.device.contains(cid):  # compiled meanwhile
             call.held[cid] = self.pool.hold(cid)
         if cid in call.held:
@@ -201,22 +230,24 @@ class CompileCalls:
         """A prefill's last piece ran: make the chunk resident, hand each waiter a hold on it, write it through."""
         info, blocks = prefill.finish()
         del self.sources.prefills[prefill.cache_id]
-        self.store.add(info, blocks)
-        self.sources.remember(info)
         calls = [w for w in prefill.waiters if isinstance(w, CompileCall)]
+        through = [call for call in calls if call.job.lower_tiers]
+        self.store.add(info, blocks, pool_only=bool(calls) and not through)
+        self.sources.remember(info)
         # Written through for compile calls (which wait for it); a chunk compiled again for a request (no tier
-        # held it, or its copy proved damaged) is written back to the tiers that lack it, and nobody waits.
+        # held it, or its copy proved damaged) is written back to the tiers that lack it, and nobody waits; one
+        # that only scratch calls asked for (``CompileJob.lower_tiers=False``) stays in the pool.
         write = None
-        if calls and self.loader.has_lower_tiers:
-            keep = {c for call in calls for c in call.keep}
+        if through and self.loader.has_lower_tiers:
+            keep = {c for call in through for c in call.keep}
             write = self.loader.write(self.store.copy_for_lower(info.cache_id), keep=keep)
-        elif self.loader.has_lower_tiers:
+        elif not calls and self.loader.has_lower_tiers:
             self.loader.write_back(self.store.copy_for_lower(info.cache_id))
         for waiter in prefill.waiters:
             held = self.pool.hold(info.cache_id)
             if isinstance(waiter, CompileCall):
                 waiter.chunk_ready(info.cache_id, held)
-                if write is not None:
+                if write is not None and waiter.job.lower_tiers:
                     waiter.writes[info.cache_id] = write
             elif waiter.is_finished:  # a request that ended while its chunk compiled
                 self.pool.free(held)
@@ -238,5 +269,5 @@ class CompileCalls:
     def fail_all(self, error: Exception) -> None:
         for call in self.open:
             call.fail(error)
-            call.end(self.pool)
+            call.end(self.pool, self.store)
         self.open = []

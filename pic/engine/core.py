@@ -130,6 +130,22 @@ class EngineCore:
         writing = self.compiles.num_writing > 0
         return any(p.is_started or not writing or self.kv.can_start(p) for p in prefills)
 
+    def retry_writes(self) -> None:
+        """Write the chunks a lower tier failed to take (``TieredStore.backlog``) again, when due: from the pool
+        while they are resident there (on the loader's writer thread, nobody waiting), else forgotten."""
+        for cache_id in self.store.backlog.due():
+            try:
+                if self.store.device.contains(cache_id):
+                    self.loader.write_back(self.store.copy_for_lower(cache_id))
+                    continue
+            except Exception:  # a retry never stops the engine
+                log.exception("pic: could not retry writing chunk %s to the lower tiers", cache_id)
+            self.store.backlog.forget(cache_id, evicted=True)
+
+    def next_timer_s(self) -> float | None:
+        """Seconds until ``retry_writes`` has work (``None``: none pending): how long an idle core may sleep."""
+        return self.store.backlog.next_due_s()
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, vocab_size]`` float32 logits of final hidden states ``hidden`` ``[N, hidden_size]``."""
         return self.runner.logits(hidden)

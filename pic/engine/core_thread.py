@@ -102,9 +102,11 @@ class CoreThread:
 
 
 def run(core: EngineCore, commands: queue.SimpleQueue[Command]) -> None:
-    """Serve ``commands`` until ``Close``; then fail whatever is still open or still arrives."""
+    """Serve ``commands`` until ``Close``; then fail whatever is still open or still arrives. An idle core sleeps
+    until a command comes or a retry of failed writes is due (``EngineCore.next_timer_s``)."""
     while True:
-        command = commands.get() if not core.has_work(paced=False) else _next(commands)
+        core.retry_writes()
+        command = _wait(commands, core.next_timer_s()) if not core.has_work(paced=False) else _next(commands)
         while command is not None:
             if isinstance(command, Close):
                 _close(core, commands)
@@ -113,6 +115,14 @@ def run(core: EngineCore, commands: queue.SimpleQueue[Command]) -> None:
             command = _next(commands)
         if core.has_work(paced=False):
             _step(core)
+
+
+def _wait(commands: queue.SimpleQueue[Command], timeout_s: float | None) -> Command | None:
+    """The next command, waiting for it at most ``timeout_s`` (``None``: as long as it takes)."""
+    try:
+        return commands.get(timeout=timeout_s)
+    except queue.Empty:
+        return None
 
 
 def _next(commands: queue.SimpleQueue[Command]) -> Command | None:

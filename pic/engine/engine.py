@@ -24,7 +24,7 @@ from pic.engine.core_thread import CoreThread
 from pic.engine.generation import Generation
 from pic.engine.linked import Linked
 from pic.engine.prepare import Preparer, documents
-from pic.engine.request import LinkOutput, OutputSink, Request, check_request_id
+from pic.engine.request import CompileReport, LinkOutput, OutputSink, Request, check_request_id
 from pic.engine.stepper import Stepper
 from pic.engine.store_view import StoreView
 from pic.ids import model_fingerprint
@@ -160,15 +160,36 @@ class Engine:
         canonical blocks of the KV pool (resident: the device tier), in pieces the scheduler fits between
         the running requests' steps, and written through to the CPU, disk and Redis tiers off the engine's
         thread. Every id returned is held by some tier when ``compile`` returns: the call never evicts its
-        own chunks to make room for its other chunks. Workers sharing a Redis tier compile each chunk once
-        between them (``pic.store.lease``).
+        own chunks to make room for its other chunks. Which tiers hold each: ``compile_report``. Workers sharing
+        a Redis tier compile each chunk once between them (``pic.store.lease``).
 
         Raises:
             InvalidInputError: no documents, an empty document, a bad token id, bytes.
             ContextLengthError: a document that leaves no room for a query in the model's context.
-            StoreUnavailableError: Redis failed (``StoreConfig.on_redis_error="raise"``).
+            StoreUnavailableError: a lower tier failed (``StoreConfig.on_redis_error`` / ``on_disk_error="raise"``).
             KVPoolExhaustedError: the new chunks do not fit in the KV pool beside the chunks in use and,
                 where no lower tier can take them, beside each other (checked before any work).
+        """
+        return self.compile_report(docs, policy=policy, context=context, progress=progress).ids
+
+    def compile_report(
+        self,
+        docs: TextOrTokens | Sequence[TextOrTokens],
+        *,
+        policy: str | policies.Policy | None = None,
+        context: TextOrTokens | None = None,
+        progress: bool | None = None,
+        lower_tiers: bool = True,
+    ) -> CompileReport:
+        """``compile``, saying which tiers hold each chunk when it returns (``CompileReport.tiers``): under
+        ``on_*_error="miss"`` a tier that failed does not, and a caller that promised its users a durable copy
+        (a server acknowledging a compile) can say so or retry.
+
+        ``lower_tiers=False``: the chunks go into the KV pool only: nothing is asked of or written to the CPU,
+        disk and Redis tiers (scratch chunks, such as ``pic check``'s, that must not touch a user's store).
+
+        Raises:
+            as ``compile``.
         """
         options = self._prepare.compile_options(policy, context=context)
         found = documents(
@@ -176,8 +197,9 @@ class Engine:
             max_chars=self._prepare.max_chars,
         )  # fmt: skip
         fleet, has_chunk = self.store.fleet, self.store.contains
-        compile_documents(self._owner, found, options, fleet=fleet, has_chunk=has_chunk, progress=progress)
-        return found.ids
+        return compile_documents(
+            self._owner, found, options, fleet=fleet, has_chunk=has_chunk, progress=progress, lower_tiers=lower_tiers
+        )
 
     def compile_policy(self, policy: str | policies.Policy | None = None) -> policies.Policy:
         """The policy ``compile`` and ``link`` use for ``policy`` (``None``: the engine's default); raises

@@ -67,11 +67,13 @@ class Loader:
         self._write_missing(chunk, self.store.shared_tiers, on_failure=self.store.recheck_failed)
 
     def write_back(self, chunk: ChunkKV) -> None:
-        """Write a chunk compiled again for a request (no tier held it, or its copy was damaged) to the lower
-        tiers that lack it, fire and forget: a failure is logged, never the request's."""
+        """Write a chunk to the lower tiers that lack it, fire and forget (a chunk compiled again for a request,
+        whose copy no tier held or was damaged; a chunk a tier failed to take, retried: ``EngineCore.retry_writes``):
+        a failure is logged, never a request's."""
 
         def failed(cache_id: str, exc: Exception) -> None:
-            log.warning("pic: could not write chunk %s, compiled again, to the lower tiers: %s", cache_id, exc)
+            log.warning("pic: could not write chunk %s to the lower tiers that lack it: %s", cache_id, exc)
+            self.store.backlog.errored(cache_id)  # a retry of the backlog's: due again later, not under way forever
 
         self._write_missing(chunk, None, on_failure=failed)
 

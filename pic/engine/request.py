@@ -180,9 +180,30 @@ class CompileJob:
         options: the compile options of every chunk.
         todo: the ids to compile when no tier holds them (the call's, or the ones a fleet lease gave it).
         on_chunk: called (on the engine thread) as each chunk of ``todo`` is stored: a progress bar.
+        lower_tiers: write the chunks through to the lower tiers; ``False``: the KV pool only, nothing asked of
+            or written to the CPU, disk and Redis tiers (``pic check``'s scratch chunks).
     """
 
     tokens: Mapping[str, list[int]]
     options: CompileOptions
     todo: tuple[str, ...]
     on_chunk: Callable[[], None] = lambda: None
+    lower_tiers: bool = True
+
+
+@dataclass(frozen=True)
+class CompileReport:
+    """What a ``compile`` call stored, and where (``PIC.compile_report``).
+
+    Attributes:
+        ids: one cache id per document, in order.
+        tiers: per id, the tiers that held its chunk when the call returned, fastest first (``"device"`` is the
+            KV pool; then ``"cpu"``, ``"disk"``, ``"redis"``). A tier configured with ``on_*_error="miss"`` that
+            failed is absent: the chunk is written to it once it works again (``StoreConfig.tier_retry_s``), if
+            still resident then. A tier that had no room for the chunk is absent too.
+        num_compiled: chunks prefilled by this call (the others were held by a tier already).
+    """
+
+    ids: list[str]
+    tiers: list[tuple[str, ...]]
+    num_compiled: int

@@ -9,9 +9,17 @@ or one the call keeps) until its own fits in ``capacity_bytes``, then renames it
 the byte limit holds across processes, and reads take no lock (a file evicted while it is being read
 stays readable through its open descriptor). The byte budget's bookkeeping is ``pic.store.disk_budget``.
 
-A damaged, truncated or foreign file is logged, removed and a miss (a recompile, never a wrong answer).
-A failing disk (full, read-only, I/O errors) is a ``StoreUnavailableError`` naming the path, or with
-``on_error="miss"`` a logged miss, as for Redis.
+A damaged, truncated or foreign file is logged, removed and a miss (a recompile, never a wrong answer), and
+so is anything in a chunk's name that is not a regular file (a FIFO, a symbolic link; a directory is left in
+place): a chunk is read only through ``disk_file.open_chunk``, which never blocks, never follows a link and
+bounds every length before it allocates.
+
+A failing disk (read-only, I/O errors) is a ``StoreUnavailableError`` naming the path, or with
+``on_error="miss"`` a logged miss, as for Redis. A full or read-only disk still serves what it holds: only
+writes need room, so they alone go through a ``Breaker`` (``self.breaker``), which the first write that fails
+for want of room (ENOSPC, EDQUOT, EROFS, EIO) opens. While it is open writes fail at once, without writing
+half a file first, and ``stats().writable`` says so; after ``retry_s`` one write probes. A tier that starts on
+such a disk starts with its breaker open rather than not at all, so a restarted server serves the chunks on it.
 """
 
 from __future__ import annotations
@@ -22,18 +30,29 @@ import errno
 import logging
 import os
 import threading
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Literal
 
 from pic.errors import StoreUnavailableError
 from pic.kv import ChunkKV
 from pic.store import disk_budget, disk_file, serde
+from pic.store.breaker import Breaker
 from pic.store.guard import FailureGuard
 from pic.store.lease import FleetLeases
 from pic.store.tier import Extent, TierStats
 
 log = logging.getLogger("pic.store")
+
+# Failures that say the disk has no room for writes (or takes none): they open the write breaker. Reads go on.
+NO_ROOM = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO})
+# Those a tier still starts on (serving what it holds). EIO is not one: a disk that fails reads is no store.
+_START_DESPITE = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
+
+
+def no_room(exc: BaseException) -> bool:
+    """Whether a write's failure says the disk takes no writes now (it opens the write breaker)."""
+    return isinstance(exc, OSError) and exc.errno in NO_ROOM
 
 
 class DiskTier:
@@ -47,10 +66,13 @@ class DiskTier:
             it is logged, counted and treated as a miss (``put`` then stores nothing).
         part_bytes: read and hash the payload in steps of this many bytes.
         pin: read chunks into page-locked memory.
+        retry_s: after a write fails for want of room (a full or read-only disk), writes fail at once for this
+            long (``self.breaker``), then one is tried.
 
     Raises:
-        StoreUnavailableError: the directory cannot be created or written (whatever ``on_error`` says:
-            a tier that cannot start is a configuration error, not a miss).
+        StoreUnavailableError: the directory cannot be created or read (whatever ``on_error`` says: a tier that
+            cannot start is a configuration error, not a miss). A full or read-only one starts: it serves what
+            it holds, and its writes fail until there is room.
     """
 
     name = "disk"
@@ -64,6 +86,7 @@ class DiskTier:
         on_error: Literal["raise", "miss"] = "raise",
         part_bytes: int = 8 * 2**20,
         pin: bool = False,
+        retry_s: float = 5.0,
     ) -> None:
         self.path = Path(path).expanduser() / expected.fingerprint
         self.capacity_bytes, self._expected, self._on_error = capacity_bytes, expected, on_error
@@ -72,16 +95,41 @@ class DiskTier:
         self._stats = TierStats(name=self.name, capacity_bytes=capacity_bytes)
         self._last_error: str | None = None
         self._lock = threading.Lock()  # the counters and pins; the directory itself is guarded by flock
+        self.breaker = Breaker(f"disk tier at {self.path} (writes)", retry_s=retry_s)
         try:
             self.path.mkdir(parents=True, exist_ok=True)
-            (self.path / ".lock").touch()
-            removed = disk_file.sweep_tmp(self.path)
-            with disk_file.locked(self.path):  # a smaller limit than the last run's evicts; the usage record is redone
-                self._make_room(None, 0, keep=(), rescan=True)
+            self._start()
         except OSError as exc:
-            raise StoreUnavailableError(f"disk tier at {self.path} cannot start: {exc}") from exc
+            if exc.errno not in _START_DESPITE:
+                raise StoreUnavailableError(f"disk tier at {self.path} cannot start: {exc}") from exc
+            self._start_without_writes(exc)
+
+    def _start(self) -> None:
+        """Remove dead writers' temporary files, and evict down to ``capacity_bytes`` (a smaller limit than the
+        last run's), redoing the usage record: writes, which a full or read-only disk refuses."""
+        removed = disk_file.sweep_tmp(self.path)
+        with disk_file.locked(self.path):
+            self._make_room(None, 0, keep=(), rescan=True)
         if removed:
             log.info("pic: removed %d unfinished chunk file(s) of dead writers in %s", removed, self.path)
+
+    def _start_without_writes(self, exc: OSError) -> None:
+        """Start on a disk that takes no writes (``exc`` said so), with the write breaker open: reads serve the
+        chunks it holds. A directory that cannot even be listed is no tier.
+
+        Raises:
+            StoreUnavailableError: the directory cannot be listed.
+        """
+        try:
+            held = len(disk_file.listing(self.path))
+        except OSError as listing_exc:
+            raise StoreUnavailableError(f"disk tier at {self.path} cannot start: {listing_exc}") from listing_exc
+        self.breaker.failed(exc)
+        reason = errno.errorcode.get(exc.errno or 0, "?")
+        log.warning(
+            "pic: disk tier at %s is full or read-only (%s: %s): serving the %d chunks it holds; writes fail until "
+            "there is room", self.path, reason, exc.strerror or exc, held,
+        )  # fmt: skip
 
     @property
     def last_error(self) -> str | None:
@@ -103,14 +151,40 @@ class DiskTier:
             chunk = disk_file.read(path, cache_id=cache_id, expected=self._expected, pin=self._pin)
         except FileNotFoundError:  # never written, or evicted (by any process) since
             return None
+        except disk_file.NotAFileError as exc:
+            self._count(errors=1)
+            removed = self._discard(path, lambda: disk_file.remove_stray(path))
+            log.warning("pic: %s: a miss (%s)", exc, "removed" if removed else "left in place")
+            return None
         except serde.CorruptEntryError as exc:
             log.warning("pic: dropping chunk file %s: %s", path, exc)
             self._count(errors=1)
-            disk_budget.remove(self.path, path)
+            self._discard(path, lambda: disk_budget.remove(self.path, path))
             return None
-        with contextlib.suppress(FileNotFoundError):
-            os.utime(path)  # recently used, for every process sharing the directory
+        self._touch(path)  # recently used, for every process sharing the directory
         return chunk
+
+    @staticmethod
+    def _discard(path: Path, remove: Callable[[], bool]) -> bool:
+        """``remove()`` a file that reads as a miss; a disk that refuses (read-only) leaves it, and the read is
+        still a miss rather than a failure."""
+        try:
+            return remove()
+        except OSError as exc:
+            log.warning("pic: cannot remove %s: %s", path, exc)
+            return False
+
+    @staticmethod
+    def _touch(path: Path) -> bool:
+        """Make ``path`` recently used; ``False`` if it is gone. The mtime is only the LRU's hint: a disk that
+        cannot record it (read-only) still holds the file."""
+        try:
+            os.utime(path, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        except OSError:
+            pass
+        return True
 
     def extent(self, cache_id: str) -> Extent | None:
         """The chunk's size from its file's header and metadata (no payload read); a damaged file is a miss
@@ -120,7 +194,7 @@ class DiskTier:
             return None
         with self._guard():
             try:
-                with open(path, "rb") as f:
+                with disk_file.open_chunk(path) as f:
                     size = os.fstat(f.fileno()).st_size
                     meta = disk_file.read_meta(f, cache_id=cache_id, expected=self._expected, file_bytes=size)
                 return Extent(len(meta.token_ids), 2 * meta.tensor_bytes)
@@ -133,8 +207,9 @@ class DiskTier:
         return None
 
     def contains(self, cache_id: str) -> bool:
+        """Whether a regular file holds ``cache_id`` (a FIFO or directory in its name is no chunk)."""
         path = self._file(cache_id)
-        return path is not None and path.exists()
+        return path is not None and disk_file.is_regular(path)
 
     def can_fit(self, num_bytes: int, *, keep: Collection[str] = ()) -> bool:
         """Whether ``num_bytes`` fit after evicting every file that is neither pinned nor in ``keep`` (a ``stat``
@@ -143,29 +218,43 @@ class DiskTier:
         held_bytes = 0
         for path in filter(None, map(self._file, self._pins().union(keep))):
             with contextlib.suppress(OSError):  # not on disk
-                held_bytes += path.stat().st_size
+                held_bytes += os.lstat(path).st_size
         return held_bytes + num_bytes <= self.capacity_bytes
 
     def put(self, chunk: ChunkKV, *, keep: Collection[str] = ()) -> bool:
-        """Write ``chunk``, evicting least-recently-used files that are neither pinned nor in ``keep``;
-        ``False`` when it cannot fit (nothing is evicted then) or the disk failed under ``"miss"``."""
-        path = self._file(chunk.cache_id)
-        if path is None:
-            return False
+        """Write ``chunk``, evicting least-recently-used files that are neither pinned nor in ``keep``.
+
+        ``False`` with ``last_error`` set: the disk failed (under ``"miss"``), or its writes are paused by the
+        breaker (a full disk). ``False`` with ``last_error`` ``None``: it cannot fit (nothing is evicted then), or
+        a directory holds its name (logged). So the store tells a failure from a chunk too large."""
         with self._guard():
-            with contextlib.suppress(FileNotFoundError):
-                os.utime(path)  # there already (content-addressed: the same bytes): now recently used
-                return True
-            tmp = disk_file.write(path, chunk, fingerprint=self._expected.fingerprint, part_bytes=self._part_bytes)
-            try:
-                with disk_file.locked(self.path):
-                    fits = self._make_room(chunk.cache_id, tmp.stat().st_size, keep=keep)
-                    if fits:
-                        os.replace(tmp, path)
-            finally:
-                tmp.unlink(missing_ok=True)  # renamed already, or refused
-            return fits
+            path = self._file(chunk.cache_id)
+            if path is None:
+                return False
+            held = disk_file.kind_at(path)
+            if held == disk_file.REGULAR and self._touch(path):
+                return True  # there already (content-addressed: the same bytes): now recently used
+            if held == "a directory":  # os.replace cannot move a file over it, and it is not ours to remove
+                log.warning("pic: cannot store chunk %s: %s is a directory", chunk.cache_id, path)
+                return False
+            # A FIFO or symbolic link in its name is replaced (the link itself, not what it points to).
+            return self.breaker.call(lambda: self._write(path, chunk, keep), unreachable=no_room)
         return False
+
+    def _write(self, path: Path, chunk: ChunkKV, keep: Collection[str]) -> bool:
+        """Write ``chunk`` to a temporary file, then rename it to ``path`` if it fits (under the lock)."""
+        tmp = disk_file.write(path, chunk, fingerprint=self._expected.fingerprint, part_bytes=self._part_bytes)
+        try:
+            with disk_file.locked(self.path):
+                fits = self._make_room(chunk.cache_id, tmp.stat().st_size, keep=keep)
+                if fits:
+                    os.replace(tmp, path)
+        except IsADirectoryError:  # a directory took its name since put looked
+            log.warning("pic: cannot store chunk %s: %s is a directory", chunk.cache_id, path)
+            return False
+        finally:
+            tmp.unlink(missing_ok=True)  # renamed already, or refused
+        return fits
 
     def delete(self, cache_id: str) -> bool:
         path = self._file(cache_id)
@@ -197,13 +286,15 @@ class DiskTier:
         return []
 
     def stats(self) -> TierStats:
-        """Counters of this process, with the entries and bytes in the directory (all processes')."""
+        """Counters of this process, with the entries and bytes in the directory (all processes'). ``writable``:
+        the write breaker is closed (``False`` while a full or read-only disk refuses writes; reads go on);
+        ``up``: the directory can be listed."""
         with self._lock:
-            stats = dataclasses.replace(self._stats)
+            stats = dataclasses.replace(self._stats, writable=not self.breaker.is_open)
         try:
             files = disk_file.listing(self.path)
         except OSError:
-            return dataclasses.replace(stats, up=False)
+            return dataclasses.replace(stats, up=False, writable=False)
         return dataclasses.replace(stats, num_entries=len(files), num_bytes=sum(s for s, _ in files.values()))
 
     def leases(self, lease_s: float) -> FleetLeases | None:

@@ -5,11 +5,16 @@ the bytes of every chunk file, read and written under ``disk_file.locked``) spar
 while there is room. It is trusted only to say "there is room": when it says "full", is missing or unreadable,
 the directory is listed and the record rewritten from the files. Bytes are reserved before a file is renamed
 into place and released after one is unlinked, so a process that dies between its steps leaves the record high
-(corrected at the next listing), never low (which could let the files exceed the capacity).
+(corrected at the next listing), never low (which could let the files exceed the capacity). A record that cannot
+be rewritten (a full disk) is removed (``disk_file.write_usage``): a missing record is never low either. So an
+unlink, which works on a full disk, is never failed by the record's rewrite after it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import stat
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,14 +79,28 @@ def evict(
 
 
 def remove(directory: Path, path: Path) -> bool:
-    """Unlink a chunk file of ``directory`` and release its bytes in the usage record; ``False`` if it was not there."""
+    """Unlink a chunk file of ``directory`` and release its bytes in the usage record; ``False`` if it was not there.
+
+    Something else in a chunk file's name (``disk_file.open_chunk`` refuses it) is no chunk: a directory is left
+    alone (``False``), a FIFO or symbolic link is unlinked without touching the record, which never counted it. A
+    record that cannot be rewritten after the unlink stays high or is removed, both safe: the unlink is not undone
+    and not failed by it.
+
+    Raises:
+        OSError: the file could not be unlinked (a read-only disk).
+    """
     with disk_file.locked(directory):
         try:
-            size = path.stat().st_size
+            st = os.lstat(path)
+            if stat.S_ISDIR(st.st_mode):
+                return False
             path.unlink()
         except FileNotFoundError:
             return False
+        if not stat.S_ISREG(st.st_mode):
+            return False
         used = disk_file.read_usage(directory)
         if used is not None:
-            disk_file.write_usage(directory, max(0, used - size))
+            with contextlib.suppress(OSError):  # a full disk: the record is removed, or left high
+                disk_file.write_usage(directory, max(0, used - st.st_size))
         return True

@@ -4,6 +4,11 @@ A file is ``MAGIC``, the metadata record's length (8 bytes, little endian), the 
 ``pic.store.serde`` (msgpack, validated as Redis entries are) and the payload, K's bytes then V's. The
 payload's checksum is in the metadata, so a torn, truncated or flipped file is found on read.
 
+Nothing in the directory is trusted either: a chunk is opened only as a regular file, without following a
+symbolic link and without blocking (a FIFO named like a chunk would otherwise hang its reader until a writer
+came), and a file larger than any chunk of this engine can be is refused before a byte of it is read (a sparse
+file may claim gigabytes it does not hold).
+
 Writes go to a temporary file in the same directory that is then renamed over the final name
 (``os.replace`` is atomic on POSIX): a reader sees the old file, the new one, or none, never half of
 one, and a writer that dies mid-write leaves only a temporary file, which no reader opens (``sweep_tmp``
@@ -14,10 +19,12 @@ last rename wins and both were good.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import itertools
 import os
 import re
+import stat
 import struct
 import threading
 from collections.abc import Iterator
@@ -34,6 +41,105 @@ _LENGTH = struct.Struct("<Q")
 _HEADER_BYTES = len(MAGIC) + _LENGTH.size
 _counter = itertools.count()
 _ID = re.compile(r"^[0-9a-f]{32}$")  # pic.ids.chunk_id
+_MAX_META_BYTES = serde._MAX_META_BYTES  # the metadata record's bound, which serde checks again when it parses
+REGULAR = "a regular file"
+# What open() says when the name is not a file it may read: a symbolic link (O_NOFOLLOW), a socket, a device
+# without a driver; ``open_chunk`` then looks (lstat) at what is there.
+_NOT_A_FILE_ERRNOS = frozenset({errno.ELOOP, errno.ENXIO, errno.ENODEV, errno.EISDIR, errno.EOPNOTSUPP})
+_OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXEC
+_LOCK_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC  # a FIFO named .lock must not hang writers
+_USAGE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
+_USAGE_DIGITS = 20  # a usage record longer than any byte count is not one
+
+
+class NotAFileError(serde.CorruptEntryError):
+    """The name of a chunk file holds something else (a directory, a FIFO, a symbolic link, a socket, a device):
+    a miss, never a read of it.
+
+    Attributes:
+        kind: what is there (``"a FIFO"``).
+    """
+
+    def __init__(self, path: Path, kind: str) -> None:
+        super().__init__(f"{path} is {kind}, not a chunk file")
+        self.kind = kind
+
+
+def describe(mode: int) -> str:
+    """What a file of ``mode`` (``st_mode``) is, for messages: ``REGULAR``, ``"a directory"``, ``"a FIFO"`` ..."""
+    kinds = [(stat.S_ISREG, REGULAR), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+             (stat.S_ISLNK, "a symbolic link"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device")]  # fmt: skip
+    return next((kind for test, kind in kinds if test(mode)), f"a file of mode {mode:o}")
+
+
+def kind_at(path: Path) -> str | None:
+    """What ``path`` itself is (``describe``; a symbolic link is not followed), or ``None`` when nothing is there.
+
+    Raises:
+        OSError: it cannot be looked at (the directory is gone or is not one: a failing disk).
+    """
+    try:
+        return describe(os.lstat(path).st_mode)
+    except FileNotFoundError:
+        return None
+
+
+def is_regular(path: Path) -> bool:
+    """Whether ``path`` is a regular file (not a link to one): what may be a chunk file."""
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+        return kind_at(path) == REGULAR
+    return False
+
+
+def max_file_bytes(expected: serde.Expected) -> int:
+    """The largest a chunk file of this engine can be: the header, the largest metadata record, and K and V
+    of a chunk of ``expected.max_tokens`` tokens."""
+    per_token = expected.num_layers * expected.num_kv_heads * expected.head_dim * expected.dtype.itemsize
+    tensor_bytes = expected.max_tokens * per_token
+    return _HEADER_BYTES + _MAX_META_BYTES + 2 * tensor_bytes
+
+
+def open_chunk(path: Path) -> BinaryIO:
+    """``path`` opened for reading (unbuffered) if it is a regular file. Never blocks and never follows a symbolic
+    link: anything else is refused before a byte of it is read.
+
+    Raises:
+        FileNotFoundError: nothing is there.
+        NotAFileError: something other than a regular file is there.
+        OSError: the disk failed.
+    """
+    try:
+        fd = os.open(path, _OPEN_FLAGS)
+    except OSError as exc:
+        if exc.errno in _NOT_A_FILE_ERRNOS:
+            kind = kind_at(path)
+            if kind not in (None, REGULAR):
+                raise NotAFileError(path, kind) from None
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise NotAFileError(path, describe(mode))
+        return os.fdopen(fd, "rb", buffering=0)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def remove_stray(path: Path) -> bool:
+    """Unlink what ``open_chunk`` refused at ``path`` (a FIFO, a symbolic link, a socket, a device node: the name
+    goes, nothing it points to), unless it is a directory (which may hold anything: it is left to its owner) or has
+    been replaced by a regular file meanwhile. Returns whether it was removed.
+
+    Raises:
+        OSError: it could not be unlinked (a read-only disk).
+    """
+    if kind_at(path) in (None, REGULAR, "a directory"):
+        return False
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+    return True
 
 
 def is_cache_id(text: object) -> bool:
@@ -48,7 +154,9 @@ def listing(directory: Path) -> dict[str, tuple[int, int]]:
         cache_id = entry.name.removesuffix(SUFFIX)
         if entry.name.endswith(SUFFIX) and is_cache_id(cache_id):
             with contextlib.suppress(FileNotFoundError):  # evicted by another process meanwhile
-                st = entry.stat()
+                if not entry.is_file(follow_symlinks=False):  # a directory, FIFO or link in a chunk's name: never one
+                    continue
+                st = entry.stat(follow_symlinks=False)
                 found.append((st.st_mtime_ns, cache_id, st.st_size))
     return {cache_id: (size, mtime) for mtime, cache_id, size in sorted(found)}
 
@@ -57,21 +165,53 @@ def read_usage(directory: Path) -> int | None:
     """The bytes of chunk files the usage record says ``directory`` holds; ``None`` when there is no readable
     record (then the caller lists the directory). Read and written under ``locked``."""
     try:
-        text = (directory / ".usage").read_text()
-    except FileNotFoundError:
+        with open_chunk(directory / ".usage") as f:  # never a FIFO's hang or a sparse file's gigabytes
+            text = f.read(_USAGE_DIGITS + 1).decode("ascii", "replace")
+    except (FileNotFoundError, NotAFileError):
         return None
-    return int(text) if text.isdigit() else None
+    return int(text) if text.isdigit() and len(text) <= _USAGE_DIGITS else None
 
 
 def write_usage(directory: Path, num_bytes: int) -> None:
-    (directory / ".usage").write_text(str(num_bytes))
+    """Record ``num_bytes`` as the bytes of ``directory``'s chunk files (under ``locked``). A FIFO or symbolic link
+    in the record's name is replaced (opening it never blocks: it fails, ENXIO or ELOOP).
+
+    Raises:
+        OSError: it could not be written (a full disk). The record is removed then, so that it is never left
+            lower than the files (a missing record makes the next writer list the directory); if even that
+            fails the record is as it was, and the caller must not commit what it reserved.
+    """
+    record = directory / ".usage"
+    try:
+        _write_record(record, num_bytes)
+        return
+    except OSError as exc:
+        failure = exc
+    with contextlib.suppress(OSError):
+        if remove_stray(record):
+            _write_record(record, num_bytes)
+            return
+    with contextlib.suppress(OSError):
+        record.unlink(missing_ok=True)
+    raise failure
+
+
+def _write_record(record: Path, num_bytes: int) -> None:
+    with os.fdopen(os.open(record, _USAGE_FLAGS, 0o644), "wb") as f:
+        f.write(str(num_bytes).encode("ascii"))
 
 
 @contextlib.contextmanager
 def locked(directory: Path) -> Iterator[None]:
     """``directory``'s exclusive lock (``flock`` on its ``.lock``: between processes, and between one process's
-    threads, since each call opens its own descriptor); closing the descriptor releases it."""
-    with open(directory / ".lock", "rb") as lock:
+    threads, since each call opens its own descriptor); closing the descriptor releases it. The lock file is
+    created when missing (a tier that started on a full disk could not create it then)."""
+    lock_path = directory / ".lock"
+    try:
+        fd = os.open(lock_path, _LOCK_FLAGS)  # no O_CREAT: it opens on a read-only disk
+    except FileNotFoundError:
+        fd = os.open(lock_path, _LOCK_FLAGS | os.O_CREAT, 0o644)
+    with os.fdopen(fd, "rb") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield
 
@@ -105,16 +245,21 @@ def temporary(path: Path) -> Path:
 
 def read_meta(f: BinaryIO, *, cache_id: str, expected: serde.Expected, file_bytes: int) -> serde.Meta:
     """The validated metadata of an open chunk file, checking first that its size is exactly what the
-    metadata promises (so the payload is never allocated for a truncated or padded file).
+    metadata promises (so the payload is never allocated for a truncated or padded file). Every length is
+    bounded before anything is read or allocated: the file by the largest chunk this engine makes
+    (``max_file_bytes``), the metadata record by ``serde``'s limit.
 
     Raises:
         serde.CorruptEntryError: not a chunk file, another chunk's, or the wrong size.
     """
+    largest = max_file_bytes(expected)
+    if file_bytes > largest:
+        raise serde.CorruptEntryError(f"file has {file_bytes} bytes; a chunk of this model has at most {largest}")
     header = f.read(_HEADER_BYTES)
     if len(header) != _HEADER_BYTES or header[: len(MAGIC)] != MAGIC:
         raise serde.CorruptEntryError("not a pic chunk file (bad magic or short header)")
     (meta_bytes,) = _LENGTH.unpack(header[len(MAGIC) :])
-    if meta_bytes > file_bytes - _HEADER_BYTES:
+    if meta_bytes > min(_MAX_META_BYTES, file_bytes - _HEADER_BYTES):
         raise serde.CorruptEntryError(f"metadata of {meta_bytes} bytes in a {file_bytes}-byte file")
     meta = serde.parse_meta(f.read(meta_bytes), cache_id=cache_id, expected=expected)
     expected_bytes = _HEADER_BYTES + meta_bytes + 2 * meta.tensor_bytes
@@ -128,9 +273,10 @@ def read(path: Path, *, cache_id: str, expected: serde.Expected, pin: bool = Fal
 
     Raises:
         FileNotFoundError: no such file (evicted or never written).
+        NotAFileError: not a regular file (``open_chunk``).
         serde.CorruptEntryError: damaged, truncated or foreign.
     """
-    with open(path, "rb", buffering=0) as f:
+    with open_chunk(path) as f:
         meta = read_meta(f, cache_id=cache_id, expected=expected, file_bytes=os.fstat(f.fileno()).st_size)
         return serde.read_payload(meta, f.readinto, pin=pin)
 
@@ -139,7 +285,7 @@ def sweep_tmp(directory: Path) -> int:
     """Remove the temporary files of writers that are no longer running (a crash mid-write); returns how many."""
     removed = 0
     for entry in os.scandir(directory):
-        if not entry.name.startswith(_TMP_PREFIX):
+        if not entry.name.startswith(_TMP_PREFIX) or entry.is_dir(follow_symlinks=False):
             continue
         pid = entry.name.split(".")[-3]
         if pid.isdigit() and not _alive(int(pid)):
@@ -151,7 +297,7 @@ def sweep_tmp(directory: Path) -> int:
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):  # OverflowError: a number no process has (a crafted name)
         return False
     except PermissionError:  # another user's live process
         return True

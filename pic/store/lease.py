@@ -136,8 +136,9 @@ class FleetLeases:
         """Run a lease command; with Redis down, act as if there were no fleet (the lease is ours)."""
         try:
             return bool(command())
-        except redis.RedisError as exc:
-            log.warning("pic: fleet lease unavailable (%s: %s); compiling without one", type(exc).__name__, exc)
+        except redis.RedisError as exc:  # (a refusal of the tier's open breaker repeats a failure logged already)
+            level = logging.DEBUG if getattr(exc, "not_tried", False) else logging.WARNING
+            log.log(level, "pic: fleet lease unavailable (%s: %s); compiling without one", type(exc).__name__, exc)
             return True
 
     @contextlib.contextmanager
@@ -172,7 +173,8 @@ class FleetLeases:
                 if not first:
                     self._client.incr(f"{self._prefix}duplicate_compiles")
             except redis.RedisError as exc:
-                log.warning("pic: fleet counters unavailable (%s: %s)", type(exc).__name__, exc)
+                level = logging.DEBUG if getattr(exc, "not_tried", False) else logging.WARNING
+                log.log(level, "pic: fleet counters unavailable (%s: %s)", type(exc).__name__, exc)
                 return
 
     def stats(self) -> FleetStats:

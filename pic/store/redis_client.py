@@ -24,6 +24,7 @@ from redis.exceptions import RedisClusterException
 from redis.sentinel import Sentinel
 
 from pic.redis_url import CLUSTER, SENTINEL, parse
+from pic.store.breaker import Breaker, BreakerOpenError
 
 
 def connect(url: str, *, timeout_s: float, read_from_replicas: bool = False) -> Any:
@@ -105,3 +106,66 @@ def _converting(method: Callable[..., Any]) -> Callable[..., Any]:
             raise redis.ConnectionError(f"{type(exc).__name__}: {exc}") from exc
 
     return call
+
+
+# What says the server cannot be reached (as opposed to an answer such as an error reply): these open the breaker.
+UNREACHABLE = (redis.ConnectionError, redis.TimeoutError)
+
+
+def unreachable(exc: BaseException) -> bool:
+    return isinstance(exc, UNREACHABLE)
+
+
+class NotTried(redis.ConnectionError):
+    """A command the breaker refused without sending it (``BreakerOpenError`` as redis-py's error type)."""
+
+    not_tried = True
+
+
+class BreakingClient:
+    """A redis-py client (any of ``connect``'s) whose every round trip goes through a ``Breaker``: once a command
+    times out or cannot connect, the commands that follow fail at once (``redis.ConnectionError`` naming the
+    first failure) until the breaker lets a probe through. So the tier, the fleet's leases and the monitoring
+    that share the client all stop waiting on a server that stopped answering.
+
+    Commands buffered in a pipeline do no I/O; its ``execute`` does, and goes through the breaker. ``scan_iter``
+    is checked when iterated."""
+
+    def __init__(self, client: Any, breaker: Breaker) -> None:
+        self._client, self.breaker = client, breaker
+
+    def _run(self, fn: Callable[[], Any]) -> Any:
+        try:
+            return self.breaker.call(fn, unreachable=unreachable)
+        except BreakerOpenError as exc:
+            raise NotTried(str(exc)) from None
+
+    def pipeline(self, *args: Any, **kwargs: Any) -> _BreakingPipeline:
+        return _BreakingPipeline(self._client.pipeline(*args, **kwargs), self)
+
+    def scan_iter(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run(lambda: list(self._client.scan_iter(*args, **kwargs)))
+
+    def __getattr__(self, name: str) -> Any:
+        found = getattr(self._client, name)
+        if not callable(found):
+            return found
+
+        @functools.wraps(found)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return self._run(lambda: found(*args, **kwargs))
+
+        return call
+
+
+class _BreakingPipeline:
+    """A pipeline whose ``execute`` goes through its client's breaker (buffering a command is no I/O)."""
+
+    def __init__(self, pipe: Any, client: BreakingClient) -> None:
+        self._pipe, self._client = pipe, client
+
+    def execute(self, *args: Any, **kwargs: Any) -> Any:
+        return self._client._run(lambda: self._pipe.execute(*args, **kwargs))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pipe, name)

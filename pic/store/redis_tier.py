@@ -19,9 +19,10 @@ from pic.errors import StoreUnavailableError
 from pic.kv import ChunkKV
 from pic.redis_url import redact
 from pic.store import serde
+from pic.store.breaker import Breaker
 from pic.store.guard import FailureGuard
 from pic.store.lease import FleetLeases
-from pic.store.redis_client import connect
+from pic.store.redis_client import BreakingClient, connect
 from pic.store.tier import Extent, TierStats
 
 log = logging.getLogger("pic.store")
@@ -43,6 +44,8 @@ class RedisTier:
             what an interrupted write leaves behind expires after it. Longer than writing one chunk.
         read_from_replicas: a cluster or sentinel setup also reads from replicas (which may lag: a
             fresh chunk can read as a miss there, never as a wrong one).
+        retry_s: after a command times out or cannot connect, every command fails at once for this long
+            (a ``Breaker``: the tier's calls, the fleet's leases and the monitoring alike), then one is tried.
 
     Every command touches one key (no MGET or multi-key DEL), so the tier works on a Redis Cluster:
     a chunk's metadata and parts hash to different slots, which spreads a hot chunk over the nodes.
@@ -62,9 +65,12 @@ class RedisTier:
         pin: bool = False,
         parts_ttl_s: float = 60.0,
         read_from_replicas: bool = False,
+        retry_s: float = 5.0,
     ) -> None:
         self.url = redact(url)
-        self._client = connect(url, timeout_s=timeout_s, read_from_replicas=read_from_replicas)
+        self.breaker = Breaker(f"Redis at {self.url}", retry_s=retry_s)
+        client = connect(url, timeout_s=timeout_s, read_from_replicas=read_from_replicas)
+        self._client = BreakingClient(client, self.breaker)
         self._expected, self.part_bytes, self._on_error, self._pin = expected, part_bytes, on_error, pin
         self.namespace, self.fingerprint = namespace, expected.fingerprint
         self._prefix = f"{namespace}:{expected.fingerprint}:"
@@ -226,12 +232,13 @@ class RedisTier:
 
     def stats(self) -> TierStats:
         """This process's counters, with the entries and bytes found on the server (a scan). Never raises:
-        monitoring needs it most while Redis is down (``up=False`` then, whatever ``on_error`` says)."""
+        monitoring needs it most while Redis is down (``up=False`` then, whatever ``on_error`` says; at once
+        while the breaker is open)."""
         stats = dataclasses.replace(self._stats)
         try:
             self._count_entries(stats)
         except StoreUnavailableError:  # counted and remembered (last_error) by the guard
-            return dataclasses.replace(self._stats, up=False)
+            return dataclasses.replace(self._stats, up=False, writable=False)
         return stats
 
     def _count_entries(self, stats: TierStats) -> None:

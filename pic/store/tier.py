@@ -33,6 +33,8 @@ class TierStats:
         evictions: chunks evicted to make room (LRU tiers only).
         errors: operations that failed (Redis unreachable, corrupt entries dropped).
         up: the tier answered this snapshot (``False``: Redis unreachable; the counts are this process's).
+        writable: its writes work (``False``: Redis unreachable, or a disk tier whose writes fail, full or
+            read-only, until one succeeds again; what it holds may still be read).
     """
 
     name: str
@@ -44,6 +46,7 @@ class TierStats:
     evictions: int = 0
     errors: int = 0
     up: bool = True
+    writable: bool = True
 
 
 @dataclass(frozen=True)

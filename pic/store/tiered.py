@@ -8,9 +8,10 @@ are byte-bounded LRUs; the pool evicts unreferenced chunks when it needs blocks.
 tier stays in the tiers below. Pinned chunks are never evicted.
 
 Every tier answers the same protocol (``pic.store.tier``), so the store never asks which kind a tier
-is. Threads: the device tier is the engine thread's alone (``add``, ``promote``, ``resident``); the lower
-tiers are safe from any thread, and the engine calls them only from its loader (``load``, ``write_lower``),
-so a slow or hung Redis never stops its steps. Other threads reach the store through ``view``.
+is. A write that a tier under ``on_*_error="miss"`` failed is remembered (``WriteBacklog``) and retried by the
+engine once the tier works again. Threads: the device tier is the engine thread's alone (``add``, ``promote``,
+``resident``); the lower tiers are safe from any thread, and the engine calls them only from its loader (``load``,
+``write_lower``), so a slow or hung Redis never stops its steps. Other threads reach the store through ``view``.
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ from pic.config import StoreConfig
 from pic.errors import StoreUnavailableError, UnknownCacheIdError
 from pic.kv import ChunkInfo, ChunkKV
 from pic.store import serde
+from pic.store.backlog import WriteBacklog
 from pic.store.description import ChunkDescription
 from pic.store.device import DeviceTier
 from pic.store.disk import DiskTier
+from pic.store.guard import failed_here
 from pic.store.lease import FleetLeases
 from pic.store.lru import LruTier
 from pic.store.recheck import SharedRechecks
@@ -42,7 +45,11 @@ class TieredStore:
         lower: the CPU and/or Redis tiers, fastest first (may be empty).
         lease_s: the fleet's compile leases' life in a shared tier (``StoreConfig.redis_lease_s``).
         recheck_s: ``StoreConfig.shared_recheck_s``.
+        retry_s: ``StoreConfig.tier_retry_s``: the backlog of failed writes is retried no more often.
         pinned: the set of pinned ids, when another ``TieredStore`` over the same tiers shares it (``view``).
+
+    Attributes:
+        backlog: the chunks a lower tier failed to take (under ``"miss"``), to write once it works again.
     """
 
     def __init__(
@@ -52,11 +59,14 @@ class TieredStore:
         *,
         lease_s: float = 10.0,
         recheck_s: float | None = 30.0,
+        retry_s: float = 5.0,
         pinned: set[str] | None = None,
     ) -> None:
         self.device, self.lower = device, lower
         self.tiers: list[Tier] = [device, *lower]
         self._pinned: set[str] = set() if pinned is None else pinned
+        self.backlog = WriteBacklog(retry_s)
+        self._pool_only: set[str] = set()  # resident chunks compiled for the pool alone (``CompileJob.lower_tiers``)
         # The tiers a fleet shares (Redis): those that keep compile leases; the first one holds the fleet's.
         self._shared = [(tier, leases) for tier in lower if (leases := tier.leases(lease_s)) is not None]
         self._rechecks = SharedRechecks(recheck_s if self._shared else None)
@@ -77,6 +87,7 @@ class TieredStore:
                 on_error=config.on_disk_error,
                 part_bytes=config.part_bytes,
                 pin=pin,
+                retry_s=config.tier_retry_s,
             )
             lower.append(disk)
         if config.redis_url is not None:
@@ -90,13 +101,20 @@ class TieredStore:
                 parts_ttl_s=config.redis_parts_ttl_s,
                 pin=pin,
                 read_from_replicas=config.redis_read_from_replicas,
+                retry_s=config.tier_retry_s,
             )
             lower.append(redis)
-        return cls(device, lower, lease_s=config.redis_lease_s, recheck_s=config.shared_recheck_s)
+        return cls(
+            device, lower, lease_s=config.redis_lease_s, recheck_s=config.shared_recheck_s, retry_s=config.tier_retry_s
+        )
 
-    def add(self, info: ChunkInfo, block_ids: list[int]) -> None:
-        """Make a chunk prefilled into ``block_ids`` resident (engine thread; pinned if its id is)."""
+    def add(self, info: ChunkInfo, block_ids: list[int], *, pool_only: bool = False) -> None:
+        """Make a chunk prefilled into ``block_ids`` resident (engine thread; pinned if its id is). ``pool_only``: it
+        was compiled for the pool alone, and no link's recheck writes it to the shared tiers (until a compile
+        writes it through)."""
         self.device.add(info, block_ids)
+        if pool_only:
+            self._pool_only.add(info.cache_id)
         if info.cache_id in self._pinned:
             self.device.pin(info.cache_id)
 
@@ -104,6 +122,7 @@ class TieredStore:
         """A copy of a resident chunk's KV out of the pool, for ``write_lower`` on another thread (engine thread).
         The shared tiers are about to get it: it counts as checked (``SharedRechecks``)."""
         self._rechecks.written(cache_id)
+        self._pool_only.discard(cache_id)
         chunk = self.device.peek(cache_id)
         assert chunk is not None, f"chunk {cache_id} is not resident"
         return chunk
@@ -125,16 +144,28 @@ class TieredStore:
         shared copy, and a link of a resident chunk does so for the shared tiers every
         ``StoreConfig.shared_recheck_s``.
 
+        A tier under ``on_*_error="miss"`` that fails is skipped, and the chunk goes into ``backlog`` for it (a
+        later write that it takes takes it out).
+
         Args:
             keep: cache ids the lower tiers must not evict for it (the other chunks of a ``compile`` call).
 
         Raises:
-            StoreUnavailableError: Redis failed (``on_redis_error="raise"``).
+            StoreUnavailableError: a tier failed under ``"raise"``.
         """
         targets = [t for t in self.lower if tiers is None or t in tiers]
+        held = []
         if missing_only:
-            targets = [t for t in self.missing(chunk.cache_id) if t in targets]
-        return [tier.name for tier in reversed(targets) if tier.put(chunk, keep=keep)][::-1]
+            lacking = self.missing(chunk.cache_id)
+            targets, held = [t for t in targets if t in lacking], [t.name for t in targets if t not in lacking]
+        took, failed = [], []
+        for tier in reversed(targets):
+            if tier.put(chunk, keep=keep):
+                took.append(tier.name)
+            elif failed_here(tier):  # (not: no room for it)
+                failed.append(tier.name)
+        self.backlog.record(chunk.cache_id, took=took + held, failed=failed)
+        return took[::-1]
 
     def missing(self, cache_id: str) -> list[LowerTier]:
         """The lower tiers that do not hold ``cache_id``, fastest first. Any thread.
@@ -148,7 +179,7 @@ class TieredStore:
         """A resident chunk's KV when a check that the shared tiers still hold it is due (``SharedRechecks``;
         engine thread): the caller runs ``write_lower(chunk, tiers=shared_tiers, missing_only=True)`` off the
         engine thread and reports a failure with ``recheck_failed``."""
-        if not self._shared or not self._rechecks.is_due(cache_id):
+        if not self._shared or cache_id in self._pool_only or not self._rechecks.is_due(cache_id):
             return None
         self._rechecks.forget(self.device.contains)
         return self.device.peek(cache_id)
@@ -209,7 +240,8 @@ class TieredStore:
         return UnknownCacheIdError(
             f"unknown cache id {cache_id!r}: in no tier ({', '.join(t.name for t in self.tiers)}); "
             + (f"{'; '.join(failures)}; " if failures else "")
-            + "compile its document first (an evicted chunk compiles again)"
+            + "compile its document first (an evicted chunk compiles again). Ids belong to one model and its compile "
+            "options: an id that a server of another model returned is unknown here"
         )
 
     def load(self, cache_id: str) -> ChunkKV | None:
@@ -264,17 +296,28 @@ class TieredStore:
             tier.unpin(cache_id)
 
     def expire(self, cache_id: str) -> bool:
-        """Remove ``cache_id`` from every tier (pinned or not); ``True`` if any held it. Live requests
-        that link it keep its blocks until they are released.
+        """Remove ``cache_id`` from every tier (pinned or not); ``True`` if any held it. Live requests that link it
+        keep its blocks until they are released.
 
-        The lowest tier goes first: if Redis fails (``on_redis_error="raise"``), nothing has changed yet;
-        with ``"miss"`` the other tiers still drop it and the failure is logged.
+        The lowest tier goes first, and a tier that fails stops the removal there, whatever its ``on_*_error``
+        says (under "miss" the delete would answer "deleted" and the chunk would be back once the tier is: a
+        delete has no miss to fall back on). The tiers above the failed one still hold the chunk; the failed one
+        may or may not (a command that timed out may still run when the server wakes): delete it again.
 
         Raises:
-            StoreUnavailableError: Redis failed (``on_redis_error="raise"``); every tier still holds it.
+            StoreUnavailableError: a tier failed; the tiers above it still hold the chunk.
         """
-        found = [tier.delete(cache_id) for tier in reversed(self.tiers)]
+        found = []
+        for tier in reversed(self.tiers):
+            found.append(tier.delete(cache_id))
+            if failed_here(tier):
+                raise StoreUnavailableError(
+                    f"chunk {cache_id} could not be deleted from the {tier.name} tier ({tier.last_error}); the tiers "
+                    f"above it still hold it, and it may still be there: delete it again once the tier works"
+                )
         self._pinned.discard(cache_id)
+        self._pool_only.discard(cache_id)
+        self.backlog.forget(cache_id)
         return any(found)
 
     def ids(self) -> list[str]:
@@ -288,7 +331,9 @@ class TieredStore:
     def view(self, device: Tier) -> TieredStore:
         """A store over the same lower tiers and pins whose device tier is ``device`` (one that runs its calls on
         the engine's thread): what other threads use, so their store I/O never runs on the engine's thread."""
-        return TieredStore(device, self.lower, recheck_s=None, pinned=self._pinned)  # type: ignore[arg-type]
+        view = TieredStore(device, self.lower, recheck_s=None, pinned=self._pinned)  # type: ignore[arg-type]
+        view.backlog = self.backlog  # an expire through the view stops the engine's retries of the chunk
+        return view
 
     @property
     def fleet(self) -> FleetLeases | None:
