@@ -169,7 +169,7 @@ def test_a_large_bad_body_gets_a_short_error(server):
         ({"model": "stories260K", "prompt": "x", "pic": {"cache_ids": ["nope"]}}, 404, "'nope'"),
         ({"model": "stories260K", "prompt": "x", "temperature": 5}, 422, "temperature=5"),
         ({"model": "stories260K", "prompt": "x", "top_p": 0}, 422, "top_p=0"),
-        ({"model": "stories260K", "prompt": "x", "max_tokens": 0}, 422, "max_tokens=0"),
+        ({"model": "stories260K", "prompt": "x", "max_tokens": -1}, 422, "max_tokens=-1"),
         ({"model": "stories260K", "prompt": "x", "n": 2}, 422, "n=2"),
         ({"model": "stories260K", "prompt": "x", "pic": {"policy": "nonsense"}}, 400, "nonsense"),
         ({"model": "stories260K", "prompt": "x", "pic": {"bogus": 1}}, 422, "bogus"),
@@ -277,7 +277,7 @@ def test_auth_body_limit_and_malformed_json(server):
 
 def test_serve_refuses_a_model_that_fails_the_check(monkeypatch, capsys):
     """``pic serve`` runs ``pic check`` first: a broken runner exits 1 before uvicorn starts; ``--skip-check``
-    goes on to serve (uvicorn.run replaced: nothing binds)."""
+    goes on to serve (uvicorn.Server.run replaced: nothing is served)."""
     import uvicorn as uvicorn_module
 
     from pic.cli import main
@@ -289,10 +289,11 @@ def test_serve_refuses_a_model_that_fails_the_check(monkeypatch, capsys):
 
     served = []
     monkeypatch.setattr(pic, "load", broken_load)
-    monkeypatch.setattr(uvicorn_module, "run", lambda app, **kw: served.append(kw))
-    assert main(["serve", "--port", "9"]) == 1 and not served
+    monkeypatch.setattr(uvicorn_module.Server, "run", lambda server, sockets=None: served.append(server.config))
+    port = str(free_port())
+    assert main(["serve", "--port", port]) == 1 and not served
     assert "refusing to serve" in capsys.readouterr().err
-    assert main(["serve", "--port", "9", "--skip-check"]) == 0 and served[0]["host"] == "127.0.0.1"
+    assert main(["serve", "--port", port, "--skip-check"]) == 0 and served[0].host == "127.0.0.1"
 
 
 SIMPLE_TEMPLATE = (
@@ -312,8 +313,9 @@ def test_serve_flags_size_the_pool_pick_the_policy_and_a_chat_template(monkeypat
     template = tmp_path / "chat.jinja"
     template.write_text(SIMPLE_TEMPLATE)
     apps = []
-    monkeypatch.setattr(uvicorn_module, "run", lambda app, **kw: apps.append(app))
-    argv = ["serve", "--kv-pool-tokens", "1000", "--policy", "mepic", "--chat-template", str(template)]
+    monkeypatch.setattr(uvicorn_module.Server, "run", lambda server, sockets=None: apps.append(server.config.app))
+    argv = ["serve", "--port", str(free_port()), "--kv-pool-tokens", "1000", "--policy", "mepic"]
+    argv += ["--chat-template", str(template)]
     assert main(argv) == 0
     engine = apps[0].state.engine.engine
     assert engine.kv_stats().num_blocks == 63  # 1000 tokens, rounded up to blocks of 16
@@ -341,8 +343,8 @@ def test_serve_decode_weights_flag_reaches_the_engine_and_the_check(monkeypatch,
     from pic.config import DecodeWeights
 
     apps = []
-    monkeypatch.setattr(uvicorn_module, "run", lambda app, **kw: apps.append(app))
-    assert main(["serve", "--decode-weights", "int8"]) == 0
+    monkeypatch.setattr(uvicorn_module.Server, "run", lambda server, sockets=None: apps.append(server.config.app))
+    assert main(["serve", "--port", str(free_port()), "--decode-weights", "int8"]) == 0
     engine = apps[0].state.engine.engine
     assert engine.config.decode_weights is DecodeWeights.INT8
     assert "PASS" in capsys.readouterr().out.split("int8 decode weights")[0]
@@ -359,11 +361,12 @@ def test_serve_refuses_a_chat_template_that_fails_on_messages(monkeypatch, tmp_p
     from pic.cli import main
 
     apps = []
-    monkeypatch.setattr(uvicorn_module, "run", lambda app, **kw: apps.append(app))
+    monkeypatch.setattr(uvicorn_module.Server, "run", lambda server, sockets=None: apps.append(server.config.app))
     for text in ("{{ raise_exception('no') }}", "{% if add_generation_prompt %}assistant:{% endif %}"):
         template = tmp_path / "chat.jinja"
         template.write_text(text)
-        assert main(["serve", "--skip-check", "--chat-template", str(template)]) == 1 and not apps
+        argv = ["serve", "--port", str(free_port()), "--skip-check", "--chat-template", str(template)]
+        assert main(argv) == 1 and not apps
         assert "pic: error: --chat-template: " in capsys.readouterr().err
 
 

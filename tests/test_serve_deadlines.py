@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.serving import serving
+from tests.serving import free_port, serving
 from tests.test_serve_strict import COMPLETION, KEY, served_app
 
 # The read deadlines of the server below, short so that the tests are fast.
@@ -159,10 +159,12 @@ def test_serve_flags_set_the_read_deadlines(monkeypatch):
     from pic.serve.http import Guard
 
     served = []
-    monkeypatch.setattr(uvicorn_module, "run", lambda app, **kw: served.append((app, kw)))
-    assert main(["serve", "--skip-check", "--header-timeout", "2.5", "--body-timeout", "7"]) == 0
-    app, options = served[0]
-    assert options["http"].headers_timeout_s == 2.5 and options["http"].body_timeout_s == 7
+    monkeypatch.setattr(uvicorn_module.Server, "run", lambda server, sockets=None: served.append(server.config))
+    argv = ["serve", "--port", str(free_port()), "--skip-check", "--header-timeout", "2.5", "--body-timeout", "7"]
+    assert main(argv) == 0
+    config = served[0]
+    app = config.app
+    assert config.http.headers_timeout_s == 2.5 and config.http.body_timeout_s == 7
     guard = next(m for m in app.user_middleware if m.cls is Guard)
     assert guard.kwargs["body_timeout_s"] == 7
     app.state.engine.engine.close()

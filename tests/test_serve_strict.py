@@ -165,7 +165,7 @@ def test_openapi_declares_what_the_server_answers(server):
     assert body["properties"]["logprobs"]["enum"] == [None, False, 0] and "user" in body["properties"]
     seed = body["properties"]["seed"]["anyOf"][0]
     assert seed["type"] == "integer" and '"exclusiveMaximum": 18446744073709551616' in raw.replace(":18", ": 18")
-    assert body["properties"]["max_tokens"]["anyOf"][0] == {"type": "integer", "minimum": 1}
+    assert body["properties"]["max_tokens"]["anyOf"][0] == {"type": "integer", "minimum": 0}  # 0: no token
     assert spec["components"]["securitySchemes"] == {"bearer": {"type": "http", "scheme": "bearer"}}
     assert "security" not in paths["/health"]["get"] and paths["/v1/models"]["get"]["security"] == [{"bearer": []}]
     assert "HTTPValidationError" not in schemas

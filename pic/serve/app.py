@@ -4,7 +4,8 @@ Routes: ``GET /health``, ``GET /v1/models``, ``POST /v1/chunks``, ``GET/DELETE /
 ``POST /v1/completions`` (streaming as server-sent events). The extra body field ``pic`` names the chunks
 a completion links before its prompt (see ``schemas.PicOptions``). Handlers validate, hand work to the
 engine (``AsyncEngine``: the engine's own thread steps it and hands outputs to the loop) and format; compiles and
-store calls wait in worker threads while the engine's thread runs them between two steps.
+store calls wait in threads of the store pool, tokenizing in those of the CPU pool (``pic.serve.loop``), so that a
+stuck store delays only the requests that need it.
 """
 
 from __future__ import annotations
@@ -55,7 +56,13 @@ def build_app(
         )  # fmt: skip
 
     metrics = Metrics(figures)
-    app = FastAPI(title="pic")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        yield
+        aengine.close()  # the server's thread pools stop taking work
+
+    app = FastAPI(title="pic", lifespan=lifespan)
     app.state.engine, app.state.metrics = aengine, metrics
     install_error_handlers(app)
     install_openapi(app, secured=api_key is not None, model_name=model_name)
@@ -72,27 +79,27 @@ def build_app(
 
     @app.get("/metrics", response_class=PlainTextResponse, responses=responses(None, *_GUARDED, 500, text=True))
     async def prometheus() -> Response:
-        return Response(await asyncio.to_thread(metrics.render), media_type=CONTENT_TYPE)
+        return Response(await aengine.store(metrics.render), media_type=CONTENT_TYPE)  # the tiers' figures
 
     @app.post("/v1/chunks", response_model=None, responses=responses(CacheIds, *_WORK))
     async def compile_chunks(body: ChunksBody) -> dict:
         context = body.context
         if body.system is not None:
             system = [{"role": "system", "content": body.system}] if body.system else []
-            context = await asyncio.to_thread(engine.chat_context, system)
-        ids = await asyncio.to_thread(
-            engine.compile, body.documents, policy=body.policy, context=context, progress=False
+            context = await aengine.cpu(engine.chat_context, system)
+        report = await aengine.store(
+            engine.compile_report, body.documents, policy=body.policy, context=context, progress=False
         )
-        return {"cache_ids": ids}
+        return {"cache_ids": report.ids, "tiers": [list(tiers) for tiers in report.tiers]}
 
     @app.get("/v1/chunks/{cache_id}", response_model=None, responses=responses(ChunkInfo, 404, *_GUARDED, 500, 503))
     async def chunk_info(cache_id: str) -> dict:
-        chunk = await asyncio.to_thread(engine.store.describe, cache_id)  # metadata only; UnknownCacheIdError: 404
+        chunk = await aengine.store(engine.store.describe, cache_id)  # metadata only; UnknownCacheIdError: 404
         return {"id": cache_id, "tiers": list(chunk.tiers), "num_tokens": chunk.num_tokens, "bytes": chunk.num_bytes}
 
     @app.delete("/v1/chunks/{cache_id}", response_model=None, responses=responses(Deleted, 404, *_GUARDED, 500, 503))
     async def delete_chunk(cache_id: str) -> dict:
-        if not await asyncio.to_thread(engine.store.expire, cache_id):
+        if not await aengine.store(engine.store.expire, cache_id):  # a tier that fails: StoreUnavailableError, 503
             return error_response(404, f"unknown cache id {cache_id!r}", kind="not_found_error")
         return {"id": cache_id, "deleted": True}
 
@@ -101,7 +108,7 @@ def build_app(
         if body.model != model_name:
             return _unknown_model(body.model, model_name)
         check_encodable(body.prompt, "prompt")  # named as the client sent it (the engine calls it the query)
-        return await _respond(await _pic_request(engine, body, body.prompt), body, http, chat=False)
+        return await _respond(await _pic_request(aengine, body, body.prompt), body, http, chat=False)
 
     @app.post(
         "/v1/chat/completions", response_model=None, responses=responses(ChatCompletion, 404, *_WORK, stream=True)
@@ -110,10 +117,11 @@ def build_app(
         if body.model != model_name:
             return _unknown_model(body.model, model_name)
         messages = [m.model_dump() for m in body.messages]
-        prefix, query = await asyncio.to_thread(engine.chat_segments, messages)  # renders: off the loop
-        context = await asyncio.to_thread(engine.chat_context, messages) if body.pic.documents else None
-        body.max_tokens = body.max_completion_tokens or body.max_tokens
-        request = await _pic_request(engine, body, query, prefix=prefix, context=context)
+        prefix, query = await aengine.cpu(engine.chat_segments, messages)  # renders: off the loop
+        context = await aengine.cpu(engine.chat_context, messages) if body.pic.documents else None
+        if body.max_completion_tokens is not None:
+            body.max_tokens = body.max_completion_tokens
+        request = await _pic_request(aengine, body, query, prefix=prefix, context=context)
         return await _respond(request, body, http, chat=True)
 
     async def _respond(request: PicRequest, body: Sampling, http: Request, *, chat: bool):
@@ -159,16 +167,16 @@ def build_app(
 
 
 async def _pic_request(
-    engine: PIC, body: Sampling, prompt: str, *, prefix: str | None = None, context: str | None = None
+    aengine: AsyncEngine, body: Sampling, prompt: str, *, prefix: str | None = None, context: str | None = None
 ) -> PicRequest:
     """The engine request of a completion: inline documents compiled first (cached; after ``context``, a chat's,
     or after the prefix when the policy needs chunks compiled in context), linked after ``cache_ids``."""
-    options = body.pic
+    engine, options = aengine.engine, body.pic
     ids = list(options.cache_ids)
     if options.documents:
         if context is None and options.prefix and engine.compile_policy(options.policy).needs_context:
             context = options.prefix
-        ids += await asyncio.to_thread(
+        ids += await aengine.store(
             engine.compile, options.documents, policy=options.policy, context=context, progress=False
         )
     return PicRequest(
@@ -177,7 +185,7 @@ async def _pic_request(
         prefix=options.prefix if prefix is None else prefix,
         policy=options.policy,
         relevance=options.relevance,
-        max_new_tokens=body.max_tokens or engine.spec.max_context,
+        max_new_tokens=engine.spec.max_context if body.max_tokens is None else body.max_tokens,
         temperature=body.temperature,
         top_p=body.top_p,
         top_k=body.top_k,

@@ -1,7 +1,8 @@
 """The app's exception handlers: every error the app answers is OpenAI's error body.
 
 A validation error is a 422 naming each bad field and its value (cut short), or a 400 for a body that is not
-JSON, an unknown field or an unsupported parameter; Starlette's own errors (an unknown route, a wrong method:
+JSON (naming the content-type it came with, when that was not JSON's), an unknown field or an unsupported
+parameter; Starlette's own errors (an unknown route, a wrong method:
 405 with its ``Allow`` header) and an unexpected exception (a 500) keep their status in the same shape, so a
 client parses one error format whatever went wrong.
 """
@@ -15,7 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import BaseRoute, Match
 
 from pic.errors import PicError
-from pic.serve.http import error_response, exception_error, pic_error_response
+from pic.serve.http import error_response, exception_error, pic_error_response, sent_content_type
 
 # Pydantic error types that are a 400 (the request is wrong as a whole), not a 422 (a value is).
 _BAD_REQUEST = ("unknown_parameter", "unsupported_parameter")
@@ -65,7 +66,7 @@ def _validation_error(_request: Request, exc: RequestValidationError) -> JSONRes
         return error_response(400, refused[0]["msg"], param=refused[0].get("ctx", {}).get("param"))
     not_json = any(e.get("type") == "json_invalid" or tuple(e["loc"]) == ("body",) for e in errors)
     if not_json:
-        return error_response(400, "the request body is not a valid JSON object")
+        return error_response(400, f"the request body is not a valid JSON object{_sent_as(_request)}")
     problems = []
     for err in errors[:_MAX_PROBLEMS]:
         where = ".".join(str(p) for p in err["loc"] if p != "body")
@@ -73,6 +74,16 @@ def _validation_error(_request: Request, exc: RequestValidationError) -> JSONRes
     if len(errors) > _MAX_PROBLEMS:
         problems.append(f"and {len(errors) - _MAX_PROBLEMS} more")
     return error_response(422, "; ".join(problems), param=str(errors[0]["loc"][-1]) if errors else None)
+
+
+def _sent_as(request: Request) -> str:
+    """What a body that is not JSON came as, when that was not ``application/json`` (text/plain is not parsed
+    as JSON; a body without a content-type, or curl -d's form type, was tried as JSON)."""
+    sent = sent_content_type(request.scope)
+    if sent is not None and sent.split(";")[0].strip().lower() == "application/json":
+        return ""
+    came = "without a content-type" if sent is None else f"with content-type {sent[:_MAX_ECHO]!r}"
+    return f" (it came {came}; send JSON, with content-type: application/json)"
 
 
 # An error names at most this many problems, each value echoed in at most this many characters: a large

@@ -1,5 +1,5 @@
-"""HTTP plumbing of the server: OpenAI-style error bodies, the bearer-key check, the body-size limit and the
-body-read timeout.
+"""HTTP plumbing of the server: OpenAI-style error bodies, the bearer-key check, the body-size limit, the
+body-read timeout, and JSON bodies sent without their content-type.
 
 The guards are plain ASGI middleware, so they run before routing and parsing: an unauthenticated, oversized
 or stalled request never reaches a handler (nor a JSON parser). The header-read timeout comes before any
@@ -23,6 +23,12 @@ from pic.errors import (
     StoreUnavailableError,
     UnknownCacheIdError,
 )
+
+# A POST body with no content-type, or curl -d's form type, is taken as JSON: every body this server reads is
+# JSON, and the header is easy to forget (curl -d sends the form type unless told otherwise).
+_TAKEN_AS_JSON = (b"", b"application/x-www-form-urlencoded")
+# The scope key under which the Guard keeps a request's content-type as it came (``sent_content_type``).
+_SENT_CONTENT_TYPE = "pic.sent_content_type"
 
 # PicError subclasses -> HTTP status (the first match wins; any other PicError is a 400).
 _STATUS: tuple[tuple[type[PicError], int], ...] = (
@@ -76,11 +82,34 @@ async def _send_json(send, status: int, message: str, kind: str) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
+def sent_content_type(scope: dict) -> str | None:
+    """The content-type a request came with, before the ``Guard`` took its body as JSON (``None``: no header)."""
+    sent = scope.get(_SENT_CONTENT_TYPE, _header(scope, b"content-type"))
+    return None if sent is None else sent.decode("latin-1")
+
+
+def _header(scope: dict, name: bytes) -> bytes | None:
+    return next((value for key, value in scope["headers"] if key == name), None)  # ASGI names: lower case
+
+
+def _take_as_json(scope: dict) -> None:
+    """A POST without a content-type, or with curl -d's ``application/x-www-form-urlencoded``, gets
+    ``application/json`` in ``scope`` (the app parses only JSON-typed bodies as JSON; the others were "not a
+    JSON object" however JSON they were); what it came with is kept for the error of a body that is not JSON."""
+    sent = _header(scope, b"content-type")
+    if scope["method"] != "POST" or (sent or b"").split(b";")[0].strip().lower() not in _TAKEN_AS_JSON:
+        return
+    scope[_SENT_CONTENT_TYPE] = sent
+    headers = [(key, value) for key, value in scope["headers"] if key != b"content-type"]
+    scope["headers"] = [*headers, (b"content-type", b"application/json")]  # in place: outer middleware sees it too
+
+
 class Guard:
     """ASGI middleware: ``Authorization: Bearer <api_key>`` on every path but ``/health`` (compared in
     constant time), request bodies of at most ``max_body_bytes`` (413 otherwise, by the declared length or by
-    the bytes actually received), and no wait of over ``body_timeout_s`` for the next piece of a body (408,
-    and the connection closed: a client trickling nothing holds no handler)."""
+    the bytes actually received), no wait of over ``body_timeout_s`` for the next piece of a body (408,
+    and the connection closed: a client trickling nothing holds no handler), and a POST body sent without a
+    content-type (or as curl -d's form) taken as JSON."""
 
     def __init__(self, app, *, api_key: str | None, max_body_bytes: int, body_timeout_s: float = 30.0) -> None:
         self.app, self.max_body_bytes, self.body_timeout_s = app, max_body_bytes, body_timeout_s
@@ -96,6 +125,7 @@ class Guard:
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
             return await _send_json(send, 413, self._too_large(int(declared)), "invalid_request_error")
+        _take_as_json(scope)
         received, refused, body_done = 0, None, False
 
         async def guarded_receive():

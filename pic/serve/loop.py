@@ -1,21 +1,58 @@
 """The server's side of the engine: requests go to the engine's thread as commands, outputs come back on
 the event loop through an ``asyncio.Queue`` (``AsyncRequestStream``). No task steps or polls the engine:
-its own thread does, and hands each output to the loop thread-safely."""
+its own thread does, and hands each output to the loop thread-safely.
+
+Blocking work runs off the loop on two thread pools of the server's own, never on asyncio's shared default
+one: ``cpu`` for what needs only this process (tokenizing, rendering a chat template, submitting), ``store`` for
+what may wait on a lower tier (compiles, which write through; describing, deleting and counting chunks). A
+store call can hang for its timeout (a paused Redis) or, on a broken file system, longer: such calls fill only
+the store pool, so a request that needs no store (a completion without documents) never queues behind them,
+however many are stuck.
+"""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import functools
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 from pic.engine import Engine, Request, RequestOutput
 from pic.engine.streams import AsyncRequestStream
 
+_T = TypeVar("_T")
+
+# Threads for work that waits on no store: tokenizing is short and CPU-bound, so a few suffice. Store calls
+# wait on I/O instead: each stuck one holds a thread for its timeout, so there are many (their breakers then
+# refuse at once until a probe succeeds, and the pool drains).
+NUM_CPU_THREADS, NUM_STORE_THREADS = 4, 64
+
 
 class AsyncEngine:
-    """Async access to one ``Engine`` for a server's event loop."""
+    """Async access to one ``Engine`` for a server's event loop.
 
-    def __init__(self, engine: Engine) -> None:
+    Args:
+        engine: the engine (its store and tokenizer are used from the pools' threads).
+        num_store_threads: threads for store calls (``NUM_STORE_THREADS``).
+    """
+
+    def __init__(self, engine: Engine, *, num_store_threads: int = NUM_STORE_THREADS) -> None:
         self.engine = engine
+        self._cpu = ThreadPoolExecutor(NUM_CPU_THREADS, thread_name_prefix="pic-serve-cpu")
+        self._store = ThreadPoolExecutor(num_store_threads, thread_name_prefix="pic-serve-store")
+
+    async def cpu(self, fn: Callable[..., _T], /, *args, **kwargs) -> _T:
+        """``fn(*args, **kwargs)`` on a thread that never waits on a store tier."""
+        return await self._run(self._cpu, fn, args, kwargs)
+
+    async def store(self, fn: Callable[..., _T], /, *args, **kwargs) -> _T:
+        """``fn(*args, **kwargs)`` on a thread of the store pool: for calls that may wait on a lower tier."""
+        return await self._run(self._store, fn, args, kwargs)
+
+    @staticmethod
+    async def _run(pool: ThreadPoolExecutor, fn: Callable[..., _T], args: tuple, kwargs: dict) -> _T:
+        return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args, **kwargs))
 
     async def generate(self, request: Request, *, pieces: bool = True) -> AsyncIterator[RequestOutput]:
         """The request's outputs as the engine produces them (``pieces=False``: only the last one, with the
@@ -25,7 +62,7 @@ class AsyncEngine:
             InvalidInputError: an empty query, a bad token id (before anything runs).
         """
         stream = AsyncRequestStream(asyncio.get_running_loop(), last_only=not pieces)
-        request_id = await asyncio.to_thread(self.engine.submit, request, sink=stream)  # tokenizes: off the loop
+        request_id = await self.cpu(self.engine.submit, request, sink=stream)  # tokenizes: off the loop
         finished = False
         try:
             while not finished:
@@ -35,3 +72,8 @@ class AsyncEngine:
         finally:
             if not finished:
                 self.engine.abort(request_id)
+
+    def close(self) -> None:
+        """Stop taking work; calls under way finish on their own (a stuck store call at its timeout)."""
+        for pool in (self._cpu, self._store):
+            pool.shutdown(wait=False, cancel_futures=True)

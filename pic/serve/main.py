@@ -1,8 +1,13 @@
-"""``pic serve``: load a model, build the app, run it with uvicorn (``pip install -e ".[serve]"``)."""
+"""``pic serve``: take the port, load and check a model, build the app, run it with uvicorn on that port
+(``pip install -e ".[serve]"``)."""
 
 from __future__ import annotations
 
 import argparse
+import errno
+import ipaddress
+import logging
+import socket
 import sys
 
 from pic.cli_args import byte_size, chat_template, nonempty, policy, port, positive_float, positive_int, redis_url
@@ -64,22 +69,52 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Check the model (``pic check``), then serve until interrupted; returns the exit code."""
+    """Listen on ``--host``/``--port``, check the model (``pic check``), then serve until interrupted; returns
+    the exit code.
+
+    The port is taken first: a busy one is a one-line error at once, not a traceback after the model's load
+    and check (seconds, a gigabyte). uvicorn then serves on that very socket."""
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401  (missing: said before anything else runs)
     except ImportError:
         from pic.errors import MissingDependencyError
 
         raise MissingDependencyError('pic serve needs FastAPI and uvicorn: pip install "pic-kv[serve]"') from None
+    config, store = engine_config(args), store_config(args)  # the flags' values: checked before the port is taken
+    sock = listen(args.host, args.port)
+    if sock is None:
+        return 1
+    with sock:
+        app = _checked_app(args, config, store)
+        if app is None:
+            return 1
+        if args.api_key is None and not is_loopback(args.host):
+            print(f"pic: warning: {_open_warning(args.host, args.port)}", file=sys.stderr, flush=True)
+        _serve(app, sock, args)
+    return 0
+
+
+def _serve(app, sock: socket.socket, args: argparse.Namespace) -> None:
+    """Run uvicorn on ``sock`` with ``pic serve``'s protocol (its read deadlines) until interrupted."""
+    import uvicorn
+
+    from pic.serve.protocol import timed_protocol
+
+    http = timed_protocol(headers_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", http=http)  # sets up its logging
+    # uvicorn names the address only of a socket it binds itself: say it as it would.
+    url = f"http://{_address(args.host, args.port)}"
+    logging.getLogger("uvicorn.error").info("Uvicorn running on %s (Press CTRL+C to quit)", url)
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+def _checked_app(args: argparse.Namespace, config, store):
+    """The app over the model ``args`` name (with ``config`` and ``store``), once it passes ``pic check``;
+    ``None`` (said on stderr) when it fails it and ``--skip-check`` is not given."""
     import pic
     from pic.check import check
     from pic.serve.app import build_app
-    from pic.serve.protocol import timed_protocol
 
-    store = store_config(args)
-    options = {"kv_pool_tokens": args.kv_pool_tokens, "default_policy": args.policy,
-               "decode_weights": args.decode_weights}  # fmt: skip
-    config = pic.PICConfig(**{key: value for key, value in options.items() if value is not None})
     model = args.model or pic.EMBEDDED_MODEL
     engine = pic.load(model, device=args.device, dtype=args.dtype, gguf_file=args.gguf_file, config=config, store=store)
     if args.chat_template is not None:
@@ -89,14 +124,79 @@ def run(args: argparse.Namespace) -> int:
     print(result.message, flush=True)
     if not result.passed and not args.skip_check:
         print("pic: error: refusing to serve a model that fails the check (--skip-check overrides)", file=sys.stderr)
-        return 1
-    app = build_app(
+        return None
+    return build_app(
         engine, model_name=name, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
         body_timeout_s=args.body_timeout,
     )  # fmt: skip
-    http = timed_protocol(headers_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info", http=http)
-    return 0
+
+
+def listen(host: str, port: int) -> socket.socket | None:
+    """A TCP socket bound to ``host:port`` and listening (IPv4 or IPv6, as ``host`` resolves: an IPv4
+    address when it has both, as uvicorn binds a name); ``None``, said on stderr with a hint, when the address
+    cannot be taken (a port in use, a privileged port, an address not of this machine)."""
+    where = _address(host, port)
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _name, address = min(infos, key=lambda info: info[0] != socket.AF_INET)
+        sock = socket.socket(family, kind, proto)
+    except OSError as exc:
+        print(f"pic: error: cannot listen on {where}: {exc}; pass --host an address of this machine", file=sys.stderr)
+        return None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart reuses a port in TIME_WAIT
+        sock.bind(address)
+        sock.listen(2048)  # taken now: a second server fails here, not when its model is loaded
+    except OSError as exc:
+        sock.close()
+        print(f"pic: error: cannot listen on {where}: {exc}{_hint(exc)}", file=sys.stderr)
+        return None
+    return sock
+
+
+def _hint(exc: OSError) -> str:
+    """What to do about a failed bind."""
+    if exc.errno == errno.EADDRINUSE:
+        return "; is another server running? pass --port"
+    if exc.errno == errno.EACCES:
+        return "; ports under 1024 need privileges: pass --port"
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return "; pass --host an address of this machine"
+    return ""
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is a loopback address (127.0.0.0/8, ::1, ``localhost``): reachable from this machine
+    only."""
+    if host.lower() in ("localhost", "localhost."):
+        return True
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False  # a name: it may be any interface
+    mapped = getattr(address, "ipv4_mapped", None)
+    return (mapped or address).is_loopback
+
+
+def _open_warning(host: str, port: int) -> str:
+    return (
+        f"serving on {_address(host, port)} without --api-key: anyone who can reach this port can use the server "
+        "and read or delete its chunks"
+    )
+
+
+def _address(host: str, port: int) -> str:
+    """``host:port``, an IPv6 address in brackets (``[::]:8000``)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def engine_config(args: argparse.Namespace):
+    """The ``PICConfig`` the engine flags ask for (the library's defaults for those not given)."""
+    import pic
+
+    options = {"kv_pool_tokens": args.kv_pool_tokens, "default_policy": args.policy,
+               "decode_weights": args.decode_weights}  # fmt: skip
+    return pic.PICConfig(**{key: value for key, value in options.items() if value is not None})
 
 
 def store_config(args: argparse.Namespace):

@@ -26,6 +26,19 @@ if TYPE_CHECKING:
 BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TOKEN_KINDS = ("prompt", "reused", "recomputed", "generated")
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+_WRITABLE = "1 when the tier's writes work, 0 while they fail: a full or read-only disk, an unreachable Redis."
+
+
+@dataclass(frozen=True)
+class Unfinished:
+    """A streamed generation its client left before the end: the tokens generated up to then (the engine's
+    last output, with the prompt's token counts and the timings, goes unread once the stream is closed).
+
+    Attributes:
+        num_generated_tokens: the tokens the stream's outputs carried before the client left.
+    """
+
+    num_generated_tokens: int
 
 
 @dataclass(frozen=True)
@@ -66,6 +79,7 @@ class EngineCollector(Collector):
             ("pic_store_entries", "num_entries", GaugeMetricFamily, "Chunks the tier holds."),
             ("pic_store_bytes", "num_bytes", GaugeMetricFamily, "Bytes of K and V the tier holds."),
             ("pic_store_up", "up", GaugeMetricFamily, "1 when the tier answered this scrape, 0 when it is down."),
+            ("pic_store_writable", "writable", GaugeMetricFamily, _WRITABLE),
             ("pic_store_errors", "errors", CounterMetricFamily, "Tier operations that failed."),
         ):
             metric = family(name, doc, labels=["tier"])
@@ -118,7 +132,12 @@ class Metrics:
     def request(self, route: str, status: int) -> None:
         self.requests.labels(route, str(status)).inc()
 
-    def generation(self, generation: Generation) -> None:
+    def generation(self, generation: Generation | Unfinished) -> None:
+        """Count a generation's timings and tokens; of an ``Unfinished`` one (a stream whose client left), the
+        tokens it generated, which only it knows."""
+        if isinstance(generation, Unfinished):
+            self.tokens.labels("generated").inc(generation.num_generated_tokens)
+            return
         stats = generation.stats
         self.ttft.observe(stats.ttft_s)
         self.link.observe(stats.link_s)

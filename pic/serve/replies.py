@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Callable
 from pic.engine import RequestOutput
 from pic.engine.generation import FinishReason, Generation
 from pic.serve.http import exception_error
+from pic.serve.metrics import Unfinished
 
 _FINISH = {FinishReason.EOS: "stop", FinishReason.STOP: "stop"}  # every other reason: "length"
 
@@ -61,28 +62,36 @@ async def events(
     *,
     chat: bool,
     include_usage: bool,
-    on_finish: Callable[[Generation], None],
+    on_finish: Callable[[Generation | Unfinished], None],
 ) -> AsyncIterator[str]:
     """Server-sent events: one per output with new text or the end, then (``stream_options.include_usage``)
     a usage chunk with no choices, then ``[DONE]``. A request that fails after its first token (the status,
     200, is sent already) ends with one event whose data is OpenAI's error object, and no usage nor ``[DONE]``:
     the ``openai`` client raises on it, where a stream that just ended would hand over the text cut short as
     if it were whole. A client that goes away closes this generator, which closes ``rest``: the request is
-    aborted and its blocks freed."""
+    aborted and its blocks freed.
+
+    ``on_finish`` gets the ``Generation`` of a request that finished, before its last event, and an
+    ``Unfinished`` with the tokens the outputs read so far carried when the client left first (the engine's
+    last output, with the prompt's counts and the timings, then goes unread)."""
+    out, generated, sent, ended = first, 0, 0, False
     try:
-        out, sent = first, 0
         while True:
+            generated += len(out.token_ids)
             if out.error is not None:
+                ended = True
                 yield _error_event(out.error)
                 return
+            if out.finished:
+                ended = True
+                if out.generation is not None:
+                    on_finish(out.generation)
             if out.text or out.finished:
                 generation = out.generation if out.finished else None
                 chunk = completion(meta, out.text, generation, chat=chat, chunk=True, first=sent == 0)
                 yield f"data: {json.dumps(chunk)}\n\n"
                 sent += 1
             if out.finished:
-                if out.generation is not None:
-                    on_finish(out.generation)
                 break
             out = await anext(rest)
         if include_usage:
@@ -91,6 +100,8 @@ async def events(
             yield f"data: {json.dumps(last)}\n\n"
         yield "data: [DONE]\n\n"
     finally:
+        if not ended:  # the client left (this generator was closed or cancelled) before the last output
+            on_finish(Unfinished(num_generated_tokens=generated))
         await rest.aclose()
 
 

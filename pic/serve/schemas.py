@@ -20,6 +20,8 @@ from pic.serve.openai_params import openai_properties, unknown_fields, unsupport
 
 # What the schema says of an integer field: JSON Schema's "integer" takes 4.0 too; this server does not.
 _INT = "a JSON integer, written without a fraction (4.0 is refused, as the Python API refuses it)"
+# ``max_tokens`` / ``max_completion_tokens``: 0 is the Python API's ``max_new_tokens=0``, not "no limit".
+_MAX = f"0: an empty completion (finish_reason length), as max_new_tokens=0 in Python; {_INT}"
 # Documents the schema asks to be non-empty (an empty one has no tokens: a 400).
 _NONEMPTY_ITEMS = {"items": {"type": "string", "minLength": 1}}
 # ``context`` and ``system`` both given: refused.
@@ -72,7 +74,7 @@ class Sampling(_Body):
     route: ClassVar[str] = ""
 
     model: str
-    max_tokens: int | None = Field(default=16, ge=1, description=_INT)
+    max_tokens: int | None = Field(default=16, ge=0, description=_MAX)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0, description=f"under {GREEDY_TEMPERATURE:g}: greedy")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, description=f"under {GREEDY_TOP_P:g}: greedy")
     top_k: int = Field(default=0, ge=0, description=f"0: off; {_INT}")
@@ -155,7 +157,7 @@ class ChatBody(Sampling):
     route: ClassVar[str] = "/v1/chat/completions"
 
     messages: list[ChatMessage] = Field(min_length=1, max_length=1024)
-    max_completion_tokens: int | None = Field(default=None, ge=1, description=_INT)
+    max_completion_tokens: int | None = Field(default=None, ge=0, description=_MAX)
 
     @field_validator("pic")
     @classmethod

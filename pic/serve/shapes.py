@@ -40,7 +40,12 @@ class ModelList(BaseModel):
 
 
 class CacheIds(BaseModel):
+    """One id per document; ``tiers``: per id, the tiers holding its chunk when the compile returned, fastest first
+    (``device`` is the server's KV pool: a tier under ``--on-*-error miss`` that failed is absent until it works
+    again, when the server writes the chunk there)."""
+
     cache_ids: list[str]
+    tiers: list[list[str]]
 
 
 class ChunkInfo(BaseModel):
