@@ -351,3 +351,23 @@ def test_decode_compile_quick(tmp_path):
     assert report["eager_over_compiled"] == med["eager"] / med["compiled"]
     assert all(len(v) == 2 for v in report["rounds_ms"].values())
     assert 0 <= report["max_abs_difference"] < 1e-3
+
+
+def test_store_faults_quick(tmp_path):
+    """Issue 40's campaign on real ``pic serve`` processes: a frozen redis-server, a FIFO, a full tmpfs (recorded as
+    skipped where it cannot be mounted). What it asserts does not depend on the machine's speed: statuses, counts."""
+    _quick("store_faults.py", tmp_path)
+    report = json.loads((tmp_path / "store_faults_quick.json").read_text())
+    for mode, row in report["stall"].items():
+        assert {status for _, status in row["completion_during_stuck_gets_s"]} == {200}
+        assert row["compile_new_again_s"][1] == (503 if mode == "raise" else 200)
+    assert report["stall"]["miss"]["in_redis_after_thaw"] == 8 and report["stall"]["miss"]["compile_tiers"] == [
+        ["device"],
+        ["device"],
+    ]
+    assert report["fifo"]["statuses"] == [404] and report["fifo"]["completion_after"][1] == 200
+    full = report["disk_full"]
+    if "skipped" not in full:
+        assert full["answers_naming_disk"] == full["files_written_while_full"] == 0
+        assert full["files_after_room_returned"] == full["found_after_restart"] == full["answered_200"] == 8
+        assert full["raise_mode_starts_on_full_disk"] and full["raise_mode_compile_status"] == 503

@@ -58,6 +58,11 @@ def test_a_breaker_opens_at_a_failure_refuses_lets_one_probe_through_and_closes(
     assert not breaker.is_open
 
 
+def disk_writable(engine: pic.PIC) -> bool:
+    """The disk tier's ``writable`` (``False`` while its write breaker is open)."""
+    return next(t.writable for t in engine.store.stats() if t.name == "disk")
+
+
 def redis_of(engine: pic.PIC) -> RedisTier:
     with engine.paused() as core:
         (tier,) = [t for t in core.store.lower if isinstance(t, RedisTier)]
@@ -170,13 +175,14 @@ def test_a_full_disk_in_raise_mode_fails_the_compile_naming_the_path_and_starts_
     store = pic.StoreConfig(disk_path=str(disk), disk_bytes=1 << 30, tier_retry_s=0.2)
     engine = engine_over(store)
     kept = engine.compile(NEW[:2])
+    for usage in disk.glob("*/.usage"):  # a start must write it again (what a crash mid-rewrite leaves)
+        usage.unlink()
     filler = fill(disk)
     with pytest.raises(pic.StoreUnavailableError, match=f"disk tier at {disk}.*ENOSPC"):
         engine.compile(NEW[2:4])
     engine.close()
-    for usage in disk.glob("*/.usage"):  # the start must write it again then (what a crash mid-rewrite leaves)
-        usage.unlink()
-    restarted = engine_over(store)  # on the full disk
+    restarted = engine_over(store)  # on the full disk: its start cannot write the usage record
+    assert disk_writable(restarted) is False
     assert [restarted.store.lookup(cid) for cid in kept] == [["disk"]] * 2
     filler.unlink()
     time.sleep(0.2)  # the write breaker's retry_s (it opened at the start)
