@@ -56,13 +56,7 @@ def build_app(
         )  # fmt: skip
 
     metrics = Metrics(figures)
-
-    @contextlib.asynccontextmanager
-    async def lifespan(_app: FastAPI):
-        yield
-        aengine.close()  # the server's thread pools stop taking work
-
-    app = FastAPI(title="pic", lifespan=lifespan)
+    app = FastAPI(title="pic")
     app.state.engine, app.state.metrics = aengine, metrics
     install_error_handlers(app)
     install_openapi(app, secured=api_key is not None, model_name=model_name)

@@ -72,8 +72,3 @@ class AsyncEngine:
         finally:
             if not finished:
                 self.engine.abort(request_id)
-
-    def close(self) -> None:
-        """Stop taking work; calls under way finish on their own (a stuck store call at its timeout)."""
-        for pool in (self._cpu, self._store):
-            pool.shutdown(wait=False, cancel_futures=True)
