@@ -41,7 +41,6 @@ _LENGTH = struct.Struct("<Q")
 _HEADER_BYTES = len(MAGIC) + _LENGTH.size
 _counter = itertools.count()
 _ID = re.compile(r"^[0-9a-f]{32}$")  # pic.ids.chunk_id
-_MAX_META_BYTES = serde._MAX_META_BYTES  # the metadata record's bound, which serde checks again when it parses
 REGULAR = "a regular file"
 # What open() says when the name is not a file it may read: a symbolic link (O_NOFOLLOW), a socket, a device
 # without a driver; ``open_chunk`` then looks (lstat) at what is there.
@@ -97,7 +96,7 @@ def max_file_bytes(expected: serde.Expected) -> int:
     of a chunk of ``expected.max_tokens`` tokens."""
     per_token = expected.num_layers * expected.num_kv_heads * expected.head_dim * expected.dtype.itemsize
     tensor_bytes = expected.max_tokens * per_token
-    return _HEADER_BYTES + _MAX_META_BYTES + 2 * tensor_bytes
+    return _HEADER_BYTES + serde.MAX_META_BYTES + 2 * tensor_bytes
 
 
 def open_chunk(path: Path) -> BinaryIO:
@@ -259,7 +258,7 @@ def read_meta(f: BinaryIO, *, cache_id: str, expected: serde.Expected, file_byte
     if len(header) != _HEADER_BYTES or header[: len(MAGIC)] != MAGIC:
         raise serde.CorruptEntryError("not a pic chunk file (bad magic or short header)")
     (meta_bytes,) = _LENGTH.unpack(header[len(MAGIC) :])
-    if meta_bytes > min(_MAX_META_BYTES, file_bytes - _HEADER_BYTES):
+    if meta_bytes > min(serde.MAX_META_BYTES, file_bytes - _HEADER_BYTES):
         raise serde.CorruptEntryError(f"metadata of {meta_bytes} bytes in a {file_bytes}-byte file")
     meta = serde.parse_meta(f.read(meta_bytes), cache_id=cache_id, expected=expected)
     expected_bytes = _HEADER_BYTES + meta_bytes + 2 * meta.tensor_bytes

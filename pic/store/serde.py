@@ -27,7 +27,7 @@ from pic.config import CompileOptions
 from pic.ids import KV_FORMAT_VERSION, chunk_id
 from pic.kv import ChunkKV
 
-_MAX_META_BYTES = 16 * 2**20
+MAX_META_BYTES = 16 * 2**20  # a metadata record larger than this is refused unread (Redis and disk alike)
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -102,8 +102,8 @@ def parse_meta(raw: bytes, *, cache_id: str, expected: Expected) -> Meta:
     Raises:
         CorruptEntryError: oversized, not msgpack, malformed, or not this engine's chunk ``cache_id``.
     """
-    if len(raw) > _MAX_META_BYTES:
-        raise CorruptEntryError(f"metadata of {len(raw)} bytes is larger than {_MAX_META_BYTES}")
+    if len(raw) > MAX_META_BYTES:
+        raise CorruptEntryError(f"metadata of {len(raw)} bytes is larger than {MAX_META_BYTES}")
     limit = expected.max_tokens + 8
     try:
         fields = msgpack.unpackb(
