@@ -11,7 +11,7 @@ stays readable through its open descriptor). The byte budget's bookkeeping is ``
 
 A damaged, truncated or foreign file is logged, removed and a miss (a recompile, never a wrong answer), and
 so is anything in a chunk's name that is not a regular file (a FIFO, a symbolic link; a directory is left in
-place): a chunk is read only through ``disk_file.open_chunk``, which never blocks, never follows a link and
+place): a chunk is read only through ``disk_entry.open_chunk``, which never blocks, never follows a link and
 bounds every length before it allocates.
 
 A failing disk (read-only, I/O errors) is a ``StoreUnavailableError`` naming the path, or with
@@ -36,7 +36,7 @@ from typing import Literal
 
 from pic.errors import StoreUnavailableError
 from pic.kv import ChunkKV
-from pic.store import disk_budget, disk_file, serde
+from pic.store import disk_budget, disk_entry, disk_file, serde
 from pic.store.breaker import Breaker
 from pic.store.guard import FailureGuard
 from pic.store.lease import FleetLeases
@@ -151,9 +151,9 @@ class DiskTier:
             chunk = disk_file.read(path, cache_id=cache_id, expected=self._expected, pin=self._pin)
         except FileNotFoundError:  # never written, or evicted (by any process) since
             return None
-        except disk_file.NotAFileError as exc:
+        except disk_entry.NotAFileError as exc:
             self._count(errors=1)
-            removed = self._discard(path, lambda: disk_file.remove_stray(path))
+            removed = self._discard(path, lambda: disk_entry.remove_stray(path))
             log.warning("pic: %s: a miss (%s)", exc, "removed" if removed else "left in place")
             return None
         except serde.CorruptEntryError as exc:
@@ -194,7 +194,7 @@ class DiskTier:
             return None
         with self._guard():
             try:
-                with disk_file.open_chunk(path) as f:
+                with disk_entry.open_chunk(path) as f:
                     size = os.fstat(f.fileno()).st_size
                     meta = disk_file.read_meta(f, cache_id=cache_id, expected=self._expected, file_bytes=size)
                 return Extent(len(meta.token_ids), 2 * meta.tensor_bytes)
@@ -209,7 +209,7 @@ class DiskTier:
     def contains(self, cache_id: str) -> bool:
         """Whether a regular file holds ``cache_id`` (a FIFO or directory in its name is no chunk)."""
         path = self._file(cache_id)
-        return path is not None and disk_file.is_regular(path)
+        return path is not None and disk_entry.is_regular(path)
 
     def can_fit(self, num_bytes: int, *, keep: Collection[str] = ()) -> bool:
         """Whether ``num_bytes`` fit after evicting every file that is neither pinned nor in ``keep`` (a ``stat``
@@ -231,8 +231,8 @@ class DiskTier:
             path = self._file(chunk.cache_id)
             if path is None:
                 return False
-            held = disk_file.kind_at(path)
-            if held == disk_file.REGULAR and self._touch(path):
+            held = disk_entry.kind_at(path)
+            if held == disk_entry.REGULAR and self._touch(path):
                 return True  # there already (content-addressed: the same bytes): now recently used
             if held == "a directory":  # os.replace cannot move a file over it, and it is not ours to remove
                 log.warning("pic: cannot store chunk %s: %s is a directory", chunk.cache_id, path)

@@ -81,7 +81,7 @@ def evict(
 def remove(directory: Path, path: Path) -> bool:
     """Unlink a chunk file of ``directory`` and release its bytes in the usage record; ``False`` if it was not there.
 
-    Something else in a chunk file's name (``disk_file.open_chunk`` refuses it) is no chunk: a directory is left
+    Something else in a chunk file's name (``disk_entry.open_chunk`` refuses it) is no chunk: a directory is left
     alone (``False``), a FIFO or symbolic link is unlinked without touching the record, which never counted it. A
     record that cannot be rewritten after the unlink stays high or is removed, both safe: the unlink is not undone
     and not failed by it.

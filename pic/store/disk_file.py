@@ -5,9 +5,8 @@ A file is ``MAGIC``, the metadata record's length (8 bytes, little endian), the 
 payload's checksum is in the metadata, so a torn, truncated or flipped file is found on read.
 
 Nothing in the directory is trusted either: a chunk is opened only as a regular file, without following a
-symbolic link and without blocking (a FIFO named like a chunk would otherwise hang its reader until a writer
-came), and a file larger than any chunk of this engine can be is refused before a byte of it is read (a sparse
-file may claim gigabytes it does not hold).
+symbolic link and without blocking (``pic.store.disk_entry``), and a file larger than any chunk of this engine
+can be is refused before a byte of it is read (a sparse file may claim gigabytes it does not hold).
 
 Writes go to a temporary file in the same directory that is then renamed over the final name
 (``os.replace`` is atomic on POSIX): a reader sees the old file, the new one, or none, never half of
@@ -19,12 +18,10 @@ last rename wins and both were good.
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import itertools
 import os
 import re
-import stat
 import struct
 import threading
 from collections.abc import Iterator
@@ -33,6 +30,7 @@ from typing import BinaryIO
 
 from pic.kv import ChunkKV
 from pic.store import serde
+from pic.store.disk_entry import NotAFileError, open_chunk, remove_stray
 
 MAGIC = b"PICKV\x00\x01\x00"
 SUFFIX = ".kv"
@@ -41,54 +39,9 @@ _LENGTH = struct.Struct("<Q")
 _HEADER_BYTES = len(MAGIC) + _LENGTH.size
 _counter = itertools.count()
 _ID = re.compile(r"^[0-9a-f]{32}$")  # pic.ids.chunk_id
-REGULAR = "a regular file"
-# What open() says when the name is not a file it may read: a symbolic link (O_NOFOLLOW), a socket, a device
-# without a driver; ``open_chunk`` then looks (lstat) at what is there.
-_NOT_A_FILE_ERRNOS = frozenset({errno.ELOOP, errno.ENXIO, errno.ENODEV, errno.EISDIR, errno.EOPNOTSUPP})
-_OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXEC
 _LOCK_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC  # a FIFO named .lock must not hang writers
 _USAGE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
 _USAGE_DIGITS = 20  # a usage record longer than any byte count is not one
-
-
-class NotAFileError(serde.CorruptEntryError):
-    """The name of a chunk file holds something else (a directory, a FIFO, a symbolic link, a socket, a device):
-    a miss, never a read of it.
-
-    Attributes:
-        kind: what is there (``"a FIFO"``).
-    """
-
-    def __init__(self, path: Path, kind: str) -> None:
-        super().__init__(f"{path} is {kind}, not a chunk file")
-        self.kind = kind
-
-
-def describe(mode: int) -> str:
-    """What a file of ``mode`` (``st_mode``) is, for messages: ``REGULAR``, ``"a directory"``, ``"a FIFO"`` ..."""
-    kinds = [(stat.S_ISREG, REGULAR), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
-             (stat.S_ISLNK, "a symbolic link"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
-             (stat.S_ISBLK, "a block device")]  # fmt: skip
-    return next((kind for test, kind in kinds if test(mode)), f"a file of mode {mode:o}")
-
-
-def kind_at(path: Path) -> str | None:
-    """What ``path`` itself is (``describe``; a symbolic link is not followed), or ``None`` when nothing is there.
-
-    Raises:
-        OSError: it cannot be looked at (the directory is gone or is not one: a failing disk).
-    """
-    try:
-        return describe(os.lstat(path).st_mode)
-    except FileNotFoundError:
-        return None
-
-
-def is_regular(path: Path) -> bool:
-    """Whether ``path`` is a regular file (not a link to one): what may be a chunk file."""
-    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
-        return kind_at(path) == REGULAR
-    return False
 
 
 def max_file_bytes(expected: serde.Expected) -> int:
@@ -97,48 +50,6 @@ def max_file_bytes(expected: serde.Expected) -> int:
     per_token = expected.num_layers * expected.num_kv_heads * expected.head_dim * expected.dtype.itemsize
     tensor_bytes = expected.max_tokens * per_token
     return _HEADER_BYTES + serde.MAX_META_BYTES + 2 * tensor_bytes
-
-
-def open_chunk(path: Path) -> BinaryIO:
-    """``path`` opened for reading (unbuffered) if it is a regular file. Never blocks and never follows a symbolic
-    link: anything else is refused before a byte of it is read.
-
-    Raises:
-        FileNotFoundError: nothing is there.
-        NotAFileError: something other than a regular file is there.
-        OSError: the disk failed.
-    """
-    try:
-        fd = os.open(path, _OPEN_FLAGS)
-    except OSError as exc:
-        if exc.errno in _NOT_A_FILE_ERRNOS:
-            kind = kind_at(path)
-            if kind not in (None, REGULAR):
-                raise NotAFileError(path, kind) from None
-        raise
-    try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise NotAFileError(path, describe(mode))
-        return os.fdopen(fd, "rb", buffering=0)
-    except BaseException:
-        os.close(fd)
-        raise
-
-
-def remove_stray(path: Path) -> bool:
-    """Unlink what ``open_chunk`` refused at ``path`` (a FIFO, a symbolic link, a socket, a device node: the name
-    goes, nothing it points to), unless it is a directory (which may hold anything: it is left to its owner) or has
-    been replaced by a regular file meanwhile. Returns whether it was removed.
-
-    Raises:
-        OSError: it could not be unlinked (a read-only disk).
-    """
-    if kind_at(path) in (None, REGULAR, "a directory"):
-        return False
-    with contextlib.suppress(FileNotFoundError):
-        path.unlink()
-    return True
 
 
 def is_cache_id(text: object) -> bool:
