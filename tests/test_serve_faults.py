@@ -14,10 +14,11 @@ import pytest
 
 import pic
 from pic.serve.app import build_app
+from tests.local_redis import wait_until
 from tests.models import DOCS, QUERY, model, tokenizer
 from tests.redis_server import Paused
 from tests.serving import serving
-from tests.test_store_faults import redis_of, wait_for
+from tests.test_redis import redis_tier
 
 NUM_STUCK = 16
 FIFO_ID = "f" * 32  # a well-formed cache id, held by a FIFO in the disk tier's directory
@@ -44,13 +45,13 @@ def test_a_completion_without_documents_never_waits_on_stuck_store_calls(stalled
     timeout), and a GET of the id a FIFO holds on disk (which used to hang forever): a completion without
     documents is answered while every one of them is still waiting. Once Redis answers, they all do too."""
     url, engine, ids = stalled
-    breaker = redis_of(engine).breaker
+    breaker = redis_tier(engine).breaker
     before = breaker.num_allowed
     paused_redis.pause()
     with ThreadPoolExecutor(NUM_STUCK + 1) as pool, httpx.Client(base_url=url, timeout=120) as http:
         gets = [pool.submit(http.get, f"/v1/chunks/{ids[0]}") for _ in range(NUM_STUCK)]
         gets.append(pool.submit(http.get, f"/v1/chunks/{FIFO_ID}"))
-        wait_for(lambda: breaker.num_allowed - before >= NUM_STUCK + 1, "every GET to be stuck on Redis")
+        wait_until(lambda: breaker.num_allowed - before >= NUM_STUCK + 1, "every GET to be stuck on Redis")
         start = time.perf_counter()
         done = http.post("/v1/completions", json={"model": "stories260K", "prompt": QUERY, "max_tokens": 8})
         elapsed = time.perf_counter() - start
@@ -71,7 +72,7 @@ def test_monitoring_and_describing_answer_at_once_while_the_breaker_is_open(tmp_
     store = pic.StoreConfig(redis_url=paused_redis.url, redis_timeout_s=2.0, tier_retry_s=600)
     engine = pic.PIC(model("stories260K"), tokenizer(), store=store)
     (cid,) = engine.compile([DOCS[0]])
-    breaker = redis_of(engine).breaker
+    breaker = redis_tier(engine).breaker
     with serving(build_app(engine, model_name="stories260K")) as url, httpx.Client(base_url=url, timeout=60) as http:
         paused_redis.pause()
         assert http.get(f"/v1/chunks/{cid}").json()["tiers"] == ["device"]  # pays one timeout: the breaker opens
@@ -100,7 +101,7 @@ def test_a_damaged_chunk_file_is_a_404_by_get_but_a_link_compiles_it_again(tmp_p
         assert http.get(f"/v1/chunks/{cid}").status_code == 404
         body = {"model": "stories260K", "prompt": QUERY, "max_tokens": 4, "pic": {"cache_ids": [cid]}}
         assert http.post("/v1/completions", json=body).status_code == 200
-        wait_for(lambda: http.get(f"/v1/chunks/{cid}").json().get("tiers") == ["device", "disk"], "the write-back")
+        wait_until(lambda: http.get(f"/v1/chunks/{cid}").json().get("tiers") == ["device", "disk"], "the write-back")
     engine.close()
 
 

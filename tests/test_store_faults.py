@@ -14,22 +14,15 @@ import pytest
 
 import pic
 from pic.check import DOCS as CHECK_DOCS
-from pic.store import RedisTier
 from pic.store.breaker import Breaker, BreakerOpenError
 from tests.full_disk import fill, tmpfs
+from tests.local_redis import wait_until
 from tests.models import DOCS, model, tokenizer
+from tests.test_redis import redis_tier
 
 # New documents (not the start-up check's, not another test's), each a chunk of its own.
 NEW = [f"Story {i}: a small fox named Pip found {i} red berries under the old oak tree." for i in range(8)]
 TIMEOUT_S = 1.0  # Redis socket timeout: what a call to a paused server costs
-DEADLINE_S = 60.0  # generous bound on waits for the engine's retries (they come every tier_retry_s)
-
-
-def wait_for(check, what: str, timeout_s: float = DEADLINE_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def test_a_breaker_opens_at_a_failure_refuses_lets_one_probe_through_and_closes():
@@ -63,12 +56,6 @@ def disk_writable(engine: pic.PIC) -> bool:
     return next(t.writable for t in engine.store.stats() if t.name == "disk")
 
 
-def redis_of(engine: pic.PIC) -> RedisTier:
-    with engine.paused() as core:
-        (tier,) = [t for t in core.store.lower if isinstance(t, RedisTier)]
-    return tier
-
-
 def engine_over(store: pic.StoreConfig) -> pic.PIC:
     return pic.PIC(model("stories260K"), tokenizer(), store=store)
 
@@ -83,7 +70,7 @@ def test_miss_mode_pays_one_timeout_for_a_stalled_redis_says_so_and_writes_the_c
     engine = engine_over(store)
     (first,) = engine.compile_report([DOCS[0]]).tiers
     assert first == ("device", "redis")
-    breaker = redis_of(engine).breaker
+    breaker = redis_tier(engine).breaker
     allowed = breaker.num_allowed
     paused_redis.pause()
     report = engine.compile_report(NEW)
@@ -93,15 +80,16 @@ def test_miss_mode_pays_one_timeout_for_a_stalled_redis_says_so_and_writes_the_c
     num_tried = breaker.num_allowed - allowed
     assert breaker.num_opened == 1 and num_tried <= 3 and breaker.num_refused >= 20, (num_tried, breaker.num_refused)
     paused_redis.resume()
-    wait_for(lambda: all(engine.store.lookup(cid) == ["device", "redis"] for cid in report.ids), "the retried writes")
-    assert not breaker.is_open and len(engine.store._store.backlog) == 0
+    wait_until(lambda: all(engine.store.lookup(cid) == ["device", "redis"] for cid in report.ids), "the retried writes")
+    with engine.paused() as core:
+        assert not breaker.is_open and len(core.store.backlog) == 0
     engine.close()
 
 
 def test_raise_mode_fails_the_compile_at_its_timeout_and_the_next_at_once(paused_redis):
     store = pic.StoreConfig(redis_url=paused_redis.url, redis_timeout_s=TIMEOUT_S, tier_retry_s=600)
     engine = engine_over(store)
-    breaker = redis_of(engine).breaker
+    breaker = redis_tier(engine).breaker
     paused_redis.pause()
     with pytest.raises(pic.StoreUnavailableError, match="Redis at .* failed: TimeoutError"):
         engine.compile(NEW[:2])
@@ -138,7 +126,7 @@ def test_the_start_up_check_writes_nothing_into_the_users_tiers(tmp_path, redis_
     engine = engine_over(store)
     assert pic.check(engine).passed
     assert pic.check(engine).passed  # linked again: a recheck (every link here) would write them to Redis
-    assert list(tmp_path.rglob("*.kv")) == [] and redis_of(engine).ids() == []
+    assert list(tmp_path.rglob("*.kv")) == [] and redis_tier(engine).ids() == []
     (cid,) = engine.compile([CHECK_DOCS[0]])  # a user's compile of the same text writes it through
     assert engine.store.lookup(cid) == ["device", "disk", "redis"]
     engine.close()
@@ -161,7 +149,7 @@ def test_a_full_disk_in_miss_mode_acknowledges_only_what_it_took_and_takes_the_r
     report = engine.compile_report(NEW)
     assert report.tiers == [("device",)] * len(NEW)
     filler.unlink()
-    wait_for(lambda: all(engine.store.lookup(cid) == ["device", "disk"] for cid in report.ids), "the retried writes")
+    wait_until(lambda: all(engine.store.lookup(cid) == ["device", "disk"] for cid in report.ids), "the retried writes")
     engine.close()
     restarted = engine_over(store)
     assert [restarted.store.lookup(cid) for cid in report.ids] == [["disk"]] * len(NEW)

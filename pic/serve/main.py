@@ -38,12 +38,13 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="when the disk fails (full, read-only): raise (503) or miss (serve from the other tiers, log it)",
     )  # fmt: skip
     serve.add_argument(
-        "--redis-timeout", type=positive_float, default=10.0, metavar="SECONDS",
-        help="socket timeout of Redis commands: what a stalled Redis costs before its breaker opens",
+        "--redis-timeout", type=positive_float, default=None, metavar="SECONDS",
+        help="socket timeout of Redis commands: what a stalled Redis costs before its breaker opens (default: 10)",
     )  # fmt: skip
     serve.add_argument(
-        "--tier-retry", type=positive_float, default=5.0, metavar="SECONDS",
-        help="a Redis or disk that failed is skipped this long (its calls fail or miss at once), then tried again",
+        "--tier-retry", type=positive_float, default=None, metavar="SECONDS",
+        help="a Redis or disk that failed is skipped this long (its calls fail or miss at once), then tried again "
+        "(default: 5)",
     )  # fmt: skip
     serve.add_argument("--max-body-bytes", type=positive_int, default=8 << 20, help="larger request bodies get a 413")
     serve.add_argument(
@@ -218,9 +219,9 @@ def store_config(args: argparse.Namespace):
     fields = {"redis_url": args.redis_url, "disk_path": args.disk_path, "disk_bytes": args.disk_bytes}
     if all(value is None for value in fields.values()):
         return None
-    errors = {"on_redis_error": args.on_redis_error, "on_disk_error": args.on_disk_error,
-              "redis_timeout_s": args.redis_timeout, "tier_retry_s": args.tier_retry}  # fmt: skip
-    return pic.StoreConfig(**fields, **errors)
+    errors = {"on_redis_error": args.on_redis_error, "on_disk_error": args.on_disk_error}
+    timing = {"redis_timeout_s": args.redis_timeout, "tier_retry_s": args.tier_retry}  # None: StoreConfig's default
+    return pic.StoreConfig(**fields, **errors, **{key: value for key, value in timing.items() if value is not None})
 
 
 def _use_chat_template(engine, template: str) -> None:

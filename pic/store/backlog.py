@@ -46,15 +46,6 @@ class WriteBacklog:
         with self._lock:
             return len(self._failed)
 
-    def __contains__(self, cache_id: object) -> bool:
-        with self._lock:
-            return cache_id in self._failed
-
-    def tiers(self, cache_id: str) -> set[str]:
-        """The tiers that failed to take ``cache_id`` (empty when none did)."""
-        with self._lock:
-            return set(self._failed.get(cache_id, ()))
-
     def record(self, cache_id: str, *, took: Collection[str], failed: Collection[str]) -> None:
         """A write of ``cache_id`` ended: ``took`` holds it now, ``failed`` failed to take it (any thread)."""
         with self._lock:

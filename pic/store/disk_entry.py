@@ -26,15 +26,10 @@ _OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY | os.O_C
 
 class NotAFileError(serde.CorruptEntryError):
     """The name of a chunk file holds something else (a directory, a FIFO, a symbolic link, a socket, a device):
-    a miss, never a read of it.
-
-    Attributes:
-        kind: what is there (``"a FIFO"``).
-    """
+    a miss, never a read of it (``kind``: what is there, ``"a FIFO"``)."""
 
     def __init__(self, path: Path, kind: str) -> None:
         super().__init__(f"{path} is {kind}, not a chunk file")
-        self.kind = kind
 
 
 def describe(mode: int) -> str:
