@@ -120,8 +120,9 @@ class PICConfig(_Frozen):
             EPIC and CacheBlend papers ran their baselines.
         eos_token_ids: token ids that end a generation; ``None`` takes the model's generation
             config (and the tokenizer's EOS).
-        default_policy: the recompute policy ``link`` uses when none is given: ``regions`` (pic's own, the
-            closest to Full Recompute within a fifth of the chunk tokens on SmolLM2: docs/policies.md).
+        default_policy: the recompute policy ``link`` uses when none is given: ``auto`` (pic's own: ``regions``
+            when the question comes before the chunks, a probe's picks when it follows them, within a fifth of
+            the chunk token-layers; docs/policies.md).
         max_num_seqs: most requests the engine runs at once (one decode token each per step).
         max_num_batched_tokens: the token budget of one engine step (vLLM's): one token per running request,
             then recompute passes and chunk-prefill pieces (a compile's chunks run in pieces of what is left,
@@ -146,7 +147,7 @@ class PICConfig(_Frozen):
     kv_memory_fraction: float = Field(default=0.8, gt=0, le=1)
     share_chunk_blocks: bool = True
     eos_token_ids: tuple[int, ...] | None = None
-    default_policy: str = "regions"
+    default_policy: str = "auto"
     max_num_seqs: int = Field(default=64, ge=1, le=4096)
     max_num_batched_tokens: int | None = Field(default=None, ge=1)
     attention_backend: Literal["auto", "torch", "triton"] = "auto"

@@ -6,6 +6,7 @@ from pic.link.policies import (
     A3,
     APE,
     MEPIC,
+    Auto,
     CacheBlend,
     FullRecompute,
     LayerStep,
@@ -28,6 +29,7 @@ from pic.link.policies import (
 __all__ = [
     "A3",
     "APE",
+    "Auto",
     "MEPIC",
     "CacheBlend",
     "FullRecompute",

@@ -90,7 +90,7 @@ def link_requests(
     firsts = wait_links(thread, news)
     link_s = time.perf_counter() - start
     linked = [
-        make(first, new.policy, link_s)
+        make(first, first.policy or new.policy, link_s)
         for new, first in zip(news, firsts, strict=True)
         if isinstance(first, LinkOutput)
     ]

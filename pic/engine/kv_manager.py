@@ -76,6 +76,10 @@ class KVManager:
             num_generated=len(seq.output_ids),
         )
         self._check_length(seq)
+        chosen = seq.policy.for_layout(seq.layout)
+        if chosen.parallel_positions != seq.policy.parallel_positions:
+            raise PolicyError(f"policy {seq.policy.spec!r} chose {chosen.spec!r}, which lays chunks out otherwise")
+        seq.policy = chosen
         seq.policy.check_model(num_layers=self.spec.num_layers)
         if seq.policy.context_scaling() is not None and self._backend != "torch":
             raise PolicyError(

@@ -29,6 +29,7 @@ def link_output(seq: Sequence) -> LinkOutput:
         block_ids=tuple(seq.kv.blocks),
         query_hidden=seq.query_hidden,
         probe=result.probe,
+        policy=seq.policy,
     )
 
 

@@ -102,6 +102,7 @@ class LinkOutput:
         block_ids: its physical blocks, in slot order.
         query_hidden: ``[num_query_tokens, hidden_size]`` the query's final hidden states (model dtype).
         probe: what the query saw in the probe pass of a query-aware policy, else ``None``.
+        policy: the policy that chose the recomputed tokens (a policy reading the layout chose it).
     """
 
     request_id: int
@@ -113,6 +114,7 @@ class LinkOutput:
     block_ids: tuple[int, ...]
     query_hidden: torch.Tensor
     probe: Probe | None = None
+    policy: Policy | None = None
 
 
 class OutputSink(Protocol):

@@ -19,7 +19,8 @@ class AccuracyScore:
         accuracy_low, accuracy_high: its 95% Wilson score interval.
         exact_match: share of replies equal to the reference answer (SQuAD normalization).
         f1: mean token F1 of the replies against the reference.
-        accuracy_by_kind: accuracy per question kind (``passkey``, ``fact``, ``two-docs``).
+        accuracy_by_kind: accuracy per question kind (``passkey``, ``fact``, ``two-docs``, ``profile``,
+            ``niah-single``, ``niah-multikey``, ``niah-multivalue``).
         accuracy_by_gold_position: for one-document questions, accuracy by the index of the document
             holding the answer (0: first linked).
         num_gained, num_lost: cases this policy answers correctly and Full Recompute does not, and the

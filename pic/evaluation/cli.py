@@ -38,16 +38,31 @@ def add_parser(
         "accuracy", help="multi-document QA accuracy per policy, beside fidelity, cost and attention sinks"
     )
     accuracy.add_argument(
-        "--workload", choices=("qa", "profiles"), default="qa",
+        "--workload", choices=("qa", "profiles", "niah"), default="qa",
         help="qa: 4 short documents of filler and planted facts (default); profiles: 3 paragraphs of 150-500 "
-        "tokens about people, competing facts of the same form",
+        "tokens about people, competing facts of the same form; niah: RULER's needle in a haystack of prose, "
+        "cut into chunks",
     )  # fmt: skip
     accuracy.add_argument("--cases", type=cases, default=200, help="questions (default 200)")
     accuracy.add_argument(
-        "--documents", type=positive_int, default=None, help="documents per question (default: 4 qa, 3 profiles)"
-    )
+        "--documents", type=positive_int, default=None,
+        help="documents per question (default: 4 qa, 3 profiles; niah: set by --haystack-tokens and --chunk-tokens)",
+    )  # fmt: skip
     accuracy.add_argument("--sentences", type=positive_int, default=5, help="qa: filler sentences per document (5)")
     accuracy.add_argument("--two-docs-share", type=float, default=0.2, help="qa: share of two-document questions (0.2)")
+    accuracy.add_argument(
+        "--niah-kind", choices=("single", "multikey", "multivalue", "mixed"), default="mixed",
+        help="niah: one needle, or 3 distractor needles beside it, or 4 values of one key, or those in turn "
+        "(mixed: single, multikey, single, multikey, multivalue; default)",
+    )  # fmt: skip
+    accuracy.add_argument(
+        "--haystack-tokens", type=positive_int, default=2000,
+        help="niah: haystack length in tokens counted as 4 characters (default 2000; 1000 to 4000 suit SmolLM2)",
+    )  # fmt: skip
+    accuracy.add_argument(
+        "--chunk-tokens", type=positive_int, default=256,
+        help="niah: chunk length in tokens counted as 4 characters, cut at sentence ends (default 256; 128 to 512)",
+    )  # fmt: skip
     accuracy.add_argument(
         "--question-after-only", action="store_true", help="ask the question after the documents only, not before too"
     )
@@ -102,11 +117,24 @@ def run(args: argparse.Namespace, load: Callable[[], object]) -> int:
             out_dir=args.out, name=args.name,
         )  # fmt: skip
         return 0
+    from pic.evaluation.niah import niah_workload
     from pic.evaluation.profiles import profile_workload
     from pic.evaluation.qa import qa_workload
 
     args.model = accuracy_model(args.model, args.gguf_file)  # `load` reads it
-    if args.workload == "profiles":
+    if args.workload == "niah":
+        if args.documents is not None:
+            from pic.errors import InvalidInputError
+
+            raise InvalidInputError(
+                f"--documents {args.documents} does not apply to --workload niah: its documents are the "
+                "haystack's chunks (--haystack-tokens, --chunk-tokens)"
+            )
+        workload = niah_workload(
+            num_cases=args.cases, kind=args.niah_kind, haystack_tokens=args.haystack_tokens,
+            chunk_tokens=args.chunk_tokens, question_first=not args.question_after_only, seed=args.seed,
+        )  # fmt: skip
+    elif args.workload == "profiles":
         workload = profile_workload(
             num_cases=args.cases, num_documents=args.documents or 3, question_first=not args.question_after_only,
             seed=args.seed,

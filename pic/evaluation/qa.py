@@ -80,6 +80,9 @@ class QAKind(str, enum.Enum):
     FACT = "fact"
     TWO_DOCS = "two-docs"
     PROFILE = "profile"  # pic.evaluation.profiles: one fact about one person, in paragraph documents
+    NIAH_SINGLE = "niah-single"  # pic.evaluation.niah: one needle in a haystack of prose
+    NIAH_MULTIKEY = "niah-multikey"  # the needle among 3 distractor needles with other keys
+    NIAH_MULTIVALUE = "niah-multivalue"  # 4 needles with the same key: all 4 values asked
 
 
 @dataclass(frozen=True)

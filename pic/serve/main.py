@@ -62,7 +62,7 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )  # fmt: skip
     serve.add_argument(
         "--policy", type=policy, default=None,
-        help="the recompute policy of requests that name none (default: regions)",
+        help="the recompute policy of requests that name none (default: auto)",
     )  # fmt: skip
     serve.add_argument(
         "--chat-template", type=chat_template, default=None, metavar="FILE",

@@ -48,7 +48,7 @@ class PicOptions(_Body):
         cache_ids: compiled chunks (``POST /v1/chunks``), linked in this order.
         documents: texts compiled (and cached) on the way, linked after ``cache_ids``; in a chat, compiled in
             the chat's context (after its system turn: ``PIC.chat_context``).
-        policy: the recompute policy (``"regions"``, ``"legolink:16"`` ...); default: the engine's.
+        policy: the recompute policy (``"auto"``, ``"regions"``, ``"legolink:16"`` ...); default: the engine's.
         prefix: text before the chunks (recomputed).
         relevance: one score per chunk (``cache_ids``, then ``documents``), higher for the more relevant (a
             retriever's scores); a policy that ranks chunks (``regions``) uses them.

@@ -1,11 +1,12 @@
 """Recompute policies: which tokens of a linked prompt to run fresh.
 
-Use a spec string (``"naive"``, ``"full"``, ``"legolink:16"``, ``"legolink0"``, ``"cacheblend:0.15"``,
-``"mepic"``, ``"prophetkv:0.2"``, ``"a3:0.15"``, ``"ape"``, ``"regions:0.2"``) or an object; add your own by
-subclassing ``Policy`` and decorating it with ``register``.
+Use a spec string (``"auto"``: the default, ``"naive"``, ``"full"``, ``"legolink:16"``, ``"legolink0"``,
+``"cacheblend:0.15"``, ``"mepic"``, ``"prophetkv:0.2"``, ``"a3:0.15"``, ``"ape"``, ``"regions:0.2"``) or an object; add
+your own by subclassing ``Policy`` and decorating it with ``register``.
 """
 
 from pic.link.policies.ape import APE
+from pic.link.policies.auto import Auto
 from pic.link.policies.base import Policy
 from pic.link.policies.builtin import FullRecompute, Naive
 from pic.link.policies.cacheblend import CacheBlend
@@ -20,6 +21,7 @@ from pic.link.step import LayerStep
 __all__ = [
     "A3",
     "APE",
+    "Auto",
     "MEPIC",
     "CacheBlend",
     "FullRecompute",

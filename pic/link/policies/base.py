@@ -66,6 +66,12 @@ class Policy(BaseModel, ABC):
         """Tokens to recompute from the first layer on: ``[layout.num_tokens]`` bool (True =
         recompute). Entries of prefix and query tokens are ignored: those are always recomputed."""
 
+    def for_layout(self, layout: Layout) -> Policy:
+        """The policy that runs this layout: ``self``, or one a policy that reads the layout chooses (``auto``).
+        The engine calls it once the request is laid out; the chosen policy must lay chunks out as this one
+        does (``parallel_positions``), and ``Linked.policy`` reports it."""
+        return self
+
     def after_layer(self, step: LayerStep) -> torch.Tensor | None:
         """Dynamic policies: which of the tokens that just ran ``step.layer`` keep running.
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pic.errors import PolicyError
 from pic.link.policies.ape import APE
+from pic.link.policies.auto import Auto
 from pic.link.policies.base import Policy
 from pic.link.policies.builtin import FullRecompute, Naive
 from pic.link.policies.cacheblend import CacheBlend
@@ -13,7 +14,7 @@ from pic.link.policies.regions import Regions
 
 _POLICIES: dict[str, type[Policy]] = {
     cls.name: cls
-    for cls in (Naive, FullRecompute, LegoLink, LegoLinkZero, CacheBlend, MEPIC, ProphetKV, A3, APE, Regions)
+    for cls in (Naive, FullRecompute, LegoLink, LegoLinkZero, CacheBlend, MEPIC, ProphetKV, A3, APE, Regions, Auto)
 }
 
 

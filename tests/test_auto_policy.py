@@ -1,0 +1,76 @@
+"""``auto``, the default: it reads where the question is and chooses ``regions`` (question before the chunks) or
+a probe's picks (question after them) within one budget, the probe counted. Pinned on the accuracy workloads'
+real chat prompts in SmolLM2's template, both layouts, linked end to end."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pic
+from pic.evaluation.niah import niah_workload
+from pic.evaluation.profiles import profile_workload
+from pic.evaluation.qa import qa_workload
+from pic.kv import ChunkKV
+from pic.link import lay_out
+from pic.link.policies.auto import question_before
+from pic.policies import Auto, ProphetKV, Regions
+
+WORKLOADS = {
+    "qa": lambda first: qa_workload(num_cases=2, question_first=first, seed=3),
+    "profiles": lambda first: profile_workload(num_cases=2, question_first=first, seed=3),
+    "niah": lambda first: niah_workload(num_cases=2, kind="multikey", haystack_tokens=600, chunk_tokens=128,
+                                        question_first=first, seed=3),
+}  # fmt: skip
+
+
+def _layout(prefix: list[int], query: list[int], chunks=((5, 6, 7),)):
+    empty = torch.empty(0)
+    kvs = [ChunkKV(f"c{i}", torch.tensor(ids), empty, empty, pic.CompileOptions()) for i, ids in enumerate(chunks)]
+    return lay_out(prefix=prefix, chunks=kvs, query=query, block_size=4)
+
+
+@pytest.mark.parametrize("workload", sorted(WORKLOADS))
+@pytest.mark.parametrize("question_first", [True, False], ids=["question-before", "question-after"])
+def test_the_default_reads_the_layout_and_picks_as_designed(smollm2, workload, question_first):
+    assert smollm2.default_policy == Auto()
+    for case in WORKLOADS[workload](question_first).cases:
+        messages = case.messages()
+        prefix, query = smollm2.chat_segments(messages)
+        ids = smollm2.compile(list(case.documents), context=smollm2.chat_context(messages), progress=False)
+        with smollm2.link(ids, query + case.answer_prefix, prefix=prefix) as linked:
+            layout, by_layer = linked.layout, linked.recomputed_by_layer
+            num_chunk, num_other = int(layout.cached.sum()), layout.num_tokens - int(layout.cached.sum())
+            chunk_share = (sum(by_layer) - len(by_layer) * num_other) / (len(by_layer) * num_chunk)
+            if question_first:
+                assert linked.policy == Regions(budget=0.2) and linked.probe is None
+            else:
+                assert isinstance(linked.policy, ProphetKV) and linked.probe is not None
+            # the chunk tokens' token-layers, the probe's rerun of the query included, stay within the budget
+            # (Regions may take a window's remainder, ProphetKV rounds its count: a token either way)
+            assert chunk_share <= 0.2 + 1.5 / num_chunk, (workload, chunk_share)
+
+
+def test_question_before_needs_a_run_of_the_querys_tokens_in_the_prefix():
+    template = [1, 2, 3]  # e.g. ChatML's "<|im_end|>\n<|im_start|>", in the prefix and the query alike
+    question = [40, 41, 42, 43, 44, 45]
+    assert question_before(_layout([9, *question, 9], [*question, *template]), 5)
+    assert not question_before(_layout([9, *template, 9], [*question, *template]), 5)  # 3 shared tokens only
+    assert not question_before(_layout([9, *question[:4], 9], question), 5)  # a run of 4 is not a question
+    assert not question_before(_layout([], question), 5)  # no prefix: chunks start the prompt
+    assert question_before(_layout([9, *question[:4], 9], question), 4)
+
+
+def test_after_the_question_the_probe_is_paid_from_the_budget():
+    chunk = tuple(range(100, 200))  # 100 chunk tokens; a 10-token query leaves 0.3 * 100 - 10 = 20 picks
+    assert Auto(budget=0.3).for_layout(_layout([9], list(range(10)), [chunk])) == ProphetKV(ratio=0.2)
+    assert Auto(budget=0.05).for_layout(_layout([9], list(range(10)), [chunk])) == ProphetKV(ratio=0.0)
+    assert Auto(budget=0.3).for_layout(_layout(list(range(10)), list(range(10)), [chunk])) == Regions(budget=0.3)
+
+
+def test_auto_is_a_spec_and_cannot_be_run_without_a_layout():
+    assert pic.policies.resolve("auto:0.25").budget == 0.25 and Auto().spec == "auto:0.2"
+    with pytest.raises(pic.PolicyError, match="budget"):
+        pic.policies.resolve("auto:1.5")
+    with pytest.raises(pic.PolicyError, match="for_layout"):
+        Auto().select(_layout([9], [1, 2]))
