@@ -109,7 +109,10 @@ def _chat_demo(engine: PIC, max_new_tokens: int) -> None:
                 linked = engine.link_chat([], messages, documents=docs, policy=name)
                 out = linked.generate(max_new_tokens)
             same = "same as Full Recompute" if out.text == reference.text else "differs from Full Recompute"
-            label = f"[{linked.policy.spec}]" + (" (default)" if name == default else "")
+            chosen = policies.resolve(name)
+            label = f"[{chosen.spec}]" + (" (default)" if name == default else "")
+            if linked.policy != chosen:  # a policy reading the layout (auto) ran another one
+                label += f" -> {linked.policy.spec}"
             print(
                 f"{label:<28} recomputed {_recomputed(linked)}, TTFT {out.ttft_s * 1e3:5.0f} ms "
                 f"({prefill_s / out.ttft_s:4.1f}x the prefill), {same}"

@@ -14,6 +14,7 @@ from pic.evaluation.qa import qa_workload
 from pic.kv import ChunkKV
 from pic.link import lay_out
 from pic.link.policies.auto import question_before
+from pic.link.probe import Probe
 from pic.policies import Auto, ProphetKV, Regions
 
 WORKLOADS = {
@@ -43,7 +44,7 @@ def test_the_default_reads_the_layout_and_picks_as_designed(smollm2, workload, q
             num_chunk, num_other = int(layout.cached.sum()), layout.num_tokens - int(layout.cached.sum())
             chunk_share = (sum(by_layer) - len(by_layer) * num_other) / (len(by_layer) * num_chunk)
             if question_first:
-                assert linked.policy == Regions(budget=0.2) and linked.probe is None
+                assert linked.policy == Regions(budget=0.2, picks=0.5) and linked.probe is not None
             else:
                 assert isinstance(linked.policy, ProphetKV) and linked.probe is not None
             # the chunk tokens' token-layers, the probe's rerun of the query included, stay within the budget
@@ -65,11 +66,27 @@ def test_after_the_question_the_probe_is_paid_from_the_budget():
     chunk = tuple(range(100, 200))  # 100 chunk tokens; a 10-token query leaves 0.3 * 100 - 10 = 20 picks
     assert Auto(budget=0.3).for_layout(_layout([9], list(range(10)), [chunk])) == ProphetKV(ratio=0.2)
     assert Auto(budget=0.05).for_layout(_layout([9], list(range(10)), [chunk])) == ProphetKV(ratio=0.0)
-    assert Auto(budget=0.3).for_layout(_layout(list(range(10)), list(range(10)), [chunk])) == Regions(budget=0.3)
+    before = Auto(budget=0.3).for_layout(_layout(list(range(10)), list(range(10)), [chunk]))
+    assert before == Regions(budget=0.3, picks=0.5)
+
+
+def test_regions_with_picks_spends_the_budget_on_windows_then_the_probes_top_tokens():
+    layout = _layout([9], [150, 151, 152, 153], [tuple(range(100, 200))])  # 100 chunk tokens from index 1
+    mass = torch.zeros(1, layout.num_tokens)
+    mass[0, 1:101] = torch.linspace(1e-3, 1e-4, 100)  # the query's attention falls off along the chunk ...
+    mass[0, 1 + 10 : 1 + 13] = 1.0  # ... and is on chunk tokens 10-12 most
+    probe = Probe(layout=layout, mass=mass, attention=mass, recomputed=~layout.cached)
+    chosen = Regions(budget=0.3, picks=0.5).after_probe(probe)
+    # 0.3 * 100 - 4 (the probe reran the query) = 26 tokens: 13 for the regions (the chunk's head, then 12 of
+    # the window holding the query's words, up to its first match: chunk tokens 40-51), 13 for the picks
+    # (10-12, then the next highest: 1-9 and 13)
+    expected = {0, *range(40, 52), *range(1, 14)}
+    assert set((chosen.nonzero()[:, 0] - 1).tolist()) == expected and len(expected) == 26
 
 
 def test_auto_is_a_spec_and_cannot_be_run_without_a_layout():
     assert pic.policies.resolve("auto:0.25").budget == 0.25 and Auto().spec == "auto:0.2"
+    assert pic.policies.resolve("auto:0.2,picks=0.25").picks == 0.25
     with pytest.raises(pic.PolicyError, match="budget"):
         pic.policies.resolve("auto:1.5")
     with pytest.raises(pic.PolicyError, match="for_layout"):

@@ -44,11 +44,12 @@ class Auto(Policy):
 
     name = "auto"
     budget: float = Field(default=0.2, ge=0.0, le=1.0)
+    picks: float = Field(default=0.5, ge=0.0, le=1.0)
     question_run: int = Field(default=5, ge=1)
 
     def for_layout(self, layout: Layout) -> Policy:
         if question_before(layout, self.question_run):
-            return Regions(budget=self.budget)
+            return Regions(budget=self.budget, picks=self.picks)
         num_chunk = sum(seg.num_tokens for seg in layout.chunks)
         probe = len(layout.query_ids)
         ratio = max(self.budget * num_chunk - probe, 0.0) / max(num_chunk, 1)
