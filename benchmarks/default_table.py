@@ -62,10 +62,10 @@ def table(found: list[dict]) -> str:
         "|---|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for c in found:
+        diff = f"{100 * c['diff']:+.1f} ({100 * c['diff_low']:+.1f} to {100 * c['diff_high']:+.1f})"
         lines.append(
             f"| {MODELS[c['model']]} | {c['workload']} | {c['layout']} | {c['num_cases']} | {c['full']:.1%} | "
-            f"{c['default']:.1%} | {100 * c['diff']:+.1f} ({100 * c['diff_low']:+.1f} to {100 * c['diff_high']:+.1f}) | "
-            f"{c['chunk_token_layers']:.1%} | {c['speedup']:.2f}x |"
+            f"{c['default']:.1%} | {diff} | {c['chunk_token_layers']:.1%} | {c['speedup']:.2f}x |"
         )
     return "\n".join(lines)
 

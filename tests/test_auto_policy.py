@@ -20,7 +20,7 @@ from pic.policies import Auto, ProphetKV, Regions
 WORKLOADS = {
     "qa": lambda first: qa_workload(num_cases=2, question_first=first, seed=3),
     "profiles": lambda first: profile_workload(num_cases=2, question_first=first, seed=3),
-    "niah": lambda first: niah_workload(num_cases=2, kind="multikey", haystack_tokens=600, chunk_tokens=128,
+    "niah": lambda first: niah_workload(num_cases=2, kind="multikey", haystack_tokens=1000, chunk_tokens=256,
                                         question_first=first, seed=3),
 }  # fmt: skip
 
@@ -43,7 +43,9 @@ def test_the_default_reads_the_layout_and_picks_as_designed(smollm2, workload, q
             layout, by_layer = linked.layout, linked.recomputed_by_layer
             num_chunk, num_other = int(layout.cached.sum()), layout.num_tokens - int(layout.cached.sum())
             chunk_share = (sum(by_layer) - len(by_layer) * num_other) / (len(by_layer) * num_chunk)
-            if question_first:
+            if question_first and workload == "qa":  # a 20-token query would take half the budget: no probe
+                assert linked.policy == Regions(budget=0.2) and linked.probe is None
+            elif question_first:
                 assert linked.policy == Regions(budget=0.2, picks=0.5) and linked.probe is not None
             else:
                 assert isinstance(linked.policy, ProphetKV) and linked.probe is not None
@@ -67,7 +69,10 @@ def test_after_the_question_the_probe_is_paid_from_the_budget():
     assert Auto(budget=0.3).for_layout(_layout([9], list(range(10)), [chunk])) == ProphetKV(ratio=0.2)
     assert Auto(budget=0.05).for_layout(_layout([9], list(range(10)), [chunk])) == ProphetKV(ratio=0.0)
     before = Auto(budget=0.3).for_layout(_layout(list(range(10)), list(range(10)), [chunk]))
-    assert before == Regions(budget=0.3, picks=0.5)
+    assert before == Regions(budget=0.3)  # the 10-token probe would cost a third of the 30 tokens: regions alone
+    long_chunk = tuple(range(100, 300))
+    before = Auto(budget=0.3).for_layout(_layout(list(range(10)), list(range(10)), [long_chunk]))
+    assert before == Regions(budget=0.3, picks=0.5)  # a sixth of 60: the probe is worth its cost
 
 
 def test_regions_with_picks_spends_the_budget_on_windows_then_the_probes_top_tokens():

@@ -1,29 +1,34 @@
-"""``auto``: read where the question is, then choose the policy that keeps the answers there.
+"""``auto``, the default: read where the question is, then spend one budget as that layout needs.
 
-Measured on SmolLM2-135M and Qwen2.5-Coder-0.5B (docs/policies.md), no one policy keeps the answers in both
-layouts a RAG prompt comes in:
+Measured on SmolLM2-135M and Qwen2.5-Coder-0.5B (docs/policies.md), what keeps the answers depends on the layout:
 
+- **The question only after the documents** (RULER's needle in a haystack, most RAG templates): no document
+  token sees the question, even in Full Recompute, so recomputing the question's document buys nothing; on
+  SmolLM2's needles it does harm (the needle's chunk recomputed whole: 50% of needles found, Naive 75%, Full
+  Recompute 95%), as its fresh tokens read the stale chunks before it. What differs from Full Recompute is
+  what the chunks never saw of each other, and the query's attention in a probe finds the tokens that carry
+  it: ProphetKV's picks (82.5%, and 85% with the needle's chunk left out: the repairs are elsewhere, a
+  quarter of them in the chunk just before the question). So: ``ProphetKV``.
 - **The question before the documents** (and usually again after them): Full Recompute's document tokens
-  attend to the question, a cached chunk's never did. What brings the answers back is recomputing the
-  document the question is about, whole, so its tokens read the question: ``regions`` (ranked by the
-  request's relevance or BM25, compiled in context). The query's attention over the stale chunks (a probe)
-  does not find that document, and ProphetKV loses 10-15 points there.
-- **The question only after the documents** (RULER's needle-in-a-haystack, most RAG templates): no
-  document token sees the question, even in Full Recompute, so recomputing the answer's document buys
-  nothing; what differs is what the chunks never saw of each other. The query's attention in a probe finds
-  the tokens that carry it (the needle, sinks, the other documents' competing facts) and ProphetKV's
-  scattered picks keep the answers, where ``regions`` loses every early needle.
+  attend to the question, a cached chunk's never did, so the question's document must be recomputed to read
+  it: ``regions`` (ranked by the request's relevance or BM25). On SmolLM2 that alone is within a few points of
+  Full Recompute; on Qwen2.5-Coder-0.5B it loses 46 points, where the probe's picks lose none: that model's
+  cached tokens the query leans on must be repaired too. So: ``Regions(picks=0.5)``, half the budget on the
+  question's regions, half on the probe's picks; but only while the probe (the query's tokens) costs at most a
+  quarter of the budget. Over short documents it costs half (a 20-token query, 40 tokens of budget over
+  ~200 chunk tokens), and the regions left are too few: on SmolLM2's ``qa`` the split loses 48 points where
+  the regions alone lose 24.5, so there the regions take the whole budget.
 
-So ``auto`` asks one question of the layout: does a run of at least ``question_run`` of the query's tokens
-appear in the prefix (the text before the first chunk)? Then the question came before: ``Regions(budget)``.
-Otherwise ``ProphetKV`` picks the tokens, its probe counted in the budget: the probe reruns the query, so
-the second pass recomputes ``budget * chunk tokens - query tokens`` of them (none when the query alone
-exceeds the budget). The chosen policy is what ``Linked.policy`` reports.
+``auto`` asks one question of the layout: does a run of at least ``question_run`` of the query's tokens
+appear in the prefix (the text before the first chunk)? The budget is the share of the chunk tokens'
+token-layers the link recomputes, the probe included (it reruns the query): the second pass recomputes
+``budget * chunk tokens - query tokens`` of them (none when the query alone exceeds the budget). The chosen
+policy is what ``Linked.policy`` reports.
 
 The rule reads token ids only: a chat template's tokens shared by the prefix and the query (``<|im_end|>\n
 <|im_start|>``: three tokens in ChatML) are shorter than the default run of 5; a question of fewer than 5
 tokens repeated before and after reads as asked after. ``tests/test_auto_policy.py`` pins both branches on
-real chat prompts.
+the accuracy workloads' real chat prompts.
 """
 
 from __future__ import annotations
@@ -39,19 +44,24 @@ from pic.link.policies.regions import Regions
 
 
 class Auto(Policy):
-    """Regions when the question precedes the chunks, a probe's picks when it follows them (module
-    docstring); ``budget`` is the share of the chunk tokens' token-layers the link recomputes, probe included."""
+    """Regions and a probe's picks when the question precedes the chunks, the picks alone when it follows them
+    (module docstring). ``budget``: the share of the chunk tokens' token-layers the link recomputes, the probe
+    included; ``picks``: the budget's share for the probe's picks when the question comes first, if the probe
+    costs at most ``max_probe`` of the budget (else the regions take it all); ``question_run``: the query tokens
+    in a row that, found before the chunks, mean it came first."""
 
     name = "auto"
     budget: float = Field(default=0.2, ge=0.0, le=1.0)
     picks: float = Field(default=0.5, ge=0.0, le=1.0)
+    max_probe: float = Field(default=0.25, ge=0.0, le=1.0)
     question_run: int = Field(default=5, ge=1)
 
     def for_layout(self, layout: Layout) -> Policy:
-        if question_before(layout, self.question_run):
-            return Regions(budget=self.budget, picks=self.picks)
         num_chunk = sum(seg.num_tokens for seg in layout.chunks)
         probe = len(layout.query_ids)
+        if question_before(layout, self.question_run):
+            worth_it = probe <= self.max_probe * self.budget * num_chunk
+            return Regions(budget=self.budget, picks=self.picks if worth_it else 0.0)
         ratio = max(self.budget * num_chunk - probe, 0.0) / max(num_chunk, 1)
         return ProphetKV(ratio=min(round(ratio, 4), 1.0))
 
