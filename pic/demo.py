@@ -71,7 +71,7 @@ def run_demo(engine: PIC | None = None, *, max_new_tokens: int = 48) -> None:
             linked = engine.link([policy_ids[i] for i in order], QUERY, policy=name)
             out = linked.generate(max_new_tokens)
             same = _common_prefix(out.token_ids, reference.token_ids)
-            label = f"[{linked.policy.spec}]"
+            label = _label(name, linked)
             print(
                 f"{label:<18} recomputed {_recomputed(linked)}, TTFT {out.ttft_s * 1e3:6.1f} ms, "
                 f"first {same}/{len(reference.token_ids)} tokens equal Full Recompute"
@@ -109,16 +109,20 @@ def _chat_demo(engine: PIC, max_new_tokens: int) -> None:
                 linked = engine.link_chat([], messages, documents=docs, policy=name)
                 out = linked.generate(max_new_tokens)
             same = "same as Full Recompute" if out.text == reference.text else "differs from Full Recompute"
-            chosen = policies.resolve(name)
-            label = f"[{chosen.spec}]" + (" (default)" if name == default else "")
-            if linked.policy != chosen:  # a policy reading the layout (auto) ran another one
-                label += f" -> {linked.policy.spec}"
+            label = _label(name, linked, default=default)
             print(
                 f"{label:<28} recomputed {_recomputed(linked)}, TTFT {out.ttft_s * 1e3:5.0f} ms "
                 f"({prefill_s / out.ttft_s:4.1f}x the prefill), {same}"
             )
             print(f"        {out.text.strip()!r}")
         print()
+
+
+def _label(name: str, linked, *, default: str | None = None) -> str:
+    """``[spec]``, marked when it is the default, and the policy it ran when it chose another (``auto``)."""
+    asked = policies.resolve(name)
+    label = f"[{asked.spec}]" + (" (default)" if name == default else "")
+    return label if linked.policy == asked else f"{label} -> {linked.policy.spec}"
 
 
 def _transformers_prefill_s(engine: PIC, input_ids: torch.Tensor) -> float:

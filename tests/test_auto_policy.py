@@ -43,7 +43,7 @@ def test_the_default_reads_the_layout_and_picks_as_designed(smollm2, workload, q
             layout, by_layer = linked.layout, linked.recomputed_by_layer
             num_chunk, num_other = int(layout.cached.sum()), layout.num_tokens - int(layout.cached.sum())
             chunk_share = (sum(by_layer) - len(by_layer) * num_other) / (len(by_layer) * num_chunk)
-            if question_first and workload == "qa":  # a 20-token query would take half the budget: no probe
+            if workload == "qa":  # a 20-token query would take half the budget: no probe, the regions alone
                 assert linked.policy == Regions(budget=0.2) and linked.probe is None
             elif question_first:
                 assert linked.policy == Regions(budget=0.2, picks=0.5) and linked.probe is not None
@@ -65,9 +65,11 @@ def test_question_before_needs_a_run_of_the_querys_tokens_in_the_prefix():
 
 
 def test_after_the_question_the_probe_is_paid_from_the_budget():
-    chunk = tuple(range(100, 200))  # 100 chunk tokens; a 10-token query leaves 0.3 * 100 - 10 = 20 picks
-    assert Auto(budget=0.3).for_layout(_layout([9], list(range(10)), [chunk])) == ProphetKV(ratio=0.2)
-    assert Auto(budget=0.05).for_layout(_layout([9], list(range(10)), [chunk])) == ProphetKV(ratio=0.0)
+    chunk = tuple(range(100, 200))  # 100 chunk tokens; a 5-token query leaves 0.3 * 100 - 5 = 25 picks
+    assert Auto(budget=0.3).for_layout(_layout([9], list(range(5)), [chunk])) == ProphetKV(ratio=0.25)
+    # a 10-token query would cost a third of those 30 tokens (more than max_probe, a quarter): the regions alone
+    assert Auto(budget=0.3).for_layout(_layout([9], list(range(10)), [chunk])) == Regions(budget=0.3)
+    assert Auto(budget=0.3, max_probe=0.5).for_layout(_layout([9], list(range(10)), [chunk])) == ProphetKV(ratio=0.2)
     before = Auto(budget=0.3).for_layout(_layout(list(range(10)), list(range(10)), [chunk]))
     assert before == Regions(budget=0.3)  # the 10-token probe would cost a third of the 30 tokens: regions alone
     long_chunk = tuple(range(100, 300))

@@ -14,13 +14,17 @@ Measured on SmolLM2-135M and Qwen2.5-Coder-0.5B (docs/policies.md), what keeps t
   it: ``regions`` (ranked by the request's relevance or BM25). On SmolLM2 that alone is within a few points of
   Full Recompute; on Qwen2.5-Coder-0.5B it loses 46 points, where the probe's picks lose none: that model's
   cached tokens the query leans on must be repaired too. So: ``Regions(picks=0.5)``, half the budget on the
-  question's regions, half on the probe's picks; but only while the probe (the query's tokens) costs at most a
-  quarter of the budget. Over short documents it costs half (a 20-token query, 40 tokens of budget over
-  ~200 chunk tokens), and the regions left are too few: on SmolLM2's ``qa`` the split loses 48 points where
-  the regions alone lose 24.5, so there the regions take the whole budget.
+  question's regions, half on the probe's picks.
+- **Either way, a probe only when it is cheap.** The probe reruns the query, and its tokens are paid from the
+  budget: over short documents (a 20-token query, 40 tokens of budget over ~200 chunk tokens) it takes half,
+  and what is left is too little: on SmolLM2's ``qa`` the split loses 48 points with the question first
+  where ``regions`` alone loses 24.5-29, and the picks alone lose 24 with the question after where
+  ``regions`` loses 15. So when the query costs more than ``max_probe`` (a quarter) of the budget, ``auto``
+  runs ``Regions(budget)`` alone, in either layout.
 
-``auto`` asks one question of the layout: does a run of at least ``question_run`` of the query's tokens
-appear in the prefix (the text before the first chunk)? The budget is the share of the chunk tokens'
+``auto`` asks two questions of the layout: does the probe cost at most ``max_probe`` of the budget, and
+does a run of at least ``question_run`` of the query's tokens appear in the prefix (the text before the first
+chunk)? The budget is the share of the chunk tokens'
 token-layers the link recomputes, the probe included (it reruns the query): the second pass recomputes
 ``budget * chunk tokens - query tokens`` of them (none when the query alone exceeds the budget). The chosen
 policy is what ``Linked.policy`` reports.
@@ -44,10 +48,10 @@ from pic.link.policies.regions import Regions
 
 
 class Auto(Policy):
-    """Regions and a probe's picks when the question precedes the chunks, the picks alone when it follows them
-    (module docstring). ``budget``: the share of the chunk tokens' token-layers the link recomputes, the probe
-    included; ``picks``: the budget's share for the probe's picks when the question comes first, if the probe
-    costs at most ``max_probe`` of the budget (else the regions take it all); ``question_run``: the query tokens
+    """Regions and a probe's picks when the question precedes the chunks, the picks alone when it follows them,
+    the regions alone when a probe would cost more than ``max_probe`` of the budget (module docstring).
+    ``budget``: the share of the chunk tokens' token-layers the link recomputes, the probe included; ``picks``:
+    the budget's share for the probe's picks when the question comes first; ``question_run``: the query tokens
     in a row that, found before the chunks, mean it came first."""
 
     name = "auto"
@@ -58,10 +62,11 @@ class Auto(Policy):
 
     def for_layout(self, layout: Layout) -> Policy:
         num_chunk = sum(seg.num_tokens for seg in layout.chunks)
-        probe = len(layout.query_ids)
+        probe = len(layout.query_ids)  # the probe reruns the query: its cost in the budget
+        if probe > self.max_probe * self.budget * num_chunk:
+            return Regions(budget=self.budget)  # too dear a probe: the regions take the whole budget
         if question_before(layout, self.question_run):
-            worth_it = probe <= self.max_probe * self.budget * num_chunk
-            return Regions(budget=self.budget, picks=self.picks if worth_it else 0.0)
+            return Regions(budget=self.budget, picks=self.picks)
         ratio = max(self.budget * num_chunk - probe, 0.0) / max(num_chunk, 1)
         return ProphetKV(ratio=min(round(ratio, 4), 1.0))
 
