@@ -89,11 +89,7 @@ def link_requests(
     news = submit(thread, prepare, requests, link_only=True)
     firsts = wait_links(thread, news)
     link_s = time.perf_counter() - start
-    linked = [
-        make(first, first.policy or new.policy, link_s)
-        for new, first in zip(news, firsts, strict=True)
-        if isinstance(first, LinkOutput)
-    ]
+    linked = [make(first, first.policy, link_s) for first in firsts if isinstance(first, LinkOutput)]
     failed = next((first.error for first in firsts if isinstance(first, RequestOutput)), None)
     if failed is not None:
         for item in linked:

@@ -101,8 +101,8 @@ class LinkOutput:
         num_shared_blocks / num_private_blocks: the request's block table, aliased / owned.
         block_ids: its physical blocks, in slot order.
         query_hidden: ``[num_query_tokens, hidden_size]`` the query's final hidden states (model dtype).
+        policy: the policy that chose the recomputed tokens (``Policy.for_layout``'s choice).
         probe: what the query saw in the probe pass of a query-aware policy, else ``None``.
-        policy: the policy that chose the recomputed tokens (a policy reading the layout chose it).
     """
 
     request_id: int
@@ -113,8 +113,8 @@ class LinkOutput:
     num_private_blocks: int
     block_ids: tuple[int, ...]
     query_hidden: torch.Tensor
+    policy: Policy
     probe: Probe | None = None
-    policy: Policy | None = None
 
 
 class OutputSink(Protocol):

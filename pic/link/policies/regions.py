@@ -33,6 +33,7 @@ from pic.link.layout import Layout, Segment
 from pic.link.policies.base import Policy
 from pic.link.policies.heads import chunk_heads
 from pic.link.policies.lexical import bm25
+from pic.link.policies.scoring import top_chunk_tokens
 from pic.link.probe import Probe
 
 
@@ -129,13 +130,11 @@ def _relevance(layout: Layout) -> list[float] | None:
 def _fill(chosen: torch.Tensor, score: torch.Tensor, layout: Layout, total: int) -> torch.Tensor:
     """``chosen`` plus the chunk tokens not in it with the highest ``score`` ``[T]``, up to ``total`` in all."""
     room = total - int(chosen.sum())
-    free = layout.cached & ~chosen
-    if room <= 0 or not bool(free.any()):
+    num_chunk = int(layout.cached.sum())
+    if room <= 0 or not num_chunk:
         return chosen
-    ranked = score.float().cpu().masked_fill(~free, float("-inf"))
-    more = torch.zeros_like(chosen)
-    more[ranked.topk(min(room, int(free.sum()))).indices] = True
-    return chosen | more
+    rest = score.float().cpu().masked_fill(chosen, float("-inf"))  # what is chosen already ranks last
+    return chosen | top_chunk_tokens(rest, layout, room / num_chunk)
 
 
 def _first_match(layout: Layout, first: int, last: int) -> int:
