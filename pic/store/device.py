@@ -59,7 +59,8 @@ class DeviceTier:
         info = self._info(cache_id)
         if info is None:
             return None
-        return Extent(info.num_tokens, info.num_tokens * self._cache.bytes_per_block // self._cache.block_size)
+        num_bytes = info.num_tokens * self._cache.bytes_per_block // self._cache.block_size
+        return Extent(info.num_tokens, num_bytes, tuple(info.token_ids.tolist()))
 
     def add(self, info: ChunkInfo, block_ids: list[int]) -> None:
         """Make prefilled blocks resident as ``info``'s chunk (the caller's references become holds)."""

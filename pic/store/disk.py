@@ -197,7 +197,7 @@ class DiskTier:
                 with disk_entry.open_chunk(path) as f:
                     size = os.fstat(f.fileno()).st_size
                     meta = disk_file.read_meta(f, cache_id=cache_id, expected=self._expected, file_bytes=size)
-                return Extent(len(meta.token_ids), 2 * meta.tensor_bytes)
+                return Extent(len(meta.token_ids), 2 * meta.tensor_bytes, meta.token_ids)
             except (FileNotFoundError, serde.CorruptEntryError):
                 return None
         return None  # the disk failed and on_error == "miss"

@@ -72,7 +72,7 @@ class LruTier:
     @_locked
     def extent(self, cache_id: str) -> Extent | None:
         chunk = self._chunks.get(cache_id)
-        return None if chunk is None else Extent(chunk.num_tokens, chunk.num_bytes)
+        return None if chunk is None else Extent(chunk.num_tokens, chunk.num_bytes, tuple(chunk.token_ids.tolist()))
 
     @_locked
     def can_fit(self, num_bytes: int, *, keep: Collection[str] = ()) -> bool:

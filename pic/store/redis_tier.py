@@ -120,7 +120,7 @@ class RedisTier:
                 meta = serde.parse_meta(raw, cache_id=cache_id, expected=self._expected)
             except serde.CorruptEntryError:
                 return None
-            return Extent(len(meta.token_ids), 2 * meta.tensor_bytes)
+            return Extent(len(meta.token_ids), 2 * meta.tensor_bytes, meta.token_ids)
         return None  # the server failed and on_error == "miss"
 
     def peek(self, cache_id: str) -> ChunkKV | None:

@@ -56,10 +56,12 @@ class Extent:
     Attributes:
         num_tokens: tokens the chunk contributes to a linked prompt.
         num_bytes: bytes of its K and V together.
+        token_ids: those tokens (from the metadata: what the vLLM connector matches a prompt against).
     """
 
     num_tokens: int
     num_bytes: int
+    token_ids: tuple[int, ...]
 
 
 class Tier(Protocol):

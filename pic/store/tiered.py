@@ -75,35 +75,7 @@ class TieredStore:
     def from_config(cls, config: StoreConfig, *, device: DeviceTier, expected: serde.Expected) -> TieredStore:
         # Page-locked CPU memory only for an engine on CUDA: its copies to the pool can then be asynchronous.
         # (Pinning for a CPU engine on a machine that has a GPU would lock host memory for nothing.)
-        pin = device.kv_device.type == "cuda"
-        lower: list[LowerTier] = []
-        if config.cpu_bytes != 0:
-            lower.append(LruTier(capacity_bytes=config.cpu_bytes, pin=pin))
-        if config.disk_path is not None:
-            disk = DiskTier(
-                config.disk_path,
-                expected=expected,
-                capacity_bytes=config.disk_bytes,
-                on_error=config.on_disk_error,
-                part_bytes=config.part_bytes,
-                pin=pin,
-                retry_s=config.tier_retry_s,
-            )
-            lower.append(disk)
-        if config.redis_url is not None:
-            redis = RedisTier(
-                config.redis_url,
-                expected=expected,
-                namespace=config.namespace,
-                part_bytes=config.part_bytes,
-                on_error=config.on_redis_error,
-                timeout_s=config.redis_timeout_s,
-                parts_ttl_s=config.redis_parts_ttl_s,
-                pin=pin,
-                read_from_replicas=config.redis_read_from_replicas,
-                retry_s=config.tier_retry_s,
-            )
-            lower.append(redis)
+        lower = lower_tiers(config, expected=expected, pin=device.kv_device.type == "cuda")
         return cls(
             device, lower, lease_s=config.redis_lease_s, recheck_s=config.shared_recheck_s, retry_s=config.tier_retry_s
         )
@@ -339,3 +311,44 @@ class TieredStore:
     def fleet(self) -> FleetLeases | None:
         """Compile-once leases and fleet counters in the shared tier (``None`` without one)."""
         return self._shared[0][1] if self._shared else None
+
+
+def lower_tiers(config: StoreConfig, *, expected: serde.Expected, pin: bool) -> list[LowerTier]:
+    """The tiers below the pool that ``config`` names, fastest first (CPU, disk, Redis).
+
+    Args:
+        expected: what this model's chunks look like (entries that disagree are refused).
+        pin: keep the CPU copies in page-locked memory (for a CUDA consumer).
+
+    Raises:
+        StoreUnavailableError: an unreachable Redis (``on_redis_error="raise"``).
+    """
+    lower: list[LowerTier] = []
+    if config.cpu_bytes != 0:
+        lower.append(LruTier(capacity_bytes=config.cpu_bytes, pin=pin))
+    if config.disk_path is not None:
+        disk = DiskTier(
+            config.disk_path,
+            expected=expected,
+            capacity_bytes=config.disk_bytes,
+            on_error=config.on_disk_error,
+            part_bytes=config.part_bytes,
+            pin=pin,
+            retry_s=config.tier_retry_s,
+        )
+        lower.append(disk)
+    if config.redis_url is not None:
+        redis = RedisTier(
+            config.redis_url,
+            expected=expected,
+            namespace=config.namespace,
+            part_bytes=config.part_bytes,
+            on_error=config.on_redis_error,
+            timeout_s=config.redis_timeout_s,
+            parts_ttl_s=config.redis_parts_ttl_s,
+            pin=pin,
+            read_from_replicas=config.redis_read_from_replicas,
+            retry_s=config.tier_retry_s,
+        )
+        lower.append(redis)
+    return lower

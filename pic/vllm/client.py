@@ -1,0 +1,129 @@
+"""Building requests for vLLM + ``PicConnector``: prompts by cache id, for ``LLM.generate`` or the OpenAI API.
+
+A linked prompt is built from token ids, never by re-tokenizing the documents' text inside a longer string
+(BPE merges across a boundary would change a chunk's tokens, LMCache #38/#194): ``prefix + chunk_1 + ... +
+chunk_n + query``, with the ``cache_salt`` and ``kv_transfer_params`` the connector requires::
+
+    prompt = link_prompt(chunks, query_ids, prefix_ids=prefix_ids)           # chunks: [(cache id, token ids)]
+    llm.generate(prompt.tokens_prompt(), SamplingParams(max_tokens=64, extra_args=prompt.extra_args()))
+    client.completions.create(model=..., prompt=prompt.prompt_token_ids, extra_body=prompt.openai_extra_body())
+
+``order="relevance"`` (default) puts the documents the query shares most rare tokens with (BM25 over token
+ids) last: vLLM recomputes a suffix of the prompt, so under ``suffix:<r>`` the recomputed tokens are those of
+the most relevant documents.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from pic.errors import InvalidInputError, PicError
+from pic.link.chat import split_chat
+from pic.link.policies.lexical import bm25
+from pic.vllm.params import DEFAULT_POLICY, PARAMS_KEY, link_salt, parse_policy
+
+Order = Literal["relevance", "given"]
+
+
+@dataclass(frozen=True)
+class LinkPrompt:
+    """A linked prompt and what vLLM must be told with it.
+
+    Attributes:
+        prompt_token_ids: ``prefix + chunks + query``.
+        ids: the chunks' cache ids in prompt order (after ``order``).
+        policy: the connector policy's name.
+    """
+
+    prompt_token_ids: list[int]
+    ids: tuple[str, ...]
+    policy: str
+
+    @property
+    def cache_salt(self) -> str:
+        return link_salt(self.ids, self.policy)
+
+    @property
+    def kv_transfer_params(self) -> dict:
+        return {PARAMS_KEY: {"ids": list(self.ids), "policy": self.policy}}
+
+    def tokens_prompt(self) -> dict:
+        """For ``LLM.generate``: a ``TokensPrompt`` dict."""
+        return {"prompt_token_ids": self.prompt_token_ids, "cache_salt": self.cache_salt}
+
+    def extra_args(self) -> dict:
+        """For ``SamplingParams(extra_args=...)``."""
+        return {"kv_transfer_params": self.kv_transfer_params}
+
+    def openai_extra_body(self) -> dict:
+        """For the OpenAI client's ``completions.create(..., extra_body=...)`` against ``vllm serve``."""
+        return {"cache_salt": self.cache_salt, "kv_transfer_params": self.kv_transfer_params}
+
+
+def link_prompt(
+    chunks: Sequence[tuple[str, Sequence[int]]],
+    query_ids: Sequence[int],
+    *,
+    prefix_ids: Sequence[int] = (),
+    policy: str = DEFAULT_POLICY,
+    order: Order = "relevance",
+) -> LinkPrompt:
+    """The linked prompt of ``chunks`` (``(cache id, token ids)``, e.g. from ``compile_result``) and a query.
+
+    Raises:
+        InvalidInputError: no chunks, an empty query, an unknown policy or order.
+    """
+    parse_policy(policy)
+    if not chunks:
+        raise InvalidInputError("link_prompt needs at least one chunk")
+    if not query_ids:
+        raise InvalidInputError("the query has no tokens; vLLM computes at least the prompt's last token")
+    if order not in ("relevance", "given"):
+        raise InvalidInputError(f"order is {order!r}; expected 'relevance' or 'given'")
+    chunks = list(chunks)
+    if order == "relevance":
+        scores = bm25(list(query_ids), [list(tokens) for _, tokens in chunks])
+        chunks = [
+            chunk for _, _, chunk in sorted(zip(scores, range(len(chunks)), chunks, strict=True))
+        ]  # least relevant first
+    tokens = list(prefix_ids) + [t for _, chunk in chunks for t in chunk] + list(query_ids)
+    return LinkPrompt(prompt_token_ids=tokens, ids=tuple(cid for cid, _ in chunks), policy=policy)
+
+
+def chat_link_prompt(
+    tokenizer: object,
+    chunks: Sequence[tuple[str, Sequence[int]]],
+    messages: list[dict],
+    *,
+    policy: str = DEFAULT_POLICY,
+    order: Order = "relevance",
+) -> LinkPrompt:
+    """``link_prompt`` with the prefix and query cut from the model's chat template around the documents
+    (where a message says ``{documents}``, else at the start of the first user message: ``PIC.link_chat``)."""
+    prefix, query = split_chat(tokenizer, messages, strip_bos=False)
+    encode = lambda text: list(tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
+    return link_prompt(chunks, encode(query), prefix_ids=encode(prefix), policy=policy, order=order)
+
+
+def compile_prompt(document_ids: Sequence[int], *, bos_token_id: int | None = None) -> tuple[list[int], dict]:
+    """The prompt and ``kv_transfer_params`` of a request that stores ``document_ids`` as a chunk through vLLM
+    (``bos_token_id``: the model's, when its chunks are compiled after a BOS). Run it with ``max_tokens=1``; its
+    output's ``kv_transfer_params["pic"]["cache_id"]`` is the chunk's id."""
+    lead = [] if bos_token_id is None else [bos_token_id]
+    return lead + list(document_ids), {PARAMS_KEY: {"compile": True}}
+
+
+def link_report(kv_transfer_params: dict | None, *, strict: bool = True) -> dict:
+    """The connector's report of a finished request (``RequestOutput.kv_transfer_params``).
+
+    Raises:
+        PicError: ``strict`` and the request was not linked (its reason in the message).
+    """
+    report = (kv_transfer_params or {}).get(PARAMS_KEY)
+    if report is None:
+        raise PicError("vLLM returned no pic report: is PicConnector configured (--kv-transfer-config)?")
+    if strict and not report.get("linked", "cache_id" in report):
+        raise PicError(f"vLLM served the request as a plain prefill: {report.get('reason')}")
+    return report

@@ -1,0 +1,184 @@
+"""The connector's scheduler side: per request, decide what pic loads (``plan_link``) or stores, and hand the
+worker side its jobs each step.
+
+It reads chunk metadata only (token ids, from the tiers' metadata records, remembered per id), never KV.
+Nothing here raises into vLLM's scheduler: a malformed request, an unknown id, a chunk of another model or
+an unreachable store make the request a plain prefill, logged, with the reason in its output's
+``kv_transfer_params["pic"]`` (``pic.vllm.client`` turns it into a ``PicError`` when asked to).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from pic.errors import PicError
+from pic.ids import chunk_id
+from pic.vllm.jobs import LoadJob, PicConnectorMetadata, SaveJob, slots_of
+from pic.vllm.params import CompileRequest, LinkRequest, parse_params
+from pic.vllm.plan import LinkPlan, find_chunks, plan_link
+from pic.vllm.setup import Setup
+
+log = logging.getLogger("pic.vllm")
+_MAX_REMEMBERED = 65536  # chunk ids whose token ids are remembered (a few KB each at most)
+
+
+@dataclass
+class _Tracked:
+    """A request the connector acts on: its plan, its blocks, and what it reports when it finishes."""
+
+    plan: LinkPlan | None = None
+    save: tuple[str, list[int], bool] | None = None  # (cache id, tokens, add_bos) to store after its prefill
+    block_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    report: dict = field(default_factory=dict)
+
+
+class SchedulerSide:
+    def __init__(self, setup: Setup) -> None:
+        self.setup = setup
+        self._tokens: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._requests: dict[str, _Tracked] = {}
+        self._pending_loads: set[str] = set()
+
+    def num_new_matched_tokens(self, request: object, num_computed: int) -> int:
+        """Tokens pic loads beyond the ``num_computed`` vLLM holds (0: a plain prefill)."""
+        try:
+            params = parse_params(request.kv_transfer_params)
+        except PicError as error:
+            self._refuse(request.request_id, str(error))
+            return 0
+        if params is None:
+            return 0
+        prompt = list(request.prompt_token_ids or [])
+        if isinstance(params, CompileRequest):
+            return self._compile(request.request_id, prompt)
+        return self._link(request, params, prompt, num_computed)
+
+    def _compile(self, req_id: str, prompt: list[int]) -> int:
+        options, lead = self.setup.options, self._lead()
+        if prompt[: len(lead)] != lead or len(prompt) <= len(lead):
+            self._refuse(req_id, f"a compile prompt starts with the model's lead tokens {lead} and holds a document")
+            return 0
+        cache_id = chunk_id(self.setup.expected.fingerprint, prompt[len(lead) :], options)
+        self._requests[req_id] = _Tracked(save=(cache_id, prompt, options.add_bos), report={"cache_id": cache_id})
+        return 0
+
+    def _link(self, request: object, params: LinkRequest, prompt: list[int], num_computed: int) -> int:
+        req_id = request.request_id
+        if request.cache_salt != params.salt:
+            reason = (
+                f"a linked request must carry cache_salt {params.salt!r} (pic.vllm.params.link_salt), so vLLM's "
+                f"prefix cache never serves its KV to other prompts; it has {request.cache_salt!r}"
+            )
+            self._refuse(req_id, reason)
+            return 0
+        try:
+            chunks = [self._chunk_tokens(cache_id) for cache_id in params.ids]
+        except PicError as error:
+            self._refuse(req_id, str(error))
+            return 0
+        num_chunk = sum(len(c) for c in chunks)
+        start = find_chunks(prompt, chunks)
+        prefix_id = chunk_id(self.setup.expected.fingerprint, prompt[:start], self._prefix_options()) if start else None
+        plan = plan_link(
+            prompt, params.ids, chunks, start=start, num_computed=num_computed,
+            num_recomputed=params.policy.num_recomputed(num_chunk), prefix_id=prefix_id,
+            prefix_stored=prefix_id is not None and self._stored(prefix_id),
+        )  # fmt: skip
+        tracked = _Tracked(plan=plan, num_computed=num_computed)
+        tracked.report = {"policy": params.policy.name, "num_loaded": plan.num_external, "num_prefix": plan.num_prefix,
+                          "num_chunk_tokens": plan.num_chunk_tokens, "num_recomputed": plan.num_recomputed,
+                          "linked": plan.reason is None, "reason": plan.reason}  # fmt: skip
+        if plan.save_prefix is not None:
+            tracked.save = (plan.save_prefix, prompt[:start], False)
+        if plan.reason is not None:
+            log.warning("pic: request %s is a plain prefill: %s", req_id, plan.reason)
+        self._requests[req_id] = tracked
+        return plan.num_external
+
+    def after_alloc(self, request: object, num_external: int) -> None:
+        if num_external > 0 and request.request_id in self._requests:
+            self._pending_loads.add(request.request_id)
+
+    def build_meta(self, scheduler_output: object) -> PicConnectorMetadata:
+        """This step's jobs: loads for newly scheduled linked requests, saves for prefills that end this step."""
+        self._track_blocks(scheduler_output)
+        meta, bs = PicConnectorMetadata(), self.setup.block_size
+        for req_id in sorted(self._pending_loads):
+            tracked = self._requests[req_id]
+            for seg in tracked.plan.segments:
+                meta.loads.append(LoadJob(req_id, seg, slots_of(tracked.block_ids, bs, seg.start, seg.num_tokens)))
+        self._pending_loads.clear()
+        for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
+            tracked = self._requests.get(req_id)
+            if tracked is None or tracked.save is None:
+                continue
+            cache_id, tokens, add_bos = tracked.save
+            if tracked.num_computed + num_scheduled >= len(tokens):  # the prefill holding them all ends this step
+                slots = slots_of(tracked.block_ids, bs, 0, len(tokens))
+                meta.saves.append(SaveJob(req_id, cache_id, tokens, slots, add_bos))
+                tracked.save = None
+                tracked.report["stored"] = cache_id
+        return meta
+
+    def _track_blocks(self, scheduler_output: object) -> None:
+        """Follow the blocks and computed tokens of the requests the connector acts on (a chunked prefill's
+        blocks come over several steps; a resumed request's are given whole again)."""
+        for new in scheduler_output.scheduled_new_reqs:
+            tracked = self._requests.get(new.req_id)
+            if tracked is not None:
+                tracked.block_ids, tracked.num_computed = list(new.block_ids[0]), new.num_computed_tokens
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            tracked = self._requests.get(req_id)
+            if tracked is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if new_ids is not None:
+                resumed = req_id in cached.resumed_req_ids
+                tracked.block_ids = list(new_ids[0]) if resumed else tracked.block_ids + list(new_ids[0])
+            tracked.num_computed = cached.num_computed_tokens[i]
+
+    def finished(self, request: object) -> dict | None:
+        tracked = self._requests.pop(request.request_id, None)
+        self._pending_loads.discard(request.request_id)
+        return None if tracked is None else {"pic": tracked.report}
+
+    def _refuse(self, req_id: str, reason: str) -> None:
+        log.warning("pic: request %s is a plain prefill: %s", req_id, reason)
+        self._requests[req_id] = _Tracked(report={"linked": False, "reason": reason})
+
+    def _chunk_tokens(self, cache_id: str) -> tuple[int, ...]:
+        """The chunk's tokens (remembered), once a tier is seen to hold it now (a tier can lose it, or go down)."""
+        tokens = self._tokens.get(cache_id)
+        if tokens is not None and self._stored(cache_id):
+            self._tokens.move_to_end(cache_id)
+            return tokens
+        tokens = next((e.token_ids for t in self.setup.tiers if (e := t.extent(cache_id)) is not None), None)
+        if tokens is None:
+            errors = "; ".join(f"{t.name}: {t.last_error}" for t in self.setup.tiers if t.last_error)
+            names = ", ".join(t.name for t in self.setup.tiers)
+            raise PicError(
+                f"cache id {cache_id!r} is in no tier of this model ({names})"
+                + (f"; {errors}" if errors else "")
+                + "; ids belong to one model: compile it for this one"
+            )
+        self._tokens[cache_id] = tokens
+        if len(self._tokens) > _MAX_REMEMBERED:
+            self._tokens.popitem(last=False)
+        return tokens
+
+    def _stored(self, cache_id: str) -> bool:
+        try:
+            return any(t.contains(cache_id) for t in self.setup.tiers)
+        except PicError:
+            return False
+
+    def _lead(self) -> list[int]:
+        bos = self.setup.bos_token_id
+        return [bos] if self.setup.options.add_bos and bos is not None else []
+
+    def _prefix_options(self):
+        return self.setup.options.model_copy(update={"add_bos": False})

