@@ -3,6 +3,7 @@ pic's own engine, reordered documents, and the faults that must give a plain pre
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -20,6 +21,8 @@ NUM_NEW = 12
 # measured here: equal to 4 decimals. A real difference (a chunk at the wrong position, unrotated K) moves
 # them by 0.1 or more.
 LOGPROB_TOL = 2e-3
+
+pytestmark = pytest.mark.vllm
 
 
 def _generate(llm, prompt: dict, *, extra_args: dict | None = None, logprobs: int | None = None):
@@ -99,6 +102,15 @@ def test_reordered_documents_hit_pics_cache_where_vllms_prefix_cache_misses(llm,
     assert report["num_loaded"] == num_prefix + report["num_chunk_tokens"]
 
 
+def test_a_links_blocks_never_serve_a_plain_prompt_with_its_tokens(llm, engine, ids):
+    prompt, linked = _link(llm, engine, ids, "naive")  # vLLM's prefix cache now holds the link's (approximate) blocks
+    assert link_report(linked.kv_transfer_params)["num_loaded"] > 0
+    plain = _generate(llm, {"prompt_token_ids": prompt.prompt_token_ids})
+    assert plain.num_cached_tokens == 0  # salted apart (LMCache #3229): the plain prompt is prefilled
+    again = _generate(llm, prompt.tokens_prompt(), extra_args=prompt.extra_args())
+    assert again.num_cached_tokens > 0  # the same link, asked again, reuses its own blocks
+
+
 def test_suffix_policy_recomputes_the_last_chunk_tokens(llm, engine, ids):
     _, out = _link(llm, engine, ids, "suffix:0.2")
     report = link_report(out.kv_transfer_params)
@@ -164,19 +176,25 @@ def test_a_redis_outage_is_a_plain_prefill_and_loses_nothing(llm, engine, ids, s
     (only_in_redis,) = shared.compile([doc])
     chunks = [(only_in_redis, engine.tokenizer(doc, add_special_tokens=False)["input_ids"])]
     prompt = chat_link_prompt(engine.tokenizer, chunks, MESSAGES, policy="naive")
-    llm.reset_prefix_cache()
-    assert _linked(llm, prompt)
-    os.kill(redis._proc.pid, signal.SIGSTOP)  # frozen: it takes connections and answers nothing
-    try:
+    with frozen(redis):  # it takes connections and answers nothing
         started = time.monotonic()
         _plain_with_reason(llm, prompt.tokens_prompt(), prompt.extra_args(), "is in no tier")
         assert time.monotonic() - started < 60  # bounded by the 1 s Redis timeout, not waiting on the frozen server
-    finally:
-        os.kill(redis._proc.pid, signal.SIGCONT)
     time.sleep(1.0)  # past tier_retry_s: the breaker lets the next call through
     llm.reset_prefix_cache()
-    # Nothing was lost: once Redis answers again the same link loads the chunk.
-    assert _linked(llm, prompt)
+    assert _linked(llm, prompt)  # nothing was lost: Redis answers again, the same link loads the chunk
+    with frozen(redis):
+        llm.reset_prefix_cache()
+        assert _linked(llm, prompt)  # the worker kept a copy in the disk tier above Redis
+
+
+@contextlib.contextmanager
+def frozen(redis):
+    os.kill(redis._proc.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(redis._proc.pid, signal.SIGCONT)
 
 
 def test_compile_through_vllm_stores_pics_chunk_under_pics_id(llm, engine, store):

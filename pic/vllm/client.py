@@ -75,7 +75,7 @@ def link_prompt(
     Raises:
         InvalidInputError: no chunks, an empty query, an unknown policy or order.
     """
-    parse_policy(policy)
+    policy = parse_policy(policy).name  # the spelling the connector salts with ("suffix:0.20" -> "suffix:0.2")
     if not chunks:
         raise InvalidInputError("link_prompt needs at least one chunk")
     if not query_ids:

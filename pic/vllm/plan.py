@@ -59,6 +59,8 @@ def find_chunks(prompt: Sequence[int], chunks: Sequence[Sequence[int]]) -> int |
     them (the first such place); ``None`` when the prompt does not hold them so."""
     joined = [t for chunk in chunks for t in chunk]
     n, m = len(prompt), len(joined)
+    if m == 0:
+        return None
     first = joined[0]
     for p in range(0, n - m):  # p + m < n: a query token must follow
         if prompt[p] == first and list(prompt[p : p + m]) == joined:

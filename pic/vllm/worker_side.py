@@ -133,13 +133,20 @@ class WorkerSide:
         return failed
 
     def _fetch(self, cache_id: str) -> ChunkKV | None:
-        for tier in self.setup.tiers:
+        """The chunk from the first tier that has it, copied into the tiers above that one (a CPU tier keeps it
+        in this process for the next link; a disk tier keeps what Redis gave), as ``TieredStore.load`` does."""
+        for level, tier in enumerate(self.setup.tiers):
             try:
                 chunk = tier.get(cache_id)
             except Exception as error:  # an unreachable tier is a miss here; the scheduler saw the chunk
                 log.warning("pic: the %s tier failed to give chunk %s: %s", tier.name, cache_id, error)
                 continue
             if chunk is not None:
+                for upper in self.setup.tiers[:level]:
+                    try:
+                        upper.put(chunk)
+                    except Exception as error:  # a copy that fails costs the next link a read, nothing more
+                        log.warning("pic: the %s tier failed to keep chunk %s: %s", upper.name, cache_id, error)
                 return chunk
         log.warning("pic: chunk %s is in no tier any more; vLLM recomputes its blocks", cache_id)
         return None
