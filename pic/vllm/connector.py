@@ -55,7 +55,7 @@ class PicConnector(KVConnectorBase_V1):
             self._worker = WorkerSide(setup, rope, _local_heads(setup.expected.num_kv_heads))
 
     # Scheduler side.
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self._scheduler.num_new_matched_tokens(request, num_computed_tokens), False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:

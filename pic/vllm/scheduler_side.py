@@ -10,7 +10,9 @@ an unreachable store make the request a plain prefill, logged, with the reason i
 from __future__ import annotations
 
 import logging
+import threading
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from pic.errors import PicError
@@ -22,6 +24,17 @@ from pic.vllm.setup import Setup
 
 log = logging.getLogger("pic.vllm")
 _MAX_REMEMBERED = 65536  # chunk ids whose token ids are remembered (a few KB each at most)
+
+
+@dataclass(frozen=True)
+class _Lookup:
+    """What a lookup thread found for a linked request: the chunks' tokens and where they start, or why not."""
+
+    chunks: list[tuple[int, ...]] = field(default_factory=list)
+    start: int | None = None
+    prefix_id: str | None = None
+    prefix_stored: bool = False
+    error: str | None = None
 
 
 @dataclass
@@ -41,9 +54,13 @@ class SchedulerSide:
         self._tokens: OrderedDict[str, tuple[int, ...]] = OrderedDict()
         self._requests: dict[str, _Tracked] = {}
         self._pending_loads: set[str] = set()
+        self._lock = threading.Lock()  # guards _tokens, which lookup threads fill
+        self._lookups: dict[str, Future[_Lookup]] = {}
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="pic-vllm-lookup")
 
-    def num_new_matched_tokens(self, request: object, num_computed: int) -> int:
-        """Tokens pic loads beyond the ``num_computed`` vLLM holds (0: a plain prefill)."""
+    def num_new_matched_tokens(self, request: object, num_computed: int) -> int | None:
+        """Tokens pic loads beyond the ``num_computed`` vLLM holds (0: a plain prefill; ``None``: not known yet,
+        vLLM asks again at its next step while the request waits and every other request runs)."""
         try:
             params = parse_params(request.kv_transfer_params)
         except PicError as error:
@@ -65,7 +82,7 @@ class SchedulerSide:
         self._requests[req_id] = _Tracked(save=(cache_id, prompt, options.add_bos), report={"cache_id": cache_id})
         return 0
 
-    def _link(self, request: object, params: LinkRequest, prompt: list[int], num_computed: int) -> int:
+    def _link(self, request: object, params: LinkRequest, prompt: list[int], num_computed: int) -> int | None:
         req_id = request.request_id
         if request.cache_salt != params.salt:
             reason = (
@@ -74,29 +91,48 @@ class SchedulerSide:
             )
             self._refuse(req_id, reason)
             return 0
-        try:
-            chunks = [self._chunk_tokens(cache_id) for cache_id in params.ids]
-        except PicError as error:
-            self._refuse(req_id, str(error))
+        future = self._lookups.get(req_id)
+        if future is None:  # store I/O off vLLM's scheduler loop: a slow tier delays this request only
+            self._lookups[req_id] = self._pool.submit(self._lookup, params, prompt)
+            return None
+        if not future.done():
+            return None
+        lookup = self._lookups.pop(req_id).result()
+        if lookup.error is not None:
+            self._refuse(req_id, lookup.error)
             return 0
-        num_chunk = sum(len(c) for c in chunks)
-        start = find_chunks(prompt, chunks)
-        prefix_id = chunk_id(self.setup.expected.fingerprint, prompt[:start], self._prefix_options()) if start else None
+        num_chunk = sum(len(c) for c in lookup.chunks)
         plan = plan_link(
-            prompt, params.ids, chunks, start=start, num_computed=num_computed,
-            num_recomputed=params.policy.num_recomputed(num_chunk), prefix_id=prefix_id,
-            prefix_stored=prefix_id is not None and self._stored(prefix_id),
+            prompt, params.ids, lookup.chunks, start=lookup.start, num_computed=num_computed,
+            num_recomputed=params.policy.num_recomputed(num_chunk), prefix_id=lookup.prefix_id,
+            prefix_stored=lookup.prefix_stored,
         )  # fmt: skip
         tracked = _Tracked(plan=plan, num_computed=num_computed)
         tracked.report = {"policy": params.policy.name, "num_loaded": plan.num_external, "num_prefix": plan.num_prefix,
                           "num_chunk_tokens": plan.num_chunk_tokens, "num_recomputed": plan.num_recomputed,
                           "linked": plan.reason is None, "reason": plan.reason}  # fmt: skip
         if plan.save_prefix is not None:
-            tracked.save = (plan.save_prefix, prompt[:start], False)
+            tracked.save = (plan.save_prefix, prompt[: lookup.start], False)
         if plan.reason is not None:
             log.warning("pic: request %s is a plain prefill: %s", req_id, plan.reason)
         self._requests[req_id] = tracked
         return plan.num_external
+
+    def _lookup(self, params: LinkRequest, prompt: list[int]) -> _Lookup:
+        """On a lookup thread: the chunks' tokens (each seen in a tier now), where they start in the prompt, and
+        whether a tier holds the prefix before them."""
+        try:
+            chunks = [self._chunk_tokens(cache_id) for cache_id in params.ids]
+            start = find_chunks(prompt, chunks)
+            if not start:
+                return _Lookup(chunks=chunks, start=start)
+            prefix_id = chunk_id(self.setup.expected.fingerprint, prompt[:start], self._prefix_options())
+            return _Lookup(chunks=chunks, start=start, prefix_id=prefix_id, prefix_stored=self._stored(prefix_id))
+        except PicError as error:
+            return _Lookup(error=str(error))
+        except Exception as error:  # a tier's unexpected failure is this request's plain prefill, not vLLM's crash
+            log.exception("pic: the lookup of %s failed", list(params.ids))
+            return _Lookup(error=f"the store lookup failed: {type(error).__name__}: {error}")
 
     def after_alloc(self, request: object, num_external: int) -> None:
         if num_external > 0 and request.request_id in self._requests:
@@ -142,6 +178,7 @@ class SchedulerSide:
             tracked.num_computed = cached.num_computed_tokens[i]
 
     def finished(self, request: object) -> dict | None:
+        self._lookups.pop(request.request_id, None)  # aborted while its lookup ran: the result is dropped
         tracked = self._requests.pop(request.request_id, None)
         self._pending_loads.discard(request.request_id)
         return None if tracked is None else {"pic": tracked.report}
@@ -152,9 +189,9 @@ class SchedulerSide:
 
     def _chunk_tokens(self, cache_id: str) -> tuple[int, ...]:
         """The chunk's tokens (remembered), once a tier is seen to hold it now (a tier can lose it, or go down)."""
-        tokens = self._tokens.get(cache_id)
+        with self._lock:
+            tokens = self._tokens.get(cache_id)
         if tokens is not None and self._stored(cache_id):
-            self._tokens.move_to_end(cache_id)
             return tokens
         tokens = next((e.token_ids for t in self.setup.tiers if (e := t.extent(cache_id)) is not None), None)
         if tokens is None:
@@ -165,9 +202,10 @@ class SchedulerSide:
                 + (f"; {errors}" if errors else "")
                 + "; ids belong to one model: compile it for this one"
             )
-        self._tokens[cache_id] = tokens
-        if len(self._tokens) > _MAX_REMEMBERED:
-            self._tokens.popitem(last=False)
+        with self._lock:
+            self._tokens[cache_id] = tokens
+            if len(self._tokens) > _MAX_REMEMBERED:
+                self._tokens.popitem(last=False)
         return tokens
 
     def _stored(self, cache_id: str) -> bool:
