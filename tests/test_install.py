@@ -86,12 +86,15 @@ def test_no_hint_installs_the_other_pic():
 
 def test_ci_runs_the_readme_install_and_test_commands():
     """``bash .ci/run`` is the README's test line in a fresh virtualenv, after this machine's torch pin (a local
-    CPU wheel here; the README tells everyone else to take torch's CPU index)."""
+    CPU wheel here; the README tells everyone else to take torch's CPU index), then the README's vLLM test line
+    in a fresh virtualenv of its own."""
     install = _readme_block("Install")
-    torch_line, test_line = _command(install[0]), _command(install[-1])
+    torch_line, test_line, vllm_line = _command(install[0]), _command(install[-2]), _command(install[-1])
     assert torch_line == "pip install torch --index-url https://download.pytorch.org/whl/cpu"
     assert test_line.endswith("&& python -m pytest -q") and '".[test,triton]"' in test_line
+    assert vllm_line == "bash tests_vllm/run.sh"  # the vLLM connector's tests, in a virtualenv of their own
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     assert "python3 -m venv --clear .ci/.venv" in ci and ". .ci/.venv/bin/activate" in ci  # from scratch
-    assert ci[-1] == f"pip install torch==2.13.0 && {test_line}"
+    assert f"pip install torch==2.13.0 && {test_line}" in ci
+    assert "rm -rf .ci/.vllm-venv" in ci and ci[-1] == f"VLLM_VENV=.ci/.vllm-venv {vllm_line}"  # from scratch too
     assert _command(_readme_block("Tests")[0]) == "python -m pytest -q"
