@@ -89,6 +89,10 @@ class PicConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_failed_blocks()
 
+    def shutdown(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.close()
+
 
 def _local_heads(num_kv_heads: int) -> slice:
     """This tensor-parallel rank's KV heads of a chunk (all of them without tensor parallelism)."""

@@ -49,6 +49,11 @@ class _Tracked:
 
 
 class SchedulerSide:
+    """One per vLLM scheduler: requests' plans, their blocks as steps allocate them, and their reports.
+
+    vLLM calls it from its scheduler loop only; store lookups run on ``_pool``'s threads (``_lookup``).
+    """
+
     def __init__(self, setup: Setup) -> None:
         self.setup = setup
         self._tokens: OrderedDict[str, tuple[int, ...]] = OrderedDict()
@@ -183,6 +188,10 @@ class SchedulerSide:
         self._pending_loads.discard(request.request_id)
         return None if tracked is None else {"pic": tracked.report}
 
+    def close(self) -> None:
+        """Stop the lookup threads (a lookup under way ends at its tier's timeout; its result is dropped)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
     def _refuse(self, req_id: str, reason: str) -> None:
         log.warning("pic: request %s is a plain prefill: %s", req_id, reason)
         self._requests[req_id] = _Tracked(report={"linked": False, "reason": reason})
@@ -191,6 +200,8 @@ class SchedulerSide:
         """The chunk's tokens (remembered), once a tier is seen to hold it now (a tier can lose it, or go down)."""
         with self._lock:
             tokens = self._tokens.get(cache_id)
+            if tokens is not None:
+                self._tokens.move_to_end(cache_id)
         if tokens is not None and self._stored(cache_id):
             return tokens
         tokens = next((e.token_ids for t in self.setup.tiers if (e := t.extent(cache_id)) is not None), None)

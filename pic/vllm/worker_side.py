@@ -36,10 +36,12 @@ def layer_index(layer_name: str) -> int:
 
 
 class WorkerSide:
-    """Args:
-    setup: the connector's setup.
-    rope: the model's rotary table (``kv_io.model_rope``), on the cache's device.
-    heads: this rank's KV heads (tensor parallel: a slice of the chunk's heads).
+    """One per vLLM worker (per tensor-parallel rank): a step's loads and saves.
+
+    Args:
+        setup: the connector's setup.
+        rope: the model's rotary table (``kv_io.model_rope``), on the cache's device.
+        heads: this rank's KV heads (tensor parallel: a slice of the chunk's heads).
     """
 
     def __init__(self, setup: Setup, rope: object, heads: slice) -> None:
