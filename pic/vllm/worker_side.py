@@ -13,14 +13,16 @@ from __future__ import annotations
 
 import logging
 import re
+from dataclasses import dataclass
 
 import torch
 
+from pic.attention.rope import apply_rope
 from pic.config import CompileOptions
 from pic.errors import UnsupportedModelError
 from pic.kv import ChunkKV
 from pic.vllm import kv_io
-from pic.vllm.jobs import LoadJob, PicConnectorMetadata, SaveJob
+from pic.vllm.jobs import PicConnectorMetadata, SaveJob
 from pic.vllm.setup import Setup
 
 log = logging.getLogger("pic.vllm")
@@ -35,6 +37,18 @@ def layer_index(layer_name: str) -> int:
     return int(found[0])
 
 
+@dataclass(frozen=True)
+class _Load:
+    """One load of a step, planned once for every layer: the chunk's tokens ``part`` go to ``slots`` ``[T]`` int64,
+    K rotated by ``cos``, ``sin`` ``[T, head_dim]`` (model dtype, the tokens' positions in this prompt)."""
+
+    chunk: ChunkKV
+    part: slice
+    slots: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
 class WorkerSide:
     """One per vLLM worker (per tensor-parallel rank): a step's loads and saves.
 
@@ -47,7 +61,7 @@ class WorkerSide:
     def __init__(self, setup: Setup, rope: object, heads: slice) -> None:
         self.setup, self.rope, self.heads = setup, rope, heads
         self._layers: dict[str, object] = {}
-        self._loads: list[tuple[LoadJob, ChunkKV]] = []
+        self._loads: list[_Load] = []
         self._saves: dict[str, tuple[SaveJob, list[torch.Tensor | None], list[torch.Tensor | None]]] = {}
         self._failed_blocks: set[int] = set()
         self._layout: kv_io.BlockLayout | None = None
@@ -67,7 +81,11 @@ class WorkerSide:
             if chunk is None:  # gone since the scheduler looked: vLLM recomputes these blocks
                 self._failed_blocks.update(slot // self.setup.block_size for slot in job.slots)
                 continue
-            self._loads.append((job, chunk))
+            seg = job.segment
+            positions = torch.arange(seg.start, seg.start + seg.num_tokens, device=self.rope.device)
+            cos, sin = self.rope(positions)  # once per step: every layer rotates by the same angles
+            slots = torch.tensor(job.slots, dtype=torch.long, device=self.rope.device)
+            self._loads.append(_Load(chunk, slice(seg.offset, seg.offset + seg.num_tokens), slots, cos, sin))
 
     def wait_for_layer(self, layer_name: str) -> None:
         """Write this layer's part of every load of the step (K rotated to its positions)."""
@@ -75,15 +93,11 @@ class WorkerSide:
             return
         layer, index = self._layers[layer_name], layer_index(layer_name)
         device, dtype = layer.kv_cache.device, self.setup.expected.dtype
-        for job, chunk in self._loads:
-            seg = job.segment
-            part = slice(seg.offset, seg.offset + seg.num_tokens)
-            positions = torch.arange(seg.start, seg.start + seg.num_tokens, device=device)
-            k = chunk.k[index, part].to(device=device, dtype=dtype)
-            k = kv_io.rotate_to(k, positions, self.rope)[:, self.heads]
-            v = chunk.v[index, part, self.heads].to(device=device, dtype=dtype)
-            slots = torch.tensor(job.slots, dtype=torch.long, device=device)
-            kv_io.write_cache(layer, k.contiguous(), v.contiguous(), layer.kv_cache, slots)
+        for load in self._loads:
+            k = load.chunk.k[index, load.part, self.heads].to(device=device, dtype=dtype)
+            v = load.chunk.v[index, load.part, self.heads].to(device=device, dtype=dtype)
+            k = apply_rope(k, load.cos, load.sin)
+            kv_io.write_cache(layer, k.contiguous(), v.contiguous(), layer.kv_cache, load.slots)
 
     def save_layer(self, layer_name: str, kv_layer: torch.Tensor, meta: PicConnectorMetadata, layer: object) -> None:
         """Read this layer's K and V of every prompt to store (after the layer's forward wrote them)."""
