@@ -78,6 +78,7 @@ def test_naive_chunks_give_pic_engines_naive_first_token(llm, engine, ids):
     _, out = _link(llm, engine, ids, "naive", logprobs=5)
     report = link_report(out.kv_transfer_params)
     assert report["num_loaded"] == report["num_prefix"] + report["num_chunk_tokens"]
+    assert out.num_cached_tokens == report["num_loaded"]  # vLLM took the claim: it computed the query alone
     prefix, query = split_chat(engine.tokenizer, MESSAGES, strip_bos=False)
     ours = torch.log_softmax(engine.link(ids, query, prefix=prefix, policy="naive").logits[-1].float(), -1)
     theirs = out.outputs[0].logprobs[0]
@@ -116,6 +117,7 @@ def test_suffix_policy_recomputes_the_last_chunk_tokens(llm, engine, ids):
     report = link_report(out.kv_transfer_params)
     assert report["num_recomputed"] == round(0.2 * report["num_chunk_tokens"])
     assert report["num_loaded"] == report["num_prefix"] + report["num_chunk_tokens"] - report["num_recomputed"]
+    assert out.num_cached_tokens == report["num_loaded"]  # vLLM computed the recomputed chunk tokens and the query
 
 
 def _plain_with_reason(llm, prompt: dict, extra_args: dict, reason: str):

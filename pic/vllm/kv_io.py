@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pic.attention.rope import RopeTable, apply_rope
+from pic.attention.rope import RopeTable
 from pic.errors import UnsupportedModelError
 
 
@@ -31,12 +31,6 @@ def model_rope(hf_config: object, *, max_positions: int, dtype: torch.dtype, dev
     with torch.device(device):
         rotary = type(rotary)(config=hf_config)
     return RopeTable(rotary, max_positions=max_positions, dtype=dtype, device=device)
-
-
-def rotate_to(k_nope: torch.Tensor, positions: torch.Tensor, rope: RopeTable, *, inverse: bool = False) -> torch.Tensor:
-    """``k_nope`` ``[T, H, D]`` rotated to ``positions`` ``[T]`` int64 (``inverse``: rotated K back to NoPE)."""
-    cos, sin = rope(positions)
-    return apply_rope(k_nope, cos, -sin if inverse else sin)
 
 
 def write_cache(layer: nn.Module, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor):

@@ -49,6 +49,19 @@ class _Load:
     sin: torch.Tensor
 
 
+@dataclass(frozen=True)
+class _Save:
+    """One prompt to store, planned once for every layer: its ``slots`` ``[T]`` int64, the angles that un-rotate
+    its K (``cos``, ``sin`` ``[T, head_dim]``), and each layer's NoPE K and V as they are read."""
+
+    job: SaveJob
+    slots: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    ks: list[torch.Tensor | None]
+    vs: list[torch.Tensor | None]
+
+
 class WorkerSide:
     """One per vLLM worker (per tensor-parallel rank): a step's loads and saves.
 
@@ -62,7 +75,7 @@ class WorkerSide:
         self.setup, self.rope, self.heads = setup, rope, heads
         self._layers: dict[str, object] = {}
         self._loads: list[_Load] = []
-        self._saves: dict[str, tuple[SaveJob, list[torch.Tensor | None], list[torch.Tensor | None]]] = {}
+        self._saves: list[_Save] = []
         self._failed_blocks: set[int] = set()
         self._layout: kv_io.BlockLayout | None = None
         self._save_failed: str | None = None  # why this process cannot read KV back (saves are skipped)
@@ -103,9 +116,6 @@ class WorkerSide:
         """Read this layer's K and V of every prompt to store (after the layer's forward wrote them)."""
         if not meta.saves:
             return
-        if not self._saves:
-            num_layers = self.setup.expected.num_layers
-            self._saves = {job.req_id: (job, [None] * num_layers, [None] * num_layers) for job in meta.saves}
         if self._layout is None and self._save_failed is None:
             try:
                 self._layout = kv_io.probe_layout(layer, block_size=self.setup.block_size,
@@ -116,33 +126,38 @@ class WorkerSide:
                 log.error("pic: %s", error)
         if self._layout is None:
             return
-        index = layer_index(layer_name)
-        for job, ks, vs in self._saves.values():
-            slots = torch.tensor(job.slots, dtype=torch.long, device=kv_layer.device)
-            k, v = kv_io.read_layer(kv_layer, slots, self._layout, block_size=self.setup.block_size)
-            positions = torch.arange(len(job.slots), device=kv_layer.device)
-            ks[index] = kv_io.rotate_to(k.to(self.setup.expected.dtype), positions, self.rope, inverse=True).cpu()
-            vs[index] = v.to(self.setup.expected.dtype).cpu()
+        if not self._saves:  # the step's first layer: plan each save once for every layer
+            self._saves = [self._plan_save(job) for job in meta.saves]
+        index, dtype = layer_index(layer_name), self.setup.expected.dtype
+        for save in self._saves:
+            k, v = kv_io.read_layer(kv_layer, save.slots, self._layout, block_size=self.setup.block_size)
+            save.ks[index] = apply_rope(k.to(dtype), save.cos, -save.sin).cpu()  # the inverse rotation: NoPE K
+            save.vs[index] = v.to(dtype).cpu()
+
+    def _plan_save(self, job: SaveJob) -> _Save:
+        positions = torch.arange(len(job.slots), device=self.rope.device)
+        cos, sin = self.rope(positions)
+        slots = torch.tensor(job.slots, dtype=torch.long, device=self.rope.device)
+        num_layers = self.setup.expected.num_layers
+        return _Save(job, slots, cos, sin, [None] * num_layers, [None] * num_layers)
 
     def finish_saves(self) -> None:
         """Store every prompt read this step as a chunk, in every tier (a tier that refuses it is logged), and end
         the step's loads."""
         self._loads = []
-        for job, ks, vs in self._saves.values():
-            if any(k is None for k in ks):
-                log.warning("pic: chunk %s not stored: %d of its layers were not saved", job.cache_id, ks.count(None))
+        for save in self._saves:
+            job = save.job
+            if any(k is None for k in save.ks):
+                log.warning(
+                    "pic: chunk %s not stored: %d of its layers were not read", job.cache_id, save.ks.count(None)
+                )
                 continue
             chunk = ChunkKV(
                 cache_id=job.cache_id, token_ids=torch.tensor(job.token_ids, dtype=torch.long),
-                k=torch.stack(ks), v=torch.stack(vs), options=CompileOptions(add_bos=job.add_bos),
+                k=torch.stack(save.ks), v=torch.stack(save.vs), options=CompileOptions(add_bos=job.add_bos),
             )  # fmt: skip
-            for tier in self.setup.tiers:
-                try:
-                    if not tier.put(chunk):
-                        log.warning("pic: the %s tier has no room for chunk %s", tier.name, job.cache_id)
-                except Exception as error:  # a failing tier loses this copy, not the request
-                    log.warning("pic: the %s tier failed to store chunk %s: %s", tier.name, job.cache_id, error)
-        self._saves = {}
+            _put(self.setup.tiers, chunk)
+        self._saves = []
 
     def take_failed_blocks(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()
@@ -158,14 +173,21 @@ class WorkerSide:
                 log.warning("pic: the %s tier failed to give chunk %s: %s", tier.name, cache_id, error)
                 continue
             if chunk is not None:
-                for upper in self.setup.tiers[:level]:
-                    try:
-                        upper.put(chunk)
-                    except Exception as error:  # a copy that fails costs the next link a read, nothing more
-                        log.warning("pic: the %s tier failed to keep chunk %s: %s", upper.name, cache_id, error)
+                _put(self.setup.tiers[:level], chunk)
                 return chunk
         log.warning("pic: chunk %s is in no tier any more; vLLM recomputes its blocks", cache_id)
         return None
+
+
+def _put(tiers: list, chunk: ChunkKV) -> None:
+    """Store ``chunk`` in each of ``tiers``; a tier that refuses or fails is logged (it loses this copy, not the
+    request: the next link reads it from a lower tier, or a compile stores it again)."""
+    for tier in tiers:
+        try:
+            if not tier.put(chunk):
+                log.warning("pic: the %s tier has no room for chunk %s", tier.name, chunk.cache_id)
+        except Exception as error:
+            log.warning("pic: the %s tier failed to store chunk %s: %s", tier.name, chunk.cache_id, error)
 
 
 def kv_layer_heads(kv_layer: torch.Tensor, layer: object) -> int:
