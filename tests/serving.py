@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import uvicorn
 
-from pic.serve.protocol import timed_protocol
+from pic.serve.protocol import KEEP_ALIVE_S, timed_protocol
 from tests.local_redis import free_ports
 
 
@@ -24,7 +24,9 @@ def serving(app, *, headers_timeout_s: float = 10.0, body_timeout_s: float = 30.
     """``app`` on uvicorn with ``pic serve``'s protocol on a free loopback port; yields its base URL."""
     port = free_port()
     protocol = timed_protocol(headers_timeout_s=headers_timeout_s, body_timeout_s=body_timeout_s)
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", http=protocol)
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=port, log_level="warning", http=protocol, timeout_keep_alive=KEEP_ALIVE_S
+    )
     srv = uvicorn.Server(config)
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()

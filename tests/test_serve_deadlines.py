@@ -133,7 +133,7 @@ def test_a_slow_but_progressing_request_is_served(quick):
         received, closed_after = _exchange(sock, pieces, 0.25, len(pieces) * 0.25 + 5, until_answered=True)
         assert received.startswith(b"HTTP/1.1 200 "), received[:300]
         assert closed_after is None  # kept alive
-        time.sleep(DEADLINE_S * 1.2)  # idle longer than the header deadline: uvicorn's keep-alive (5 s) allows it
+        time.sleep(DEADLINE_S * 1.2)  # idle longer than the header deadline: the keep-alive (KEEP_ALIVE_S) allows it
         received, closed_after = _exchange(sock, [_request("GET", "/health")], 0.0, 5, until_answered=True)
         assert received.startswith(b"HTTP/1.1 200 "), received[:300]
         received, closed_after = _exchange(sock, [_request("GET", "/health")[:20]], 0.0, 6)  # and stalls

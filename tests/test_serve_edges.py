@@ -138,6 +138,9 @@ def test_serve_listens_first_and_hands_that_socket_to_uvicorn(host, family, conn
     assert issubclass(config.http, TimedH11Protocol)
     assert (config.http.headers_timeout_s, config.http.body_timeout_s) == (3, 4)
     assert (config.host, config.port, config.log_level) == (host, port, "info")  # what uvicorn's log line names
+    # An idle connection outlives the openai client's (httpx's) own idle expiry, so the client never sends a
+    # request into a connection the server is closing at that very moment (uvicorn's default equals httpx's).
+    assert config.timeout_keep_alive > httpx.Limits().keepalive_expiry
     assert run["sockets"][0].fileno() == -1  # closed after serving
 
 

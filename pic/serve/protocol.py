@@ -20,6 +20,12 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from pic.serve.http import error_body
 
+KEEP_ALIVE_S = 65.0
+"""How long an idle kept-alive connection stays open. Longer than any common client's own idle expiry (httpx,
+under the ``openai`` client, drops its idle connections after 5 s): were the server's expiry equal to the
+client's (uvicorn's default is 5 s too), a client could send its next request just as the server closes the
+connection, and get "connection reset by peer" for a request the server never saw."""
+
 
 def timed_protocol(headers_timeout_s: float = 10.0, body_timeout_s: float = 30.0) -> type[H11Protocol]:
     """uvicorn's h11 protocol with these deadlines (``uvicorn.run(app, http=timed_protocol(...))``)."""
