@@ -85,7 +85,8 @@ class PIC(Engine):
         prefix, query = self.chat_segments(messages, add_generation_prompt=add_generation_prompt)
         ids = list(cache_ids)
         if documents:
-            ids += self.compile(list(documents), policy=policy, context=self.chat_context(messages), progress=False)
+            context = self.chat_context(messages)
+            ids += self.compile(list(documents), policy=policy, context=context, progress=False, interactive=True)
         return self.link(ids, query, prefix=prefix, policy=policy, relevance=relevance)
 
     def chat_context(self, messages: Sequence[dict] = ()) -> str:

@@ -64,6 +64,17 @@ def file_stem(text: str) -> str:
     return text
 
 
+def share(text: str) -> float:
+    """A fraction in [0, 1)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a share in [0, 1)")
+    return value
+
+
 def positive_float(text: str) -> float:
     """A finite number above 0 (``nan`` and ``inf`` refused)."""
     try:

@@ -96,6 +96,13 @@ class DecodeWeights(str, enum.Enum):
     INT8 = "int8"  # int8 copies of the large matrices (fbgemm's dynamic quantization): CPU, float32 models only
 
 
+class PrefillOrder(str, enum.Enum):
+    """Which prefill work a step's token budget goes to first (``PICConfig.prefill_order``)."""
+
+    INTERACTIVE = "interactive"  # links' and generations' recompute passes, then compiles (the default)
+    ARRIVAL = "arrival"  # first come first served: a request that arrives during a compile waits for it
+
+
 class PICConfig(_Frozen):
     """Engine configuration.
 
@@ -131,6 +138,13 @@ class PICConfig(_Frozen):
             ``None``: 8192 on CUDA, 256 on the CPU, where a step's time grows with its tokens (on the
             embedded model a 200-document compile then keeps 16 streams' p99 gap within 2x of their gap
             alone: docs/engine.md). ``PIC.config`` holds the resolved value.
+        prefill_order: ``"interactive"`` (the default): each step's budget goes to the recompute passes of links
+            and generations first, and compile prefills take what they leave, so a request that arrives during
+            a bulk compile waits a step, not the compile (docs/engine.md). ``"arrival"``: first come first
+            served, compiles and requests alike.
+        compile_share: under ``"interactive"``, the share of each step's budget that waiting compile prefills
+            get however many requests wait, so a stream of new requests slows a compile but never stops it
+            (0: compiles only get what requests leave).
         attention_backend: ``"auto"``: the Triton fused-RoPE kernel on CUDA (when Triton is installed),
             the torch reference elsewhere; ``"torch"`` or ``"triton"`` force one (``"triton"`` on the CPU
             runs Triton's interpreter, for tests: ``TRITON_INTERPRET=1`` before Triton is imported).
@@ -150,19 +164,22 @@ class PICConfig(_Frozen):
     default_policy: str = "auto"
     max_num_seqs: int = Field(default=64, ge=1, le=4096)
     max_num_batched_tokens: int | None = Field(default=None, ge=1)
+    prefill_order: PrefillOrder = PrefillOrder.INTERACTIVE
+    compile_share: float = Field(default=0.125, ge=0, lt=1)
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     decode_weights: DecodeWeights = DecodeWeights.MODEL
 
     _eos_tuple = field_validator("eos_token_ids", mode="before")(as_tuple)
 
-    @field_validator("decode_weights", mode="before")
+    @field_validator("decode_weights", "prefill_order", mode="before")
     @classmethod
-    def _decode_weights_name(cls, value: object) -> object:
-        if isinstance(value, str) and not isinstance(value, DecodeWeights):
-            names = [w.value for w in DecodeWeights]
+    def _enum_name(cls, value: object, info) -> object:
+        kind = {"decode_weights": DecodeWeights, "prefill_order": PrefillOrder}[info.field_name]
+        if isinstance(value, str) and not isinstance(value, kind):
+            names = [w.value for w in kind]
             if value not in names:
                 raise ValueError(f"{value!r} is not one of {names}")
-            return DecodeWeights(value)
+            return kind(value)
         return value
 
     @field_validator("eos_token_ids")

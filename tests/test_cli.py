@@ -58,6 +58,8 @@ def test_missing_model_is_an_error_message(capsys):
         (["check", "--tolerance", "nan"], "'nan' is not a finite number above 0"),
         (["serve", "--on-redis-error", "ignore"], "invalid choice: 'ignore'"),
         (["serve", "--kv-pool-tokens", "0"], "'0' is not a positive integer"),
+        (["serve", "--prefill-order", "fifo"], "invalid choice: 'fifo'"),
+        (["serve", "--compile-share", "1"], "'1' is not a share in [0, 1)"),
         (["serve", "--policy", "lego:16"], "unknown policy 'lego:16'"),
         (["serve", "--policy", "legolink:16,k=4"], "--policy: policy 'legolink': k given twice"),
         (["serve", "--chat-template", "/nonexistent/chat.jinja"], "cannot read '/nonexistent/chat.jinja'"),

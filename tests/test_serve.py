@@ -303,7 +303,8 @@ SIMPLE_TEMPLATE = (
 
 
 def test_serve_flags_size_the_pool_pick_the_policy_and_a_chat_template(monkeypatch, tmp_path):
-    """Issue 21, item 11: ``--kv-pool-tokens``, ``--policy`` and ``--chat-template FILE`` reach the engine; the
+    """Issue 21, item 11: ``--kv-pool-tokens``, ``--policy``, ``--chat-template FILE`` (and issue 43's
+    ``--prefill-order``, ``--compile-share``) reach the engine; the
     embedded model has no chat template of its own, so its chat route works only through the file."""
     import uvicorn as uvicorn_module
     from fastapi.testclient import TestClient
@@ -315,10 +316,11 @@ def test_serve_flags_size_the_pool_pick_the_policy_and_a_chat_template(monkeypat
     apps = []
     monkeypatch.setattr(uvicorn_module.Server, "run", lambda server, sockets=None: apps.append(server.config.app))
     argv = ["serve", "--port", str(free_port()), "--kv-pool-tokens", "1000", "--policy", "mepic"]
-    argv += ["--chat-template", str(template)]
+    argv += ["--chat-template", str(template), "--prefill-order", "arrival", "--compile-share", "0.5"]
     assert main(argv) == 0
     engine = apps[0].state.engine.engine
     assert engine.kv_stats().num_blocks == 63  # 1000 tokens, rounded up to blocks of 16
+    assert (engine.config.prefill_order.value, engine.config.compile_share) == ("arrival", 0.5)
     assert engine.default_policy.name == "mepic" and engine.tokenizer.chat_template == SIMPLE_TEMPLATE
     docs = ["Tom had a big red ball. " * 3, "Lily loved to sing songs. " * 3]
     with TestClient(apps[0]) as http:

@@ -120,10 +120,12 @@ def compile_documents(
     has_chunk: Callable[[str], bool],
     progress: bool | None,
     lower_tiers: bool = True,
+    interactive: bool = False,
 ) -> CompileReport:
     """Compile the documents no tier holds (between the workers sharing ``fleet``, once each); returns when
     every one is stored, saying where (``progress``: a bar; ``None``: for ``_PROGRESS_MIN`` documents or more).
-    ``lower_tiers=False``: into the KV pool only, without a fleet (``CompileJob.lower_tiers``).
+    ``lower_tiers=False``: into the KV pool only, without a fleet (``CompileJob.lower_tiers``); ``interactive``: a
+    request waits for them (``CompileJob.interactive``).
 
     Raises:
         as ``Engine.compile``.
@@ -136,7 +138,7 @@ def compile_documents(
             nonlocal num_compiled
             job = CompileJob(
                 tokens=found.tokens, options=options, todo=tuple(todo), on_chunk=lambda: bar.update(1),
-                lower_tiers=lower_tiers,
+                lower_tiers=lower_tiers, interactive=interactive,
             )  # fmt: skip
             stored = thread.call(lambda reply: Compile(job, reply))
             num_compiled += len(stored.compiled)

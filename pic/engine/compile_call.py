@@ -63,6 +63,11 @@ class CompileCall:
         self.error: Exception | None = None
 
     @property
+    def interactive(self) -> bool:
+        """A request waits for the call (``CompileJob.interactive``): its prefills go before bulk compiles."""
+        return self.job.interactive
+
+    @property
     def is_finished(self) -> bool:
         """Failed: its chunks need not be prefilled for it any more."""
         return self.error is not None

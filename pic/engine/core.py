@@ -68,6 +68,7 @@ class EngineCore:
         self.compiles = CompileCalls(self.sources, self.loader, pool, kv_bytes_per_token=runner.spec.kv_bytes_per_token)
         self.scheduler = Scheduler(
             kv, self.sources, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+            prefill_order=config.prefill_order, compile_share=config.compile_share,
             frees_soon=lambda: self.compiles.num_writing > 0,
         )  # fmt: skip
         self.decoder = Decoder(runner, tokenizer, eos_token_ids=eos_token_ids, finish=self._finish)
@@ -160,7 +161,9 @@ class EngineCore:
         outputs = [self._finish(seq, why) for seq, why in batch.failed]
         for prefill, error in batch.failed_prefills:
             outputs += [self._finish(seq, error) for seq in self.compiles.prefill_failed(prefill, error)]
-        if batch.has_forward or batch.resumed:
+        if batch.resumed:  # their first token comes from the hidden state their pass left: no need to wait
+            outputs += self._start_generating(batch.resumed)  # for this step's forward
+        if batch.has_forward:
             outputs += self._run(batch)
         self.compiles.poll()
         return outputs
@@ -212,10 +215,13 @@ class EngineCore:
             seq.sink.put(link_output(seq))
         num_before = len(batch.prefills) + len(batch.partial) + len(batch.pieces)
         rows += [(seq, h[-1]) for seq, h in zip(batch.decodes, hidden[num_before:], strict=True)]
-        for seq in batch.resumed:
-            seq.run()
-            rows.append((seq, seq.query_hidden[-1]))
         return self.decoder.sample_and_append(rows)
+
+    def _start_generating(self, resumed: list[Sequence]) -> list[RequestOutput]:
+        """The first token of each parked sequence whose generation starts, from its query's last hidden state."""
+        for seq in resumed:
+            seq.run()
+        return self.decoder.sample_and_append([(seq, seq.query_hidden[-1]) for seq in resumed])
 
     def _finish(
         self, seq: Sequence, why: FinishReason | Exception, *, text: str = "", token: int | None = None

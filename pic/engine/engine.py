@@ -142,6 +142,7 @@ class Engine:
         policy: str | policies.Policy | None = None,
         context: TextOrTokens | None = None,
         progress: bool | None = None,
+        interactive: bool = False,
     ) -> list[str]:
         """Prefill each document alone and cache its KV; returns one cache id per document.
 
@@ -154,6 +155,9 @@ class Engine:
                 dropped, so the chunk's KV is what it is after that text (a system prompt: ``chat_context``)
                 rather than at a sequence start. Part of the cache id; ``None``: no context.
             progress: show a progress bar (``None``, the default: when compiling 8 or more new chunks).
+            interactive: a request waits for these chunks (a chat's documents): their prefills go before bulk
+                compiles, with the requests' passes (``PICConfig.prefill_order``); ``False``: a bulk compile, which
+                takes what each step's requests leave (and ``PICConfig.compile_share`` of it at least).
 
         Ids are content addresses: compiling a document that is already cached does no work, and
         compiling one whose chunk was evicted compiles it again. Each chunk is prefilled straight into
@@ -170,7 +174,7 @@ class Engine:
             KVPoolExhaustedError: the new chunks do not fit in the KV pool beside the chunks in use and,
                 where no lower tier can take them, beside each other (checked before any work).
         """
-        return self.compile_report(docs, policy=policy, context=context, progress=progress).ids
+        return self.compile_report(docs, policy=policy, context=context, progress=progress, interactive=interactive).ids
 
     def compile_report(
         self,
@@ -180,6 +184,7 @@ class Engine:
         context: TextOrTokens | None = None,
         progress: bool | None = None,
         lower_tiers: bool = True,
+        interactive: bool = False,
     ) -> CompileReport:
         """``compile``, saying which tiers hold each chunk when it returns (``CompileReport.tiers``): under
         ``on_*_error="miss"`` a tier that failed does not, and a caller that promised its users a durable copy
@@ -198,8 +203,9 @@ class Engine:
         )  # fmt: skip
         fleet, has_chunk = self.store.fleet, self.store.contains
         return compile_documents(
-            self._owner, found, options, fleet=fleet, has_chunk=has_chunk, progress=progress, lower_tiers=lower_tiers
-        )
+            self._owner, found, options, fleet=fleet, has_chunk=has_chunk, progress=progress, lower_tiers=lower_tiers,
+            interactive=interactive,
+        )  # fmt: skip
 
     def compile_policy(self, policy: str | policies.Policy | None = None) -> policies.Policy:
         """The policy ``compile`` and ``link`` use for ``policy`` (``None``: the engine's default); raises

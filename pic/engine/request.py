@@ -184,6 +184,8 @@ class CompileJob:
         on_chunk: called (on the engine thread) as each chunk of ``todo`` is stored: a progress bar.
         lower_tiers: write the chunks through to the lower tiers; ``False``: the KV pool only, nothing asked of
             or written to the CPU, disk and Redis tiers (``pic check``'s scratch chunks).
+        interactive: a request waits for these chunks (a chat's inline documents): their prefills go with the
+            requests' passes, before bulk compiles (``PICConfig.prefill_order``).
     """
 
     tokens: Mapping[str, list[int]]
@@ -191,6 +193,7 @@ class CompileJob:
     todo: tuple[str, ...]
     on_chunk: Callable[[], None] = lambda: None
     lower_tiers: bool = True
+    interactive: bool = False
 
 
 @dataclass(frozen=True)

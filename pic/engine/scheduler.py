@@ -4,8 +4,11 @@ prefills (vLLM v1's scheduler, with linked requests and compiles).
 Each step, running sequences go first: each gets the slot of its next token, in admission order; when the
 pool has no block for one, the most recently admitted running sequence is preempted (its blocks freed,
 its chunks held, requeued at the front for a fresh pass over its prompt and the tokens it generated).
-The budget left goes to prefill work, first come first served: waiting sequences (their recompute passes)
-and chunk prefills are admitted in arrival order while the budget, the sequence cap and the pool allow. A
+The budget left goes to prefill work: waiting sequences (their recompute passes) first, in arrival order, while
+the budget, the sequence cap and the pool allow, then bulk compiles' chunk prefills (``PrefillOrder.INTERACTIVE``:
+a request that arrives during a bulk compile waits a step, not the compile), with the whole budget in steps with
+no request's pass and ``compile_share`` of it in steps with one; or all of them in arrival order
+(``PrefillOrder.ARRIVAL``). A
 chunk prefill takes what budget is left and goes on in the next step (chunked prefill), so a compile of
 many documents never stalls the running streams for more than a step; so does a static policy's recompute
 pass larger than the budget. One that cannot be split (dynamic, probing) runs with no other prefill work.
@@ -22,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pic.compile import ChunkPrefill
+from pic.config import PrefillOrder
 from pic.engine.chunk_sources import ChunkSources
 from pic.engine.generation import FinishReason
 from pic.engine.kv_manager import KVManager
@@ -70,6 +74,7 @@ class Scheduler:
     sources: fetches waiting sequences' chunks; holds the queue of chunk prefills.
     max_num_seqs: most sequences running at once (parked ones do not count).
     max_num_batched_tokens: most tokens per forward; a recompute pass larger than it runs alone.
+    prefill_order, compile_share: which prefill work goes first (``PICConfig.prefill_order``, ``compile_share``).
     frees_soon: whether store I/O under way will free blocks (a compile's hold on a chunk being written
         through): work that does not fit waits for it rather than fail.
     """
@@ -81,10 +86,13 @@ class Scheduler:
         *,
         max_num_seqs: int,
         max_num_batched_tokens: int,
+        prefill_order: PrefillOrder = PrefillOrder.INTERACTIVE,
+        compile_share: float = 0.125,
         frees_soon: Callable[[], bool] = lambda: False,
     ) -> None:
         self.kv, self.sources, self.frees_soon = kv, sources, frees_soon
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.prefill_order, self.compile_share = prefill_order, compile_share
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order
         self.prefilling: list[Sequence] = []  # admitted, their pass run in pieces (not decoding yet)
@@ -145,23 +153,47 @@ class Scheduler:
                 batch.failed.append((seq, exc))
 
     def _schedule_prefill_work(self, batch: ScheduledBatch, *, budget: int) -> None:
-        """Give ``budget`` tokens to prefill work, first come first served: waiting sequences and chunk prefills
-        (under way or new) in arrival order."""
+        """Give ``budget`` tokens to prefill work (``PrefillOrder.INTERACTIVE``): waiting sequences' recompute
+        passes and the chunk prefills they wait for, in arrival order, then bulk compiles' chunk prefills: the
+        whole budget in a step with no request's pass, ``compile_share`` of it in one with; or (``ARRIVAL``) all
+        of them in arrival order."""
         self.sources.drop_abandoned()
-        queued = sorted([*self.prefilling, *self.waiting, *self.sources.prefills.values()], key=lambda w: w.order)
+        requests: list[Sequence | ChunkPrefill] = [*self.prefilling, *self.waiting]
+        compiles = list(self.sources.prefills.values())
+        if self.prefill_order is PrefillOrder.ARRIVAL:
+            self._schedule_in_order(batch, sorted([*requests, *compiles], key=lambda w: w.order), budget=budget)
+            return
+        requests += [p for p in compiles if p.is_interactive]  # (chunks a request waits for)
+        compiles = [p for p in compiles if not p.is_interactive]
+        kept = int(budget * self.compile_share) if compiles else 0
+        left = self._schedule_in_order(
+            batch, sorted(requests, key=lambda w: w.order), budget=budget - kept, compiles_wait=bool(compiles)
+        )
+        # Beside a request's pass, compiles get their share only: the step (and the request's first token) is not
+        # slowed by a compile's full piece. Without one, they get the whole budget.
+        num_compile = min(kept, left + kept) if batch.has_prefill_work else budget
+        self._schedule_in_order(batch, sorted(compiles, key=lambda w: w.order), budget=num_compile)
+
+    def _schedule_in_order(
+        self, batch: ScheduledBatch, queued: list[Sequence | ChunkPrefill], *, budget: int, compiles_wait: bool = False
+    ) -> int:
+        """Schedule ``queued`` in order while ``budget`` lasts and none must wait; returns the budget left.
+        ``compiles_wait``: chunk prefills are queued behind these sequences: one that does not fit the pool waits
+        for them to end (and free their holds) rather than fail."""
         reserved = 0  # blocks set aside for the second passes of this step's probes
         for work in queued:
             if budget <= 0:
-                return
+                break
             if isinstance(work, ChunkPrefill):
                 if not self._schedule_piece(work, batch, budget=budget, reserved=reserved):
-                    return
+                    break
                 budget -= batch.pieces[-1][1].token_ids.shape[0]
                 continue
-            admitted = self._admit(work, batch, budget=budget, reserved=reserved)
+            admitted = self._admit(work, batch, budget=budget, reserved=reserved, compiles_wait=compiles_wait)
             if admitted is None:
-                return
+                break
             budget, reserved = budget - admitted[0], reserved + admitted[1]
+        return budget
 
     def _busy(self, batch: ScheduledBatch) -> bool:
         """Whether something runs this step (and will free blocks or take budget)."""
@@ -184,7 +216,9 @@ class Scheduler:
         batch.pieces.append((prefill, prefill.piece(budget)))
         return True
 
-    def _admit(self, seq: Sequence, batch: ScheduledBatch, *, budget: int, reserved: int) -> tuple[int, int] | None:
+    def _admit(
+        self, seq: Sequence, batch: ScheduledBatch, *, budget: int, reserved: int, compiles_wait: bool = False
+    ) -> tuple[int, int] | None:
         """Admit a waiting sequence: ``(tokens, blocks reserved)`` it takes, ``(0, 0)`` when it is passed over
         (its chunks are being fetched, or it failed), ``None`` when it must wait and the ones after it too."""
         if seq in self.prefilling:  # its pass goes on
@@ -198,7 +232,7 @@ class Scheduler:
             batch.resumed.append(seq)
             self.running.append(seq)
             return 0, 0
-        busy = self._busy(batch)
+        busy = self._busy(batch) or compiles_wait
         try:
             if not self.sources.ready(seq):  # (again: this step's admissions may have evicted a chunk)
                 return 0, 0

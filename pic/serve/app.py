@@ -171,7 +171,7 @@ async def _pic_request(
         if context is None and options.prefix and engine.compile_policy(options.policy).needs_context:
             context = options.prefix
         ids += await aengine.store(
-            engine.compile, options.documents, policy=options.policy, context=context, progress=False
+            engine.compile, options.documents, policy=options.policy, context=context, progress=False, interactive=True
         )
     return PicRequest(
         ids,

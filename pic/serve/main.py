@@ -10,7 +10,17 @@ import logging
 import socket
 import sys
 
-from pic.cli_args import byte_size, chat_template, nonempty, policy, port, positive_float, positive_int, redis_url
+from pic.cli_args import (
+    byte_size,
+    chat_template,
+    nonempty,
+    policy,
+    port,
+    positive_float,
+    positive_int,
+    redis_url,
+    share,
+)
 
 
 def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -72,6 +82,15 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "--decode-weights", choices=["model", "int8"], default=None,
         help="int8: decode steps read int8 copies of the weights (CPU, float32; ~1.6x faster decode, not exact: "
         "docs/cpu.md); default: the model's own",
+    )  # fmt: skip
+    serve.add_argument(
+        "--prefill-order", choices=["interactive", "arrival"], default=None,
+        help="interactive (default): completions' prompts before bulk compiles (POST /v1/chunks), so a chat that "
+        "arrives during a large compile waits a step, not the compile; arrival: first come first served",
+    )  # fmt: skip
+    serve.add_argument(
+        "--compile-share", type=share, default=None, metavar="SHARE",
+        help="the share of each step's token budget bulk compiles keep while completions wait (default: 0.125)",
     )  # fmt: skip
     serve.add_argument("--skip-check", action="store_true", help="serve even if the start-up `pic check` fails")
     return serve
@@ -206,7 +225,8 @@ def engine_config(args: argparse.Namespace):
     import pic
 
     options = {"kv_pool_tokens": args.kv_pool_tokens, "default_policy": args.policy,
-               "decode_weights": args.decode_weights}  # fmt: skip
+               "decode_weights": args.decode_weights, "prefill_order": args.prefill_order,
+               "compile_share": args.compile_share}  # fmt: skip
     return pic.PICConfig(**{key: value for key, value in options.items() if value is not None})
 
 
