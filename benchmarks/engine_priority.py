@@ -1,0 +1,156 @@
+"""Time to first token of requests that arrive during a bulk compile, first come first served against requests
+first (``PICConfig.prefill_order``), in one run.
+
+python benchmarks/engine_priority.py --out benchmarks/results/engine_priority.json
+
+Issue 43: prefill work was served first come first served, so a request that arrived during a compile of many
+documents got its first token when the compile was done. On the embedded stories260K (``pic.load``), CPU, torch
+on one thread, one engine per order (``"arrival"``: the old scheduling; ``"interactive"``: the default now),
+rounds interleaved A B A B:
+
+- *alone*: a default request (the default policy, two small compiled chunks, one new token:
+  ``generate_many``) with nothing else running, 5 times per round;
+- *during*: while one ``PIC.compile`` of ``--docs`` new documents of about 290 tokens runs (in a thread), the
+  same request again and again, each sent 50 ms after the last answered, from the compile's second chunk to its
+  end (first come first served, that is one request per round: it waits for the rest of the compile);
+- meanwhile one stream (``Linked.stream``) runs through each round: its longest gap inside the compile window.
+
+Reported per order: TTFT p50/p90/max alone and during the compile (ms), p50 during / p50 alone, the compile's
+wall time, the stream's longest gap. Only public API.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import threading
+import time
+from itertools import pairwise
+from pathlib import Path
+
+import torch
+
+import pic
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from engine_flood import STREAM_CHUNKS, make_docs, quantile  # noqa: E402  (same documents and chunks)
+
+ORDERS = ("arrival", "interactive")
+
+
+def first_token_s(engine: pic.PIC, ids: list[str]) -> float:
+    start = time.perf_counter()
+    engine.generate_many([pic.Request(ids, "One day,", max_new_tokens=1)], progress=False)
+    return time.perf_counter() - start
+
+
+def stream_until(engine: pic.PIC, ids: list[str], stop: threading.Event, times: list[float]) -> None:
+    """Stream tokens until ``stop``, recording when each piece arrived (linking again when a generation ends)."""
+    while not stop.is_set():
+        for _ in engine.link(ids, "Once upon a time,", policy="naive").stream(max_new_tokens=400):
+            times.append(time.perf_counter())
+            if stop.is_set():
+                break
+
+
+def one_round(engine: pic.PIC, ids: list[str], tag: str, num_docs: int) -> dict:
+    """Alone TTFTs, then a compile with requests arriving during it and a stream running through it."""
+    alone = [first_token_s(engine, ids) for _ in range(5)]
+    stop, times = threading.Event(), []
+    streamer = threading.Thread(target=stream_until, args=(engine, ids, stop, times))
+    streamer.start()
+    time.sleep(0.2)
+    docs = make_docs(tag, seed=0)[:num_docs]
+    window: dict[str, float] = {}
+
+    def compile_docs() -> None:
+        window["start"] = time.perf_counter()
+        engine.compile(docs, progress=False)
+        window["end"] = time.perf_counter()
+
+    compiling = threading.Thread(target=compile_docs)
+    num_before = engine.kv_stats().num_resident_chunks
+    compiling.start()
+    during = []
+    while engine.kv_stats().num_resident_chunks < num_before + 2 and compiling.is_alive():
+        time.sleep(0.005)  # the compile's prefills are under way
+    while compiling.is_alive():  # (each request is sent while the compile runs)
+        during.append(first_token_s(engine, ids))
+        time.sleep(0.05)
+    compiling.join()
+    stop.set()
+    streamer.join(60)
+    inside = [t for t in times if window["start"] <= t <= window["end"]]
+    gaps = [b - a for a, b in pairwise([window["start"], *inside, window["end"]])]
+    return {"alone": alone, "during": during, "compile_s": window["end"] - window["start"], "stream_gap": max(gaps)}
+
+
+def summary(values: list[float]) -> dict:
+    ms = [1000 * v for v in values]
+    return {"p50": statistics.median(ms), "p90": quantile(ms, 0.9), "max": max(ms), "n": len(ms)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=str(HERE / "results" / "engine_priority.json"))
+    parser.add_argument("--rounds", type=int, default=3, help="rounds per order, interleaved")
+    parser.add_argument("--docs", type=int, default=200, help="documents per compile (at most 200)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    began = time.perf_counter()
+    engines = {o: pic.load(config=pic.PICConfig(prefill_order=o, eos_token_ids=())) for o in ORDERS}
+    ids = {o: e.compile(STREAM_CHUNKS[:2], progress=False) for o, e in engines.items()}
+    raw: dict[str, list[dict]] = {o: [] for o in ORDERS}
+    for r in range(args.rounds):
+        for order in ORDERS:
+            row = one_round(engines[order], ids[order], f"{order}-{r}", args.docs)
+            raw[order].append(row)
+            print(
+                f"round {r} {order}: compile {row['compile_s']:.2f} s; TTFT ms alone "
+                f"{1000 * statistics.median(row['alone']):.1f}, during (n={len(row['during'])}) "
+                f"{[round(1000 * d) for d in row['during'][:8]]}; stream gap {1000 * row['stream_gap']:.0f} ms",
+                flush=True,
+            )
+    report: dict = {"orders": {}}
+    for order in ORDERS:
+        alone = [v for row in raw[order] for v in row["alone"]]
+        during = [v for row in raw[order] for v in row["during"]]
+        report["orders"][order] = {
+            "ttft_alone_ms": summary(alone),
+            "ttft_during_compile_ms": summary(during),
+            "p50_during_over_alone": statistics.median(during) / statistics.median(alone),
+            "compile_s": statistics.median(row["compile_s"] for row in raw[order]),
+            "stream_longest_gap_ms": 1000 * max(row["stream_gap"] for row in raw[order]),
+        }
+        o = report["orders"][order]
+        print(
+            f"{order}: TTFT p50 alone {o['ttft_alone_ms']['p50']:.1f} ms, during a compile "
+            f"{o['ttft_during_compile_ms']['p50']:.1f} ms (p90 {o['ttft_during_compile_ms']['p90']:.1f}, max "
+            f"{o['ttft_during_compile_ms']['max']:.1f}; {o['p50_during_over_alone']:.1f}x alone); compile "
+            f"{o['compile_s']:.2f} s; stream's longest gap {o['stream_longest_gap_ms']:.0f} ms"
+        )
+    for engine in engines.values():
+        engine.close()
+    report |= {
+        "model": "stories260K (embedded), float32, CPU",
+        "torch_threads": torch.get_num_threads(),
+        "docs_per_compile": args.docs,
+        "rounds": args.rounds,
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__},
+        "command": " ".join(["python", *sys.argv]),
+        "raw_s": raw,
+        "wall_s": time.perf_counter() - began,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {out} in {report['wall_s']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
