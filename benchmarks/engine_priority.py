@@ -38,7 +38,7 @@ import pic
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from engine_flood import STREAM_CHUNKS, make_docs, quantile  # noqa: E402  (same documents and chunks)
+from engine_flood import DOC_BLOCK_TOKENS, STREAM_CHUNKS, make_docs, quantile  # noqa: E402  (same documents and chunks)
 
 ORDERS = ("arrival", "interactive")
 
@@ -103,7 +103,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     began = time.perf_counter()
-    engines = {o: pic.load(config=pic.PICConfig(prefill_order=o, eos_token_ids=())) for o in ORDERS}
+    pool = (args.rounds + 1) * args.docs * DOC_BLOCK_TOKENS  # every round's chunks stay resident (none evicted)
+    config = {"eos_token_ids": (), "kv_pool_tokens": pool}
+    engines = {o: pic.load(config=pic.PICConfig(prefill_order=o, **config)) for o in ORDERS}
     ids = {o: e.compile(STREAM_CHUNKS[:2], progress=False) for o, e in engines.items()}
     raw: dict[str, list[dict]] = {o: [] for o in ORDERS}
     for r in range(args.rounds):
