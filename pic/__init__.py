@@ -13,16 +13,18 @@ with a new query, recomputing only the tokens a policy picks::
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
-from collections.abc import Sequence
+from collections.abc import Callable
 
 import torch
 
 from pic import policies
-from pic.api import PIC
 from pic.check import CheckResult, check
 from pic.config import CompileOptions, PICConfig, StoreConfig
 from pic.engine import (
+    PIC,
     CompileReport,
     Engine,
     FinishReason,
@@ -97,42 +99,28 @@ def default_engine() -> PIC:
     return _default_engine
 
 
-def compile(  # noqa: A001
-    docs, *, policy: str | policies.Policy | None = None, context=None, progress: bool | None = None
-) -> list[str]:
-    """``default_engine().compile(...)``: prefill each document alone, once; one cache id per document.
+def _on_default_engine(method: Callable) -> Callable:
+    """``method`` of ``PIC`` as a module function that calls it on the default engine (``pic.load``), so each
+    call's parameters are written once, on the method: the function shows its signature (without ``self``)
+    and docstring, and raises ``NoEngineError`` when no engine is loaded."""
 
-    ``progress`` shows a progress bar (default: when 8 or more chunks are new). See ``PIC.compile``.
-    """
-    return default_engine().compile(docs, policy=policy, context=context, progress=progress)
+    @functools.wraps(method)
+    def on_default_engine(*args, **kwargs):
+        return getattr(default_engine(), method.__name__)(*args, **kwargs)
 
-
-def link(
-    cache_ids: Sequence[str],
-    query,
-    *,
-    prefix="",
-    policy: str | policies.Policy | None = None,
-    relevance: Sequence[float] | None = None,
-) -> Linked:
-    """``default_engine().link(...)``: see ``PIC.link``."""
-    return default_engine().link(cache_ids, query, prefix=prefix, policy=policy, relevance=relevance)
+    signature = inspect.signature(method)
+    on_default_engine.__signature__ = signature.replace(parameters=list(signature.parameters.values())[1:])
+    on_default_engine.__module__, on_default_engine.__qualname__ = __name__, method.__name__
+    on_default_engine.__doc__ = (
+        f"``pic.default_engine().{method.__name__}(...)``: ``PIC.{method.__name__}`` on the engine ``pic.load`` "
+        f"made (``NoEngineError`` before one).\n\n{inspect.cleandoc(method.__doc__ or '')}"
+    )
+    return on_default_engine
 
 
-def link_chat(
-    cache_ids: Sequence[str],
-    messages: Sequence[dict],
-    *,
-    documents: Sequence[str] = (),
-    policy: str | policies.Policy | None = None,
-    relevance: Sequence[float] | None = None,
-    add_generation_prompt: bool = True,
-) -> Linked:
-    """``default_engine().link_chat(...)``: see ``PIC.link_chat``."""
-    return default_engine().link_chat(
-        cache_ids, messages, documents=documents, policy=policy, relevance=relevance,
-        add_generation_prompt=add_generation_prompt,
-    )  # fmt: skip
+compile = _on_default_engine(PIC.compile)  # noqa: A001
+link = _on_default_engine(PIC.link)
+link_chat = _on_default_engine(PIC.link_chat)
 
 
 __all__ = [

@@ -17,7 +17,7 @@ import torch
 from pic.config import DecodeWeights
 
 if TYPE_CHECKING:
-    from pic.api import PIC
+    from pic.engine import PIC
 
 # Short plain-text chunks of different lengths, a prefix and a query: enough to exercise several chunks,
 # each with its own BOS, at positions other than the ones they were compiled at.

@@ -92,7 +92,7 @@ def _model_options(parser: argparse.ArgumentParser) -> None:
 
 def load_engine(args: argparse.Namespace, **options: object):
     """The engine of ``--model`` / ``--gguf-file`` / ``--device`` / ``--dtype`` (``PIC.from_pretrained``)."""
-    from pic.api import PIC
+    from pic.engine import PIC
     from pic.model.loading import EMBEDDED_MODEL
 
     model = args.model or EMBEDDED_MODEL

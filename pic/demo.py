@@ -16,8 +16,7 @@ import time
 import torch
 
 from pic import policies
-from pic.api import PIC
-from pic.engine import Linked, SamplingParams
+from pic.engine import PIC, Linked, SamplingParams
 from pic.model.loading import EMBEDDED_MODEL
 
 STORIES = (

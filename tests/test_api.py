@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import subprocess
 import sys
@@ -24,6 +25,21 @@ def test_module_level_api_uses_the_default_engine():
     assert out.text and len(out.token_ids) == 16
     assert linked.link_s <= out.ttft_s <= time.perf_counter() - start
     assert list(pic.link(ids, "One day,", prefix="A story.").stream(max_new_tokens=8))
+
+
+def test_one_engine_class():
+    assert pic.PIC is pic.Engine is pic.engine.Engine
+
+
+@pytest.mark.parametrize("name", ["compile", "link", "link_chat"])
+def test_module_functions_show_the_methods_signature(name):
+    """``pic.link`` and its kin are ``PIC``'s methods on the default engine: the same parameters (names, kinds,
+    defaults, annotations) and return, without ``self``, and the method's docstring."""
+    function, method = getattr(pic, name), getattr(pic.PIC, name)
+    expected = inspect.signature(method)
+    expected = expected.replace(parameters=list(expected.parameters.values())[1:])
+    assert inspect.signature(function) == expected
+    assert function.__name__ == name and inspect.getdoc(method) in inspect.getdoc(function)
 
 
 @pytest.mark.parametrize("progress", [False, True])

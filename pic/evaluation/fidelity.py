@@ -14,8 +14,7 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from pic.api import PIC
-from pic.engine import Linked
+from pic.engine import PIC, Linked
 from pic.errors import PicError, PolicyError
 from pic.evaluation.report import FidelityReport, PolicyScore, model_fields
 from pic.evaluation.workload import Case, Workload, sample_workload

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from pic.errors import PolicyError
 
 if TYPE_CHECKING:
-    from pic.api import PIC
+    from pic.engine import PIC
 
 
 @dataclass(frozen=True)

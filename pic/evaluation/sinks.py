@@ -21,10 +21,9 @@ from typing import TypeVar
 
 import torch
 
-from pic.api import PIC
 from pic.attention import AttentionBatch
 from pic.attention.reference import attention_weights
-from pic.engine import Linked
+from pic.engine import PIC, Linked
 
 T = TypeVar("T")
 

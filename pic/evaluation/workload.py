@@ -11,8 +11,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from tqdm.auto import tqdm
 
-from pic.api import PIC
 from pic.compile import TextOrTokens
+from pic.engine import PIC
 from pic.errors import InvalidInputError
 
 # A workload file is read whole; refuse files that cannot be a reasonable workload.

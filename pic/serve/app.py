@@ -18,7 +18,7 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from pic.api import PIC
+from pic.engine import PIC
 from pic.engine import Request as PicRequest
 from pic.serve.handlers import install_error_handlers
 from pic.serve.http import Guard, error_response, pic_error_response
