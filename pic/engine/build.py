@@ -8,6 +8,7 @@ from pic.config import PICConfig, StoreConfig
 from pic.engine.core import EngineCore
 from pic.engine.kv_manager import KVManager
 from pic.kv.memory import build_kv_pool
+from pic.link.linker import Linker
 from pic.model import ModelRunner
 from pic.store import TieredStore
 from pic.store.device import DeviceTier
@@ -59,11 +60,12 @@ def build_core(
     )  # fmt: skip
     runner.attention_backend.precompile(cache.k[0], cache.v[0])  # every kernel variant, before any request
     tiers = TieredStore.from_config(store, device=DeviceTier(pool, cache), expected=expected)
-    kv = KVManager(
-        pool, cache, tiers, spec, block_size=config.block_size, share_chunk_blocks=config.share_chunk_blocks,
+    kv = KVManager(pool, cache, tiers, block_size=config.block_size)
+    linker = Linker(
+        spec, pool, block_size=config.block_size, share_chunk_blocks=config.share_chunk_blocks,
         attention_backend=runner.attention_backend.name,
     )  # fmt: skip
     return EngineCore(
-        runner=runner, tokenizer=tokenizer, pool=pool, cache=cache, store=tiers, kv=kv, config=config,
+        runner=runner, tokenizer=tokenizer, pool=pool, cache=cache, store=tiers, kv=kv, linker=linker, config=config,
         bos_token_id=bos_token_id, eos_token_ids=eos_token_ids,
     )  # fmt: skip

@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,14 +22,34 @@ from pic.compile import ChunkPrefill
 from pic.compile.prefill import lead_tokens
 from pic.config import CompileOptions
 from pic.engine.loader import Loader
-from pic.engine.sequence import Sequence
 from pic.errors import CompileOptionsMismatchError
 from pic.kv import ChunkInfo, ChunkKV
 from pic.store import TieredStore
 
+if TYPE_CHECKING:
+    from pic.engine.sequence import Sequence
+
 # Tokens of the chunks the engine remembers how to compile again (the least recently used are forgotten
 # beyond it): 4M tokens, 32 MB of int64 at most, shared with the pool's resident chunks' infos.
 _MAX_RECIPE_TOKENS = 1 << 22
+
+
+@dataclass
+class Fetch:
+    """Where a sequence's chunks are (written by ``ChunkSources`` only).
+
+    Attributes:
+        chunks: its chunks, in prompt order, once all are at hand: resident ``ChunkInfo`` or loaded ``ChunkKV``.
+        pending: chunks being fetched: cache id -> the loader's future (a lower tier) or the compile (from its
+            tokens).
+        found: chunks loaded from a lower tier for it (promoted into the pool at admission).
+        lost: chunks no tier holds: compiled again from their tokens.
+    """
+
+    chunks: list[ChunkInfo | ChunkKV] | None = None
+    pending: dict[str, Future | ChunkPrefill] = field(default_factory=dict)
+    found: dict[str, ChunkKV] = field(default_factory=dict)
+    lost: set[str] = field(default_factory=set)
 
 
 class ChunkSources:
@@ -96,7 +118,7 @@ class ChunkSources:
             self._num_recipe_tokens -= info.num_tokens
 
     def ready(self, seq: Sequence) -> bool:
-        """Whether every chunk of ``seq`` is at hand (``seq.chunks``: resident ``ChunkInfo`` or loaded
+        """Whether every chunk of ``seq`` is at hand (``seq.fetch.chunks``: resident ``ChunkInfo`` or loaded
         ``ChunkKV``); if not, starts fetching those that are not (a prefetch: it runs while others step).
 
         Raises:
@@ -104,59 +126,64 @@ class ChunkSources:
             StoreUnavailableError: Redis failed (``on_redis_error="raise"``).
             CompileOptionsMismatchError: a chunk compiled with other options than the policy needs.
         """
-        if seq.chunks is not None and not self._evicted(seq):
+        fetch = seq.fetch
+        if fetch.chunks is not None and not self._evicted(fetch):
             return True
-        for cid, fetch in list(seq.pending.items()):  # (a compile done is no longer pending: ``chunk_done``)
-            if isinstance(fetch, Future) and fetch.done():
-                del seq.pending[cid]
-                chunk = fetch.result()
+        for cid, pending in list(fetch.pending.items()):  # (a compile done is no longer pending: ``compiled``)
+            if isinstance(pending, Future) and pending.done():
+                del fetch.pending[cid]
+                chunk = pending.result()
                 if chunk is None:
-                    seq.lost.add(cid)
+                    fetch.lost.add(cid)
                 else:
-                    seq.found[cid] = chunk
+                    fetch.found[cid] = chunk
                     self.remember(chunk.info)
-        if seq.pending:
+        if fetch.pending:
             return False
-        chunks = {cid: self._find(seq, cid) for cid in dict.fromkeys(seq.cache_ids)}
-        if seq.pending:
+        chunks = {cid: self._find(fetch, cid) for cid in dict.fromkeys(seq.cache_ids)}
+        if fetch.pending:
             return False
         lost = [cid for cid, chunk in chunks.items() if chunk is None]
-        recipes = {cid: self._recipe(seq, cid) for cid in lost}  # every one known before any compile starts
+        recipes = {cid: self._recipe(fetch, cid) for cid in lost}  # every one known before any compile starts
         for cid, recipe in recipes.items():
             kept = recipe.token_ids.tolist()
             content = kept[1:] if recipe.options.add_bos else kept
-            seq.pending[cid] = self.compile(cid, content, recipe.options, waiter=seq)
-        if seq.pending:
+            fetch.pending[cid] = self.compile(cid, content, recipe.options, waiter=seq)
+        if fetch.pending:
             return False
-        seq.chunks = [self._checked(seq, chunks[cid]) for cid in seq.cache_ids]
-        seq.found, seq.lost, seq.layout = {}, set(), None
+        fetch.chunks = [self._checked(seq, chunks[cid]) for cid in seq.cache_ids]  # (a new list: laid out again)
+        fetch.found, fetch.lost = {}, set()
         return True
 
-    def _evicted(self, seq: Sequence) -> bool:
-        return any(isinstance(c, ChunkInfo) and not self.store.device.contains(c.cache_id) for c in seq.chunks)
+    def compiled(self, seq: Sequence, cache_id: str) -> None:
+        """A chunk compiled for ``seq`` is resident (and held for it): it is no longer pending."""
+        seq.fetch.pending.pop(cache_id, None)
 
-    def _find(self, seq: Sequence, cid: str) -> ChunkInfo | ChunkKV | None:
-        """The chunk if it is at hand; else ``None``: a load starts (``seq.pending``) or, when no tier holds it
-        (``seq.lost``, or no lower tier), the caller compiles it again."""
-        if cid in seq.found:  # loaded for it (asked of the pool once: a miss is counted once)
-            return seq.found[cid]
+    def _evicted(self, fetch: Fetch) -> bool:
+        return any(isinstance(c, ChunkInfo) and not self.store.device.contains(c.cache_id) for c in fetch.chunks)
+
+    def _find(self, fetch: Fetch, cid: str) -> ChunkInfo | ChunkKV | None:
+        """The chunk if it is at hand; else ``None``: a load starts (``fetch.pending``) or, when no tier holds it
+        (``fetch.lost``, or no lower tier), the caller compiles it again."""
+        if cid in fetch.found:  # loaded for it (asked of the pool once: a miss is counted once)
+            return fetch.found[cid]
         info = self.store.resident(cid)
         if info is not None:
             if (copy := self.store.recheck_due(cid)) is not None:
                 self.loader.recheck(copy)
             self.remember(info)
             return info
-        if self.loader.has_lower_tiers and cid not in seq.lost:
-            seq.pending[cid] = self.loader.load(cid)
+        if self.loader.has_lower_tiers and cid not in fetch.lost:
+            fetch.pending[cid] = self.loader.load(cid)
         return None
 
-    def _recipe(self, seq: Sequence, cid: str) -> ChunkInfo:
+    def _recipe(self, fetch: Fetch, cid: str) -> ChunkInfo:
         """What compiling ``cid`` again takes: the tokens the engine kept, or those of the sequence's own chunk.
 
         Raises:
             UnknownCacheIdError: the engine has not seen its tokens.
         """
-        recipe = self._recipes.get(cid) or next((c for c in seq.chunks or () if c.cache_id == cid), None)
+        recipe = self._recipes.get(cid) or next((c for c in fetch.chunks or () if c.cache_id == cid), None)
         if recipe is None:
             raise self.store.unknown(cid)
         return recipe

@@ -231,8 +231,9 @@ class CompileCalls:
         """Whether a loader answer waits to be taken in (``poll`` has work)."""
         return any(f.done() for call in self.open for f in (*call.checks.values(), *call.writes.values()))
 
-    def chunk_done(self, prefill: ChunkPrefill) -> None:
-        """A prefill's last piece ran: make the chunk resident, hand each waiter a hold on it, write it through."""
+    def chunk_done(self, prefill: ChunkPrefill) -> list[Sequence]:
+        """A prefill's last piece ran: make the chunk resident, hand each call waiting for it a hold on it, write
+        it through; returns the requests that waited for it (the engine holds it for them)."""
         info, blocks = prefill.finish()
         del self.sources.prefills[prefill.cache_id]
         calls = [w for w in prefill.waiters if isinstance(w, CompileCall)]
@@ -248,18 +249,12 @@ class CompileCalls:
             write = self.loader.write(self.store.copy_for_lower(info.cache_id), keep=keep)
         elif not calls and self.loader.has_lower_tiers:
             self.loader.write_back(self.store.copy_for_lower(info.cache_id))
-        for waiter in prefill.waiters:
-            held = self.pool.hold(info.cache_id)
-            if isinstance(waiter, CompileCall):
-                waiter.chunk_ready(info.cache_id, held)
-                if write is not None and waiter.job.lower_tiers:
-                    waiter.writes[info.cache_id] = write
-            elif waiter.is_finished:  # a request that ended while its chunk compiled
-                self.pool.free(held)
-            else:  # resident and held for it now: nothing of it is pending
-                waiter.held[info.cache_id] = held
-                waiter.pending.pop(info.cache_id, None)
-        self.pool.free(blocks)
+        for call in calls:
+            call.chunk_ready(info.cache_id, self.pool.hold(info.cache_id))
+            if write is not None and call.job.lower_tiers:
+                call.writes[info.cache_id] = write
+        self.pool.free(blocks)  # (resident: the requests that waited for it hold it next, before any allocation)
+        return [w for w in prefill.waiters if isinstance(w, Sequence)]
 
     def prefill_failed(self, prefill: ChunkPrefill, error: Exception) -> list[Sequence]:
         """A prefill cannot run: its blocks go, its calls fail; returns the requests that waited for it."""

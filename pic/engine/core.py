@@ -15,19 +15,23 @@ from concurrent.futures import Future
 
 import torch
 
+from pic.compile import ChunkPrefill
 from pic.config import PICConfig
+from pic.engine.batch import ScheduledBatch, StepOutput
 from pic.engine.chunk_sources import ChunkSources
 from pic.engine.compile_call import CompileCalls
 from pic.engine.decoding import Decoder
 from pic.engine.generation import FinishReason
 from pic.engine.kv_manager import KVManager
 from pic.engine.loader import Loader
-from pic.engine.outputs import finish_output, link_output
+from pic.engine.outputs import finish_output, link_output, token_output
 from pic.engine.request import CompileJob, NewRequest, OutputSink, RequestOutput
 from pic.engine.sampling import SamplingParams
-from pic.engine.scheduler import ScheduledBatch, Scheduler
-from pic.engine.sequence import Sequence, Status, decode_inputs
+from pic.engine.scheduler import Scheduler
+from pic.engine.sequence import Sequence, Status
+from pic.errors import PicError
 from pic.kv import BlockPool, KVCache
+from pic.link.linker import Linker
 from pic.model import ModelRunner
 from pic.store import TieredStore
 
@@ -43,6 +47,7 @@ class EngineCore:
         pool, cache: the KV pool's allocator and tensors.
         store: the chunk store; its device tier is the pool's resident chunks.
         kv: the block work of admission, growth, preemption and release.
+        linker: plans each request's link and its recompute pass.
         config: the engine's options.
         bos_token_id: written before a chunk when compiling (``None``: the model has none).
         eos_token_ids: tokens that end a generation.
@@ -58,6 +63,7 @@ class EngineCore:
         cache: KVCache,
         store: TieredStore,
         kv: KVManager,
+        linker: Linker,
         config: PICConfig,
         bos_token_id: int | None,
         eos_token_ids: frozenset[int],
@@ -66,12 +72,13 @@ class EngineCore:
         self.loader = Loader(store, wake=lambda: self.wake())
         self.sources = ChunkSources(store, self.loader, bos_token_id=bos_token_id, next_order=time.perf_counter)
         self.compiles = CompileCalls(self.sources, self.loader, pool, kv_bytes_per_token=runner.spec.kv_bytes_per_token)
+        self.linker = linker
         self.scheduler = Scheduler(
-            kv, self.sources, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-            prefill_order=config.prefill_order, compile_share=config.compile_share,
-            frees_soon=lambda: self.compiles.num_writing > 0,
+            kv, linker, self.sources, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens, prefill_order=config.prefill_order,
+            compile_share=config.compile_share, frees_soon=lambda: self.compiles.num_writing > 0,
         )  # fmt: skip
-        self.decoder = Decoder(runner, tokenizer, eos_token_ids=eos_token_ids, finish=self._finish)
+        self.decoder = Decoder(runner, tokenizer, eos_token_ids=eos_token_ids)
         self.num_steps = self.num_batched_seqs = 0  # steps that ran a forward, and the sequences in them
         self._seqs: dict[int, Sequence] = {}  # every unfinished sequence (parked ones included)
         self.wake = lambda: None  # set by the core thread
@@ -83,7 +90,7 @@ class EngineCore:
         seq = Sequence(new)
         self._seqs[seq.request_id] = seq
         if seq.sampling is not None:
-            self.decoder.start(seq, seq.sampling)
+            seq.generate(seq.sampling, self.decoder.start(seq.sampling))
         self.scheduler.add(seq)
 
     def resume(self, request_id: int, params: SamplingParams, *, link_s: float, sink: OutputSink) -> bool:
@@ -92,8 +99,7 @@ class EngineCore:
         seq = self._seqs.get(request_id)
         if seq is None or seq.status is not Status.PARKED:
             return False
-        self.decoder.start(seq, params)
-        seq.sampling, seq.link_s, seq.resumed_s, seq.sink = params, link_s, time.perf_counter(), sink
+        seq.generate(params, self.decoder.start(params), sink=sink, link_s=link_s)
         self.scheduler.add(seq)
         return True
 
@@ -121,8 +127,8 @@ class EngineCore:
         steps their client asks for. Sequences waiting on the loader do not count until it answers."""
         sched = self.scheduler
         seqs = [s for s in (*sched.waiting, *sched.prefilling, *sched.running) if paced or not s.paced]
-        ready = any(s.status is Status.RUNNING or not s.pending or any(f.done() for f in s.pending.values()
-                    if isinstance(f, Future)) for s in seqs)  # fmt: skip
+        ready = any(s.status is Status.RUNNING or not s.fetch.pending or any(f.done() for f in
+                    s.fetch.pending.values() if isinstance(f, Future)) for s in seqs)  # fmt: skip
         return ready or self._prefill_work() or self.compiles.has_news
 
     def _prefill_work(self) -> bool:
@@ -151,90 +157,120 @@ class EngineCore:
         """``[N, vocab_size]`` float32 logits of final hidden states ``hidden`` ``[N, hidden_size]``."""
         return self.runner.logits(hidden)
 
-    # -- the step: schedule -> run -> postprocess --------------------------------------------------------
+    # -- the step: schedule -> run -> update ----------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Take in store answers, schedule, run one batched forward, postprocess; returns what each request
-        produced (already in its sink)."""
+        """Take in store answers, schedule, run one batched forward (and the second forward of the probes that
+        ended in it), update every work item from its output; returns what each request produced (already in
+        its sink)."""
         self.compiles.poll()
         batch = self.scheduler.schedule()
         outputs = [self._finish(seq, why) for seq, why in batch.failed]
         for prefill, error in batch.failed_prefills:
-            outputs += [self._finish(seq, error) for seq in self.compiles.prefill_failed(prefill, error)]
+            outputs += self._prefill_failed(prefill, error)
         if batch.resumed:  # their first token comes from the hidden state their pass left: no need to wait
-            outputs += self._start_generating(batch.resumed)  # for this step's forward
+            outputs += self._sampled([(seq, seq.query_hidden[-1]) for seq in batch.resumed])  # for the forward
         if batch.has_forward:
             outputs += self._run(batch)
         self.compiles.poll()
         return outputs
 
     def _run(self, batch: ScheduledBatch) -> list[RequestOutput]:
-        """The forward over the batch's passes, pieces and decode tokens, then one token per sampling sequence."""
-        start = time.perf_counter()
-        passes = batch.prefills + batch.partial  # (passes that end this step first: second passes index them)
-        for seq in passes:
-            seq.scheduled_s = seq.scheduled_s or start
-        inputs = [seq.pass_.seq_input(seq.num_piece_tokens) for seq in passes] + [piece for _, piece in batch.pieces]
-        inputs += decode_inputs(batch.decodes, self.runner.spec.device)
+        """The forward over the batch's work, the probes' second forward, then the update from their results."""
         try:
-            hidden = self.runner.forward(inputs) if inputs else []
-            hidden, failed = self.decoder.second_passes(self.kv, batch.prefills, hidden)
+            out = batch.outputs(self.runner.forward(batch.inputs(self.runner.spec.device)))
+            failed = self._second_passes(out)
         except Exception as exc:  # the batch's work fails; the engine and every other request go on
             log.exception("pic: a forward failed")
-            outputs = [self._finish(seq, exc) for seq in passes + batch.decodes]
-            for prefill, _ in batch.pieces:
-                outputs += [self._finish(seq, exc) for seq in self.compiles.prefill_failed(prefill, exc)]
-            return outputs
-        outputs = [self._finish(seq, exc) for seq, exc in failed]
-        self.num_steps += bool(inputs)
-        self.num_batched_seqs += len(inputs)
-        for prefill, _ in batch.pieces:
-            if prefill.is_done:
-                self.compiles.chunk_done(prefill)
-        return outputs + self._postprocess(batch, hidden)
+            outputs = [self._finish(seq, exc) for seq in batch.sequences() if not seq.is_finished]
+            return outputs + [o for prefill, _ in batch.pieces for o in self._prefill_failed(prefill, exc)]
+        self.num_steps += 1
+        self.num_batched_seqs += len(batch.passes) + len(batch.pieces) + len(batch.decodes)
+        return [self._finish(seq, exc) for seq, exc in failed] + self.update_from_output(out)
 
-    def _postprocess(self, batch: ScheduledBatch, hidden: list[torch.Tensor]) -> list[RequestOutput]:
-        """Park the linked sequences, sample a token for every sequence that generates."""
-        now = time.perf_counter()
+    def _second_passes(self, out: StepOutput) -> list[tuple[Sequence, Exception]]:
+        """The probes that ended in this forward (query-aware policies): each policy chooses from its probe, the
+        chunk blocks its second pass writes become private copies, and one more forward runs the second passes
+        together; their results replace the probes' in ``out``. Returns the requests whose policy failed on its
+        probe (a malformed choice, an exception of its own), with why."""
+        probed, failed = [], []
+        for i, (piece, _) in enumerate(out.passes):
+            if piece.ends and piece.seq.link.pass_.is_probe:
+                try:
+                    self.kv.copy_written(piece.seq, self.linker.probe_done(piece.seq.link))
+                    probed.append(i)
+                except Exception as exc:  # a policy's own bug fails its request, not the batch
+                    if not isinstance(exc, PicError):
+                        log.exception("pic: policy %r failed on its probe", piece.seq.policy.spec)
+                    failed.append((piece.seq, exc))
+        if probed:
+            second = self.runner.forward([out.passes[i][0].seq.link.pass_.seq_input() for i in probed])
+            for i, h in zip(probed, second, strict=True):
+                out.passes[i] = (out.passes[i][0], h)
+        return failed
+
+    def update_from_output(self, out: StepOutput) -> list[RequestOutput]:
+        """After the forward, in one place: end the passes (park a link, or sample its first token), make the
+        chunks compiled resident, sample one token per decoding sequence."""
         rows: list[tuple[Sequence, torch.Tensor]] = []
-        parked = []
-        for seq, h in zip(batch.prefills, hidden, strict=False):
-            if seq.is_finished:  # its policy failed on its probe
+        parked: list[Sequence] = []
+        for piece, h in out.passes:
+            seq = piece.seq
+            if not piece.ends or seq.is_finished:  # (goes on next step; or its policy failed on its probe)
                 continue
+            self.linker.pass_done(seq.link)
             self.kv.pass_done(seq)
-            seq.linked_s = seq.linked_s or now
             if seq.sampling is None:  # PIC.link: park with the query's hidden states (Linked.logits)
                 seq.park(h)
                 parked.append(seq)
             else:
                 seq.run()
                 rows.append((seq, h[-1]))
+        for prefill in out.pieces:
+            if prefill.is_done:
+                self._chunk_done(prefill)
         if parked and self.runner.spec.device.type == "cuda":
             torch.cuda.synchronize(self.runner.spec.device)  # link returns with the pass done (its time is honest)
         for seq in parked:
             seq.sink.put(link_output(seq))
-        num_before = len(batch.prefills) + len(batch.partial) + len(batch.pieces)
-        rows += [(seq, h[-1]) for seq, h in zip(batch.decodes, hidden[num_before:], strict=True)]
-        return self.decoder.sample_and_append(rows)
+        return self._sampled(rows + [(seq, h[-1]) for seq, h in out.decodes])
 
-    def _start_generating(self, resumed: list[Sequence]) -> list[RequestOutput]:
-        """The first token of each parked sequence whose generation starts, from its query's last hidden state."""
-        for seq in resumed:
-            seq.run()
-        return self.decoder.sample_and_append([(seq, seq.query_hidden[-1]) for seq in resumed])
+    def _sampled(self, rows: list[tuple[Sequence, torch.Tensor]]) -> list[RequestOutput]:
+        """Sample a token for each ``(sequence, final hidden state)``; put it out, or finish the sequence."""
+        outputs = []
+        for sampled in self.decoder.sample(rows):
+            seq = sampled.seq
+            if sampled.finish is None:
+                outputs.append(token_output(seq, sampled.text, sampled.token))
+                seq.sink.put(outputs[-1])
+            else:
+                outputs.append(self._finish(seq, sampled.finish, text=sampled.text, token=sampled.token))
+        return outputs
+
+    def _chunk_done(self, prefill: ChunkPrefill) -> None:
+        """A chunk's last piece ran: it is resident; each request that waited for it holds it now."""
+        for seq in self.compiles.chunk_done(prefill):
+            if seq.is_finished:  # a request that ended while its chunk compiled
+                continue
+            self.kv.hold(seq, prefill.cache_id)
+            self.sources.compiled(seq, prefill.cache_id)
+
+    def _prefill_failed(self, prefill: ChunkPrefill, error: Exception) -> list[RequestOutput]:
+        """A chunk prefill cannot run: its compile calls fail, and so do the requests that waited for it."""
+        return [self._finish(seq, error) for seq in self.compiles.prefill_failed(prefill, error)]
 
     def _finish(
         self, seq: Sequence, why: FinishReason | Exception, *, text: str = "", token: int | None = None
     ) -> RequestOutput:
         """Free the sequence's blocks, end it, and hand its last output over."""
         self.scheduler.remove(seq)
-        self.kv.release(seq)
+        self.kv.free(seq)
         if why is FinishReason.KV_POOL:
             log.warning(
                 "pic: request %d stopped after %d tokens: the KV pool is full", seq.request_id, len(seq.output_ids)
             )
-        if not isinstance(why, Exception) and seq.detokenizer is not None:
-            text += seq.detokenizer.flush()
+        if not isinstance(why, Exception):
+            text += self.decoder.flush(seq)
         seq.finish(why)
         out = finish_output(seq, text=text, token=token)
         del self._seqs[seq.request_id]

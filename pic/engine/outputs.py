@@ -18,15 +18,15 @@ def token_output(seq: Sequence, text: str, token: int) -> RequestOutput:
 def link_output(seq: Sequence) -> LinkOutput:
     """What ``PIC.link`` gets for a parked sequence: its layout, what its pass recomputed, its query's
     final hidden states."""
-    result = seq.first_pass
+    result = seq.link.first_pass
     return LinkOutput(
         request_id=seq.request_id,
-        layout=seq.layout,
+        layout=seq.link.layout,
         recomputed=result.recomputed,
         recomputed_by_layer=result.recomputed_by_layer,
-        num_shared_blocks=seq.num_shared_blocks,
-        num_private_blocks=seq.num_private_blocks,
-        block_ids=tuple(seq.kv.blocks),
+        num_shared_blocks=seq.blocks.num_shared,
+        num_private_blocks=seq.blocks.num_private,
+        block_ids=tuple(seq.blocks.kv.blocks),
         query_hidden=seq.query_hidden,
         probe=result.probe,
         policy=seq.policy,
@@ -45,17 +45,18 @@ def finish_output(seq: Sequence, *, text: str = "", token: int | None = None) ->
 
 
 def _generation(seq: Sequence, why: FinishReason) -> Generation:
-    end = time.perf_counter()
-    first = seq.first_token_s or end
-    scheduled = seq.scheduled_s or end
-    if seq.link_s is not None:  # Linked.generate: the link call, then the first token's step
-        link_s = seq.link_s
-        ttft_s = link_s + (first - (seq.resumed_s or first))
+    end, times = time.perf_counter(), seq.times
+    first = times.first_token_s or end
+    scheduled = times.scheduled_s or end
+    if times.link_s is not None:  # Linked.generate: the link call, then the first token's step
+        link_s = times.link_s
+        ttft_s = link_s + (first - (times.resumed_s or first))
     else:
-        link_s = (seq.linked_s or scheduled) - scheduled
-        ttft_s = first - seq.arrival_s
+        link_s = (times.linked_s or scheduled) - scheduled
+        ttft_s = first - times.arrival_s
     num_prompt = seq.num_prompt_tokens if seq.chunks is not None else 0
-    num_recomputed = int(seq.first_pass.recomputed.sum()) if seq.first_pass else 0
+    first_pass = seq.link.first_pass
+    num_recomputed = int(first_pass.recomputed.sum()) if first_pass else 0
     stats = GenerationStats(
         num_prompt_tokens=num_prompt,
         num_recomputed_tokens=num_recomputed,
@@ -65,8 +66,8 @@ def _generation(seq: Sequence, why: FinishReason) -> Generation:
         ttft_s=ttft_s,
         decode_s=end - first,
         finish_reason=why,
-        queue_s=scheduled - seq.arrival_s,
+        queue_s=scheduled - times.arrival_s,
         num_preemptions=seq.num_preemptions,
     )
-    text = seq.detokenizer.text if seq.detokenizer is not None else ""
+    text = seq.decoding.detokenizer.text if seq.decoding is not None else ""
     return Generation(text=text, token_ids=list(seq.output_ids), ttft_s=ttft_s, stats=stats)

@@ -22,55 +22,22 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from pic.compile import ChunkPrefill
 from pic.config import PrefillOrder
+from pic.engine.batch import PassPiece, ScheduledBatch
 from pic.engine.chunk_sources import ChunkSources
 from pic.engine.generation import FinishReason
 from pic.engine.kv_manager import KVManager
 from pic.engine.sequence import Sequence
 from pic.errors import KVPoolExhaustedError, PicError
-from pic.model import SeqInput
-
-
-@dataclass
-class ScheduledBatch:
-    """One step's work.
-
-    Attributes:
-        prefills: admitted this step: their recompute pass runs (``Sequence.pass_`` is set).
-        decodes: running: their last token runs (``Sequence.next_slot`` is reserved).
-        resumed: parked sequences whose generation starts: their first token is sampled from the
-            hidden state their pass left (no forward).
-        partial: admitted sequences whose recompute pass runs a piece this step and goes on in the next
-            (``Sequence.num_piece_tokens``; chunked prefill of a long static pass).
-        pieces: chunk prefills and their part of this step's forward.
-        failed: sequences that cannot run, with the error or the reason they finish early.
-        failed_prefills: chunk prefills that cannot run, with the error.
-    """
-
-    prefills: list[Sequence] = field(default_factory=list)
-    decodes: list[Sequence] = field(default_factory=list)
-    resumed: list[Sequence] = field(default_factory=list)
-    partial: list[Sequence] = field(default_factory=list)
-    pieces: list[tuple[ChunkPrefill, SeqInput]] = field(default_factory=list)
-    failed: list[tuple[Sequence, Exception | FinishReason]] = field(default_factory=list)
-    failed_prefills: list[tuple[ChunkPrefill, Exception]] = field(default_factory=list)
-
-    @property
-    def has_prefill_work(self) -> bool:
-        """Whether a recompute pass or a chunk prefill runs in this step."""
-        return bool(self.prefills or self.partial or self.pieces)
-
-    @property
-    def has_forward(self) -> bool:
-        return bool(self.decodes) or self.has_prefill_work
+from pic.link.linker import Linker
 
 
 class Scheduler:
     """Args:
     kv: does the pool work of its decisions.
+    linker: plans what a waiting sequence's admission takes, and sets up its pass.
     sources: fetches waiting sequences' chunks; holds the queue of chunk prefills.
     max_num_seqs: most sequences running at once (parked ones do not count).
     max_num_batched_tokens: most tokens per forward; a recompute pass larger than it runs alone.
@@ -82,6 +49,7 @@ class Scheduler:
     def __init__(
         self,
         kv: KVManager,
+        linker: Linker,
         sources: ChunkSources,
         *,
         max_num_seqs: int,
@@ -90,7 +58,7 @@ class Scheduler:
         compile_share: float = 0.125,
         frees_soon: Callable[[], bool] = lambda: False,
     ) -> None:
-        self.kv, self.sources, self.frees_soon = kv, sources, frees_soon
+        self.kv, self.linker, self.sources, self.frees_soon = kv, linker, sources, frees_soon
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.prefill_order, self.compile_share = prefill_order, compile_share
         self.waiting: deque[Sequence] = deque()
@@ -132,7 +100,7 @@ class Scheduler:
                 elif not self._drop_holds(keep=None):  # (chunks kept for waiting sequences let go: look again)
                     break
             else:
-                seq.next_slot = self.kv.append(seq)
+                self.kv.append(seq)
                 batch.decodes.append(seq)
                 self.running.append(seq)
                 continue
@@ -205,10 +173,10 @@ class Scheduler:
         ``KVPoolExhaustedError`` (blocks needed and available)."""
         if not prefill.is_started:
             if not self.kv.can_start(prefill, reserved=reserved):
-                if not self._busy(batch) and not self.frees_soon() and not self._drop_holds(keep=None):
-                    what = f"compiling chunk {prefill.cache_id} ({len(prefill.token_ids)} tokens)"
+                stuck = not self._busy(batch) and not self.frees_soon() and not self._drop_holds(keep=None)
+                if stuck and not self.kv.can_start(prefill):  # (not even beside nothing set aside)
                     try:
-                        self.kv.pool.check_available(prefill.num_blocks(self.kv.pool.block_size), what=what)
+                        self.kv.start(prefill)  # raises, with the blocks needed and available
                     except KVPoolExhaustedError as exc:
                         batch.failed_prefills.append((prefill, exc))
                 return False
@@ -222,12 +190,13 @@ class Scheduler:
         """Admit a waiting sequence: ``(tokens, blocks reserved)`` it takes, ``(0, 0)`` when it is passed over
         (its chunks are being fetched, or it failed), ``None`` when it must wait and the ones after it too."""
         if seq in self.prefilling:  # its pass goes on
-            if seq.pass_.piece_size(budget) > budget and batch.has_prefill_work:
+            if seq.link.pass_.piece_size(budget) > budget and batch.has_prefill_work:
                 return None
             return self._place(seq, batch, budget=budget), 0
-        if len(self.running) + len(self.prefilling) + len(batch.prefills) >= self.max_num_seqs:
+        num_ending = sum(p.ends for p in batch.passes)
+        if len(self.running) + len(self.prefilling) + num_ending >= self.max_num_seqs:
             return None
-        if seq.kv is not None:  # parked, generation starting: no blocks, no forward
+        if seq.blocks.kv is not None:  # parked, generation starting: no blocks, no forward
             self.waiting.remove(seq)
             batch.resumed.append(seq)
             self.running.append(seq)
@@ -236,47 +205,50 @@ class Scheduler:
         try:
             if not self.sources.ready(seq):  # (again: this step's admissions may have evicted a chunk)
                 return 0, 0
-            plan = self.kv.plan(seq)
-            num_tokens = int(seq.selected.sum())
-            reserve = self.kv.probe_reserve(plan, seq)
-            if self.kv.probes(seq):
-                num_tokens += plan.layout.query.num_tokens  # the second pass runs the query again
+            plan = self.linker.plan(
+                seq.link, prefix=seq.prefix_ids, chunks=seq.chunks,
+                query=seq.query_ids + seq.output_ids, num_generated=len(seq.output_ids), relevance=seq.relevance,
+            )  # fmt: skip
             # a larger pass runs in pieces, or (not splittable) with no other prefill work beside it
-            if num_tokens > budget and not self.kv.can_chunk(seq, plan) and batch.has_prefill_work:
+            if plan.num_tokens > budget and not plan.chunkable and batch.has_prefill_work:
                 return None
-            if not self.kv.can_admit(plan, seq, reserved=reserved + reserve):
+            if not self.kv.can_allocate(seq, plan, reserved=reserved):
                 if busy:
                     return None
-                self._drop_holds(keep=seq)
-                self.kv.check_admit(plan, seq, reserved=reserved + reserve)  # KVPoolExhaustedError
-            self.kv.admit(plan, seq, num_output_rows=1 if seq.sampling else len(seq.query_ids))
+                self._drop_holds(keep=seq)  # (then a KVPoolExhaustedError from allocate if it still does not fit)
+            assembly = self.kv.allocate(seq, plan, reserved=reserved)
         except PicError as exc:
             self.waiting.remove(seq)
             out_of_blocks = isinstance(exc, KVPoolExhaustedError) and seq.output_ids
             batch.failed.append((seq, FinishReason.KV_POOL if out_of_blocks else exc))
             return 0, 0
+        num_rows = 1 if seq.sampling else len(seq.query_ids)
+        self.linker.start(seq.link, plan, seq.blocks.kv, assembly=assembly, num_output_rows=num_rows)
+        seq.admitted()
         self.waiting.remove(seq)
-        extra = num_tokens - seq.pass_.num_tokens  # a probe's second pass
-        return extra + self._place(seq, batch, budget=budget), reserve
+        extra = plan.num_tokens - seq.link.pass_.num_tokens  # a probe's second pass
+        return extra + self._place(seq, batch, budget=budget), plan.num_reserved
 
     def _place(self, seq: Sequence, batch: ScheduledBatch, *, budget: int) -> int:
         """Schedule the next piece of an admitted sequence's pass: all that is left, or (a pass that runs in
         pieces) what the budget holds; returns its tokens. A sequence whose pass ends this step decodes next."""
-        num_tokens = seq.num_piece_tokens = seq.pass_.piece_size(budget)
-        if num_tokens < seq.pass_.num_left:
+        pass_ = seq.link.pass_
+        num_tokens = pass_.piece_size(budget)
+        ends = num_tokens == pass_.num_left
+        batch.passes.append(PassPiece(seq, num_tokens, ends))
+        if not ends:
             if seq not in self.prefilling:
                 self.prefilling.append(seq)
-            batch.partial.append(seq)
             return num_tokens
         if seq in self.prefilling:
             self.prefilling.remove(seq)
-        batch.prefills.append(seq)
         if seq.sampling is not None:
             self.running.append(seq)
         return num_tokens
 
     def _preempt(self, seq: Sequence) -> None:
         self.kv.preempt(seq)
+        self.linker.forget_pass(seq.link)
         seq.preempt()
         self.waiting.appendleft(seq)
 
@@ -284,7 +256,6 @@ class Scheduler:
         """Release the chunks waiting sequences keep resident (all but ``keep``'s); whether any were."""
         dropped = False
         for seq in self.waiting:
-            if seq is not keep and seq.held:
-                self.kv.drop_holds(seq)
-                dropped = True
+            if seq is not keep:
+                dropped |= self.kv.drop_holds(seq)
         return dropped

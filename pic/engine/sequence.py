@@ -1,23 +1,25 @@
-"""A request's state inside the engine, from arrival to its last token: ``Sequence``, whose status changes only
-through its own methods (``wait``, ``run``, ``park``, ``preempt``, ``finish``)."""
+"""A request's state inside the engine, from arrival to its last token: ``Sequence``, whose own fields change only
+through its own methods (``wait``, ``generate``, ``admitted``, ``run``, ``park``, ``append``, ``preempt``,
+``finish``), and whose parts each have one owner (fetch, link, blocks, decoding)."""
 
 from __future__ import annotations
 
 import enum
 import time
-from concurrent.futures import Future
+from dataclasses import dataclass
 
 import torch
 
-from pic.compile import ChunkPrefill
-from pic.engine.detokenizer import Detokenizer
+from pic.engine.chunk_sources import Fetch
+from pic.engine.decoding import Decoding
 from pic.engine.generation import FinishReason
+from pic.engine.kv_manager import SeqBlocks
 from pic.engine.request import NewRequest, OutputSink
 from pic.engine.sampling import SamplingParams
-from pic.kv import ChunkInfo, ChunkKV, RequestKV
+from pic.kv import ChunkInfo, ChunkKV
 from pic.kv.transfer import to_device
-from pic.link import Layout
-from pic.link.recompute import PassResult, RecomputePass
+from pic.link.linker import LinkState
+from pic.link.policies import Policy
 from pic.model import SeqInput
 
 
@@ -31,11 +33,32 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
+@dataclass
+class Timings:
+    """When a sequence reached each point of its life (``time.perf_counter``; written by ``Sequence`` only).
+
+    Attributes:
+        arrival_s: queued; also its place in the arrival order of prefill work.
+        scheduled_s: first admitted. linked_s: first recompute pass done. resumed_s: generation started (a
+        parked sequence: ``Linked.generate``). first_token_s: its first token sampled. link_s: ``PIC.link``'s
+        wall time, for a parked sequence.
+    """
+
+    arrival_s: float
+    scheduled_s: float | None = None
+    linked_s: float | None = None
+    resumed_s: float | None = None
+    first_token_s: float | None = None
+    link_s: float | None = None
+
+
 class Sequence:
     """One request: its prompt pieces, its KV once admitted, its tokens, timings, and how it ended.
 
-    Only the engine's own thread (``EngineCore``) creates, reads or changes a sequence: other threads
-    see what it puts in ``sink``.
+    Only the engine's own thread (``EngineCore``) creates, reads or changes a sequence: other threads see what
+    it puts in ``sink``. Each part has one writer: the request's fields, status, tokens and ``times`` change
+    only through the methods below; ``fetch`` is ``ChunkSources``'s, ``link`` the ``Linker``'s, ``blocks`` the
+    ``KVManager``'s, ``decoding`` the ``Decoder``'s (made by it, handed over by ``generate``).
 
     ``new`` is the request as its client sent it (``sampling=None``: park after the recompute pass).
     """
@@ -47,43 +70,18 @@ class Sequence:
         prompt = new.prompt
         self.cache_ids, self.prefix_ids, self.query_ids = prompt.cache_ids, prompt.prefix_ids, prompt.query_ids
         self.relevance = prompt.relevance
-        self.policy, self.compile_options = new.policy, new.compile_options
+        self.compile_options = new.compile_options
         self.sampling: SamplingParams | None = new.sampling
         self.sink: OutputSink = new.sink
         self.paced = new.paced
         self.status = Status.WAITING
-        self.arrival_s = time.perf_counter()
-        self.order = self.arrival_s  # its place in the first-come-first-served order of prefill work
-        self.scheduled_s: float | None = None  # first admitted
-        self.linked_s: float | None = None  # first recompute pass done
-        self.resumed_s: float | None = None  # generation started (parked sequences: ``Linked.generate``)
-        self.first_token_s: float | None = None
-        self.link_s: float | None = None  # ``PIC.link``'s wall time, for a parked sequence
-        self.chunks: list[ChunkInfo | ChunkKV] | None = None  # resolved before its first admission
-        # Chunks being fetched: cache id -> the loader's future (a lower tier) or the compile (from its tokens);
-        # and the ones found in a lower tier, promoted into the pool at admission.
-        self.pending: dict[str, Future | ChunkPrefill] = {}
-        self.found: dict[str, ChunkKV] = {}
-        self.lost: set[str] = set()  # chunks no tier holds: compiled again from their tokens
-        self.layout: Layout | None = None  # of prompt + generated tokens: a preempted sequence is re-laid out
-        self.selected: torch.Tensor | None = None  # [T] bool, the policy's recompute mask for ``layout``
-        self.kv: RequestKV | None = None
-        self.held: dict[str, list[int]] = {}  # chunk blocks kept while preempted
-        self.pass_: RecomputePass | None = None  # the recompute pass under way
-        self.num_piece_tokens: int | None = None  # tokens of it the current step runs (chunked prefill)
-        # Query-aware policies: the chunk tokens the probe chose (``[n]`` bool over the prompt's tokens before the
-        # query), kept so a preempted sequence runs the same second pass, not a new probe; and the probe pass's
-        # result until the second pass is done.
-        self.probed_chunks: torch.Tensor | None = None
-        self.probe_result: PassResult | None = None
-        self.shared_blocks: set[int] = set()  # table entries mapping a chunk's canonical block (no copy)
-        self.next_slot: int | None = None  # the slot of the token a decode step runs
-        self.first_pass: PassResult | None = None
-        self.num_shared_blocks = self.num_private_blocks = 0
+        self.times = Timings(arrival_s=time.perf_counter())
+        self.fetch = Fetch()
+        self.link = LinkState(new.policy)
+        self.blocks = SeqBlocks()
+        self.decoding: Decoding | None = None
         self.query_hidden: torch.Tensor | None = None  # [num_query, hidden] final hidden states (parked)
         self.output_ids: list[int] = []
-        self.detokenizer: Detokenizer | None = None
-        self.generator: torch.Generator | None = None
         self.num_preemptions = 0
         self.finish_reason: FinishReason | None = None
         self.error: Exception | None = None
@@ -95,16 +93,36 @@ class Sequence:
         assert self.status in (Status.WAITING, Status.PARKED), self
         self.status = Status.WAITING
 
+    def generate(
+        self, params: SamplingParams, decoding: Decoding, *, sink: OutputSink | None = None, link_s: float | None = None
+    ) -> None:
+        """Generate with ``params`` (a parked sequence: from now on, its outputs to ``sink``; ``link_s``: the
+        ``PIC.link`` call's wall time)."""
+        self.sampling, self.decoding = params, decoding
+        if sink is not None:
+            self.sink, self.times.link_s, self.times.resumed_s = sink, link_s, time.perf_counter()
+
+    def admitted(self) -> None:
+        """Its blocks were taken: its pass runs from now on."""
+        self.times.scheduled_s = self.times.scheduled_s or time.perf_counter()
+
     def run(self) -> None:
         """Its recompute pass ran (or a parked one's generation started): it decodes from now on."""
         assert self.status is Status.WAITING, self
         self.status = Status.RUNNING
+        self.times.linked_s = self.times.linked_s or time.perf_counter()
 
     def park(self, query_hidden: torch.Tensor) -> None:
         """Linked (``PIC.link``): hold the KV and the query's final hidden states ``[num_query, hidden_size]``
         until ``Linked.generate`` resumes it."""
         assert self.status is Status.WAITING, self
         self.status, self.query_hidden = Status.PARKED, query_hidden
+        self.times.linked_s = self.times.linked_s or time.perf_counter()
+
+    def append(self, token: int) -> None:
+        """A token was sampled."""
+        self.times.first_token_s = self.times.first_token_s or time.perf_counter()
+        self.output_ids.append(token)
 
     def preempt(self) -> None:
         """Its blocks were freed for others: back to waiting, for a fresh pass over its prompt and output."""
@@ -123,14 +141,30 @@ class Sequence:
     # -- reads ------------------------------------------------------------------------------------------
 
     @property
+    def order(self) -> float:
+        """Its place in the arrival order of prefill work."""
+        return self.times.arrival_s
+
+    @property
+    def policy(self) -> Policy:
+        """The policy it links with (the one chosen for its layout, once laid out)."""
+        return self.link.policy
+
+    @property
+    def chunks(self) -> list[ChunkInfo | ChunkKV] | None:
+        """Its chunks, resolved before its first admission (``ChunkSources.ready``)."""
+        return self.fetch.chunks
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prefix_ids) + sum(c.num_tokens for c in self.chunks or ()) + len(self.query_ids)
 
     def decode_position(self) -> int:
         """The logical position of the token a decode step runs (the last one sampled): after the laid-out
         prompt (which holds the tokens generated before a preemption) and the tokens sampled since."""
-        num_laid_out = self.layout.num_tokens - self.num_prompt_tokens  # generated tokens in the layout
-        return self.layout.end_position + len(self.output_ids) - num_laid_out - 1
+        layout = self.link.layout
+        num_laid_out = layout.num_tokens - self.num_prompt_tokens  # generated tokens in the layout
+        return layout.end_position + len(self.output_ids) - num_laid_out - 1
 
     @property
     def is_finished(self) -> bool:
@@ -148,12 +182,12 @@ def decode_inputs(seqs: list[Sequence], device: torch.device) -> list[SeqInput]:
     """
     if not seqs:
         return []
-    host = [[s.output_ids[-1] for s in seqs], [s.decode_position() for s in seqs], [s.next_slot for s in seqs]]
+    host = [[s.output_ids[-1] for s in seqs], [s.decode_position() for s in seqs], [s.blocks.next_slot for s in seqs]]
     tokens, positions, slots = to_device(torch.tensor(host, dtype=torch.long), device)  # [3, B] -> rows
     first_row = torch.zeros(1, dtype=torch.long, device=device)  # output_rows of every sequence (read only)
     return [
         SeqInput(
-            kv=s.kv,
+            kv=s.blocks.kv,
             token_ids=tokens[i : i + 1],
             positions=positions[i : i + 1],
             slots=slots[i : i + 1],

@@ -1,0 +1,97 @@
+"""``ScheduledBatch``: one step's work as the scheduler chose it, the forward's inputs built from it and the
+forward's results handed back by work item (``StepOutput``), both in one order, written once here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from pic.compile import ChunkPrefill
+from pic.engine.generation import FinishReason
+from pic.engine.sequence import Sequence, decode_inputs
+from pic.model import SeqInput
+
+
+@dataclass(frozen=True, eq=False)
+class PassPiece:
+    """A recompute pass's part of a step.
+
+    Attributes:
+        seq: the admitted sequence (its ``link.pass_`` is set).
+        num_tokens: tokens of its pass this step runs.
+        ends: its pass ends this step (else it goes on in the next: chunked prefill of a long static pass).
+    """
+
+    seq: Sequence
+    num_tokens: int
+    ends: bool
+
+
+@dataclass
+class ScheduledBatch:
+    """One step's work, in the order its forward runs it.
+
+    Attributes:
+        passes: recompute passes (or pieces of them) of admitted sequences.
+        pieces: chunk prefills and their part of this step's forward.
+        decodes: running: their last token runs (``SeqBlocks.next_slot`` is reserved).
+        resumed: parked sequences whose generation starts: their first token is sampled from the
+            hidden state their pass left (no forward).
+        failed: sequences that cannot run, with the error or the reason they finish early.
+        failed_prefills: chunk prefills that cannot run, with the error.
+    """
+
+    passes: list[PassPiece] = field(default_factory=list)
+    pieces: list[tuple[ChunkPrefill, SeqInput]] = field(default_factory=list)
+    decodes: list[Sequence] = field(default_factory=list)
+    resumed: list[Sequence] = field(default_factory=list)
+    failed: list[tuple[Sequence, Exception | FinishReason]] = field(default_factory=list)
+    failed_prefills: list[tuple[ChunkPrefill, Exception]] = field(default_factory=list)
+
+    @property
+    def has_prefill_work(self) -> bool:
+        """Whether a recompute pass or a chunk prefill runs in this step."""
+        return bool(self.passes or self.pieces)
+
+    @property
+    def has_forward(self) -> bool:
+        return bool(self.decodes) or self.has_prefill_work
+
+    def inputs(self, device: torch.device) -> list[SeqInput]:
+        """The forward's sequences: the passes' pieces, the chunk prefills' pieces, the decode steps, in this order
+        (``outputs`` reads the forward's results back in the same)."""
+        passes = [p.seq.link.pass_.seq_input(p.num_tokens) for p in self.passes]
+        return passes + [piece for _, piece in self.pieces] + decode_inputs(self.decodes, device)
+
+    def outputs(self, hidden: list[torch.Tensor]) -> StepOutput:
+        """The forward's results (one per sequence of ``inputs``, in order) by work item."""
+        rows = iter(hidden)
+        passes = [(p, next(rows)) for p in self.passes]
+        pieces = []
+        for prefill, _ in self.pieces:
+            next(rows)  # (a chunk prefill's piece asks for no rows)
+            pieces.append(prefill)
+        decodes = [(seq, next(rows)) for seq in self.decodes]
+        assert next(rows, None) is None, "a forward returned more results than it had sequences"
+        return StepOutput(passes, pieces, decodes)
+
+    def sequences(self) -> list[Sequence]:
+        """The sequences whose work runs in the forward (passes and decodes)."""
+        return [p.seq for p in self.passes] + self.decodes
+
+
+@dataclass
+class StepOutput:
+    """A forward's results by work item.
+
+    Attributes:
+        passes: each pass piece and its final hidden states ``[num_output_rows, hidden_size]`` (no rows for a
+            piece that goes on; a probe's are its second pass's, once that ran).
+        pieces: the chunk prefills that ran a piece.
+        decodes: each decoding sequence and its final hidden state ``[1, hidden_size]``.
+    """
+
+    passes: list[tuple[PassPiece, torch.Tensor]]
+    pieces: list[ChunkPrefill]
+    decodes: list[tuple[Sequence, torch.Tensor]]

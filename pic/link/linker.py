@@ -1,0 +1,208 @@
+"""``Linker``: a request's link from its chunks to its recompute pass's result (layout, the policy's choice, the
+probe and its second pass), apart from the pool work (``pic.engine.kv_manager``) and the scheduling.
+
+The engine holds one ``LinkState`` per request; only the ``Linker`` writes it. A request goes:
+``plan`` (lay out, check, choose the tokens, count the blocks) -> the KV manager takes the blocks -> ``start``
+(set up the pass) -> forwards -> for a query-aware policy, ``probe_done`` (the policy chooses from its probe; the
+second pass is set up, the caller copies the chunk blocks it writes) -> ``pass_done``. A preempted request is
+planned again over its prompt and the tokens it generated, and keeps its probe's choice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pic.errors import ContextLengthError, PolicyError
+from pic.kv import BlockPool, ChunkInfo, ChunkKV, RequestKV
+from pic.link.assemble import AssemblyPlan, plan_assembly
+from pic.link.layout import Layout, lay_out
+from pic.link.policies import Policy
+from pic.link.recompute import PassResult, RecomputePass
+from pic.model import ModelSpec
+
+
+@dataclass
+class LinkState:
+    """One request's link (written by ``Linker`` only).
+
+    Attributes:
+        policy: the policy asked for, then the one it chose for the layout (``Policy.for_layout``).
+        layout: the prompt (and the tokens generated before a preemption) laid out; ``None`` until planned.
+        selected: ``[T]`` bool, the tokens the next pass runs.
+        pass_: the recompute pass under way.
+        probed_chunks: a query-aware policy's choice among the chunk tokens (``[n]`` bool over the tokens before
+            the query), kept so that a preempted request runs the same second pass, not a new probe.
+        probe_result: the probe pass's result, until the second pass is done.
+        first_pass: what the first complete pass ran (the request's statistics).
+        laid_out: the chunk list (by identity) and query length ``layout`` was made for.
+    """
+
+    policy: Policy
+    layout: Layout | None = None
+    selected: torch.Tensor | None = None
+    pass_: RecomputePass | None = None
+    probed_chunks: torch.Tensor | None = None
+    probe_result: PassResult | None = None
+    first_pass: PassResult | None = None
+    laid_out: tuple[object, int] | None = None
+
+    @property
+    def probes(self) -> bool:
+        """Whether the next pass is a query-aware policy's probe."""
+        return self.policy.is_query_aware and self.probed_chunks is None
+
+
+@dataclass(frozen=True)
+class LinkPlan:
+    """What admitting a request takes now.
+
+    Attributes:
+        assembly: the blocks it needs (``plan_assembly``).
+        num_tokens: tokens its forwards run this step: its pass, and a probe's second run of the query.
+        num_reserved: blocks a probe's second pass may still take (copies of the shared chunk blocks it writes).
+        chunkable: the pass may run in pieces (``RecomputePass.chunkable``).
+    """
+
+    assembly: AssemblyPlan
+    num_tokens: int
+    num_reserved: int
+    chunkable: bool
+
+
+class Linker:
+    """Args:
+    spec: the model's shapes (layers, context).
+    pool: the KV pool (read, to count what a request takes: ``plan_assembly``; the KV manager takes it).
+    block_size: tokens per block.
+    share_chunk_blocks: map clean chunk blocks without copying (``PICConfig.share_chunk_blocks``).
+    attention_backend: the runner's backend's name (a policy may need ``"torch"``).
+    """
+
+    def __init__(
+        self, spec: ModelSpec, pool: BlockPool, *, block_size: int, share_chunk_blocks: bool, attention_backend: str
+    ) -> None:
+        self.spec, self.pool, self.block_size = spec, pool, block_size
+        self._share, self._backend = share_chunk_blocks, attention_backend
+
+    def plan(
+        self,
+        link: LinkState,
+        *,
+        prefix: list[int],
+        chunks: Sequence[ChunkInfo | ChunkKV],
+        query: list[int],
+        num_generated: int,
+        relevance: Sequence[float] | None,
+    ) -> LinkPlan:
+        """Lay the request out (``query`` ends with the ``num_generated`` tokens it generated before a
+        preemption) unless it is already, and count what admitting it takes from the pool.
+
+        Raises:
+            ContextLengthError, PolicyError: the request cannot run (nothing was taken).
+        """
+        if link.laid_out is None or link.laid_out[0] is not chunks or link.laid_out[1] != len(query):
+            link.laid_out = (chunks, len(query))  # (new; its chunks resolved again; preempted after new tokens)
+            link.layout = lay_out(
+                prefix=prefix, chunks=chunks, query=query, block_size=self.block_size,
+                parallel=link.policy.parallel_positions, relevance=relevance, num_generated=num_generated,
+            )  # fmt: skip
+            self._check(link)
+            link.selected = self._selection(link)
+        dirty = link.selected if self._share and not link.policy.is_dynamic else torch.ones_like(link.selected)
+        assembly = plan_assembly(self.pool, link.layout, chunks, dirty)
+        num_tokens = int(link.selected.sum()) + (link.layout.query.num_tokens if link.probes else 0)
+        reserved = len(assembly.shared) if link.probes else 0
+        return LinkPlan(assembly, num_tokens, reserved, self._chunkable(link))
+
+    def start(self, link: LinkState, plan: LinkPlan, kv: RequestKV, *, assembly, num_output_rows: int) -> None:
+        """Set up the pass over the blocks the KV manager took (``assembly``); a policy that scales the query's
+        attention over the chunks (APE) marks their slots in ``kv``."""
+        scaling = link.policy.context_scaling()
+        if scaling is not None:
+            context = torch.zeros(kv.kv_positions.shape[0], dtype=torch.bool)
+            context[link.layout.slots[link.layout.cached]] = True
+            kv.context = (scaling, context.to(kv.cache.device))
+        link.pass_ = RecomputePass(
+            assembly, link.layout, link.selected, link.policy, num_layers=self.spec.num_layers,
+            num_output_rows=num_output_rows, probe=link.probes, chunkable=plan.chunkable,
+        )  # fmt: skip
+
+    def probe_done(self, link: LinkState) -> list[int]:
+        """After a probe pass: the policy chooses from it, and the second pass is set up. Returns the request's
+        blocks the second pass writes into (the caller copies those it maps shared).
+
+        Raises:
+            Exception: whatever the policy raises on a malformed probe (it fails its request only).
+        """
+        probe_pass = link.pass_
+        link.probe_result = probe_pass.result()
+        layout = link.layout
+        chosen = link.policy.probe_mask(link.probe_result.probe)  # [T]: chunk tokens and the query
+        link.probed_chunks = (chosen & layout.cached)[: layout.query.token_start]
+        link.selected = self._selection(link)  # what a preempted request's next admission runs
+        link.pass_ = RecomputePass(
+            probe_pass.assembly, layout, chosen, link.policy, num_layers=self.spec.num_layers,
+            num_output_rows=probe_pass.num_output_rows_asked,
+        )  # fmt: skip
+        return (layout.slots[chosen & layout.cached] // self.block_size).unique().tolist()
+
+    def pass_done(self, link: LinkState) -> PassResult:
+        """After the forward that ended the pass: what it ran (a probe's pass and its second pass together)."""
+        result = link.pass_.result()
+        if link.probe_result is not None:
+            result, link.probe_result = link.probe_result.after(result), None
+        if link.first_pass is None:
+            link.first_pass = result
+        link.pass_ = None
+        return result
+
+    def forget_pass(self, link: LinkState) -> None:
+        """A preempted request's pass is gone with its blocks (it is planned again at its next admission)."""
+        link.pass_ = None
+
+    def _check(self, link: LinkState) -> None:
+        """Check the layout against the model and the backend, and let the policy choose for it.
+
+        Raises:
+            ContextLengthError, PolicyError: as ``plan``.
+        """
+        num_tokens, context = link.layout.num_tokens, self.spec.max_context
+        if num_tokens > context:
+            raise ContextLengthError(
+                f"linked prompt has {num_tokens} tokens, more than the {context}-token context of "
+                f"{self.spec.architecture}"
+            )
+        chosen = link.policy.for_layout(link.layout)
+        if chosen.parallel_positions != link.policy.parallel_positions:
+            raise PolicyError(f"policy {link.policy.spec!r} chose {chosen.spec!r}, which lays chunks out otherwise")
+        link.policy = chosen
+        chosen.check_model(num_layers=self.spec.num_layers)
+        if chosen.context_scaling() is not None and self._backend != "torch":
+            raise PolicyError(
+                f"policy {chosen.spec!r} runs on the torch attention backend only, not on "
+                f"{self._backend!r}; build the engine with PICConfig(attention_backend='torch')"
+            )
+
+    @staticmethod
+    def _selection(link: LinkState) -> torch.Tensor:
+        """``[T]`` bool, the tokens the next pass runs: the policy's, or (a query-aware policy planned again after
+        its probe) the chunk tokens its probe chose and every uncached token."""
+        layout = link.layout
+        if link.probed_chunks is None:
+            return link.policy.recompute_mask(layout)
+        chosen = torch.zeros(layout.num_tokens, dtype=torch.bool)
+        chosen[: link.probed_chunks.shape[0]] = link.probed_chunks  # chunk tokens keep their indices
+        return chosen | ~layout.cached
+
+    @staticmethod
+    def _chunkable(link: LinkState) -> bool:
+        """Whether the next pass may run in pieces: a static policy, no probe, no context scaling, positions
+        strictly increasing (then each piece sees only earlier positions, as one forward would)."""
+        policy = link.policy
+        if link.probes or policy.is_dynamic or policy.context_scaling() is not None:
+            return False
+        positions = link.layout.positions[link.selected]
+        return bool((positions[1:] > positions[:-1]).all())
