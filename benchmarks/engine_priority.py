@@ -17,6 +17,10 @@ rounds interleaved A B A B:
 
 Reported per order: TTFT p50/p90/max alone and during the compile (ms), p50 during / p50 alone, the compile's
 wall time, the stream's longest gap. Only public API.
+
+``--http``: the issue's server case besides, per order: a real ``pic serve --prefill-order ORDER`` process; one
+``POST /v1/chunks`` of ``--http-docs`` documents of about 400 tokens, and 1 s after it a streaming completion
+without documents: its first token's time against the same completion alone.
 """
 
 from __future__ import annotations
@@ -25,13 +29,16 @@ import argparse
 import json
 import os
 import platform
+import socket
 import statistics
+import subprocess
 import sys
 import threading
 import time
 from itertools import pairwise
 from pathlib import Path
 
+import httpx
 import torch
 
 import pic
@@ -90,6 +97,54 @@ def one_round(engine: pic.PIC, ids: list[str], tag: str, num_docs: int) -> dict:
     return {"alone": alone, "during": during, "compile_s": window["end"] - window["start"], "stream_gap": max(gaps)}
 
 
+def stream_first_token_s(http: httpx.Client) -> float:
+    """Seconds until a streaming completion without documents sends its first token."""
+    body = {"model": "stories260K", "prompt": "Once upon a time,", "max_tokens": 8, "stream": True}
+    start = time.perf_counter()
+    with http.stream("POST", "/v1/completions", json=body) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                return time.perf_counter() - start
+    raise RuntimeError("the completion sent no token")
+
+
+def http_case(order: str, num_docs: int) -> dict:
+    """``pic serve --prefill-order order``: a completion sent 1 s into a ``POST /v1/chunks`` of ``num_docs``."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    cmd = [sys.executable, "-m", "pic", "serve", "--port", str(port), "--prefill-order", order, "--skip-check"]
+    server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600) as http:
+            while True:
+                try:
+                    if http.get("/health").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    time.sleep(0.2)
+            alone = sorted(stream_first_token_s(http) for _ in range(5))[2]
+            words = make_docs(order, seed=1) * (num_docs // 200 + 1)
+            docs = [f"{i}: {w} {w[-300:]}" for i, w in enumerate(words[:num_docs])]  # ~400 tokens each, all new
+            done: dict[str, float] = {}
+
+            def post() -> None:
+                start = time.perf_counter()
+                with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600) as bulk:
+                    assert bulk.post("/v1/chunks", json={"documents": docs}).status_code == 200
+                done["compile_s"] = time.perf_counter() - start
+
+            poster = threading.Thread(target=post)
+            poster.start()
+            time.sleep(1.0)
+            during = stream_first_token_s(http)
+            poster.join()
+    finally:
+        server.terminate()
+        server.wait(30)
+    return {"alone_s": alone, "during_s": during, "compile_s": done["compile_s"], "num_docs": num_docs}
+
+
 def summary(values: list[float]) -> dict:
     ms = [1000 * v for v in values]
     return {"p50": statistics.median(ms), "p90": quantile(ms, 0.9), "max": max(ms), "n": len(ms)}
@@ -100,6 +155,8 @@ def main() -> None:
     parser.add_argument("--out", default=str(HERE / "results" / "engine_priority.json"))
     parser.add_argument("--rounds", type=int, default=3, help="rounds per order, interleaved")
     parser.add_argument("--docs", type=int, default=200, help="documents per compile (at most 200)")
+    parser.add_argument("--http", action="store_true", help="also the server case (a pic serve process per order)")
+    parser.add_argument("--http-docs", type=int, default=1024, help="documents of the server's POST /v1/chunks")
     args = parser.parse_args()
     torch.set_num_threads(1)
     began = time.perf_counter()
@@ -138,6 +195,13 @@ def main() -> None:
         )
     for engine in engines.values():
         engine.close()
+    if args.http:
+        report["http"] = {order: http_case(order, args.http_docs) for order in ORDERS}
+        for order, row in report["http"].items():
+            print(
+                f"http {order}: POST /v1/chunks of {row['num_docs']} documents took {row['compile_s']:.1f} s; a "
+                f"completion sent 1 s in: first token at {row['during_s']:.2f} s (alone {row['alone_s']:.3f} s)"
+            )
     report |= {
         "model": "stories260K (embedded), float32, CPU",
         "torch_threads": torch.get_num_threads(),

@@ -2,9 +2,10 @@
 
 Nothing here locks and nothing here is shared: the core thread is the only one that calls it. A step reads
 top to bottom: take in the loader's answers, schedule (decodes, then prefill work under one token budget),
-run one batched forward over recompute passes, chunk-prefill pieces and decode tokens, then postprocess:
-finish the chunks compiled, sample each request's next token with its own options and generator, and put
-every output in its request's sink, in the order it was produced.
+run one batched forward over recompute passes, chunk-prefill pieces and decode tokens (and a second one for
+the probes that ended in it), then ``update_from_output``, the one place a step's results land: park the
+links, make the chunks compiled resident, sample each request's next token with its own options and
+generator, and put every output in its request's sink, in the order it was produced.
 """
 
 from __future__ import annotations
