@@ -22,7 +22,7 @@ from pic.compile import ChunkPrefill
 from pic.compile.prefill import lead_tokens
 from pic.config import CompileOptions
 from pic.engine.loader import Loader
-from pic.errors import CompileOptionsMismatchError
+from pic.errors import CompileOptionsMismatchError, PicError
 from pic.kv import ChunkInfo, ChunkKV
 from pic.store import TieredStore
 
@@ -50,6 +50,27 @@ class Fetch:
     pending: dict[str, Future | ChunkPrefill] = field(default_factory=dict)
     found: dict[str, ChunkKV] = field(default_factory=dict)
     lost: set[str] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class Availability:
+    """Whether a request's chunks are at hand (``ChunkSources.resolve``).
+
+    Attributes:
+        pending: the ids being loaded from a lower tier or compiled again from their tokens (it waits for them).
+        error: why a chunk cannot be had (``UnknownCacheIdError``, ``StoreUnavailableError``,
+            ``CompileOptionsMismatchError``): the request fails with it.
+    """
+
+    pending: tuple[str, ...] = ()
+    error: PicError | None = None
+
+    @property
+    def is_ready(self) -> bool:
+        return not self.pending and self.error is None
+
+
+READY = Availability()
 
 
 class ChunkSources:
@@ -117,9 +138,17 @@ class ChunkSources:
         if info is not None:
             self._num_recipe_tokens -= info.num_tokens
 
-    def ready(self, seq: Sequence) -> bool:
-        """Whether every chunk of ``seq`` is at hand (``seq.fetch.chunks``: resident ``ChunkInfo`` or loaded
-        ``ChunkKV``); if not, starts fetching those that are not (a prefetch: it runs while others step).
+    def resolve(self, seq: Sequence) -> Availability:
+        """Whether every chunk of ``seq`` is at hand (then ``seq.fetch.chunks`` holds them: resident ``ChunkInfo``
+        or loaded ``ChunkKV``), being fetched, or cannot be had; starts fetching those that are not at hand (a
+        prefetch: it runs while others step)."""
+        try:
+            return READY if self._ready(seq) else Availability(pending=tuple(seq.fetch.pending))
+        except PicError as exc:
+            return Availability(error=exc)
+
+    def _ready(self, seq: Sequence) -> bool:
+        """``resolve``'s work: whether every chunk is at hand.
 
         Raises:
             UnknownCacheIdError: a chunk no tier holds and the engine never saw.

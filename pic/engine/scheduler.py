@@ -114,11 +114,10 @@ class Scheduler:
     def _fetch_chunks(self, batch: ScheduledBatch) -> None:
         """Start fetching every waiting sequence's missing chunks (a prefetch), failing those that cannot run."""
         for seq in list(self.waiting):
-            try:
-                self.sources.ready(seq)
-            except PicError as exc:
+            error = self.sources.resolve(seq).error
+            if error is not None:
                 self.waiting.remove(seq)
-                batch.failed.append((seq, exc))
+                batch.failed.append((seq, error))
 
     def _schedule_prefill_work(self, batch: ScheduledBatch, *, budget: int) -> None:
         """Give ``budget`` tokens to prefill work (``PrefillOrder.INTERACTIVE``): waiting sequences' recompute
@@ -202,9 +201,13 @@ class Scheduler:
             self.running.append(seq)
             return 0, 0
         busy = self._busy(batch) or compiles_wait
+        chunks = self.sources.resolve(seq)  # (again: this step's admissions may have evicted a chunk)
+        if not chunks.is_ready:
+            if chunks.error is not None:
+                self.waiting.remove(seq)
+                batch.failed.append((seq, chunks.error))
+            return 0, 0
         try:
-            if not self.sources.ready(seq):  # (again: this step's admissions may have evicted a chunk)
-                return 0, 0
             plan = self.linker.plan(
                 seq.link, prefix=seq.prefix_ids, chunks=seq.chunks,
                 query=seq.query_ids + seq.output_ids, num_generated=len(seq.output_ids), relevance=seq.relevance,

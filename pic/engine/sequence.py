@@ -152,7 +152,7 @@ class Sequence:
 
     @property
     def chunks(self) -> list[ChunkInfo | ChunkKV] | None:
-        """Its chunks, resolved before its first admission (``ChunkSources.ready``)."""
+        """Its chunks, resolved before its first admission (``ChunkSources.resolve``)."""
         return self.fetch.chunks
 
     @property
