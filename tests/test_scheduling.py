@@ -105,6 +105,22 @@ def test_a_request_arriving_during_a_60_document_compile_is_served_first():
     assert len(stream) > 10 and max(gaps) < 0.25, f"{len(stream)} tokens, longest gap {max(gaps):.3f} s"
 
 
+def test_chunks_a_request_waits_for_are_compiled_before_a_bulk_compile():
+    """A chat's inline documents (``compile(..., interactive=True)``, as ``link_chat(documents=...)`` and the
+    server's completions compile them) go with the requests, before the bulk compile under way: that call returns
+    while most of the bulk compile's chunks are still to come (an order, not a time)."""
+    engine = make_engine("stories260K", eos_token_ids=(), kv_pool_tokens=1 << 16)
+    docs = _documents(60, seed=6, vocab_size=engine.spec.vocab_size)
+    compiling = threading.Thread(target=engine.compile, args=(docs,), kwargs={"progress": False})
+    num_before = engine.kv_stats().num_resident_chunks
+    compiling.start()
+    _wait_for_compile(engine, num_before, compiling)
+    engine.compile(_documents(2, seed=7, vocab_size=engine.spec.vocab_size), progress=False, interactive=True)
+    num_bulk = engine.kv_stats().num_resident_chunks - num_before - 2
+    compiling.join(60)
+    assert num_bulk < 30, f"{num_bulk} of the bulk compile's 60 chunks were compiled before the chat's 2"
+
+
 def test_in_arrival_order_a_request_waits_for_the_compile_before_it():
     """``prefill_order="arrival"`` (first come first served): the request that arrives during the compile is
     admitted after the compile's last chunk prefill is scheduled, so every chunk of it is resident by its first
