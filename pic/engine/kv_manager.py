@@ -77,7 +77,7 @@ class KVManager:
         blocks = seq.blocks
         assembly = assemble(self.pool, self.cache, self.store, plan.assembly, held=blocks.held)
         blocks.held, blocks.kv, blocks.shared = {}, assembly.req, set(plan.assembly.shared)
-        if blocks.num_shared == blocks.num_private == 0:  # (its first admission)
+        if seq.link.first_pass is None:  # (the figures of its first pass: a link's, reported by LinkOutput)
             blocks.num_shared, blocks.num_private = assembly.num_shared_blocks, assembly.num_private_blocks
         return assembly
 
