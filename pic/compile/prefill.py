@@ -54,18 +54,23 @@ class ChunkPrefill:
         self.kv: RequestKV | None = None
         self._num_lead = 0
         self._slots: torch.Tensor | None = None  # [L] int64, each token's slot in ``kv``
-        # Whoever waits for the chunk (the engine's compile calls and requests): each says ``is_finished`` (it
-        # no longer needs the chunk) and ``interactive`` (a request waits for it).
-        self.waiters: list[object] = []
+        # Who waits for the chunk: the engine's compile calls and its requests. Each says ``is_finished`` (it no
+        # longer needs the chunk); a call also says ``interactive`` (a request waits for it).
+        self.calls: list[object] = []
+        self.requests: list[object] = []
 
     @property
     def num_left(self) -> int:
         return len(self.token_ids) - self.num_done
 
     @property
+    def waiters(self) -> list[object]:
+        return self.calls + self.requests
+
+    @property
     def is_interactive(self) -> bool:
         """Whether a request waits for this chunk (not only bulk compiles): it goes before bulk compiles."""
-        return any(w.interactive for w in self.waiters)
+        return bool(self.requests) or any(call.interactive for call in self.calls)
 
     @property
     def is_started(self) -> bool:

@@ -102,13 +102,13 @@ class ChunkSources:
                 prefill.abort()
                 del self.prefills[cid]
 
-    def compile(self, cache_id: str, content: list[int], options: CompileOptions, *, waiter: object) -> ChunkPrefill:
-        """The prefill of ``cache_id`` (a new one, queued, unless one is under way), with ``waiter`` told when done."""
+    def compile(self, cache_id: str, content: list[int], options: CompileOptions) -> ChunkPrefill:
+        """The prefill of ``cache_id``: a new one, queued, unless one is under way (whoever waits for it joins its
+        ``calls`` or ``requests``)."""
         prefill = self.prefills.get(cache_id)
         if prefill is None:
             prefill = ChunkPrefill(cache_id, content, options, bos_token_id=self.bos_token_id, order=self._next_order())
             self.prefills[cache_id] = prefill
-        prefill.waiters.append(waiter)
         return prefill
 
     def remember(self, info: ChunkInfo) -> None:
@@ -177,7 +177,8 @@ class ChunkSources:
         for cid, recipe in recipes.items():
             kept = recipe.token_ids.tolist()
             content = kept[1:] if recipe.options.add_bos else kept
-            fetch.pending[cid] = self.compile(cid, content, recipe.options, waiter=seq)
+            fetch.pending[cid] = self.compile(cid, content, recipe.options)
+            fetch.pending[cid].requests.append(seq)
         if fetch.pending:
             return False
         fetch.chunks = [self._checked(seq, chunks[cid]) for cid in seq.cache_ids]  # (a new list: laid out again)

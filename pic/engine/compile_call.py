@@ -159,7 +159,7 @@ class CompileCalls:
             call.release(self.pool)  # not answered: the caller raises
             raise
         for cid in call.new:
-            self.sources.compile(cid, call.job.tokens[cid], call.job.options, waiter=call)
+            self.sources.compile(cid, call.job.tokens[cid], call.job.options).calls.append(call)
             call.prefilling.add(cid)
 
     def _check_room(self, job: CompileJob, new: list[str]) -> None:
@@ -236,7 +236,7 @@ class CompileCalls:
         it through; returns the requests that waited for it (the engine holds it for them)."""
         info, blocks = prefill.finish()
         del self.sources.prefills[prefill.cache_id]
-        calls = [w for w in prefill.waiters if isinstance(w, CompileCall)]
+        calls = prefill.calls
         through = [call for call in calls if call.job.lower_tiers]
         self.store.add(info, blocks, pool_only=bool(calls) and not through)
         self.sources.remember(info)
@@ -254,17 +254,16 @@ class CompileCalls:
             if write is not None and call.job.lower_tiers:
                 call.writes[info.cache_id] = write
         self.pool.free(blocks)  # (resident: the requests that waited for it hold it next, before any allocation)
-        return [w for w in prefill.waiters if isinstance(w, Sequence)]
+        return prefill.requests
 
     def prefill_failed(self, prefill: ChunkPrefill, error: Exception) -> list[Sequence]:
         """A prefill cannot run: its blocks go, its calls fail; returns the requests that waited for it."""
         prefill.abort()
         self.sources.prefills.pop(prefill.cache_id, None)
-        for call in prefill.waiters:
-            if isinstance(call, CompileCall):
-                call.prefilling.discard(prefill.cache_id)
-                call.fail(error)
-        return [w for w in prefill.waiters if isinstance(w, Sequence) and not w.is_finished]
+        for call in prefill.calls:
+            call.prefilling.discard(prefill.cache_id)
+            call.fail(error)
+        return [seq for seq in prefill.requests if not seq.is_finished]
 
     def fail_all(self, error: Exception) -> None:
         for call in self.open:

@@ -63,8 +63,6 @@ class Sequence:
     ``new`` is the request as its client sent it (``sampling=None``: park after the recompute pass).
     """
 
-    interactive = True  # a chunk prefill it waits for goes before bulk compiles (``ChunkPrefill.is_interactive``)
-
     def __init__(self, new: NewRequest) -> None:
         self.request_id = new.request_id
         prompt = new.prompt
