@@ -40,6 +40,8 @@ class ScheduledBatch:
             hidden state their pass left (no forward).
         failed: sequences that cannot run, with the error or the reason they finish early.
         failed_prefills: chunk prefills that cannot run, with the error.
+        num_reserved: blocks set aside for the second passes of this step's probes (copies of the shared chunk
+            blocks they write): nothing else admitted in the step takes them.
     """
 
     passes: list[PassPiece] = field(default_factory=list)
@@ -48,6 +50,7 @@ class ScheduledBatch:
     resumed: list[Sequence] = field(default_factory=list)
     failed: list[tuple[Sequence, Exception | FinishReason]] = field(default_factory=list)
     failed_prefills: list[tuple[ChunkPrefill, Exception]] = field(default_factory=list)
+    num_reserved: int = 0
 
     @property
     def has_prefill_work(self) -> bool:

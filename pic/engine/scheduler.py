@@ -147,31 +147,30 @@ class Scheduler:
         """Schedule ``queued`` in order while ``budget`` lasts and none must wait; returns the budget left.
         ``compiles_wait``: chunk prefills are queued behind these sequences: one that does not fit the pool waits
         for them to end (and free their holds) rather than fail."""
-        reserved = 0  # blocks set aside for the second passes of this step's probes
         for work in queued:
             if budget <= 0:
                 break
             if isinstance(work, ChunkPrefill):
-                if not self._schedule_piece(work, batch, budget=budget, reserved=reserved):
+                if not self._schedule_piece(work, batch, budget=budget):
                     break
                 budget -= batch.pieces[-1][1].token_ids.shape[0]
                 continue
-            admitted = self._admit(work, batch, budget=budget, reserved=reserved, compiles_wait=compiles_wait)
-            if admitted is None:
+            num_tokens = self._admit(work, batch, budget=budget, compiles_wait=compiles_wait)
+            if num_tokens is None:
                 break
-            budget, reserved = budget - admitted[0], reserved + admitted[1]
+            budget -= num_tokens
         return budget
 
     def _busy(self, batch: ScheduledBatch) -> bool:
         """Whether something runs this step (and will free blocks or take budget)."""
         return bool(self.running or self.prefilling) or batch.has_prefill_work
 
-    def _schedule_piece(self, prefill: ChunkPrefill, batch: ScheduledBatch, *, budget: int, reserved: int) -> bool:
+    def _schedule_piece(self, prefill: ChunkPrefill, batch: ScheduledBatch, *, budget: int) -> bool:
         """Add the next piece of ``prefill`` (starting it when the pool has its blocks); whether it ran. One that
         cannot start while nothing runs and no hold or store write will free a block fails with the pool's
         ``KVPoolExhaustedError`` (blocks needed and available)."""
         if not prefill.is_started:
-            if not self.kv.can_start(prefill, reserved=reserved):
+            if not self.kv.can_start(prefill, reserved=batch.num_reserved):
                 stuck = not self._busy(batch) and not self.frees_soon() and not self._drop_holds(keep=None)
                 if stuck and not self.kv.can_start(prefill):  # (not even beside nothing set aside)
                     try:
@@ -183,15 +182,13 @@ class Scheduler:
         batch.pieces.append((prefill, prefill.piece(budget)))
         return True
 
-    def _admit(
-        self, seq: Sequence, batch: ScheduledBatch, *, budget: int, reserved: int, compiles_wait: bool = False
-    ) -> tuple[int, int] | None:
-        """Admit a waiting sequence: ``(tokens, blocks reserved)`` it takes, ``(0, 0)`` when it is passed over
-        (its chunks are being fetched, or it failed), ``None`` when it must wait and the ones after it too."""
+    def _admit(self, seq: Sequence, batch: ScheduledBatch, *, budget: int, compiles_wait: bool = False) -> int | None:
+        """Admit a waiting sequence: the tokens it takes from the budget, 0 when it is passed over (its chunks are
+        being fetched, or it failed), ``None`` when it must wait and the ones after it too."""
         if seq in self.prefilling:  # its pass goes on
             if seq.link.pass_.piece_size(budget) > budget and batch.has_prefill_work:
                 return None
-            return self._place(seq, batch, budget=budget), 0
+            return self._place(seq, batch, budget=budget)
         num_ending = sum(p.ends for p in batch.passes)
         if len(self.running) + len(self.prefilling) + num_ending >= self.max_num_seqs:
             return None
@@ -199,14 +196,14 @@ class Scheduler:
             self.waiting.remove(seq)
             batch.resumed.append(seq)
             self.running.append(seq)
-            return 0, 0
+            return 0
         busy = self._busy(batch) or compiles_wait
         chunks = self.sources.resolve(seq)  # (again: this step's admissions may have evicted a chunk)
         if not chunks.is_ready:
             if chunks.error is not None:
                 self.waiting.remove(seq)
                 batch.failed.append((seq, chunks.error))
-            return 0, 0
+            return 0
         try:
             plan = self.linker.plan(
                 seq.link, prefix=seq.prefix_ids, chunks=seq.chunks,
@@ -215,22 +212,23 @@ class Scheduler:
             # a larger pass runs in pieces, or (not splittable) with no other prefill work beside it
             if plan.num_tokens > budget and not plan.chunkable and batch.has_prefill_work:
                 return None
-            if not self.kv.can_allocate(seq, plan, reserved=reserved):
+            if not self.kv.can_allocate(seq, plan, reserved=batch.num_reserved):
                 if busy:
                     return None
                 self._drop_holds(keep=seq)  # (then a KVPoolExhaustedError from allocate if it still does not fit)
-            assembly = self.kv.allocate(seq, plan, reserved=reserved)
+            assembly = self.kv.allocate(seq, plan, reserved=batch.num_reserved)
         except PicError as exc:
             self.waiting.remove(seq)
             out_of_blocks = isinstance(exc, KVPoolExhaustedError) and seq.output_ids
             batch.failed.append((seq, FinishReason.KV_POOL if out_of_blocks else exc))
-            return 0, 0
+            return 0
         num_rows = 1 if seq.sampling else len(seq.query_ids)
         self.linker.start(seq.link, plan, seq.blocks.kv, assembly=assembly, num_output_rows=num_rows)
         seq.admitted()
         self.waiting.remove(seq)
+        batch.num_reserved += plan.num_reserved
         extra = plan.num_tokens - seq.link.pass_.num_tokens  # a probe's second pass
-        return extra + self._place(seq, batch, budget=budget), plan.num_reserved
+        return extra + self._place(seq, batch, budget=budget)
 
     def _place(self, seq: Sequence, batch: ScheduledBatch, *, budget: int) -> int:
         """Schedule the next piece of an admitted sequence's pass: all that is left, or (a pass that runs in
