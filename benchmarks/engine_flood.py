@@ -319,14 +319,24 @@ def main() -> None:
         "model": "stories260K (embedded), float32, CPU",
         "torch_threads": torch.get_num_threads(),
         "pic": str(Path(pic.__file__).parent),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__},
+        "machine": machine(),
         "command": " ".join(["python", *sys.argv]),
         "config": itl.pop("config"),
         **itl,
         "throughput": throughput,
         "wall_s": time.perf_counter() - began,
     }
-    out = Path(args.out)
+    write_report(report, args.out)
+
+
+def machine() -> dict:
+    """The machine a result was measured on."""
+    return {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__}
+
+
+def write_report(report: dict, path: str) -> None:
+    """Write ``report`` (with its ``wall_s``) as indented JSON to ``path``, and say so."""
+    out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {out} in {report['wall_s']:.0f} s")

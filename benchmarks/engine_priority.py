@@ -26,9 +26,6 @@ without documents: its first token's time against the same completion alone.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import socket
 import statistics
 import subprocess
@@ -45,7 +42,7 @@ import pic
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from engine_flood import DOC_BLOCK_TOKENS, STREAM_CHUNKS, make_docs, quantile  # noqa: E402  (same documents and chunks)
+from engine_flood import DOC_BLOCK_TOKENS, STREAM_CHUNKS, machine, make_docs, quantile, write_report  # noqa: E402  (same documents and chunks)
 
 ORDERS = ("arrival", "interactive")
 
@@ -210,15 +207,12 @@ def main() -> None:
         "torch_threads": torch.get_num_threads(),
         "docs_per_compile": args.docs,
         "rounds": args.rounds,
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__},
+        "machine": machine(),
         "command": " ".join(["python", *sys.argv]),
         "raw_s": raw,
         "wall_s": time.perf_counter() - began,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {out} in {report['wall_s']:.0f} s")
+    write_report(report, args.out)
 
 
 if __name__ == "__main__":
