@@ -30,7 +30,7 @@ from pic.engine import generate_together
 from pic.evaluation.answers import score_answer
 from pic.evaluation.niah import niah_workload
 from pic.evaluation.report import json_number
-from pic.link.policies.lexical import bm25
+from pic.link.lexical import bm25
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BUCKETS = ((0.0, 0.25), (0.25, 0.75), (0.75, 1.0001))

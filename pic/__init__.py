@@ -54,6 +54,7 @@ from pic.errors import (
     UnsupportedModelError,
 )
 from pic.kv import KVStats
+from pic.link.order import ChunkOrder, Order
 from pic.model.loading import EMBEDDED_MODEL
 
 __version__ = "0.1.0"
@@ -127,6 +128,7 @@ __all__ = [
     "EMBEDDED_MODEL",
     "PIC",
     "CheckResult",
+    "ChunkOrder",
     "CompileOptions",
     "CompileOptionsMismatchError",
     "CompileReport",
@@ -144,6 +146,7 @@ __all__ = [
     "MissingDependencyError",
     "ModelLoadError",
     "NoEngineError",
+    "Order",
     "PICConfig",
     "PicError",
     "SamplingParams",

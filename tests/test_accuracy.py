@@ -166,3 +166,35 @@ def test_scores_count_what_the_replies_scored():
     assert score.answer_kl == pytest.approx(0.3) and score.answer_top1 == 0.5 and score.mean_kl == pytest.approx(0.1)
     assert score.median_speedup_vs_full == 4.0 and score.recompute_fraction == 0.25
     assert (score.accuracy_low, score.accuracy_high) == wilson_interval(3, 6)
+
+
+def test_orders_are_scored_against_full_recompute_in_both_orders(tmp_path):
+    """A row in the relevance order is paired against Full Recompute in the caller's order and in the order it
+    ran; Full Recompute in the relevance order is its own reference there (0 difference), and the case log
+    resumes a stopped run with the same figures."""
+    from pic.evaluation.case_log import CaseLog
+    from pic.evaluation.command import run_accuracy
+
+    engine = pic.PIC(model("stories260K"), chat_tokenizer(CHATML))
+    workload = qa_workload(num_cases=4, num_documents=3, sentences_per_document=2, seed=5)
+    kwargs = dict(workload=workload, policies=["naive", "full"], orders=["given", "relevance"], max_new_tokens=4,
+                  num_sink_cases=0, out_dir=tmp_path, name="orders")  # fmt: skip
+    report = run_accuracy(engine, **kwargs)
+    rows = {s.policy: s for s in report.scores}
+    assert list(rows) == ["full", "naive/given", "naive/relevance", "full/relevance"]
+    moved = rows["full/relevance"]
+    assert moved.order == "relevance" and 0 < moved.reordered <= 1 and rows["naive/given"].reordered == 0
+    assert moved.diff_vs_link_order == 0 and moved.full_link_order_accuracy == moved.accuracy
+    assert rows["naive/given"].diff_vs_link_order == rows["naive/given"].diff_vs_full
+    # stop after two cases (a line cut off mid-write), resume: the same report
+    log = tmp_path / "orders.cases.jsonl"
+    lines = log.read_text().splitlines(keepends=True)
+    assert len(lines) == 5 and CaseLog(log, json.loads(lines[0])["header"]).read().keys() == {0, 1, 2, 3}
+    log.write_text("".join(lines[:3]) + lines[3][:40])
+    resumed = run_accuracy(engine, **kwargs, resume=True)
+    assert [(s.policy, s.accuracy, s.diff_vs_full) for s in resumed.scores] == [
+        (s.policy, s.accuracy, s.diff_vs_full) for s in report.scores
+    ]
+    assert len(log.read_text().splitlines()) == 5
+    with pytest.raises(pic.InvalidInputError, match="another evaluation .*labels"):
+        run_accuracy(engine, **(kwargs | {"orders": ["given"]}), resume=True)

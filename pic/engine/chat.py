@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from pic.engine.linked import Linked
 from pic.link import policies
 from pic.link.chat import DOCUMENTS_MARKER, split_chat
+from pic.link.order import Order
 
 if TYPE_CHECKING:
     from pic.engine.engine import PIC
@@ -30,6 +31,7 @@ def link_chat(
     documents: Sequence[str] = (),
     policy: str | policies.Policy | None = None,
     relevance: Sequence[float] | None = None,
+    order: str | Order | None = None,
     add_generation_prompt: bool = True,
 ) -> Linked:
     """``link`` with the chunks where a plain chat prompt puts the documents: the tokenizer's chat template
@@ -43,6 +45,7 @@ def link_chat(
             system turn, so their KV is what it is there rather than at a sequence start) and linked
             after ``cache_ids``; compiled once, cached like any chunk.
         relevance: one score per chunk (``cache_ids`` then ``documents``), see ``link``.
+        order: the chunks' order (``cache_ids`` then ``documents`` is the given one), see ``link``.
 
     Raises:
         InvalidInputError: malformed messages, no place for the documents, several markers, a
@@ -53,7 +56,7 @@ def link_chat(
     if documents:  # interactive: this request waits for them, so their prefills go before bulk compiles
         context = self.chat_context(messages)
         ids += self.compile(list(documents), policy=policy, context=context, progress=False, interactive=True)
-    return self.link(ids, query, prefix=prefix, policy=policy, relevance=relevance)
+    return self.link(ids, query, prefix=prefix, policy=policy, relevance=relevance, order=order)
 
 
 def chat_context(self: PIC, messages: Sequence[dict] = ()) -> str:

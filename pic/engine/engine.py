@@ -33,6 +33,7 @@ from pic.engine.store_view import StoreView
 from pic.ids import model_fingerprint
 from pic.kv import KVStats
 from pic.link import policies
+from pic.link.order import Order
 from pic.model import ModelSpec
 from pic.model.loading import EMBEDDED_MODEL, load_pretrained, model_eos_ids, model_name, resolve_device, resolve_dtype
 from pic.model.runner import AttentionObserver
@@ -134,12 +135,18 @@ class PIC:
         prefix: TextOrTokens = "",
         policy: str | policies.Policy | None = None,
         relevance: Sequence[float] | None = None,
+        order: str | Order | None = None,
     ) -> Linked:
         """Link cached chunks with a query (prompt: ``prefix + chunks + query``) and run the
         recompute pass, so the first token's logits are ready on return.
 
         ``relevance``: one score per cache id (higher: more relevant), e.g. a retriever's; a policy that
-        ranks chunks (``regions``) recomputes the most relevant ones first.
+        ranks chunks (``regions``) recomputes the most relevant ones first, and the relevance order uses it.
+        ``order``: where the chunks go: ``"given"`` (the caller's order, token for token), ``"relevance"``
+        (the most relevant last, next to the query: by ``relevance``, else BM25 over token ids), or
+        ``"policy"`` / ``None`` (the default): the policy's choice (``auto`` reorders by relevance when the
+        question comes only after the chunks; every other built-in policy keeps the given order).
+        ``Linked.order`` says what ran, and ``Linked.input_ids`` is the prompt as it ran.
 
         Raises:
             UnknownCacheIdError: an id no store tier holds, of a chunk this engine never compiled or linked.
@@ -150,7 +157,8 @@ class PIC:
             KVPoolExhaustedError: the KV pool cannot hold the request beside the live ones (nothing
                 is taken; the message gives the blocks needed and available).
         """
-        return self.link_many([Request(cache_ids, query, prefix=prefix, policy=policy, relevance=relevance)])[0]
+        request = Request(cache_ids, query, prefix=prefix, policy=policy, relevance=relevance, order=order)
+        return self.link_many([request])[0]
 
     def link_many(self, requests: Sequence[Request]) -> list[Linked]:
         """``link`` for several requests at once: their recompute passes share forwards. Their sampling

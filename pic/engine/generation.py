@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from pic.link.order import ChunkOrder
+
 
 class FinishReason(str, enum.Enum):
     """Why a generation ended."""
@@ -26,7 +28,8 @@ class GenerationStats:
     ``ttft_s`` the time to the first token from the arrival (from ``link`` for ``Linked.generate``:
     the link time plus the first token's step); ``decode_s`` the rest of the generation.
     ``num_preemptions`` counts the times the engine freed its blocks to make room and later
-    recomputed it (the tokens are the same as without).
+    recomputed it (the tokens are the same as without). ``chunk_order`` is the order its chunks ran in
+    (``None``: it failed before it was laid out).
     """
 
     num_prompt_tokens: int
@@ -39,6 +42,7 @@ class GenerationStats:
     finish_reason: FinishReason
     queue_s: float = 0.0
     num_preemptions: int = 0
+    chunk_order: ChunkOrder | None = None
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,9 @@ class Linked:
             (CacheBlend) recomputes more tokens in its early layers than ``num_recomputed``.
         layout: where every segment sits in the request's blocks.
         policy: the policy that chose the recomputed tokens.
+        order: the order the chunks ran in (``ChunkOrder``: ``order.order`` is ``Order.GIVEN`` or
+            ``Order.RELEVANCE``, ``order.indices`` the caller's chunk indices in prompt order).
+        cache_ids: the chunks' cache ids in prompt order.
         link_s: seconds ``link`` took (waiting for the engine included).
         num_shared_blocks: blocks of the request's table that alias a chunk's canonical block (no
             copy: one physical copy serves every live request linking the chunk).
@@ -56,6 +59,8 @@ class Linked:
         self.num_recomputed = int(link.recomputed.sum())
         self.recomputed_by_layer = link.recomputed_by_layer
         self.policy = policy
+        self.order = link.order
+        self.cache_ids = [seg.cache_id for seg in link.layout.chunks]
         self.link_s = link_s
         self.num_shared_blocks = link.num_shared_blocks
         self.num_private_blocks = link.num_private_blocks
@@ -174,7 +179,7 @@ class Linked:
     def __repr__(self) -> str:
         return (
             f"Linked(num_tokens={self.input_ids.shape[0]}, num_chunks={len(self.layout.chunks)}, "
-            f"num_recomputed={self.num_recomputed}, policy={self.policy.spec!r})"
+            f"num_recomputed={self.num_recomputed}, policy={self.policy.spec!r}, order={self.order.order.value!r})"
         )
 
 

@@ -30,6 +30,7 @@ def link_output(seq: Sequence) -> LinkOutput:
         query_hidden=seq.query_hidden,
         probe=result.probe,
         policy=seq.policy,
+        order=seq.link.chunk_order,
     )
 
 
@@ -68,6 +69,7 @@ def _generation(seq: Sequence, why: FinishReason) -> Generation:
         finish_reason=why,
         queue_s=scheduled - times.arrival_s,
         num_preemptions=seq.num_preemptions,
+        chunk_order=seq.link.chunk_order,
     )
     text = seq.decoding.detokenizer.text if seq.decoding is not None else ""
     return Generation(text=text, token_ids=list(seq.output_ids), ttft_s=ttft_s, stats=stats)

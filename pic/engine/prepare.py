@@ -89,8 +89,9 @@ def prompt_ids(
     if bos_token_id is not None and (prefix_ids or not request.cache_ids):
         (prefix_ids if prefix_ids else query_ids).insert(0, bos_token_id)
     return Prompt(
-        cache_ids=list(request.cache_ids), prefix_ids=prefix_ids, query_ids=query_ids, relevance=request.relevance
-    )
+        cache_ids=list(request.cache_ids), prefix_ids=prefix_ids, query_ids=query_ids, relevance=request.relevance,
+        order=request.order,
+    )  # fmt: skip
 
 
 class Preparer:

@@ -18,6 +18,7 @@ from pic.engine.sampling import SamplingOptions, SamplingParams, sampling_params
 from pic.errors import InvalidInputError
 from pic.ids import cache_id_list
 from pic.link import Layout, policies
+from pic.link.order import ChunkOrder, Order, parse_order
 from pic.link.policies import Policy
 from pic.link.probe import Probe
 
@@ -31,11 +32,13 @@ class Request:
     generator.
 
     ``relevance`` gives a score per chunk (higher: more relevant to the query), as a retriever ranks them;
-    policies that rank chunks (``regions``) use it instead of their own ranking.
+    policies that rank chunks (``regions``) and the relevance order use it instead of their own ranking.
+    ``order``: the chunks' order in the prompt, ``"given"`` (the caller's), ``"relevance"`` (most relevant
+    last), or ``"policy"`` / ``None`` (the default: the policy's choice, ``Policy.order_for``).
 
     Raises:
         InvalidInputError: cache ids that are not strings, an empty query, a bad or unknown sampling option,
-            relevance scores that are not one finite number per cache id.
+            relevance scores that are not one finite number per cache id, an unknown order.
         PolicyError: an unknown policy spec.
     """
 
@@ -47,6 +50,7 @@ class Request:
         prefix: TextOrTokens = "",
         policy: str | policies.Policy | None = None,
         relevance: Sequence[float] | None = None,
+        order: str | Order | None = None,
         sampling: SamplingParams | None = None,
         **options: Unpack[SamplingOptions],
     ) -> None:
@@ -56,6 +60,7 @@ class Request:
         self.query, self.prefix = query, prefix
         self.policy = None if policy is None else policies.resolve(policy)
         self.relevance = relevance_scores(relevance, len(self.cache_ids))
+        self.order = Order.POLICY if order is None else parse_order(order)
         self.sampling = sampling_params(sampling, options)
 
     def __repr__(self) -> str:
@@ -102,6 +107,7 @@ class LinkOutput:
         block_ids: its physical blocks, in slot order.
         query_hidden: ``[num_query_tokens, hidden_size]`` the query's final hidden states (model dtype).
         policy: the policy that chose the recomputed tokens (``Policy.for_layout``'s choice).
+        order: the order the chunks ran in (the caller's chunk indices in prompt order).
         probe: what the query saw in the probe pass of a query-aware policy, else ``None``.
     """
 
@@ -114,6 +120,7 @@ class LinkOutput:
     block_ids: tuple[int, ...]
     query_hidden: torch.Tensor
     policy: Policy
+    order: ChunkOrder
     probe: Probe | None = None
 
 
@@ -125,13 +132,14 @@ class OutputSink(Protocol):
 
 @dataclass(frozen=True)
 class Prompt:
-    """A request's token ids (and its chunks' relevance scores, when given), validated by the caller's
-    thread before the engine sees the request."""
+    """A request's token ids (and its chunks' relevance scores, when given, and the order asked for),
+    validated by the caller's thread before the engine sees the request."""
 
     cache_ids: list[str]
     prefix_ids: list[int]
     query_ids: list[int]
     relevance: tuple[float, ...] | None = None
+    order: Order = Order.POLICY
 
 
 @dataclass(frozen=True)

@@ -75,7 +75,7 @@ class Sequence:
         self.status = Status.WAITING
         self.times = Timings(arrival_s=time.perf_counter())
         self.fetch = Fetch()
-        self.link = LinkState(new.policy)
+        self.link = LinkState(new.policy, order=prompt.order)
         self.blocks = SeqBlocks()
         self.decoding: Decoding | None = None
         self.query_hidden: torch.Tensor | None = None  # [num_query, hidden] final hidden states (parked)

@@ -7,12 +7,17 @@ Recompute and under every policy side by side, and answered greedily; each reply
 case's answers, and each link is also measured as in the fidelity evaluation (KL and top-1 agreement
 with Full Recompute, recomputed tokens, link time). The first ``num_sink_cases`` cases are linked once
 more with the attention observer on, for the attention-sink profile (``pic.evaluation.sinks``).
+
+A row may reorder the chunks (``Row.order``: ``spec/relevance``, or ``auto``'s own choice), and then it is scored
+against two references, paired on the same cases: Full Recompute in the caller's order (what the user gets
+without pic: ``diff_vs_full``) and Full Recompute in the order the row's link ran (``diff_vs_link_order``: the
+link's own fidelity, the order's effect left out).
 """
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from tqdm.auto import tqdm
@@ -25,33 +30,45 @@ from pic.evaluation.fidelity import LinkMeasurement, checked_policies, measure_l
 from pic.evaluation.qa import QACase, QAKind, QAWorkload, qa_workload
 from pic.evaluation.report import model_fields
 from pic.evaluation.sinks import CaseSinks, measure_sinks, summarize_sinks
+from pic.link.order import Order, parse_order
 from pic.link.policies import FullRecompute, Policy
 
 
 @dataclass(frozen=True)
 class Outcome:
-    """One policy on one case: its link measured against Full Recompute's, its reply and the reply's score."""
+    """One policy on one case: its link measured against Full Recompute's, its reply and the reply's score, the
+    order its chunks ran in (the case's document indices), and whether Full Recompute in that order answered."""
 
     link: LinkMeasurement
     reply: str
     score: AnswerScore
+    order: tuple[int, ...] = ()
+    full_in_order: bool = False
+
+
+CaseOutcomes = dict[str, "Outcome"]  # one case: each row's label -> its outcome
 
 
 @dataclass(frozen=True)
 class Row:
     """One row of the accuracy table: a policy, over chunks compiled alone or in the chat's context
-    (``PIC.chat_context``: after the system turn). A policy that needs chunks in context is always linked so."""
+    (``PIC.chat_context``: after the system turn), in an order (``Order.POLICY``: the policy's choice). A policy
+    that needs chunks in context is always linked so."""
 
     policy: Policy
     in_context: bool
+    order: Order = Order.POLICY
 
     @property
     def label(self) -> str:
-        return self.policy.spec + (CONTEXT_SUFFIX if self.in_context and not self.policy.needs_context else "")
+        label = self.policy.spec + (CONTEXT_SUFFIX if self.in_context and not self.policy.needs_context else "")
+        return label if self.order is Order.POLICY else f"{label}{ORDER_SEPARATOR}{self.order.value}"
 
 
 # A policy spec followed by this compiles the chunks in the chat's context (``naive@context``).
 CONTEXT_SUFFIX = "@context"
+# Then this and an order's name links the chunks in that order (``auto@context/relevance``, ``full/given``).
+ORDER_SEPARATOR = "/"
 # The accuracy evaluation's default rows: every family, and the in-context variants that matter on SmolLM2.
 ACCURACY_POLICIES = (
     "naive", "legolink0", "mepic", "legolink:16", "legolink:32", "cacheblend:0.15", "cacheblend:0.3",
@@ -60,25 +77,39 @@ ACCURACY_POLICIES = (
 )  # fmt: skip
 
 
-def accuracy_rows(engine: PIC, policies: Sequence[str | Policy]) -> list[Row]:
-    """The table's rows: ``policies`` (specs, ``spec@context``, or objects) checked against the engine's model,
-    Full Recompute and repeats dropped.
+def accuracy_rows(
+    engine: PIC, policies: Sequence[str | Policy], orders: Sequence[str | Order] = (Order.POLICY,)
+) -> list[Row]:
+    """The table's rows: ``policies`` (specs, ``spec@context``, ``spec[@context]/order``, or objects) checked
+    against the engine's model, each in every order of ``orders`` unless its spec names one; Full Recompute in
+    the caller's order (the reference) and repeats dropped.
 
     Raises:
         PolicyError: an unknown spec, a bad argument, or a policy that cannot run on this model.
+        InvalidInputError: an unknown order.
     """
     if isinstance(policies, (str, Policy)):
         policies = [policies]
+    orders = [parse_order(o) for o in ([orders] if isinstance(orders, (str, Order)) else orders)]
     rows: dict[str, Row] = {}
     for item in policies:
-        spec, in_context = item, False
-        if isinstance(item, str) and item.endswith(CONTEXT_SUFFIX):
-            spec, in_context = item.removesuffix(CONTEXT_SUFFIX), True
+        spec, in_context, item_orders = item, False, orders
+        if isinstance(item, str) and ORDER_SEPARATOR in item:
+            spec, order = item.rsplit(ORDER_SEPARATOR, 1)
+            item_orders = [parse_order(order)]
+        if isinstance(spec, str) and spec.endswith(CONTEXT_SUFFIX):
+            spec, in_context = spec.removesuffix(CONTEXT_SUFFIX), True
         (policy,) = checked_policies(engine, [spec]) or [FullRecompute()]
-        row = Row(policy, in_context=in_context or policy.needs_context)
-        if row.label != FullRecompute().spec:
-            rows.setdefault(row.label, row)
+        for order in item_orders:
+            row = Row(policy, in_context=in_context or policy.needs_context, order=order)
+            if not _is_reference(row):
+                rows.setdefault(row.label, row)
     return list(rows.values())
+
+
+def _is_reference(row: Row) -> bool:
+    """Full Recompute in the caller's order over chunks compiled alone: the table's first row."""
+    return isinstance(row.policy, FullRecompute) and not row.in_context and row.order in (Order.POLICY, Order.GIVEN)
 
 
 def evaluate_accuracy(
@@ -86,10 +117,13 @@ def evaluate_accuracy(
     *,
     workload: QAWorkload | None = None,
     policies: Sequence[str | Policy] = ACCURACY_POLICIES,
+    orders: Sequence[str | Order] = (Order.POLICY,),
     max_new_tokens: int = 24,
     num_sink_cases: int = 20,
     progress: bool = False,
     on_case: Callable[[AccuracyReport], None] | None = None,
+    done: Mapping[int, CaseOutcomes] | None = None,
+    on_outcomes: Callable[[int, CaseOutcomes], None] | None = None,
 ) -> AccuracyReport:
     """Score policies against Full Recompute on a QA workload.
 
@@ -98,68 +132,96 @@ def evaluate_accuracy(
         workload: the cases (default: ``qa_workload()``, 200 cases of 4 documents).
         policies: policy objects or spec strings, checked before any work; Full Recompute is always the
             reference row, and a policy listed twice is scored once.
+        orders: the orders every policy runs in (a spec ``spec/order`` names its own): ``"policy"`` (the
+            policy's choice), ``"given"``, ``"relevance"``.
         max_new_tokens: the longest reply (greedy; a case's stop strings usually end it sooner).
         num_sink_cases: cases (the first ones) on which the attention-sink profile is measured.
         on_case: called after every case with the report so far (to save partial results).
+        done: the outcomes of cases run before (by case number: ``pic.evaluation.case_log``), not run again.
+        on_outcomes: called after every case run with its number and outcomes (to log them for a resume).
 
     Raises:
         PolicyError: an unknown policy spec, or one that cannot run on this model (before any work).
         PicError: a case the engine rejects; the message names the case.
     """
-    rows = accuracy_rows(engine, policies)
+    rows = accuracy_rows(engine, policies, orders)
     workload = workload or qa_workload()
     full = Row(FullRecompute(), in_context=False)
-    outcomes: dict[str, list[Outcome]] = {row.label: [] for row in [full, *rows]}
+    labels = [row.label for row in [full, *rows]]
+    outcomes: dict[str, list[Outcome]] = {label: [] for label in labels}
     sinks: list[dict[str, CaseSinks]] = []
-    done: list[QACase] = []
+    cases: list[QACase] = []
     for number, case in enumerate(tqdm(workload.cases, desc="pic eval accuracy", unit="case", disable=not progress)):
         try:
-            link = case_linker(engine, case)
-            for label, outcome in _run_case(link, case, full, rows, max_new_tokens).items():
-                outcomes[label].append(outcome)  # a case counts for every policy or for none
-            if number < num_sink_cases:
-                sinks.append(measure_sinks(engine, link, {row.label: row for row in [full, *rows]}))
+            if done is not None and number in done:
+                found = {label: done[number][label] for label in labels}  # KeyError: checked by the caller
+            else:
+                link = case_linker(engine, case)
+                found = _run_case(link, case, full, rows, max_new_tokens)
+                if number < num_sink_cases:
+                    sinks.append(measure_sinks(engine, link, {row.label: row for row in [full, *rows]}))
+                if on_outcomes is not None:
+                    on_outcomes(number, found)
         except PicError as exc:
             raise type(exc)(f"workload case {number}: {exc}") from exc
-        done.append(case)
+        for label, outcome in found.items():
+            outcomes[label].append(outcome)  # a case counts for every policy or for none
+        cases.append(case)
         if on_case is not None:
-            on_case(_report(engine, workload, done, outcomes, sinks))
-    return _report(engine, workload, done, outcomes, sinks)
+            on_case(_report(engine, workload, cases, outcomes, sinks))
+    return _report(engine, workload, cases, outcomes, sinks)
 
 
-def case_linker(engine: PIC, case: QACase) -> Callable[[Row], Linked]:
-    """``link(row)``: the case's documents compiled for the row's policy (alone, or in the chat's context;
-    cached after the first time) and linked where the chat template puts them, with the reply's start appended
-    to the query."""
+def case_linker(engine: PIC, case: QACase) -> Callable[..., Linked]:
+    """``link(row, indices=None)``: the case's documents compiled for the row's policy (alone, or in the chat's
+    context; cached after the first time) and linked where the chat template puts them, in the row's order, with
+    the reply's start appended to the query. ``indices``: link the documents in that order, as given."""
     messages = case.messages()
     prefix, query = engine.chat_segments(messages)
     query += case.answer_prefix
     documents = list(case.documents)
     context = engine.chat_context(messages)
 
-    def link(row: Row) -> Linked:
+    def link(row: Row, indices: Sequence[int] | None = None) -> Linked:
         ids = engine.compile(documents, policy=row.policy, context=context if row.in_context else None, progress=False)
-        return engine.link(ids, query, prefix=prefix, policy=row.policy)
+        if indices is not None:
+            return engine.link([ids[i] for i in indices], query, prefix=prefix, policy=row.policy, order=Order.GIVEN)
+        return engine.link(ids, query, prefix=prefix, policy=row.policy, order=row.order)
 
     return link
 
 
 def _run_case(
-    link: Callable[[Row], Linked], case: QACase, full: Row, rows: list[Row], max_new_tokens: int
-) -> dict[str, Outcome]:
-    """The case under Full Recompute (the reference) and under every row: each linked and measured in turn,
-    then all answered together (batched decoding gives each the reply it gets alone, at a fraction of the time)."""
+    link: Callable[..., Linked], case: QACase, full: Row, rows: list[Row], max_new_tokens: int
+) -> CaseOutcomes:
+    """The case under Full Recompute (the reference) and under every row, and Full Recompute again in each other
+    order a row ran: each linked and measured in turn, then all answered together (batched decoding gives each
+    the reply it gets alone, at a fraction of the time)."""
     link(full).release()  # warm-up: the first link of a case pays one-off costs (and compiles)
     reference = link(full)
     ref_logp = reference.logits.log_softmax(-1)  # [Q, vocab]
     query = reference.input_ids[reference.layout.query.tokens]
 
     linked = {full.label: reference} | {row.label: link(row) for row in rows}
+    orders = {label: item.order.indices for label, item in linked.items()}
+    in_order = {indices: link(full, indices) for indices in set(orders.values()) - {orders[full.label]}}
     measured = {label: measure_link(item, ref_logp, query) for label, item in linked.items()}
-    replies = generate_together(list(linked.values()), max_new_tokens, stop=list(case.stop))  # decoded as a batch
+    everything = [*linked.values(), *in_order.values()]
+    replies = generate_together(everything, max_new_tokens, stop=list(case.stop))  # decoded as a batch
+    scores = [score_answer(reply.text, case) for reply in replies]
+    full_scores = [scores[0], *scores[len(linked) :]]  # FR in the caller's order, then in each other order
+    full_correct = {
+        indices: score.correct for indices, score in zip([orders[full.label], *in_order], full_scores, strict=True)
+    }
     return {
-        label: Outcome(link=measured[label], reply=reply.text, score=score_answer(reply.text, case))
-        for label, reply in zip(linked, replies, strict=True)
+        label: Outcome(
+            link=measured[label],
+            reply=reply.text,
+            score=score,
+            order=orders[label],
+            full_in_order=full_correct[orders[label]],
+        )  # fmt: skip
+        for label, reply, score in zip(linked, replies, scores, strict=False)
     }
 
 
@@ -190,6 +252,7 @@ def _summarize(spec: str, measured: list[Outcome], full: list[Outcome], cases: l
     low, high = wilson_interval(sum(correct), len(correct))
     pairs = list(zip(measured, full, strict=True))
     diff, diff_low, diff_high = paired_difference([int(m.score.correct) - int(f.score.correct) for m, f in pairs])
+    in_order = paired_difference([int(m.score.correct) - int(m.full_in_order) for m in measured])
     kinds = [kind for kind in QAKind if any(c.kind is kind for c in cases)]
     single = [(c.gold[0], m.score.correct) for c, m in zip(cases, measured, strict=True) if len(c.gold) == 1]
     num_documents = max((len(c.documents) for c in cases), default=0)
@@ -222,4 +285,10 @@ def _summarize(spec: str, measured: list[Outcome], full: list[Outcome], cases: l
         median_speedup_vs_full=statistics.median(f.link.link_s / m.link.link_s for m, f in pairs)
         if pairs
         else float("nan"),
+        order=spec.rsplit(ORDER_SEPARATOR, 1)[1] if ORDER_SEPARATOR in spec else Order.POLICY.value,
+        reordered=mean(m.order != tuple(range(len(m.order))) for m in measured),
+        full_link_order_accuracy=mean(m.full_in_order for m in measured),
+        diff_vs_link_order=in_order[0],
+        diff_link_order_low=in_order[1],
+        diff_link_order_high=in_order[2],
     )

@@ -37,6 +37,11 @@ class AccuracyScore:
         chunk_recompute_fraction: token-layers run beyond one pass over the prefix and query, over the chunks'
             token-layers: the share of the chunks recomputed, a probe's second run of the query included.
         median_link_s, median_speedup_vs_full: link time, and FR's link time over it per case (median).
+        order: the order the row asked for (``"policy"``: the policy's choice, ``"given"``, ``"relevance"``).
+        reordered: share of cases whose chunks ran in another order than the caller's.
+        full_link_order_accuracy: Full Recompute's accuracy with the chunks in the order this row's links ran.
+        diff_vs_link_order, diff_link_order_low, diff_link_order_high: the paired difference from Full Recompute
+            in that order, and its 95% interval: the link's own fidelity, the order's effect left out.
     """
 
     policy: str
@@ -62,6 +67,12 @@ class AccuracyScore:
     chunk_recompute_fraction: float
     median_link_s: float
     median_speedup_vs_full: float
+    order: str = "policy"
+    reordered: float = 0.0
+    full_link_order_accuracy: float = float("nan")
+    diff_vs_link_order: float = float("nan")
+    diff_link_order_low: float = float("nan")
+    diff_link_order_high: float = float("nan")
 
 
 @dataclass(frozen=True)
@@ -85,16 +96,19 @@ class AccuracyReport(ReportMethods):
         rows = [
             "| policy | accuracy (95% CI) | "
             + "".join(f"{k} | " for k in kinds)
-            + "+/- vs FR | paired diff (95% CI) | same reply as FR | KL to FR (answer token) | top-1 agree (answer) "
+            + "+/- vs FR | paired diff (95% CI) | reordered | vs FR in its order (95% CI) | same reply as FR "
+            "| KL to FR (answer token) | top-1 agree (answer) "
             "| chunk token-layers recomputed | recomputed token-layers | link ms (speedup vs FR) |",
-            "|---|---:|" + "---:|" * len(kinds) + "---:|---:|---:|---:|---:|---:|---:|---:|",
+            "|---|---:|" + "---:|" * len(kinds) + "---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for s in self.scores:
             by_kind = "".join(f"{_pct(s.accuracy_by_kind[k])} | " for k in kinds)
             rows.append(
                 f"| {s.policy} | {_pct(s.accuracy)} ({_pct(s.accuracy_low)}-{_pct(s.accuracy_high)}) | {by_kind}"
                 f"+{s.num_gained}/-{s.num_lost} | {_signed(s.diff_vs_full)} ({_signed(s.diff_low)} to "
-                f"{_signed(s.diff_high)}) | {_pct(s.same_reply_as_full)} "
+                f"{_signed(s.diff_high)}) | {_pct(s.reordered)} | {_signed(s.diff_vs_link_order)} "
+                f"({_signed(s.diff_link_order_low)} to {_signed(s.diff_link_order_high)}) "
+                f"| {_pct(s.same_reply_as_full)} "
                 f"| {s.mean_kl:.3f} ({s.answer_kl:.3f}) | {_pct(s.top1_agreement)} ({_pct(s.answer_top1)}) "
                 f"| {_pct(s.chunk_recompute_fraction)} | {_pct(s.recompute_fraction)} "
                 f"| {1e3 * s.median_link_s:.0f} ({s.median_speedup_vs_full:.2f}x) |"

@@ -71,6 +71,15 @@ def add_parser(
     accuracy.add_argument(
         "--sink-cases", type=non_negative_int, default=20, help="cases for the attention-sink profile (default 20)"
     )
+    accuracy.add_argument(
+        "--orders", default="policy",
+        help="the chunk orders every policy runs in, separated by spaces: policy (the policy's choice; default), "
+        "given (the workload's order), relevance (most relevant last); SPEC/ORDER in --policies names one row's",
+    )  # fmt: skip
+    accuracy.add_argument(
+        "--resume", action="store_true",
+        help="run only the cases <name>.cases.jsonl in --out lacks (a run with the same arguments that stopped)",
+    )  # fmt: skip
     for parser, name in ((fidelity, "fidelity"), (accuracy, "accuracy")):
         model_options(parser)
         if parser is accuracy:
@@ -147,8 +156,8 @@ def run(args: argparse.Namespace, load: Callable[[], object]) -> int:
     engine = load()
     require_chat_template(engine)
     run_accuracy(
-        engine, workload=workload, policies=policies, max_new_tokens=args.max_new_tokens,
-        num_sink_cases=args.sink_cases, out_dir=args.out, name=args.name,
+        engine, workload=workload, policies=policies, orders=args.orders.split(), max_new_tokens=args.max_new_tokens,
+        num_sink_cases=args.sink_cases, out_dir=args.out, name=args.name, resume=args.resume,
     )  # fmt: skip
     return 0
 

@@ -16,11 +16,13 @@ from pic.engine import PIC
 from pic.errors import InvalidInputError, MissingDependencyError, PicError
 from pic.evaluation.accuracy import accuracy_rows, evaluate_accuracy
 from pic.evaluation.accuracy_report import AccuracyReport
+from pic.evaluation.case_log import CaseLog
 from pic.evaluation.fidelity import evaluate_fidelity, fidelity_policies
 from pic.evaluation.plot import plot_accuracy, plot_fidelity
 from pic.evaluation.qa import QAWorkload
 from pic.evaluation.report import FidelityReport
 from pic.evaluation.workload import load_workload, sample_workload
+from pic.link.policies import FullRecompute
 
 Report = TypeVar("Report", FidelityReport, AccuracyReport)
 
@@ -59,21 +61,34 @@ def run_accuracy(
     *,
     workload: QAWorkload,
     policies: Sequence[str],
+    orders: Sequence[str] = ("policy",),
     max_new_tokens: int = 24,
     num_sink_cases: int = 20,
     out_dir: str | os.PathLike = "pic-eval",
     name: str = "accuracy",
+    resume: bool = False,
 ) -> AccuracyReport:
     """``evaluate_accuracy`` on ``workload``, written as ``run_fidelity`` writes (JSON after every case,
-    the table, the PNG)."""
+    the table, the PNG), each case's outcomes logged to ``<name>.cases.jsonl`` as it finishes; ``resume`` runs
+    only the cases that log lacks (``pic.evaluation.case_log``)."""
     say = _sayer("accuracy")
     _check_out(out_dir, name)
-    checked = accuracy_rows(engine, policies)
+    checked = accuracy_rows(engine, policies, orders)
+    header = {
+        "model": engine.model_name, "fingerprint": engine.fingerprint, "workload": workload.description,
+        "labels": [FullRecompute().spec, *(row.label for row in checked)], "max_new_tokens": max_new_tokens,
+    }  # fmt: skip
+    log = CaseLog(Path(out_dir) / f"{name}.cases.jsonl", header)
+    done = log.read() if resume else {}
+    if not resume:
+        log.start()
+    elif done:
+        say(f"resuming: {len(done)} of {len(workload.cases)} cases done in {log.path}")
 
     def evaluate(on_case: Callable[[AccuracyReport], None]) -> AccuracyReport:
         return evaluate_accuracy(
-            engine, workload=workload, policies=policies, max_new_tokens=max_new_tokens,
-            num_sink_cases=num_sink_cases, progress=True, on_case=on_case,
+            engine, workload=workload, policies=policies, orders=orders, max_new_tokens=max_new_tokens,
+            num_sink_cases=num_sink_cases, progress=True, on_case=on_case, done=done, on_outcomes=log.append,
         )  # fmt: skip
 
     say(f"{engine.model_name}, add_bos={engine.config.add_bos}: {len(checked)} policies against Full Recompute")

@@ -2,10 +2,11 @@
 probe and its second pass), apart from the pool work (``pic.engine.kv_manager``) and the scheduling.
 
 The engine holds one ``LinkState`` per request; only the ``Linker`` writes it. A request goes:
-``plan`` (lay out, check, choose the tokens, count the blocks) -> the KV manager takes the blocks -> ``start``
-(set up the pass) -> forwards -> for a query-aware policy, ``probe_done`` (the policy chooses from its probe; the
-second pass is set up, the caller copies the chunk blocks it writes) -> ``pass_done``. A preempted request is
-planned again over its prompt and the tokens it generated, and keeps its probe's choice.
+``plan`` (order the chunks, lay out, check, choose the tokens, count the blocks) -> the KV manager takes the
+blocks -> ``start`` (set up the pass) -> forwards -> for a query-aware policy, ``probe_done`` (the policy chooses
+from its probe; the second pass is set up, the caller copies the chunk blocks it writes) -> ``pass_done``. A
+preempted request is planned again over its prompt and the tokens it generated, and keeps its chunks' order and
+its probe's choice.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pic.errors import ContextLengthError, PolicyError
 from pic.kv import BlockPool, ChunkInfo, ChunkKV, RequestKV
 from pic.link.assemble import AssemblyPlan, plan_assembly
 from pic.link.layout import Layout, lay_out
+from pic.link.order import ChunkOrder, Order, chunk_order
 from pic.link.policies import Policy
 from pic.link.recompute import PassResult, RecomputePass
 from pic.model import ModelSpec
@@ -30,6 +32,8 @@ class LinkState:
 
     Attributes:
         policy: the policy asked for, then the one it chose for the layout (``Policy.for_layout``).
+        order: the chunk order asked for (``Order.POLICY``: the policy's choice).
+        chunk_order: the order the chunks run in, fixed at the first plan (a preempted request keeps it).
         layout: the prompt (and the tokens generated before a preemption) laid out; ``None`` until planned.
         selected: ``[T]`` bool, the tokens the next pass runs.
         pass_: the recompute pass under way.
@@ -41,6 +45,8 @@ class LinkState:
     """
 
     policy: Policy
+    order: Order = Order.POLICY
+    chunk_order: ChunkOrder | None = None
     layout: Layout | None = None
     selected: torch.Tensor | None = None
     pass_: RecomputePass | None = None
@@ -98,21 +104,26 @@ class Linker:
         relevance: Sequence[float] | None,
     ) -> LinkPlan:
         """Lay the request out (``query`` ends with the ``num_generated`` tokens it generated before a
-        preemption) unless it is already, and count what admitting it takes from the pool.
+        preemption) unless it is already, and count what admitting it takes from the pool. ``chunks`` and
+        ``relevance`` come in the caller's order; the first plan fixes the order they run in (``link.order``).
 
         Raises:
             ContextLengthError, PolicyError: the request cannot run (nothing was taken).
         """
+        if link.chunk_order is None:
+            link.chunk_order = self._order(link, prefix, chunks, query[: len(query) - num_generated], relevance)
+        ordered = link.chunk_order.apply(chunks)
         if link.laid_out is None or link.laid_out[0] is not chunks or link.laid_out[1] != len(query):
             link.laid_out = (chunks, len(query))  # (new; its chunks resolved again; preempted after new tokens)
             link.layout = lay_out(
-                prefix=prefix, chunks=chunks, query=query, block_size=self.block_size,
-                parallel=link.policy.parallel_positions, relevance=relevance, num_generated=num_generated,
+                prefix=prefix, chunks=ordered, query=query, block_size=self.block_size,
+                parallel=link.policy.parallel_positions, num_generated=num_generated,
+                relevance=None if relevance is None else link.chunk_order.apply(relevance),
             )  # fmt: skip
             self._check(link)
             link.selected = self._selection(link)
         dirty = link.selected if self._share and not link.policy.is_dynamic else torch.ones_like(link.selected)
-        assembly = plan_assembly(self.pool, link.layout, chunks, dirty)
+        assembly = plan_assembly(self.pool, link.layout, ordered, dirty)
         num_tokens = int(link.selected.sum()) + (link.layout.query.num_tokens if link.probes else 0)
         reserved = len(assembly.shared) if link.probes else 0
         return LinkPlan(assembly, num_tokens, reserved, self._chunkable(link))
@@ -162,6 +173,22 @@ class Linker:
     def forget_pass(self, link: LinkState) -> None:
         """A preempted request's pass is gone with its blocks (it is planned again at its next admission)."""
         link.pass_ = None
+
+    def _order(
+        self, link: LinkState, prefix: list[int], chunks: Sequence[ChunkInfo | ChunkKV], query: list[int], relevance
+    ) -> ChunkOrder:
+        """The order the chunks run in: ``link.order``, or (``Order.POLICY``) the one the policy chooses from the
+        prompt laid out in the caller's order."""
+        order = link.order
+        if order is Order.POLICY:
+            given = lay_out(
+                prefix=prefix, chunks=chunks, query=query, block_size=self.block_size,
+                parallel=link.policy.parallel_positions, relevance=relevance,
+            )  # fmt: skip
+            order = link.policy.order_for(given)
+            if order not in (Order.GIVEN, Order.RELEVANCE):
+                raise PolicyError(f"policy {link.policy.spec!r} chose the order {order!r}; expected given or relevance")
+        return chunk_order(order, query, [c.token_ids.tolist() for c in chunks], relevance)
 
     def _check(self, link: LinkState) -> None:
         """Check the layout against the model and the backend, and let the policy choose for it.

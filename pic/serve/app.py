@@ -179,6 +179,7 @@ async def _pic_request(
         prefix=options.prefix if prefix is None else prefix,
         policy=options.policy,
         relevance=options.relevance,
+        order=options.order,
         max_new_tokens=engine.spec.max_context if body.max_tokens is None else body.max_tokens,
         temperature=body.temperature,
         top_p=body.top_p,

@@ -17,17 +17,20 @@ _FINISH = {FinishReason.EOS: "stop", FinishReason.STOP: "stop"}  # every other r
 
 
 def usage(generation: Generation | None) -> dict:
-    """OpenAI's usage, with pic's reused and recomputed prompt tokens (what linking saved)."""
+    """OpenAI's usage, with pic's reused and recomputed prompt tokens (what linking saved) and the order the
+    chunks ran in: ``pic_order`` (``"given"`` or ``"relevance"``) and ``pic_chunk_order`` (the request's chunk
+    indices, ``cache_ids`` then ``documents``, in prompt order)."""
     if generation is None:
         return {}
     stats = generation.stats
+    order = stats.chunk_order
     return {
         "prompt_tokens": stats.num_prompt_tokens,
         "completion_tokens": stats.num_generated_tokens,
         "total_tokens": stats.num_prompt_tokens + stats.num_generated_tokens,
         "reused_tokens": stats.num_reused_tokens,
         "recomputed_tokens": stats.num_recomputed_tokens,
-    }
+    } | ({} if order is None else {"pic_order": order.order.value, "pic_chunk_order": list(order.indices)})
 
 
 def _finish_reason(generation: Generation | None) -> str | None:

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from pydantic_core import PydanticCustomError
 
 from pic.engine.sampling import GREEDY_TEMPERATURE, GREEDY_TOP_P
+from pic.link.order import Order
 from pic.serve.openai_params import openai_properties, unknown_fields, unsupported_parameters
 
 # What the schema says of an integer field: JSON Schema's "integer" takes 4.0 too; this server does not.
@@ -51,7 +52,10 @@ class PicOptions(_Body):
         policy: the recompute policy (``"auto"``, ``"regions"``, ``"legolink:16"`` ...); default: the engine's.
         prefix: text before the chunks (recomputed).
         relevance: one score per chunk (``cache_ids``, then ``documents``), higher for the more relevant (a
-            retriever's scores); a policy that ranks chunks (``regions``) uses them.
+            retriever's scores); a policy that ranks chunks (``regions``) and the relevance order use them.
+        order: the chunks' order in the prompt: ``"given"`` (``cache_ids`` then ``documents``, as sent),
+            ``"relevance"`` (the most relevant last, next to the prompt), or ``"policy"`` (the default: the
+            policy's choice). The usage's ``pic_order`` and ``pic_chunk_order`` say what ran.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -61,6 +65,7 @@ class PicOptions(_Body):
     policy: str | None = None
     prefix: str = ""
     relevance: list[float] | None = Field(default=None, max_length=5120)
+    order: Order = Field(default=Order.POLICY, strict=False)  # its value from JSON
 
 
 class Sampling(_Body):

@@ -61,13 +61,16 @@ class Deleted(BaseModel):
 
 
 class Usage(BaseModel):
-    """OpenAI's usage, with the prompt tokens linking reused (cached KV) and recomputed."""
+    """OpenAI's usage, with the prompt tokens linking reused (cached KV) and recomputed, and the order the
+    chunks ran in (``pic_chunk_order``: the request's chunk indices in prompt order)."""
 
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     reused_tokens: int
     recomputed_tokens: int
+    pic_order: Literal["given", "relevance"]
+    pic_chunk_order: list[int]
 
 
 class CompletionChoice(BaseModel):

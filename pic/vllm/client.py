@@ -21,7 +21,7 @@ from typing import Literal
 
 from pic.errors import InvalidInputError, PicError
 from pic.link.chat import split_chat
-from pic.link.policies.lexical import bm25
+from pic.link.lexical import bm25
 from pic.vllm.params import DEFAULT_POLICY, PARAMS_KEY, link_salt, parse_policy
 
 Order = Literal["relevance", "given"]

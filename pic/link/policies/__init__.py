@@ -1,14 +1,15 @@
 """Recompute policies: which tokens of a linked prompt to run fresh.
 
 Use a spec string (``"auto"``: the default, ``"naive"``, ``"full"``, ``"legolink:16"``, ``"legolink0"``,
-``"cacheblend:0.15"``, ``"mepic"``, ``"prophetkv:0.2"``, ``"a3:0.15"``, ``"ape"``, ``"regions:0.2"``) or an object; add
+``"cacheblend:0.15"``, ``"mepic"``, ``"prophetkv:0.2"``, ``"a3:0.15"``, ``"ape"``, ``"regions:0.2"``,
+``"suffix:0.2"``) or an object; add
 your own by subclassing ``Policy`` and decorating it with ``register``.
 """
 
 from pic.link.policies.ape import APE
 from pic.link.policies.auto import Auto
 from pic.link.policies.base import Policy
-from pic.link.policies.builtin import FullRecompute, Naive
+from pic.link.policies.builtin import FullRecompute, Naive, Suffix
 from pic.link.policies.cacheblend import CacheBlend
 from pic.link.policies.heads import MEPIC, LegoLink, LegoLinkZero, chunk_heads
 from pic.link.policies.query import A3, ProphetKV
@@ -33,6 +34,7 @@ __all__ = [
     "Probe",
     "ProphetKV",
     "Regions",
+    "Suffix",
     "available",
     "chunk_heads",
     "register",

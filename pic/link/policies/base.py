@@ -29,6 +29,7 @@ from pic.attention.ape import ContextScaling
 from pic.config import CompileOptions, describe_validation_error
 from pic.errors import PolicyError
 from pic.link.layout import Layout
+from pic.link.order import Order
 
 if TYPE_CHECKING:
     from pic.link.probe import Probe
@@ -71,6 +72,13 @@ class Policy(BaseModel, ABC):
         The engine calls it once the request is laid out; the chosen policy must lay chunks out as this one
         does (``parallel_positions``), and ``Linked.policy`` reports it."""
         return self
+
+    def order_for(self, layout: Layout) -> Order:
+        """The chunk order a link that leaves the order to its policy (``order="policy"``, the default) runs:
+        ``Order.GIVEN`` or ``Order.RELEVANCE``, read from ``layout`` (the prompt in the caller's order). Every
+        built-in policy but ``auto`` keeps the caller's order: Full Recompute stays the model's own prefill of the
+        prompt the caller wrote."""
+        return Order.GIVEN
 
     def after_layer(self, step: LayerStep) -> torch.Tensor | None:
         """Dynamic policies: which of the tokens that just ran ``step.layer`` keep running.

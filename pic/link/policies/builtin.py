@@ -1,8 +1,9 @@
-"""The two reference policies: recompute nothing cached, or everything."""
+"""The two reference policies, recompute nothing cached or everything, and the suffix a vLLM connector can run."""
 
 from __future__ import annotations
 
 import torch
+from pydantic import Field
 
 from pic.link.layout import Layout
 from pic.link.policies.base import Policy
@@ -28,3 +29,23 @@ class FullRecompute(Policy):
 
     def select(self, layout: Layout) -> torch.Tensor:
         return torch.ones(layout.num_tokens, dtype=torch.bool)
+
+
+class Suffix(Policy):
+    """Recompute the last ``ratio`` of the chunk tokens (those right before the query), reuse the rest as is.
+
+    It is what ``PicConnector`` runs inside vLLM, whose forward computes only a suffix of the prompt
+    (``pic.vllm.params.Suffix``, the same count: ``round(ratio * chunk tokens)``); here it lets pic's engine
+    measure that policy beside its own (docs/vllm.md). With the relevance order, the recomputed tokens are the
+    most relevant documents'."""
+
+    name = "suffix"
+    ratio: float = Field(default=0.2, ge=0.0, le=1.0)
+
+    def select(self, layout: Layout) -> torch.Tensor:
+        chunk = layout.cached.nonzero().flatten()  # chunk token indices, in prompt order
+        chosen = torch.zeros(layout.num_tokens, dtype=torch.bool)
+        num = round(self.ratio * chunk.numel())
+        if num:
+            chosen[chunk[-num:]] = True
+        return chosen

@@ -6,7 +6,7 @@ from pic.errors import PolicyError
 from pic.link.policies.ape import APE
 from pic.link.policies.auto import Auto
 from pic.link.policies.base import Policy
-from pic.link.policies.builtin import FullRecompute, Naive
+from pic.link.policies.builtin import FullRecompute, Naive, Suffix
 from pic.link.policies.cacheblend import CacheBlend
 from pic.link.policies.heads import MEPIC, LegoLink, LegoLinkZero
 from pic.link.policies.query import A3, ProphetKV
@@ -14,7 +14,20 @@ from pic.link.policies.regions import Regions
 
 _POLICIES: dict[str, type[Policy]] = {
     cls.name: cls
-    for cls in (Naive, FullRecompute, LegoLink, LegoLinkZero, CacheBlend, MEPIC, ProphetKV, A3, APE, Regions, Auto)
+    for cls in (
+        Naive,
+        FullRecompute,
+        LegoLink,
+        LegoLinkZero,
+        CacheBlend,
+        MEPIC,
+        ProphetKV,
+        A3,
+        APE,
+        Regions,
+        Auto,
+        Suffix,
+    )
 }
 
 
