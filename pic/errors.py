@@ -53,6 +53,11 @@ class EngineClosedError(PicError):
     """The engine was closed (``PIC.close``) while a call waited on it, or before the call."""
 
 
+class SequenceStateError(PicError):
+    """A request's sequence inside the engine broke its state machine (a transition its status does not allow,
+    or a status where its queue holds no such sequence): that request fails with it, the engine goes on."""
+
+
 class MissingDependencyError(PicError, ImportError):
     """An optional dependency a feature needs is not installed (the message names the extra)."""
 
