@@ -1,12 +1,12 @@
 """``Linker``: a request's link from its chunks to its recompute pass's result (layout, the policy's choice, the
-probe and its second pass), apart from the pool work (``pic.engine.kv_manager``) and the scheduling.
+probe and its second pass), apart from the pool work (``pic.engine.core.kv_manager``) and the scheduling.
 
 The engine holds one ``LinkState`` per request; only the ``Linker`` writes it. A request goes:
 ``plan`` (order the chunks, lay out, check, choose the tokens, count the blocks) -> the KV manager takes the
 blocks -> ``start`` (set up the pass) -> forwards -> for a query-aware policy, ``probe_done`` (the policy chooses
-from its probe; the second pass is set up, the caller copies the chunk blocks it writes) -> ``pass_done``. A
-preempted request is planned again over its prompt and the tokens it generated, and keeps its chunks' order and
-its probe's choice.
+from its probe; the second pass is set up, to run in a later forward, and the caller copies the chunk blocks it
+writes) -> ``pass_done``. A preempted request is planned again over its prompt and the tokens it generated, and
+keeps its chunks' order and its probe's choice.
 """
 
 from __future__ import annotations
@@ -67,8 +67,9 @@ class LinkPlan:
 
     Attributes:
         assembly: the blocks it needs (``plan_assembly``).
-        num_tokens: tokens its forwards run this step: its pass, and a probe's second run of the query.
-        num_reserved: blocks a probe's second pass may still take (copies of the shared chunk blocks it writes).
+        num_tokens: tokens its pass runs (a probe's: the probe; its second pass is planned once the policy chose).
+        num_reserved: blocks a probe's second pass may take (copies of the shared chunk blocks it writes): the KV
+            manager sets them aside at admission.
         chunkable: the pass may run in pieces (``RecomputePass.chunkable``).
     """
 
@@ -124,7 +125,7 @@ class Linker:
             link.selected = self._selection(link)
         dirty = link.selected if self._share and not link.policy.is_dynamic else torch.ones_like(link.selected)
         assembly = plan_assembly(self.pool, link.layout, ordered, dirty)
-        num_tokens = int(link.selected.sum()) + (link.layout.query.num_tokens if link.probes else 0)
+        num_tokens = int(link.selected.sum())
         reserved = len(assembly.shared) if link.probes else 0
         return LinkPlan(assembly, num_tokens, reserved, self._chunkable(link))
 
