@@ -194,7 +194,7 @@ def measure_pic(engine: pic.PIC, link: Callable[[], pic.Linked], num_steps: int)
 
     run(4)  # warm-up
     plain = statistics.median(run(num_steps) for _ in range(3))
-    import pic.engine.decoding as decoding
+    import pic.engine.core.decoding as decoding
 
     with engine.paused() as core:
         backend, products = core.runner.attention_backend, core.runner._decode

@@ -199,7 +199,7 @@ def test_steps_sync_the_host_only_to_read_the_sampled_tokens():
             sites = [(os.path.realpath(f), n) for f, n in sync_sites(owned.step)]
             mine = [(f, n) for f, n in sites if f.startswith(ours)]
             assert len(mine) == 1 and mine[0][0] == token_read[0] and mine[0][1] in token_read[1], sites
-        assert [len(s.output_ids) for s in owned._seqs.values()] == [23] * 4
+        assert [len(s.output_ids) for s in owned.scheduler.queues.requests.values()] == [23] * 4
 
 
 @cuda_only

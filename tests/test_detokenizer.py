@@ -14,7 +14,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 import pic
-from pic.engine.detokenizer import Detokenizer
+from pic.engine.core.detokenizer import Detokenizer
 
 WORDS = ("é", "—", "日本", "ü", "😀", "naïve", "café")  # multi-byte characters, spelt as byte tokens
 CORPUS = "Tom had a big red ball. He liked to kick it — in the park. 日本 café naïve über 😀 Lily loved to sing."
@@ -108,7 +108,7 @@ def test_random_stop_strings_cut_at_first_occurrence(tok):
 
 def test_invalid_utf8_differs_only_in_replaced_bytes(tok):
     """Arbitrary ids, raw bytes included. Where they make invalid UTF-8 the full decode may replace more
-    with U+FFFD than the text does (module docstring of ``pic.engine.detokenizer``), but nothing else."""
+    with U+FFFD than the text does (module docstring of ``pic.engine.core.detokenizer``), but nothing else."""
     rng = random.Random(3)
     pool = [i for i in range(len(tok)) if i not in set(tok.all_special_ids)]
     for _ in range(300):

@@ -1,31 +1,91 @@
-"""The commands other threads send the engine's core thread: a closed set of typed messages.
+"""The command channel: the one way from the engine's callers (``pic.engine.caller``) to its core
+(``pic.engine.core``), which import this module and the messages it carries (``pic.engine.request``), never
+each other.
 
-Every change to engine state arrives as one of these, in the order sent, and runs between two steps. A
-command that answers carries a ``Future`` (``reply``) that the core thread completes, with the result or the
-exception; outputs of requests go to their sinks instead (``pic.engine.streams``).
+Every change to engine state arrives as one of these commands, in the order sent, and runs between two steps on
+the core thread: ``command.run(core)``, each command doing its own part (the core thread does not look at its
+type). A command that answers carries a ``Future`` (``reply``) that it completes, with the result or (``refuse``)
+the exception; outputs of requests go to their sinks instead (``pic.engine.caller.streams``). ``Core`` is what the
+commands ask of the core; ``Channel`` is what a caller holds of the thread that runs it.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, ClassVar, Protocol, TypeVar
 
-from pic.engine.request import CompileJob, NewRequest, OutputSink
+from pic.engine.request import CompileJob, NewRequest, OutputSink, RequestOutput
 from pic.engine.sampling import SamplingParams
+from pic.errors import EngineClosedError, LinkedReleasedError
+
+log = logging.getLogger("pic")
+_T = TypeVar("_T")
+# A waiting thread wakes this often to check that the engine's thread is alive (a closed engine answers
+# everything it was asked before its thread ends; this only matters if that thread died of a bug).
+LIVENESS_S = 1.0
+
+
+class Core(Protocol):
+    """What the commands ask of the engine's core (``pic.engine.core.EngineCore``), on its own thread."""
+
+    closed: bool
+
+    def add(self, new: NewRequest) -> None:
+        """Queue a new request."""
+
+    def resume(self, request_id: int, params: SamplingParams, *, link_s: float, sink: OutputSink) -> bool:
+        """Start generating from a parked request; whether it was parked."""
+
+    def abort(self, request_id: int) -> None:
+        """Stop a request and free its blocks (unknown or finished ids are ignored)."""
+
+    def compile(self, job: CompileJob, reply: Future) -> None:
+        """Start compiling ``job``'s chunks; ``reply`` is answered once they are stored."""
+
+    def step_once(self, *, paced: bool = True) -> None:
+        """Run one step if any work can run (``paced=False``: not for requests that wait for ``Step``)."""
+
+    def close(self, error: Exception) -> None:
+        """Fail every open request with ``error``; ``closed`` from now on."""
+
+
+class Command:
+    """A message to the core thread: ``run`` does its work there; ``refuse`` answers it with an error instead (its
+    work raised, or the engine closed before it ran)."""
+
+    reply: ClassVar[Future | None] = None  # (a dataclass field in the commands that answer)
+
+    def run(self, core: Core) -> None:
+        raise NotImplementedError
+
+    def refuse(self, error: Exception) -> None:
+        if self.reply is None:
+            log.error("pic: engine command %s failed: %s", type(self).__name__, error)
+        elif not self.reply.done():
+            self.reply.set_exception(error)
 
 
 @dataclass(frozen=True)
-class Submit:
+class Submit(Command):
     """New requests, queued together: they can share their first forward."""
 
     requests: tuple[NewRequest, ...]
 
+    def run(self, core: Core) -> None:
+        for new in self.requests:
+            core.add(new)
+
+    def refuse(self, error: Exception) -> None:
+        for new in self.requests:
+            new.sink.put(RequestOutput.failure(new.request_id, error))
+
 
 @dataclass(frozen=True)
-class Resume:
+class Resume(Command):
     """Start generating from a parked request (``Linked.generate``); ``link_s``: the link's wall time.
     Outputs go to ``sink`` (an error output if the request is no longer parked)."""
 
@@ -34,65 +94,95 @@ class Resume:
     link_s: float
     sink: OutputSink
 
+    def run(self, core: Core) -> None:
+        if not core.resume(self.request_id, self.params, link_s=self.link_s, sink=self.sink):
+            self.refuse(LinkedReleasedError("this Linked request was already released; link it again"))
+
+    def refuse(self, error: Exception) -> None:
+        self.sink.put(RequestOutput.failure(self.request_id, error))
+
 
 @dataclass(frozen=True)
-class Abort:
+class Abort(Command):
     """Stop a request and free its blocks (release, abort, a closed stream); ``reply`` completes after."""
 
     request_id: int
     reply: Future | None = None
 
+    def run(self, core: Core) -> None:
+        core.abort(self.request_id)
+        if self.reply is not None:
+            self.reply.set_result(None)
+
 
 @dataclass(frozen=True)
-class Compile:
-    """Compile chunks as scheduled work; ``reply`` gets the ids compiled once all are stored."""
+class Compile(Command):
+    """Compile chunks as scheduled work; ``reply`` gets the ids compiled once all are stored (``Stored``)."""
 
     job: CompileJob
     reply: Future
 
+    def run(self, core: Core) -> None:
+        core.compile(self.job, self.reply)  # answered by the core once its chunks are stored
+
 
 @dataclass(frozen=True)
-class Step:
+class Step(Command):
     """Run one step now if any work can run (``Stepper.step``: paced requests advance)."""
 
     reply: Future
 
+    def run(self, core: Core) -> None:
+        core.step_once()
+        self.reply.set_result(None)
+
 
 @dataclass(frozen=True)
-class Ask:
+class Ask(Command):
     """Run ``read(core)`` between two steps and answer its result: a read of engine state (pool statistics,
     the device tier of the store, logits)."""
 
-    read: Callable[[object], object]
+    read: Callable[[Any], object]
     reply: Future
+
+    def run(self, core: Core) -> None:
+        self.reply.set_result(self.read(core))
 
 
 @dataclass(frozen=True)
-class Pause:
+class Pause(Command):
     """Stop between two steps: ``entered`` gets the core, which the caller may read until ``resume`` is set."""
 
     entered: Future
     resume: threading.Event
 
+    def run(self, core: Core) -> None:
+        self.entered.set_result(core)
+        self.resume.wait()
+
+    def refuse(self, error: Exception) -> None:
+        self.entered.set_exception(error)
+
 
 @dataclass(frozen=True)
-class Wake:
+class Wake(Command):
     """Store I/O finished (sent by the loader): look at the work again."""
 
+    def run(self, core: Core) -> None:
+        pass
+
 
 @dataclass(frozen=True)
-class Close:
+class Close(Command):
     """Fail every request still open, refuse later commands, and end the core thread."""
 
-
-Command = Submit | Resume | Abort | Compile | Step | Ask | Pause | Wake | Close
-
-_T = TypeVar("_T")
+    def run(self, core: Core) -> None:
+        core.close(EngineClosedError("the engine was closed"))
 
 
 class Channel(Protocol):
-    """The way into the engine's core thread (``CoreThread``), for the objects its callers hold (``Linked``,
-    ``Stepper``, ``StoreView``): they depend on the commands, not on the thread that runs them."""
+    """The way into the engine's core thread (``CoreThread``), for the objects its callers hold (``PIC``,
+    ``Linked``, ``Stepper``, ``StoreView``): they depend on the commands, not on the thread that runs them."""
 
     def alive(self) -> bool:
         """Whether the core thread runs."""
@@ -109,3 +199,19 @@ class Channel(Protocol):
 
     def ask(self, read: Callable[[Any], _T]) -> _T:
         """``read(core)``, run on the core thread between two steps."""
+
+    def paused(self) -> Any:
+        """A context manager: the core stopped between two steps, lent to the caller."""
+
+    def close(self) -> None:
+        """Close the engine (idempotent)."""
+
+
+def wait(future: Future[_T], alive: Callable[[], bool]) -> _T:
+    """``future.result()``, or ``EngineClosedError`` once the engine's thread is gone."""
+    while True:
+        try:
+            return future.result(timeout=LIVENESS_S)
+        except TimeoutError:
+            if not alive():
+                raise EngineClosedError("the engine's thread ended before answering") from None

@@ -1,5 +1,5 @@
-"""What a user hands the engine (``Request``, a ``CompileJob``) and what the engine hands back (``RequestOutput``,
-``LinkOutput``)."""
+"""The messages of the command channel (``pic.engine.commands``): what a user hands the engine (``Request``, a
+``CompileJob``) and what the engine hands back (``RequestOutput``, ``LinkOutput``, a compile's ``Stored``)."""
 
 from __future__ import annotations
 
@@ -202,6 +202,19 @@ class CompileJob:
     on_chunk: Callable[[], None] = lambda: None
     lower_tiers: bool = True
     interactive: bool = False
+
+
+@dataclass(frozen=True)
+class Stored:
+    """A compile call's answer (the ``Compile`` command's reply).
+
+    Attributes:
+        compiled: the ids it prefilled, in order.
+        tiers: every id of the call -> the names of the tiers holding its chunk when the call ended, fastest first.
+    """
+
+    compiled: list[str]
+    tiers: dict[str, tuple[str, ...]]
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 from pic.engine import Engine, Request, RequestOutput
-from pic.engine.streams import AsyncRequestStream
+from pic.engine.caller.streams import AsyncRequestStream
 
 _T = TypeVar("_T")
 

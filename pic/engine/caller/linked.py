@@ -8,11 +8,11 @@ from collections.abc import Generator, Iterator, Sequence
 import torch
 from typing_extensions import Unpack
 
+from pic.engine.caller.streams import RequestStream
 from pic.engine.commands import Abort, Channel, Resume
 from pic.engine.generation import Generation
 from pic.engine.request import LinkOutput, RequestOutput
 from pic.engine.sampling import SamplingOptions, SamplingParams, sampling_params
-from pic.engine.streams import RequestStream
 from pic.errors import EngineClosedError, InvalidInputError, LinkedReleasedError
 from pic.link.policies import Policy
 

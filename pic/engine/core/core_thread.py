@@ -16,11 +16,9 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import TypeVar
 
-from pic.engine.commands import Abort, Ask, Close, Command, Compile, Pause, Resume, Step, Submit, Wake
-from pic.engine.core import EngineCore
-from pic.engine.request import RequestOutput
-from pic.engine.streams import wait
-from pic.errors import EngineClosedError, LinkedReleasedError
+from pic.engine.commands import Ask, Close, Command, Pause, Wake, wait
+from pic.engine.core.core import EngineCore
+from pic.errors import EngineClosedError
 from pic.model.runner import AttentionObserver
 
 log = logging.getLogger("pic")
@@ -102,19 +100,19 @@ class CoreThread:
 
 
 def run(core: EngineCore, commands: queue.SimpleQueue[Command]) -> None:
-    """Serve ``commands`` until ``Close``; then fail whatever is still open or still arrives. An idle core sleeps
+    """Serve ``commands`` until one closes the core; then refuse whatever is still queued. An idle core sleeps
     until a command comes or a retry of failed writes is due (``EngineCore.next_timer_s``)."""
-    while True:
+    while not core.closed:
         core.retry_writes()
         command = _wait(commands, core.next_timer_s()) if not core.has_work(paced=False) else _next(commands)
-        while command is not None:
-            if isinstance(command, Close):
-                _close(core, commands)
-                return
+        while command is not None and not core.closed:
             _handle(core, command)
-            command = _next(commands)
-        if core.has_work(paced=False):
-            _step(core)
+            command = _next(commands) if not core.closed else None
+        if not core.closed:
+            core.step_once(paced=False)
+    error = EngineClosedError("the engine was closed")
+    while (command := _next(commands)) is not None:  # no client waits forever
+        command.refuse(error)
 
 
 def _wait(commands: queue.SimpleQueue[Command], timeout_s: float | None) -> Command | None:
@@ -132,73 +130,9 @@ def _next(commands: queue.SimpleQueue[Command]) -> Command | None:
         return None
 
 
-def _step(core: EngineCore) -> None:
-    try:
-        core.step()
-    except Exception as exc:  # a forward's failure fails its batch inside step: anything else is a bug
-        log.exception("pic: an engine step failed; failing the open requests")
-        core.fail_all(exc)
-
-
 def _handle(core: EngineCore, command: Command) -> None:
-    """Run one command; its exception goes to its reply (or, without one, to the log)."""
-    reply = getattr(command, "reply", None)
-    if isinstance(command, Compile):  # answered by the core once its chunks are stored
-        try:
-            core.compile(command.job, reply)
-        except Exception as exc:
-            reply.set_exception(exc)
-        return
+    """Run one command; its exception is its answer (``Command.refuse``)."""
     try:
-        result = _run(core, command)
+        command.run(core)
     except Exception as exc:
-        if reply is None:
-            log.exception("pic: engine command %s failed", type(command).__name__)
-        else:
-            reply.set_exception(exc)
-        return
-    if reply is not None:
-        reply.set_result(result)
-
-
-def _run(core: EngineCore, command: Command) -> object:
-    if isinstance(command, Submit):
-        for new in command.requests:
-            core.add(new)
-    elif isinstance(command, Resume):
-        if not core.resume(command.request_id, command.params, link_s=command.link_s, sink=command.sink):
-            error = LinkedReleasedError("this Linked request was already released; link it again")
-            command.sink.put(RequestOutput.failure(command.request_id, error))
-    elif isinstance(command, Abort):
-        core.abort(command.request_id)
-    elif isinstance(command, Step):
-        if core.has_work():
-            _step(core)
-    elif isinstance(command, Ask):
-        return command.read(core)
-    elif isinstance(command, Pause):
-        command.entered.set_result(core)
-        command.resume.wait()
-    elif not isinstance(command, Wake):
-        raise AssertionError(f"unknown engine command {command!r}")
-    return None
-
-
-def _close(core: EngineCore, commands: queue.SimpleQueue[Command]) -> None:
-    """Fail the open requests and every command still queued, so no client waits forever."""
-    error = EngineClosedError("the engine was closed")
-    core.fail_all(error)
-    while (command := _next(commands)) is not None:
-        _refuse(command, error)
-
-
-def _refuse(command: Command, error: Exception) -> None:
-    if isinstance(command, Submit):
-        for new in command.requests:
-            new.sink.put(RequestOutput.failure(new.request_id, error))
-    elif isinstance(command, Resume):
-        command.sink.put(RequestOutput.failure(command.request_id, error))
-    elif isinstance(command, Pause):
-        command.entered.set_exception(error)
-    elif getattr(command, "reply", None) is not None:
-        command.reply.set_exception(error)
+        command.refuse(exc)

@@ -40,7 +40,7 @@ class _DeviceOnCore:
 
     def delete(self, cache_id: str) -> bool:
         """Drop the chunk from the pool and the engine's memory of its tokens (an expired id is unknown)."""
-        return self._thread.ask(lambda core: core.sources.forget(cache_id) or core.store.device.delete(cache_id))
+        return self._thread.ask(lambda core: core.forget_chunk(cache_id))
 
     def pin(self, cache_id: str) -> bool:
         return self._run(lambda d: d.pin(cache_id))

@@ -9,37 +9,12 @@ sequence's ``SeqBlocks`` (nothing else does). What a request needs is planned by
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
 from pic.compile import ChunkPrefill
-from pic.kv import BlockPool, KVCache, RequestKV
+from pic.engine.core.sequence import SeqBlocks, Sequence
+from pic.kv import BlockPool, KVCache
 from pic.link.assemble import Assembly, assemble
 from pic.link.linker import LinkPlan
 from pic.store import TieredStore
-
-if TYPE_CHECKING:
-    from pic.engine.sequence import Sequence
-
-
-@dataclass
-class SeqBlocks:
-    """A sequence's blocks (written by ``KVManager`` only).
-
-    Attributes:
-        kv: its block table and references once admitted (``None``: waiting, or preempted).
-        held: cache id -> the chunk blocks it keeps resident while it waits (preempted, or compiled for it).
-        shared: table entries mapping a chunk's canonical block (no copy).
-        num_shared, num_private: of its first admission (its statistics), copies after a probe counted private.
-        next_slot: the slot of the token its decode step runs.
-    """
-
-    kv: RequestKV | None = None
-    held: dict[str, list[int]] = field(default_factory=dict)
-    shared: set[int] = field(default_factory=set)
-    num_shared: int = 0
-    num_private: int = 0
-    next_slot: int | None = None
 
 
 class KVManager:
@@ -56,37 +31,40 @@ class KVManager:
 
     # -- requests ------------------------------------------------------------------------------------------
 
-    def can_allocate(self, seq: Sequence, plan: LinkPlan, *, reserved: int = 0) -> bool:
-        """Whether the pool holds ``plan`` (and the blocks its probe may take) beside ``reserved`` blocks set
-        aside for this step."""
-        needed = plan.assembly.num_blocks_needed + plan.num_reserved + reserved
+    def can_allocate(self, seq: Sequence, plan: LinkPlan) -> bool:
+        """Whether the pool holds ``plan`` (and the blocks its probe's second pass may copy)."""
+        needed = plan.assembly.num_blocks_needed + plan.num_reserved
         return self.pool.num_available(holding=self._to_hold(seq, plan)) >= needed
 
     def _to_hold(self, seq: Sequence, plan: LinkPlan) -> list[str]:
         return [cid for cid in plan.assembly.resident if cid not in seq.blocks.held]
 
-    def allocate(self, seq: Sequence, plan: LinkPlan, *, reserved: int = 0) -> Assembly:
-        """Take the blocks (shared chunk blocks mapped, dirty ones copied); the sequence's holds become its
-        table's references.
+    def allocate(self, seq: Sequence, plan: LinkPlan) -> Assembly:
+        """Take the blocks (shared chunk blocks mapped, dirty ones copied, and a probe's possible copies set
+        aside: ``SeqBlocks.reserved``); the sequence's holds become its table's references.
 
         Raises:
             KVPoolExhaustedError: ``can_allocate`` is false (the blocks needed and available; nothing is taken).
         """
-        needed = plan.assembly.num_blocks_needed + plan.num_reserved + reserved
+        needed = plan.assembly.num_blocks_needed + plan.num_reserved
         self.pool.check_available(needed, holding=self._to_hold(seq, plan), what=plan.assembly.describe())
         blocks = seq.blocks
         assembly = assemble(self.pool, self.cache, self.store, plan.assembly, held=blocks.held)
         blocks.held, blocks.kv, blocks.shared = {}, assembly.req, set(plan.assembly.shared)
+        blocks.reserved = self.pool.allocate(plan.num_reserved)
         if seq.link.first_pass is None:  # (the figures of its first pass: a link's, reported by LinkOutput)
             blocks.num_shared, blocks.num_private = assembly.num_shared_blocks, assembly.num_private_blocks
         return assembly
 
     def copy_written(self, seq: Sequence, written: list[int]) -> None:
-        """A probe's second pass writes into the request's blocks ``written``: those it maps shared become private
-        copies (in blocks its ``LinkPlan.num_reserved`` set aside)."""
+        """A probe's second pass will write into the request's blocks ``written``: those it maps shared become
+        private copies, in the blocks set aside at admission; the rest of those go back to the pool."""
         blocks = seq.blocks
         shared = [i for i in written if i in blocks.shared]
-        blocks.kv.copy_on_write(shared, self.pool.allocate(len(shared)))
+        fresh, rest = blocks.reserved[: len(shared)], blocks.reserved[len(shared) :]
+        blocks.reserved = []
+        self.pool.free(rest)
+        blocks.kv.copy_on_write(shared, fresh)
         blocks.shared -= set(shared)
         blocks.num_shared -= len(shared)
         blocks.num_private += len(shared)
@@ -112,6 +90,7 @@ class KVManager:
                 blocks.held[cid] = self.pool.hold(cid)
         blocks.kv.release()
         blocks.kv = None
+        self._unreserve(blocks)
 
     def hold(self, seq: Sequence, cache_id: str) -> None:
         """Keep a resident chunk (compiled for the waiting ``seq``) in the pool until it is admitted."""
@@ -122,7 +101,12 @@ class KVManager:
         if seq.blocks.kv is not None:
             seq.blocks.kv.release()
             seq.blocks.kv = None
+        self._unreserve(seq.blocks)
         self.drop_holds(seq)
+
+    def _unreserve(self, blocks: SeqBlocks) -> None:
+        reserved, blocks.reserved = blocks.reserved, []
+        self.pool.free(reserved)
 
     def drop_holds(self, seq: Sequence) -> bool:
         """Let the chunks a waiting sequence keeps resident go (when evicted, they are loaded from a lower tier or
@@ -133,9 +117,9 @@ class KVManager:
 
     # -- chunk prefills ------------------------------------------------------------------------------------
 
-    def can_start(self, prefill: ChunkPrefill, *, reserved: int = 0) -> bool:
-        """Whether the pool has the blocks of a chunk prefill beside ``reserved`` set aside for this step."""
-        return self.pool.num_available() >= prefill.num_blocks(self._block_size) + reserved
+    def can_start(self, prefill: ChunkPrefill) -> bool:
+        """Whether the pool has the blocks of a chunk prefill."""
+        return self.pool.num_available() >= prefill.num_blocks(self._block_size)
 
     def start(self, prefill: ChunkPrefill) -> None:
         """Take a chunk prefill's blocks.

@@ -6,30 +6,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from pic.engine.detokenizer import Detokenizer
+from pic.engine.core.detokenizer import Detokenizer
+from pic.engine.core.sequence import Decoding, Sequence
 from pic.engine.generation import FinishReason
 from pic.engine.sampling import SamplingParams, sample_rows, seeded_generator
 from pic.model import ModelRunner
-
-if TYPE_CHECKING:
-    from pic.engine.sequence import Sequence
-
-
-@dataclass
-class Decoding:
-    """A sequence's generation state (made and changed by ``Decoder`` only).
-
-    Attributes:
-        detokenizer: its incremental detokenizer (and stop strings).
-        generator: its own generator when its sampling is seeded, else ``None`` (the device's default).
-    """
-
-    detokenizer: Detokenizer
-    generator: torch.Generator | None
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """``ChunkSources``: where a waiting request's chunks come from, without the engine thread waiting on any.
 
 A chunk resident in the pool is used as it is. One that is not is fetched while the request waits alone
-and the others step: loaded from a lower tier on the loader (``pic.engine.loader``), or, when no tier holds
+and the others step: loaded from a lower tier on the loader (``pic.engine.core.loader``), or, when no tier holds
 it, compiled again from its tokens, which the engine remembers for every chunk it compiled or linked (a
 request always has its documents' tokens). So an eviction, a preemption or a restarted Redis costs a
 request time, never its chunks. The same queue holds the chunk prefills of ``compile`` calls: one prefill
@@ -13,43 +13,22 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 
 from pic.compile import ChunkPrefill
 from pic.compile.prefill import lead_tokens
 from pic.config import CompileOptions
-from pic.engine.loader import Loader
+from pic.engine.core.loader import Loader
+from pic.engine.core.sequence import Fetch, Sequence
 from pic.errors import CompileOptionsMismatchError, PicError
 from pic.kv import ChunkInfo, ChunkKV
 from pic.store import TieredStore
 
-if TYPE_CHECKING:
-    from pic.engine.sequence import Sequence
-
 # Tokens of the chunks the engine remembers how to compile again (the least recently used are forgotten
 # beyond it): 4M tokens, 32 MB of int64 at most, shared with the pool's resident chunks' infos.
 _MAX_RECIPE_TOKENS = 1 << 22
-
-
-@dataclass
-class Fetch:
-    """Where a sequence's chunks are (written by ``ChunkSources`` only).
-
-    Attributes:
-        chunks: its chunks, in prompt order, once all are at hand: resident ``ChunkInfo`` or loaded ``ChunkKV``.
-        pending: chunks being fetched: cache id -> the loader's future (a lower tier) or the compile (from its
-            tokens).
-        found: chunks loaded from a lower tier for it (promoted into the pool at admission).
-        lost: chunks no tier holds: compiled again from their tokens.
-    """
-
-    chunks: list[ChunkInfo | ChunkKV] | None = None
-    pending: dict[str, Future | ChunkPrefill] = field(default_factory=dict)
-    found: dict[str, ChunkKV] = field(default_factory=dict)
-    lost: set[str] = field(default_factory=set)
 
 
 @dataclass(frozen=True)

@@ -5,27 +5,12 @@ from __future__ import annotations
 import asyncio
 import queue
 from collections.abc import Callable
-from concurrent.futures import Future
-from typing import TypeVar
 
+from pic.engine.commands import LIVENESS_S
 from pic.engine.request import LinkOutput, RequestOutput
 from pic.errors import EngineClosedError
 
 Item = RequestOutput | LinkOutput
-_T = TypeVar("_T")
-# A waiting thread wakes this often to check that the engine's thread is alive (a closed engine answers
-# everything it was asked before its thread ends; this only matters if that thread died of a bug).
-_LIVENESS_S = 1.0
-
-
-def wait(future: Future[_T], alive: Callable[[], bool]) -> _T:
-    """``future.result()``, or ``EngineClosedError`` once the engine's thread is gone."""
-    while True:
-        try:
-            return future.result(timeout=_LIVENESS_S)
-        except TimeoutError:
-            if not alive():
-                raise EngineClosedError("the engine's thread ended before answering") from None
 
 
 class RequestStream:
@@ -51,7 +36,7 @@ class RequestStream:
         """
         while True:
             try:
-                return self._queue.get(timeout=_LIVENESS_S)
+                return self._queue.get(timeout=LIVENESS_S)
             except queue.Empty:
                 if not self._alive():
                     raise EngineClosedError("the engine's thread ended before the request did") from None

@@ -5,8 +5,8 @@ from __future__ import annotations
 import contextlib
 import queue
 
+from pic.engine.caller.prepare import Preparer
 from pic.engine.commands import Abort, Channel, Step, Submit
-from pic.engine.prepare import Preparer
 from pic.engine.request import Request, RequestOutput, check_request_id
 
 

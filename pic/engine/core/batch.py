@@ -1,5 +1,6 @@
-"""``ScheduledBatch``: one step's work as the scheduler chose it, the forward's inputs built from it and the
-forward's results handed back by work item (``StepOutput``), both in one order, written once here."""
+"""One step's work as the scheduler chose it (``ScheduledBatch``), the forward's inputs built from it, what the
+runner gave back (``ForwardOutput``) and the results by work item (``StepOutput``), all in one order, written
+once here."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ from dataclasses import dataclass, field
 import torch
 
 from pic.compile import ChunkPrefill
+from pic.engine.core.sequence import Sequence
 from pic.engine.generation import FinishReason
-from pic.engine.sequence import Sequence, decode_inputs
+from pic.kv.transfer import to_device
 from pic.model import SeqInput
 
 
@@ -33,15 +35,14 @@ class ScheduledBatch:
     """One step's work, in the order its forward runs it.
 
     Attributes:
-        passes: recompute passes (or pieces of them) of admitted sequences.
+        passes: recompute passes (or pieces of them) of admitted sequences; a probe's second pass is one too,
+            scheduled in a step after its probe's.
         pieces: chunk prefills and their part of this step's forward.
         decodes: running: their last token runs (``SeqBlocks.next_slot`` is reserved).
         resumed: parked sequences whose generation starts: their first token is sampled from the
             hidden state their pass left (no forward).
         failed: sequences that cannot run, with the error or the reason they finish early.
         failed_prefills: chunk prefills that cannot run, with the error.
-        num_reserved: blocks set aside for the second passes of this step's probes (copies of the shared chunk
-            blocks they write): nothing else admitted in the step takes them.
     """
 
     passes: list[PassPiece] = field(default_factory=list)
@@ -50,7 +51,6 @@ class ScheduledBatch:
     resumed: list[Sequence] = field(default_factory=list)
     failed: list[tuple[Sequence, Exception | FinishReason]] = field(default_factory=list)
     failed_prefills: list[tuple[ChunkPrefill, Exception]] = field(default_factory=list)
-    num_reserved: int = 0
 
     @property
     def has_prefill_work(self) -> bool:
@@ -60,6 +60,11 @@ class ScheduledBatch:
     @property
     def has_forward(self) -> bool:
         return bool(self.decodes) or self.has_prefill_work
+
+    @property
+    def num_seqs(self) -> int:
+        """The sequences of the forward (passes, chunk prefills, decodes)."""
+        return len(self.passes) + len(self.pieces) + len(self.decodes)
 
     def inputs(self, device: torch.device) -> list[SeqInput]:
         """The forward's sequences: the passes' pieces, the chunk prefills' pieces, the decode steps, in this order
@@ -84,17 +89,50 @@ class ScheduledBatch:
         return [p.seq for p in self.passes] + self.decodes
 
 
+@dataclass(frozen=True)
+class ForwardOutput:
+    """What the runner gave back for a batch: ``hidden``, one tensor per sequence of ``ScheduledBatch.inputs``
+    (none without a forward), or the ``error`` the forward raised (the batch's work fails, nothing else)."""
+
+    hidden: list[torch.Tensor] = field(default_factory=list)
+    error: Exception | None = None
+
+
 @dataclass
 class StepOutput:
     """A forward's results by work item.
 
     Attributes:
         passes: each pass piece and its final hidden states ``[num_output_rows, hidden_size]`` (no rows for a
-            piece that goes on; a probe's are its second pass's, once that ran).
+            piece that goes on, or for a probe).
         pieces: the chunk prefills that ran a piece.
         decodes: each decoding sequence and its final hidden state ``[1, hidden_size]``.
     """
 
-    passes: list[tuple[PassPiece, torch.Tensor]]
-    pieces: list[ChunkPrefill]
-    decodes: list[tuple[Sequence, torch.Tensor]]
+    passes: list[tuple[PassPiece, torch.Tensor]] = field(default_factory=list)
+    pieces: list[ChunkPrefill] = field(default_factory=list)
+    decodes: list[tuple[Sequence, torch.Tensor]] = field(default_factory=list)
+
+
+def decode_inputs(seqs: list[Sequence], device: torch.device) -> list[SeqInput]:
+    """The sequences' parts of a decode step: each one's last token, at the slot the scheduler reserved.
+
+    Tokens, positions and slots of the whole step go to the device in one copy without a host sync
+    (``pic.kv.transfer``); each sequence gets views of it.
+    """
+    if not seqs:
+        return []
+    host = [[s.output_ids[-1] for s in seqs], [s.decode_position() for s in seqs], [s.blocks.next_slot for s in seqs]]
+    tokens, positions, slots = to_device(torch.tensor(host, dtype=torch.long), device)  # [3, B] -> rows
+    first_row = torch.zeros(1, dtype=torch.long, device=device)  # output_rows of every sequence (read only)
+    return [
+        SeqInput(
+            kv=s.blocks.kv,
+            token_ids=tokens[i : i + 1],
+            positions=positions[i : i + 1],
+            slots=slots[i : i + 1],
+            output_rows=first_row,
+            decode=True,
+        )
+        for i, s in enumerate(seqs)
+    ]

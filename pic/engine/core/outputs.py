@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import time
 
+from pic.engine.core.sequence import Sequence, Status
 from pic.engine.generation import FinishReason, Generation, GenerationStats
 from pic.engine.request import LinkOutput, RequestOutput
-from pic.engine.sequence import Sequence, Status
 
 
 def token_output(seq: Sequence, text: str, token: int) -> RequestOutput:

@@ -9,13 +9,12 @@ from collections.abc import Callable, Sequence
 from tqdm.auto import tqdm
 
 from pic.config import CompileOptions
+from pic.engine.caller.linked import Linked
+from pic.engine.caller.prepare import Documents, Preparer
+from pic.engine.caller.streams import RequestStream
 from pic.engine.commands import Abort, Channel, Compile, Submit
-from pic.engine.compile_call import Stored
 from pic.engine.generation import Generation
-from pic.engine.linked import Linked
-from pic.engine.prepare import Documents, Preparer
-from pic.engine.request import CompileJob, CompileReport, LinkOutput, NewRequest, Request, RequestOutput
-from pic.engine.streams import RequestStream
+from pic.engine.request import CompileJob, CompileReport, LinkOutput, NewRequest, Request, RequestOutput, Stored
 from pic.errors import InvalidInputError
 from pic.link.policies import Policy
 from pic.store.lease import FleetLeases

@@ -1,0 +1,189 @@
+"""``Admission``: the prefill work of a step under what its token budget leaves after the decodes: waiting
+sequences' recompute passes (and the passes under way: pieces of a long static pass, a probe's second pass) and
+chunk prefills (``PrefillOrder.INTERACTIVE``: a request's work first, in arrival order, then bulk compiles' chunk
+prefills, with the whole budget in steps with no request's pass and ``compile_share`` of it in steps with one;
+``PrefillOrder.ARRIVAL``: all of it in arrival order).
+
+A chunk prefill takes what budget is left and goes on in the next step (chunked prefill), so a compile of many
+documents never stalls the running streams for more than a step; so does a static policy's recompute pass larger
+than the budget. One that cannot be split (dynamic, probing) runs with no other prefill work beside it. A
+sequence whose chunks are being fetched (``ChunkSources``) waits alone and is passed over.
+
+No deadlock: when nothing runs, nothing will free a block, so work that still does not fit fails
+(``KVPoolExhaustedError``, or ``FinishReason.KV_POOL`` with its tokens so far).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from pic.compile import ChunkPrefill
+from pic.config import PrefillOrder
+from pic.engine.core.batch import PassPiece, ScheduledBatch
+from pic.engine.core.chunk_sources import ChunkSources
+from pic.engine.core.kv_manager import KVManager
+from pic.engine.core.queues import Queues
+from pic.engine.core.sequence import Sequence
+from pic.engine.core.status import Status
+from pic.engine.generation import FinishReason
+from pic.errors import KVPoolExhaustedError, PicError
+from pic.link.linker import Linker
+
+Work = Sequence | ChunkPrefill
+
+
+class Admission:
+    """Args:
+    queues: the sequences by status (admission moves them).
+    kv, linker, sources: the blocks, the link plans, the chunks and the chunk prefills' queue.
+    max_num_seqs: most sequences running or prefilling at once (parked ones do not count).
+    prefill_order, compile_share: which prefill work goes first (``PICConfig.prefill_order``, ``compile_share``).
+    frees_soon: whether store I/O under way will free blocks (a compile's hold on a chunk being written
+        through): work that does not fit waits for it rather than fail.
+    """
+
+    def __init__(
+        self,
+        queues: Queues,
+        kv: KVManager,
+        linker: Linker,
+        sources: ChunkSources,
+        *,
+        max_num_seqs: int,
+        prefill_order: PrefillOrder,
+        compile_share: float,
+        frees_soon: Callable[[], bool],
+    ) -> None:
+        self.queues, self.kv, self.linker, self.sources, self.frees_soon = queues, kv, linker, sources, frees_soon
+        self.max_num_seqs, self.prefill_order, self.compile_share = max_num_seqs, prefill_order, compile_share
+
+    def prefetch(self, batch: ScheduledBatch) -> None:
+        """Start fetching every waiting sequence's missing chunks (a prefetch), failing those that cannot run."""
+        for seq in [s for s in self.queues.waiting if s.status is Status.WAITING]:  # (a resuming one has its KV)
+            error = self.sources.resolve(seq).error
+            if error is not None:
+                self.queues.drop(seq)
+                batch.failed.append((seq, error))
+
+    def schedule(self, batch: ScheduledBatch, *, budget: int) -> None:
+        """Give ``budget`` tokens to prefill work, in the order of ``prefill_order``."""
+        self.sources.drop_abandoned()
+        requests: list[Work] = [*self.queues.prefilling, *self.queues.waiting]
+        compiles = list(self.sources.prefills.values())
+        if self.prefill_order is PrefillOrder.ARRIVAL:
+            self._in_order(batch, sorted([*requests, *compiles], key=lambda w: w.order), budget=budget)
+            return
+        requests += [p for p in compiles if p.is_interactive]  # (chunks a request waits for)
+        compiles = [p for p in compiles if not p.is_interactive]
+        kept = int(budget * self.compile_share) if compiles else 0
+        left = self._in_order(
+            batch, sorted(requests, key=lambda w: w.order), budget=budget - kept, compiles_wait=bool(compiles)
+        )
+        # Beside a request's pass, compiles get their share only: the step (and the request's first token) is not
+        # slowed by a compile's full piece. Without one, they get the whole budget.
+        num_compile = min(kept, left + kept) if batch.has_prefill_work else budget
+        self._in_order(batch, sorted(compiles, key=lambda w: w.order), budget=num_compile)
+
+    def _in_order(self, batch: ScheduledBatch, queued: list[Work], *, budget: int, compiles_wait: bool = False) -> int:
+        """Schedule ``queued`` in order while ``budget`` lasts and none must wait; returns the budget left.
+        ``compiles_wait``: chunk prefills are queued behind these sequences: one that does not fit the pool waits
+        for them to end (and free their holds) rather than fail."""
+        for work in queued:
+            if budget <= 0:
+                break
+            if isinstance(work, ChunkPrefill):
+                if not self._piece(work, batch, budget=budget):
+                    break
+                budget -= batch.pieces[-1][1].token_ids.shape[0]
+                continue
+            num_tokens = None
+            with self.queues.guard(work, batch.failed):
+                num_tokens = self._admit(work, batch, budget=budget, compiles_wait=compiles_wait)
+                if num_tokens is None:
+                    break
+            budget -= num_tokens or 0
+        return budget
+
+    def busy(self, batch: ScheduledBatch) -> bool:
+        """Whether something runs this step (and will free blocks or take budget)."""
+        return bool(self.queues.running or self.queues.prefilling) or batch.has_prefill_work
+
+    def _piece(self, prefill: ChunkPrefill, batch: ScheduledBatch, *, budget: int) -> bool:
+        """Add the next piece of ``prefill`` (starting it when the pool has its blocks); whether it ran. One that
+        cannot start while nothing runs and no hold or store write will free a block fails with the pool's
+        ``KVPoolExhaustedError`` (blocks needed and available)."""
+        if not prefill.is_started:
+            if not self.kv.can_start(prefill):
+                if not self.busy(batch) and not self.frees_soon() and not self.drop_holds(keep=None):
+                    try:
+                        self.kv.start(prefill)  # raises, with the blocks needed and available
+                    except KVPoolExhaustedError as exc:
+                        batch.failed_prefills.append((prefill, exc))
+                return False
+            self.kv.start(prefill)
+        batch.pieces.append((prefill, prefill.piece(budget)))
+        return True
+
+    def _admit(self, seq: Sequence, batch: ScheduledBatch, *, budget: int, compiles_wait: bool) -> int | None:
+        """Schedule a sequence's prefill work: the tokens it takes from the budget, 0 when it is passed over (its
+        chunks are being fetched, or it failed), ``None`` when it must wait and the ones after it too."""
+        if seq.status is Status.PREFILLING:  # its pass goes on (a piece, or a probe's second pass)
+            if seq.link.pass_.piece_size(budget) > budget and batch.has_prefill_work:
+                return None
+            return self._place(seq, batch, budget=budget)
+        if len(self.queues.running) + len(self.queues.prefilling) >= self.max_num_seqs:
+            return None
+        if seq.status is Status.RESUMING:  # a parked link's generation starts: no blocks, no forward
+            self.queues.start(seq)
+            batch.resumed.append(seq)
+            return 0
+        seq.expect(Status.WAITING)
+        return self._new_pass(seq, batch, budget=budget, busy=self.busy(batch) or compiles_wait)
+
+    def _new_pass(self, seq: Sequence, batch: ScheduledBatch, *, budget: int, busy: bool) -> int | None:
+        """Admit a waiting sequence: plan its link, take its blocks, set up its pass, place its first piece."""
+        chunks = self.sources.resolve(seq)  # (again: this step's admissions may have evicted a chunk)
+        if not chunks.is_ready:
+            if chunks.error is not None:
+                self.queues.drop(seq)
+                batch.failed.append((seq, chunks.error))
+            return 0
+        try:
+            plan = self.linker.plan(
+                seq.link, prefix=seq.prefix_ids, chunks=seq.chunks,
+                query=seq.query_ids + seq.output_ids, num_generated=len(seq.output_ids), relevance=seq.relevance,
+            )  # fmt: skip
+            # a larger pass runs in pieces, or (not splittable) with no other prefill work beside it
+            if plan.num_tokens > budget and not plan.chunkable and batch.has_prefill_work:
+                return None
+            if not self.kv.can_allocate(seq, plan):
+                if busy:
+                    return None
+                self.drop_holds(keep=seq)  # (then a KVPoolExhaustedError from allocate if it still does not fit)
+            assembly = self.kv.allocate(seq, plan)
+        except PicError as exc:
+            self.queues.drop(seq)
+            out_of_blocks = isinstance(exc, KVPoolExhaustedError) and seq.output_ids
+            batch.failed.append((seq, FinishReason.KV_POOL if out_of_blocks else exc))
+            return 0
+        num_rows = 1 if seq.sampling else len(seq.query_ids)
+        self.linker.start(seq.link, plan, seq.blocks.kv, assembly=assembly, num_output_rows=num_rows)
+        self.queues.admit(seq)
+        return self._place(seq, batch, budget=budget)
+
+    @staticmethod
+    def _place(seq: Sequence, batch: ScheduledBatch, *, budget: int) -> int:
+        """Schedule the next piece of an admitted sequence's pass: all that is left, or (a pass that runs in
+        pieces) what the budget holds; returns its tokens."""
+        pass_ = seq.link.pass_
+        num_tokens = pass_.piece_size(budget)
+        batch.passes.append(PassPiece(seq, num_tokens, ends=num_tokens == pass_.num_left))
+        return num_tokens
+
+    def drop_holds(self, *, keep: Sequence | None) -> bool:
+        """Release the chunks waiting sequences keep resident (all but ``keep``'s); whether any were."""
+        dropped = False
+        for seq in self.queues.waiting:
+            if seq is not keep:
+                dropped |= self.kv.drop_holds(seq)
+        return dropped

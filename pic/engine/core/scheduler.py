@@ -1,0 +1,252 @@
+"""``Scheduler``: who runs in the next forward, and the one place a step's results land, in vLLM v1's shape:
+``schedule()`` returns the batch, the runner runs it, ``update_from_output(batch, output)`` takes the results in.
+
+Each step, running sequences go first: each gets the slot of its next token, in admission order; when the pool
+has no block for one, the most recently admitted running sequence is preempted (its blocks freed, its chunks
+held, requeued at the front for a fresh pass over its prompt and the tokens it generated). The budget left goes to
+prefill work (``Admission``: recompute passes, a probe's second pass, chunk prefills). Every status change is a
+transition of the ``Queues`` (checked by the sequence's state machine); work on one sequence that raises fails
+that sequence alone, never the step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from concurrent.futures import Future
+
+import torch
+
+from pic.config import PICConfig
+from pic.engine.core.admission import Admission
+from pic.engine.core.batch import ForwardOutput, ScheduledBatch, StepOutput
+from pic.engine.core.chunk_sources import ChunkSources
+from pic.engine.core.compile_calls import CompileCalls
+from pic.engine.core.decoding import Decoder, Sampled
+from pic.engine.core.kv_manager import KVManager
+from pic.engine.core.outputs import finish_output, link_output, token_output
+from pic.engine.core.queues import Queues, log
+from pic.engine.core.sequence import Sequence
+from pic.engine.core.status import Status
+from pic.engine.generation import FinishReason
+from pic.engine.request import OutputSink, RequestOutput
+from pic.engine.sampling import SamplingParams
+from pic.link.linker import Linker
+
+Row = tuple[Sequence, torch.Tensor]  # a sequence and the final hidden state ``[hidden_size]`` to sample from
+
+
+class Scheduler:
+    """Args:
+    kv, linker, sources, compiles: the blocks, the link plans, the chunks, the compile calls.
+    decoder: samples each step's tokens.
+    device: the model's (a link returns once its pass ran there).
+    config: ``max_num_seqs``, ``max_num_batched_tokens``, ``prefill_order``, ``compile_share``.
+    """
+
+    def __init__(
+        self,
+        kv: KVManager,
+        linker: Linker,
+        sources: ChunkSources,
+        compiles: CompileCalls,
+        decoder: Decoder,
+        *,
+        device: torch.device,
+        config: PICConfig,
+    ) -> None:
+        self.kv, self.linker, self.sources, self.compiles, self.decoder = kv, linker, sources, compiles, decoder
+        self.device, self.max_num_batched_tokens = device, config.max_num_batched_tokens
+        self.queues = Queues()
+        self.admission = Admission(
+            self.queues, kv, linker, sources, max_num_seqs=config.max_num_seqs, prefill_order=config.prefill_order,
+            compile_share=config.compile_share, frees_soon=lambda: compiles.num_writing > 0,
+        )  # fmt: skip
+
+    # -- requests --------------------------------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence for its recompute pass."""
+        self.queues.add(seq)
+
+    def resume(self, request_id: int, params: SamplingParams, *, sink: OutputSink, link_s: float) -> bool:
+        """Start generating from a parked sequence, its outputs going to ``sink`` from now on; whether it was."""
+        seq = self.queues.requests.get(request_id)
+        if seq is None or seq.status is not Status.PARKED:
+            return False
+        self.queues.resume(seq, params, self.decoder.start(params), sink=sink, link_s=link_s)
+        return True
+
+    def abort(self, request_id: int) -> None:
+        """Stop a sequence and free its blocks; unknown or finished ids are ignored (a release after the end)."""
+        seq = self.queues.requests.get(request_id)
+        if seq is not None:
+            self.finish(seq, FinishReason.ABORT)
+
+    def fail_all(self, error: Exception) -> None:
+        for seq in list(self.queues.requests.values()):
+            self.finish(seq, error)
+
+    def has_work(self, *, paced: bool = True) -> bool:
+        """Whether a step would do something now; ``paced=False``: not counting sequences that run only in
+        steps their client asks for. Sequences waiting on the loader do not count until it answers."""
+        queues = self.queues
+        seqs = [s for s in (*queues.waiting, *queues.prefilling, *queues.running) if paced or not s.paced]
+        ready = any(s.status is not Status.WAITING or _fetched(s) for s in seqs)
+        return ready or self._prefill_work() or self.compiles.has_news
+
+    def _prefill_work(self) -> bool:
+        """Whether a chunk prefill can run (or, blocked with no store I/O to wait for, must fail)."""
+        writing = self.compiles.num_writing > 0
+        return any(p.is_started or not writing or self.kv.can_start(p) for p in self.sources.prefills.values())
+
+    # -- schedule -------------------------------------------------------------------------------------------
+
+    def schedule(self) -> ScheduledBatch:
+        """This step's work: a decode for every running sequence (preempting when the pool is full), then, unless
+        one was preempted, prefill work under the budget the decodes leave."""
+        batch = ScheduledBatch()
+        preempted = self._schedule_running(batch)
+        self.admission.prefetch(batch)
+        for seq, _ in batch.failed:  # (their blocks go now: this step's admissions may need them)
+            self.kv.free(seq)
+        if not preempted:
+            self.admission.schedule(batch, budget=self.max_num_batched_tokens - len(batch.decodes))
+        return batch
+
+    def _schedule_running(self, batch: ScheduledBatch) -> bool:
+        """Reserve each running sequence's next slot, preempting the latest admitted when the pool is full."""
+        todo, preempted = list(self.queues.running), False
+        while todo:
+            seq = todo.pop(0)
+            with self.queues.guard(seq, batch.failed):
+                seq.expect(Status.RUNNING)
+                while not self.kv.can_append(seq):
+                    if todo:  # preempt the most recently admitted sequence not yet scheduled, and look again
+                        preempted = self._preempt(todo.pop(), batch) or preempted
+                    elif self.admission.drop_holds(keep=None):  # (chunks kept for waiting ones let go)
+                        continue
+                    elif resuming := [s for s in self.queues.waiting if s.status is Status.RESUMING]:
+                        preempted = self._preempt(resuming[-1], batch) or preempted  # (its generation started)
+                    else:
+                        break
+                else:
+                    self.kv.append(seq)
+                    batch.decodes.append(seq)
+                    continue
+                if batch.decodes:  # the others run this step and will free blocks: wait for them
+                    preempted = self._preempt(seq, batch) or preempted
+                else:  # alone: nothing will free a block
+                    self.queues.drop(seq)
+                    batch.failed.append((seq, FinishReason.KV_POOL))
+        return preempted
+
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> bool:
+        """Free ``seq``'s blocks for the others (its chunks held); whether it was (else it failed alone)."""
+        with self.queues.guard(seq, batch.failed):
+            self.queues.preempt(seq)  # (checked before anything is freed)
+            self.kv.preempt(seq)
+            self.linker.forget_pass(seq.link)
+            return True
+        self.kv.free(seq)  # (failed: its blocks go now, for the others)
+        return False
+
+    # -- update ---------------------------------------------------------------------------------------------
+
+    def update_from_output(self, batch: ScheduledBatch, output: ForwardOutput) -> list[RequestOutput]:
+        """The one place a step's results land: the passes that ended park their link or start decoding (a probe's
+        policy chooses, and its second pass becomes the next step's work), the chunks compiled become resident
+        and held for the requests that waited for them, every generating sequence samples a token, and every
+        output goes to its request's sink. Sequences that could not run, and a failed forward's, fail here."""
+        failed: list[tuple[Sequence, Exception | FinishReason]] = list(batch.failed)
+        ran = self._failed_forward(batch, output.error, failed) if output.error else batch.outputs(output.hidden)
+        rows, parked = self._first_tokens(batch.resumed, failed), []
+        for piece, hidden in ran.passes:
+            seq = piece.seq
+            if not piece.ends or seq.status is not Status.PREFILLING:  # (goes on; or it failed in this step)
+                continue
+            with self.queues.guard(seq, failed):  # (a policy's own error fails its request, not the batch)
+                if seq.link.pass_.is_probe:
+                    self.kv.copy_written(seq, self.linker.probe_done(seq.link))
+                    continue
+                self.linker.pass_done(seq.link)
+                self.kv.pass_done(seq)
+                rows += self._pass_ended(seq, hidden, parked)
+        for prefill in ran.pieces:
+            if prefill.is_done:
+                self._hold_for(prefill.cache_id, self.compiles.chunk_done(prefill))
+        outputs = [self.finish(seq, why) for seq, why in failed if not seq.is_finished]
+        for prefill, error in batch.failed_prefills:
+            outputs += [self.finish(seq, error) for seq in self.compiles.prefill_failed(prefill, error)]
+        self._put_links(parked)
+        rows += [(seq, hidden[-1]) for seq, hidden in ran.decodes]
+        return outputs + self._sampled(self.decoder.sample(rows))
+
+    def _failed_forward(self, batch: ScheduledBatch, error: Exception, failed: list) -> StepOutput:
+        """The forward raised: its sequences and chunk prefills fail; the engine and every other request go on."""
+        failed += [(seq, error) for seq in batch.sequences()]
+        batch.failed_prefills += [(prefill, error) for prefill, _ in batch.pieces]
+        return StepOutput()
+
+    def _first_tokens(self, resumed: Seq[Sequence], failed: list) -> list[Row]:
+        """The rows a resumed link samples its first token from: the hidden state its pass left."""
+        rows = []
+        for seq in resumed:
+            with self.queues.guard(seq, failed):
+                rows.append((seq, seq.query_hidden[-1]))
+        return rows
+
+    def _pass_ended(self, seq: Sequence, hidden: torch.Tensor, parked: list[Sequence]) -> list[Row]:
+        """A pass ended: a link parks with its query's hidden states (``Linked.logits``); a generation decodes,
+        its first token sampled from the pass's last row."""
+        if seq.sampling is None:
+            self.queues.park(seq, hidden)
+            parked.append(seq)
+            return []
+        self.queues.run(seq)
+        return [(seq, hidden[-1])]
+
+    def _hold_for(self, cache_id: str, waiters: list[Sequence]) -> None:
+        """A chunk compiled for ``waiters`` is resident: each one still waiting holds it until admitted."""
+        for seq in waiters:
+            if not seq.is_finished:  # (a request that ended while its chunk compiled)
+                self.kv.hold(seq, cache_id)
+                self.sources.compiled(seq, cache_id)
+
+    def _put_links(self, parked: list[Sequence]) -> None:
+        if parked and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # link returns with the pass done (its time is honest)
+        for seq in parked:
+            seq.sink.put(link_output(seq))
+
+    def _sampled(self, sampled: list[Sampled]) -> list[RequestOutput]:
+        """Each sampled token put out, or its sequence finished."""
+        outputs = []
+        for one in sampled:
+            if one.finish is None:
+                outputs.append(token_output(one.seq, one.text, one.token))
+                one.seq.sink.put(outputs[-1])
+            else:
+                outputs.append(self.finish(one.seq, one.finish, text=one.text, token=one.token))
+        return outputs
+
+    def finish(
+        self, seq: Sequence, why: FinishReason | Exception, *, text: str = "", token: int | None = None
+    ) -> RequestOutput:
+        """End the sequence, free its blocks, and hand its last output over."""
+        self.queues.finish(seq, why)
+        self.kv.free(seq)
+        if why is FinishReason.KV_POOL:
+            log.warning(
+                "pic: request %d stopped after %d tokens: the KV pool is full", seq.request_id, len(seq.output_ids)
+            )
+        if not isinstance(why, Exception):
+            text += self.decoder.flush(seq)
+        out = finish_output(seq, text=text, token=token)
+        seq.sink.put(out)
+        return out
+
+
+def _fetched(seq: Sequence) -> bool:
+    """Whether a waiting sequence's chunks are at hand, or a load for it has answered."""
+    pending = seq.fetch.pending
+    return not pending or any(f.done() for f in pending.values() if isinstance(f, Future))

@@ -1,0 +1,134 @@
+"""A sequence is one state machine (issue 49): the issue's two reproductions, a transition its status does not
+allow, and an invariant broken inside one sequence, which fails that request alone.
+
+Before issue 49 a parked link whose generation started was put among the running while its status said waiting;
+the first time the pool filled it was preempted, ``Sequence.preempt`` asserted, and the assertion escaped the
+scheduler: every open request failed (six of six in the first reproduction, three of three in the second).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+import pic
+from pic.engine.core.sequence import Sequence
+from pic.engine.core.status import TRANSITIONS, Status, Transition
+from pic.engine.request import NewRequest, Prompt
+from pic.errors import SequenceStateError
+from pic.link import policies
+from tests.conftest import make_engine
+from tests.kv_invariants import check_engine_pool
+from tests.models import DOCS, QUERY
+
+
+def _engine(pool: int) -> tuple[pic.PIC, list[str]]:
+    """The embedded model over a ``pool``-token pool, with the same two chunks compiled."""
+    engine = make_engine("stories260K", kv_pool_tokens=pool, block_size=16)
+    return engine, engine.compile(list(DOCS[:2]))
+
+
+def _in_threads(work, num: int) -> list:
+    """``work(i)`` for ``i < num``, each in a thread of its own; the results (or the exceptions) in order."""
+    results: list = [None] * num
+
+    def run(i: int) -> None:
+        try:
+            results[i] = work(i)
+        except Exception as exc:
+            results[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(num)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    return results
+
+
+@pytest.mark.parametrize("pool", [1024, 384])
+def test_six_threads_generating_from_parked_links_all_complete(pool):
+    """Reproduction 1: six threads link, then generate (sampled, seeded) over one pool; all complete, and the
+    greedy variant of each equals it alone (the pool fills: some are preempted after their generation started)."""
+    engine, ids = _engine(pool)
+
+    def sampled(i: int) -> pic.Generation:
+        return engine.link(ids, f"One day number {i}").generate(max_new_tokens=150, temperature=0.8, seed=i)
+
+    outs = _in_threads(sampled, 6)
+    assert all(isinstance(out, pic.Generation) for out in outs), outs
+    assert all(out.stats.num_generated_tokens == 150 or out.stats.finish_reason.value == "eos" for out in outs)
+    greedy = _in_threads(lambda i: engine.link(ids, f"One day number {i}").generate(max_new_tokens=150), 6)
+    assert sum(out.stats.num_preemptions for out in [*outs, *greedy]) > 0  # (the path the issue found)
+    alone = [engine.link(ids, f"One day number {i}").generate(max_new_tokens=150).token_ids for i in range(6)]
+    assert [out.token_ids for out in greedy] == alone
+    assert engine.kv_stats().num_used_blocks == 0
+    check_engine_pool(engine, {})
+
+
+@pytest.mark.parametrize("pool", [256, 320, 384, 448])
+def test_generate_together_of_three_parked_links_completes(pool):
+    """Reproduction 2: ``generate_together`` of three links over a small pool; all complete, greedy ones as alone."""
+    engine, ids = _engine(pool)
+    queries = [f"One day number {i}" for i in range(3)]
+    outs = pic.generate_together([engine.link(ids, q) for q in queries], 150, temperature=0.8, seed=1)
+    assert len(outs) == 3 and all(out.stats.num_generated_tokens >= 1 for out in outs)
+    greedy = pic.generate_together([engine.link(ids, q) for q in queries], 150)
+    alone = [engine.link(ids, q).generate(150).token_ids for q in queries]
+    assert [out.token_ids for out in greedy] == alone
+    assert engine.kv_stats().num_used_blocks == 0
+
+
+def _sequence() -> Sequence:
+    prompt = Prompt(cache_ids=[], prefix_ids=[], query_ids=[1, 5])
+    new = NewRequest(7, prompt, policies.resolve("naive"), pic.CompileOptions(), None, sink=None)  # type: ignore[arg-type]
+    return Sequence(new)
+
+
+def test_a_transition_its_status_does_not_allow_raises_a_named_error_and_changes_nothing():
+    seq = _sequence()
+    with pytest.raises(SequenceStateError, match="request 7 cannot preempt while waiting"):
+        seq.preempt()
+    assert seq.status is Status.WAITING and seq.num_preemptions == 0
+    seq.admit()
+    with pytest.raises(SequenceStateError, match="cannot resume while prefilling"):
+        seq.resume(pic.SamplingParams(), None, sink=None, link_s=0.0)  # type: ignore[arg-type]
+    seq.finish(pic.FinishReason.ABORT)
+    with pytest.raises(SequenceStateError, match="cannot finish while finished"):
+        seq.finish(pic.FinishReason.ABORT)
+
+
+def test_every_status_but_finished_is_reached_and_left():
+    """The table is one machine: each live status has a way in and a way out; FINISHED none out."""
+    targets = {target for _, target in TRANSITIONS.values()}
+    sources = {s for starts, _ in TRANSITIONS.values() for s in starts}
+    assert targets == set(Status) and sources == set(Status) - {Status.FINISHED}
+    assert TRANSITIONS[Transition.START] == (frozenset({Status.RESUMING}), Status.RUNNING)
+
+
+@pytest.mark.parametrize("broken", [Status.WAITING, Status.PARKED])
+def test_a_broken_invariant_fails_that_request_alone_and_the_engine_serves_the_next(broken, caplog):
+    """A running sequence forced into another status (``WAITING``: what the resumed-link bug left behind) while
+    another request generates: that one request fails with ``SequenceStateError`` (and a log line), the other
+    ends as it does alone, the pool comes back to rest, and a new request is served."""
+    engine = make_engine("stories260K", eos_token_ids=())
+    ids = engine.compile(list(DOCS))
+    alone = engine.link(ids, QUERY).generate(60).token_ids
+    victim = engine.link(ids, "The victim").stream(400)
+    next(victim)  # it runs
+    other: dict = {}
+    thread = threading.Thread(target=lambda: other.update(out=engine.link(ids, QUERY).generate(60)))
+    with engine.paused() as core:
+        thread.start()  # (its request arrives while the engine is paused)
+        (seq,) = [s for s in core.scheduler.queues.running if s.status is Status.RUNNING]
+        seq._status = broken  # the invariant broken: a sequence among the running that is not running
+    with pytest.raises(SequenceStateError, match=f"is {broken.value} where only running can be"):
+        for _ in victim:
+            pass
+    thread.join(timeout=60)
+    assert other["out"].token_ids == alone
+    assert any("SequenceStateError" in r.getMessage() or "where only running" in r.getMessage() for r in caplog.records)
+    assert engine.kv_stats().num_used_blocks == 0
+    check_engine_pool(engine, {})
+    assert engine.link(ids, QUERY).generate(60).token_ids == alone
