@@ -232,3 +232,19 @@ def test_a_recompute_pass_larger_than_the_budget_runs_in_pieces_and_links_as_one
     (pieces, logits, tokens), (one, whole_logits, whole_tokens) = results
     assert one == 1 and (pieces >= 2) == (policy == "full")  # (the others recompute fewer than 64 tokens)
     assert torch.allclose(logits, whole_logits, atol=1e-4, rtol=0) and tokens == whole_tokens
+
+
+def test_a_compile_beside_a_generation_that_fills_the_pool_waits_for_its_blocks():
+    """Issue 49's fuzzer: a compile call that does not fit beside a running generation's blocks was refused with
+    ``KVPoolExhaustedError`` although it fits alone and the generation would free them. It now waits for them (its
+    prefills are scheduled work); one that does not fit once nothing runs still fails (tests/test_store.py)."""
+    engine = make_engine("stories260K", eos_token_ids=(), kv_pool_tokens=256)  # 16 blocks
+    ids = engine.compile(["Tom had a big red ball."])
+    (doc,) = _documents(1, seed=8, vocab_size=engine.spec.vocab_size, num_tokens=60)  # 4 blocks with its BOS
+    stream = engine.link(ids, [5, 6, 7], policy="naive").stream(max_new_tokens=400)
+    for _ in stream:  # until the generation leaves fewer than 4 blocks (it ends with the pool, alone)
+        if engine.kv_stats().num_available_blocks < 3:
+            break
+    (cid,) = engine.compile([doc], progress=False)
+    assert engine.store.contains(cid) and "".join(stream)
+    assert engine.kv_stats().num_used_blocks == 0

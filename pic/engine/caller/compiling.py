@@ -65,7 +65,8 @@ class CompileMethods:
             ContextLengthError: a document that leaves no room for a query in the model's context.
             StoreUnavailableError: a lower tier failed (``StoreConfig.on_redis_error`` / ``on_disk_error="raise"``).
             KVPoolExhaustedError: the new chunks do not fit in the KV pool beside the chunks in use and,
-                where no lower tier can take them, beside each other (checked before any work).
+                where no lower tier can take them, beside each other (checked before any work; while requests
+                run, the call waits for the blocks they free, and fails only if they still do not fit after).
         """
         return self.compile_report(docs, policy=policy, context=context, progress=progress, interactive=interactive).ids
 

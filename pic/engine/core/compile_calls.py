@@ -4,6 +4,7 @@ resident and written through as they end, and answered once every chunk is held 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future
 
 from pic.compile import ChunkPrefill, lead_tokens, prefill_blocks
@@ -23,6 +24,9 @@ class CompileCalls:
         loader: the lower tiers' I/O.
         pool: the KV pool the chunks are held in.
         kv_bytes_per_token: K and V bytes of one token (what a chunk takes in a lower tier).
+        busy: whether requests run or prefill (they will free their blocks): a call is then not refused for the
+            room they take now; its prefills wait for it (``Admission``), and fail only if they still do not fit
+            once nothing runs.
     """
 
     def __init__(
@@ -32,9 +36,10 @@ class CompileCalls:
         pool: BlockPool,
         *,
         kv_bytes_per_token: int,
+        busy: Callable[[], bool] = lambda: False,
     ) -> None:
         self.sources, self.loader, self.store, self.pool = sources, loader, sources.store, pool
-        self.kv_bytes_per_token = kv_bytes_per_token
+        self.kv_bytes_per_token, self.busy = kv_bytes_per_token, busy
         self.open: list[CompileCall] = []
 
     def add(self, job: CompileJob, reply: Future) -> None:
@@ -42,7 +47,8 @@ class CompileCalls:
         ones are written back to them, ``_checked``), queue the prefills of those no tier holds.
 
         Raises:
-            KVPoolExhaustedError: the new chunks cannot fit in the pool (``_check_room``; nothing is started).
+            KVPoolExhaustedError: the new chunks cannot fit in the pool (``_check_room``; nothing is started), and
+                no request runs that will free blocks.
         """
         call = CompileCall(job, reply)
         for cid, content in job.tokens.items():  # also those a lower tier holds: its copy may prove bad
@@ -61,9 +67,11 @@ class CompileCalls:
         self.poll()
 
     def _start_prefills(self, call: CompileCall) -> None:
-        """Once the call knows which of its chunks no tier holds: check that they fit, queue their prefills."""
+        """Once the call knows which of its chunks no tier holds: check that they fit (unless running requests will
+        free blocks), queue their prefills."""
         try:
-            self._check_room(call.job, call.new)
+            if not self.busy():
+                self._check_room(call.job, call.new)
         except Exception:
             call.release(self.pool)  # not answered: the caller raises
             raise

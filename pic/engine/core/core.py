@@ -71,8 +71,9 @@ class EngineCore:
         self.loader = Loader(store, wake=lambda: self.wake())
         self.sources = ChunkSources(store, self.loader, bos_token_id=bos_token_id, next_order=time.perf_counter)
         self.compiles = CompileCalls(
-            self.sources, self.loader, pool, kv_bytes_per_token=runner.spec.kv_bytes_per_token
-        )
+            self.sources, self.loader, pool, kv_bytes_per_token=runner.spec.kv_bytes_per_token,
+            busy=lambda: self.scheduler.is_busy,
+        )  # fmt: skip
         self.decoder = Decoder(runner, tokenizer, eos_token_ids=eos_token_ids)
         self.scheduler = Scheduler(
             kv, linker, self.sources, self.compiles, self.decoder, device=runner.spec.device, config=config

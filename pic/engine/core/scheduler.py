@@ -86,6 +86,11 @@ class Scheduler:
         for seq in list(self.queues.requests.values()):
             self.finish(seq, error)
 
+    @property
+    def is_busy(self) -> bool:
+        """Whether sequences run or prefill (they will free blocks)."""
+        return bool(self.queues.running or self.queues.prefilling)
+
     def has_work(self, *, paced: bool = True) -> bool:
         """Whether a step would do something now; ``paced=False``: not counting sequences that run only in
         steps their client asks for. Sequences waiting on the loader do not count until it answers."""
