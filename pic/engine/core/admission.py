@@ -16,6 +16,7 @@ No deadlock: when nothing runs, nothing will free a block, so work that still do
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future
 
 from pic.compile import ChunkPrefill
 from pic.config import PrefillOrder
@@ -104,6 +105,15 @@ class Admission:
             budget -= num_tokens or 0
         return budget
 
+    def has_work(self, seqs: list[Sequence]) -> bool:
+        """Whether a step has work for ``seqs`` or the chunk prefills: a sequence past waiting, a waiting one whose
+        chunks are at hand (or a load for it answered), a chunk prefill that can run (or, blocked with no store
+        I/O to wait for, must fail)."""
+        if any(s.status is not Status.WAITING or _fetched(s) for s in seqs):
+            return True
+        writing = self.frees_soon()
+        return any(p.is_started or not writing or self.kv.can_start(p) for p in self.sources.prefills.values())
+
     def busy(self, batch: ScheduledBatch) -> bool:
         """Whether something runs this step (and will free blocks or take budget)."""
         return bool(self.queues.running or self.queues.prefilling) or batch.has_prefill_work
@@ -187,3 +197,9 @@ class Admission:
             if seq is not keep:
                 dropped |= self.kv.drop_holds(seq)
         return dropped
+
+
+def _fetched(seq: Sequence) -> bool:
+    """Whether a waiting sequence's chunks are at hand, or a load for it has answered."""
+    pending = seq.fetch.pending
+    return not pending or any(f.done() for f in pending.values() if isinstance(f, Future))

@@ -3,7 +3,8 @@
 
 Each step, running sequences go first: each gets the slot of its next token, in admission order; when the pool
 has no block for one, the most recently admitted running sequence is preempted (its blocks freed, its chunks
-held, requeued at the front for a fresh pass over its prompt and the tokens it generated). The budget left goes to
+held, requeued at the front for a fresh pass over its prompt and the tokens it generated), or, when it runs alone,
+the holds of waiting sequences are let go, then a resuming link is preempted. The budget left goes to
 prefill work (``Admission``: recompute passes, a probe's second pass, chunk prefills). Every status change is a
 transition of the ``Queues`` (checked by the sequence's state machine); work on one sequence that raises fails
 that sequence alone, never the step.
@@ -12,7 +13,6 @@ that sequence alone, never the step.
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from concurrent.futures import Future
 
 import torch
 
@@ -96,13 +96,7 @@ class Scheduler:
         steps their client asks for. Sequences waiting on the loader do not count until it answers."""
         queues = self.queues
         seqs = [s for s in (*queues.waiting, *queues.prefilling, *queues.running) if paced or not s.paced]
-        ready = any(s.status is not Status.WAITING or _fetched(s) for s in seqs)
-        return ready or self._prefill_work() or self.compiles.has_news
-
-    def _prefill_work(self) -> bool:
-        """Whether a chunk prefill can run (or, blocked with no store I/O to wait for, must fail)."""
-        writing = self.compiles.num_writing > 0
-        return any(p.is_started or not writing or self.kv.can_start(p) for p in self.sources.prefills.values())
+        return self.admission.has_work(seqs) or self.compiles.has_news
 
     # -- schedule -------------------------------------------------------------------------------------------
 
@@ -249,9 +243,3 @@ class Scheduler:
         out = finish_output(seq, text=text, token=token)
         seq.sink.put(out)
         return out
-
-
-def _fetched(seq: Sequence) -> bool:
-    """Whether a waiting sequence's chunks are at hand, or a load for it has answered."""
-    pending = seq.fetch.pending
-    return not pending or any(f.done() for f in pending.values() if isinstance(f, Future))
