@@ -132,3 +132,24 @@ def test_a_broken_invariant_fails_that_request_alone_and_the_engine_serves_the_n
     assert engine.kv_stats().num_used_blocks == 0
     check_engine_pool(engine, {})
     assert engine.link(ids, QUERY).generate(60).token_ids == alone
+
+
+def test_a_pass_under_way_goes_before_an_earlier_request_that_waits_for_blocks():
+    """Work under way is scheduled before new work: a probe's second pass (the step after its probe) is not held up
+    behind an earlier request that waits for the blocks the pass's own request holds. (The fuzzer's seed 9 over 256
+    tokens livelocked so: the waiting request waited for the prefilling one, which was never scheduled.)"""
+    engine = make_engine("stories260K", kv_pool_tokens=256, eos_token_ids=())
+    ids = engine.compile(list(DOCS))
+    stepper = engine.stepper()
+    probe = stepper.add_request(pic.Request(ids, QUERY, policy="prophetkv", max_new_tokens=4))
+    assert stepper.step() == []  # the probe's forward
+    big = stepper.add_request(pic.Request([], [5] * 150, policy="naive", max_new_tokens=4))  # fits alone, not beside
+    with engine.paused() as core:
+        seqs = core.scheduler.queues.requests
+        assert seqs[probe].status is Status.PREFILLING  # its second pass is the next step's work
+        seqs[big].times.arrival_s = seqs[probe].times.arrival_s - 1.0  # it came first
+    finished: dict[int, pic.RequestOutput] = {}
+    for _ in range(30):
+        finished |= {out.request_id: out for out in stepper.step() if out.finished}
+    assert set(finished) == {probe, big} and all(out.error is None for out in finished.values())
+    assert [len(out.generation.token_ids) for out in finished.values()] == [4, 4]

@@ -67,19 +67,23 @@ class Admission:
                 batch.failed.append((seq, error))
 
     def schedule(self, batch: ScheduledBatch, *, budget: int) -> None:
-        """Give ``budget`` tokens to prefill work, in the order of ``prefill_order``."""
+        """Give ``budget`` tokens to prefill work: the work under way first (resumed links, passes that go on: they
+        hold their blocks and take no new ones, and the waiting ones may wait for them), then new work in the
+        order of ``prefill_order``."""
         self.sources.drop_abandoned()
-        requests: list[Work] = [*self.queues.prefilling, *self.queues.waiting]
+        self._start_resumed(batch)
+        under_way = list(self.queues.prefilling)
+        requests: list[Work] = [s for s in self.queues.waiting if s.status is Status.WAITING]
         compiles = list(self.sources.prefills.values())
         if self.prefill_order is PrefillOrder.ARRIVAL:
+            budget = self._in_order(batch, under_way, budget=budget)
             self._in_order(batch, sorted([*requests, *compiles], key=lambda w: w.order), budget=budget)
             return
         requests += [p for p in compiles if p.is_interactive]  # (chunks a request waits for)
         compiles = [p for p in compiles if not p.is_interactive]
         kept = int(budget * self.compile_share) if compiles else 0
-        left = self._in_order(
-            batch, sorted(requests, key=lambda w: w.order), budget=budget - kept, compiles_wait=bool(compiles)
-        )
+        left = self._in_order(batch, under_way, budget=budget - kept)
+        left = self._in_order(batch, sorted(requests, key=lambda w: w.order), budget=left, compiles_wait=bool(compiles))
         # Beside a request's pass, compiles get their share only: the step (and the request's first token) is not
         # slowed by a compile's full piece. Without one, they get the whole budget.
         num_compile = min(kept, left + kept) if batch.has_prefill_work else budget
@@ -141,14 +145,24 @@ class Admission:
             if seq.link.pass_.piece_size(budget) > budget and batch.has_prefill_work:
                 return None
             return self._place(seq, batch, budget=budget)
-        if len(self.queues.running) + len(self.queues.prefilling) >= self.max_num_seqs:
+        if self._full():
             return None
-        if seq.status is Status.RESUMING:  # a parked link's generation starts: no blocks, no forward
-            self.queues.start(seq)
-            batch.resumed.append(seq)
-            return 0
         seq.expect(Status.WAITING)
         return self._new_pass(seq, batch, budget=budget, busy=self.busy(batch) or compiles_wait)
+
+    def _full(self) -> bool:
+        """Whether ``max_num_seqs`` sequences run or prefill."""
+        return len(self.queues.running) + len(self.queues.prefilling) >= self.max_num_seqs
+
+    def _start_resumed(self, batch: ScheduledBatch) -> None:
+        """Give the resuming links their place among the running while the cap allows: no blocks, no forward (their
+        first tokens come from the hidden states their passes left)."""
+        for seq in [s for s in self.queues.waiting if s.status is Status.RESUMING]:
+            if self._full():
+                return
+            with self.queues.guard(seq, batch.failed):
+                self.queues.start(seq)
+                batch.resumed.append(seq)
 
     def _new_pass(self, seq: Sequence, batch: ScheduledBatch, *, budget: int, busy: bool) -> int | None:
         """Admit a waiting sequence: plan its link, take its blocks, set up its pass, place its first piece."""
