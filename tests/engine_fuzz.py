@@ -36,6 +36,7 @@ BASE_DOCS = (
 WORDS = "the a dog cat sun tree ran big little happy sad ball girl boy park sing day one went saw".split()
 POLICIES = (None, "naive", "mepic", "legolink:16", "full", "prophetkv", "cacheblend:0.15")
 SLOW = {"full", "cacheblend:0.15"}  # (every chunk block private: kept to short requests)
+RUN_S = 60.0  # a run's threads end well within this (a few seconds here): past it, something is stuck
 
 
 class Kind(enum.Enum):
@@ -143,12 +144,13 @@ class Fuzz:
     def run(self, threads: list[list[Op]], *, op: Callable[[Fuzz, Op], None] | None = None) -> None:
         """Run each thread's operations in a thread of its own (``op``: how one runs, default ``run_op``)."""
         op = op or run_op
-        workers = [threading.Thread(target=self._thread, args=(ops, op)) for ops in threads]
+        workers = [threading.Thread(target=self._thread, args=(ops, op), daemon=True) for ops in threads]
         for worker in workers:
             worker.start()
+        deadline = time.monotonic() + RUN_S
         for worker in workers:
-            worker.join(timeout=120)
-        assert not any(w.is_alive() for w in workers), f"seed {self.seed}: a thread still runs after 120 s"
+            worker.join(timeout=max(0.0, deadline - time.monotonic()))
+        assert not any(w.is_alive() for w in workers), f"seed {self.seed}: a thread still runs after {RUN_S} s"
 
     def _thread(self, ops: list[Op], op: Callable[[Fuzz, Op], None]) -> None:
         for one in ops:

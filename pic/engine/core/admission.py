@@ -1,8 +1,9 @@
-"""``Admission``: the prefill work of a step under what its token budget leaves after the decodes: waiting
-sequences' recompute passes (and the passes under way: pieces of a long static pass, a probe's second pass) and
-chunk prefills (``PrefillOrder.INTERACTIVE``: a request's work first, in arrival order, then bulk compiles' chunk
-prefills, with the whole budget in steps with no request's pass and ``compile_share`` of it in steps with one;
-``PrefillOrder.ARRIVAL``: all of it in arrival order).
+"""``Admission``: the prefill work of a step under what its token budget leaves after the decodes. Work under way
+goes first: resumed links get their place among the running, and passes under way go on (pieces of a long static
+pass, a probe's second pass: they hold their blocks and take no new ones, and a waiting request may be waiting for
+them). Then new work: waiting sequences' recompute passes and chunk prefills (``PrefillOrder.INTERACTIVE``: a
+request's work first, in arrival order, then bulk compiles' chunk prefills, with the whole budget in steps with no
+request's pass and ``compile_share`` of it in steps with one; ``PrefillOrder.ARRIVAL``: all of it in arrival order).
 
 A chunk prefill takes what budget is left and goes on in the next step (chunked prefill), so a compile of many
 documents never stalls the running streams for more than a step; so does a static policy's recompute pass larger
