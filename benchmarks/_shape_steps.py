@@ -55,10 +55,16 @@ def _class(trees: dict[str, ast.Module], name: str) -> tuple[str, ast.ClassDef]:
 
 
 def _assigns_status(fn: Function) -> list[int]:
+    """The lines of ``fn`` that assign ``<x>.status`` or ``<x>._status`` (tuple targets unpacked)."""
     lines = []
     for n in ast.walk(fn):
-        targets = n.targets if isinstance(n, ast.Assign) else [getattr(n, "target", None)]
-        lines += [n.lineno for t in targets if isinstance(t, ast.Attribute) and t.attr in ("status", "_status")]
+        targets = list(n.targets) if isinstance(n, ast.Assign) else [getattr(n, "target", None)]
+        while targets:
+            t = targets.pop()
+            if isinstance(t, ast.Tuple | ast.List):
+                targets += t.elts
+            elif isinstance(t, ast.Attribute) and t.attr in ("status", "_status"):
+                lines.append(n.lineno)
     return lines
 
 

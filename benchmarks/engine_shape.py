@@ -20,7 +20,8 @@ come from (``--root``: the checkout measured, default this script's; nothing is 
   (plain, augmented, annotated; tuple targets unpacked, ``[...]`` stripped) or a ``del`` of ``<obj>.X``, or a
   call ``<obj>.X.m(...)`` for ``m`` in ``MUTATORS``. ``strict``: ``<obj>`` is a name in ``SEQ_NAMES``;
   ``loose``: any object but a bare ``self`` (so other classes' fields of the same name count too).
-- ``scheduler_kv_calls``: in ``class Scheduler``, the calls ``self.kv.m(...)`` (all; in ``_admit``) and the
+- ``scheduler_kv_calls``: in ``class Scheduler`` (and the classes in ``SCHEDULER_PARTS``, where they exist), the
+  calls ``self.kv.m(...)`` (all; in ``_admit`` and ``_new_pass``, the admission of a waiting sequence) and the
   attributes of ``self.kv`` reached other than by a call (``self.kv.pool...``). In the ``--kv-class`` class,
   ``policy_branches``: the ``if``/``elif`` tests naming something with "policy" in it (a name or an attribute),
   and the code lines (docstrings and comments aside) naming one.
@@ -30,6 +31,11 @@ come from (``--root``: the checkout measured, default this script's; nothing is 
   ``engine_levels``: the modules on the longest path inside ``pic.engine`` (its topological levels).
 - ``link_signatures``: the functions under ``pic/`` named ``link`` with parameters ``cache_ids`` and ``query``;
   every function with both is listed beside them.
+- ``engine_parts``: the files and lines of the engine's parts: ``pic/engine/caller``, ``pic/engine/core`` and the
+  rest of ``pic/engine`` (the command channel and its messages); before issue 49 everything is "rest".
+- ``status_changes``, ``result_landing``, ``command_dispatch``, ``import_cycles``, ``sizes``: issue 49's figures
+  (where a sequence's status changes, where a step's results land, the commands dispatched by type, the import
+  circles of ``pic/``, the functions and files over the size of the style guide); see ``benchmarks/_shape_steps.py``.
 """
 
 from __future__ import annotations
@@ -42,7 +48,11 @@ import sys
 import threading
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).parent))
+import _shape_steps  # noqa: E402
+
 SEQ_NAMES = {"seq", "s", "waiter", "sequence"}
+SCHEDULER_PARTS = {"Admission"}  # classes of the scheduler's own (issue 49: its admission of prefill work)
 MUTATORS = {"append", "extend", "insert", "pop", "popitem", "remove", "update", "clear", "discard", "add", "setdefault"}
 DOCS = ["Tom had a red ball.", "Lily liked to sing.", "The cat sat on the mat."]
 
@@ -183,12 +193,15 @@ def policy_branches(cls: ast.ClassDef) -> dict:
 
 def scheduler_kv_calls(trees: dict[str, ast.Module], kv_class: str) -> dict:
     file, cls = find_class(trees, "Scheduler")
+    classes = [cls] + [
+        n for t in trees.values() for n in ast.walk(t) if isinstance(n, ast.ClassDef) and n.name in SCHEDULER_PARTS
+    ]
 
     def is_kv(node: ast.AST) -> bool:
         return isinstance(node, ast.Attribute) and node.attr == "kv" and is_name(node.value, {"self"})
 
     calls, reach = [], []
-    for f in (f for f in cls.body if isinstance(f, ast.FunctionDef)):
+    for f in (f for c in classes for f in c.body if isinstance(f, ast.FunctionDef)):
         funcs = {id(n.func) for n in ast.walk(f) if isinstance(n, ast.Call)}
         for n in ast.walk(f):
             if isinstance(n, ast.Attribute) and is_kv(n.value):
@@ -199,7 +212,7 @@ def scheduler_kv_calls(trees: dict[str, ast.Module], kv_class: str) -> dict:
         "num_methods": len({m for _, m, _ in calls}),
         "methods": sorted({m for _, m, _ in calls}),
         "num_call_sites": len(calls),
-        "calls_in_admit": sum(f == "_admit" for f, _, _ in calls),
+        "calls_in_admit": sum(f in ("_admit", "_new_pass") for f, _, _ in calls),
         "reach_through": sorted({a for _, a, _ in reach}),
         "reach_through_sites": [f"{f}:{line} self.kv.{a}" for f, a, line in reach],
         "call_sites": [f"{f}:{line} self.kv.{m}()" for f, m, line in calls],
@@ -277,6 +290,22 @@ def link_signatures(trees: dict[str, ast.Module]) -> dict:
     return {"num_link": len(links), "link": links, "all_with_cache_ids_and_query": [f"{f}:{n} {m}" for f, m, n in both]}
 
 
+def shape_steps(root: Path, trees: dict[str, ast.Module], engine_lines: dict[str, int]) -> dict:
+    """Issue 49's figures (``_shape_steps``), and the engine's files and lines by part."""
+    parts: dict[str, dict[str, int]] = {"caller": {}, "core": {}, "rest": {}}
+    for file, lines in engine_lines.items():
+        part = file.split("/")[2] if file.count("/") > 2 else "rest"
+        parts[part if part in parts else "rest"][file] = lines
+    return {
+        "engine_parts": {k: {"num_files": len(v), "total_lines": sum(v.values())} for k, v in parts.items()},
+        "status_changes": _shape_steps.status_changes(trees),
+        "result_landing": _shape_steps.result_landing(trees),
+        "command_dispatch": _shape_steps.command_dispatch(trees),
+        "import_cycles": _shape_steps.import_cycles(trees),
+        "sizes": _shape_steps.sizes(trees, engine_lines),
+    }
+
+
 def main() -> None:
     here = Path(__file__).resolve().parent.parent
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -302,6 +331,7 @@ def main() -> None:
         "import_layers": import_layers(trees),
         "link_signatures": link_signatures(trees),
     }
+    result |= shape_steps(root, trees, result["engine_files"]["files"])
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")
@@ -326,6 +356,22 @@ def print_table(r: dict) -> None:
         ("public face layers", i["public_face_layers"]),
         ("pic.engine import levels", i["engine_levels"]),
         ("link(cache_ids, query) definitions", r["link_signatures"]["num_link"]),
+    ]
+    st, la, co, cy, sz = (
+        r[k] for k in ("status_changes", "result_landing", "command_dispatch", "import_cycles", "sizes")
+    )
+    parts = ", ".join(f"{k} {v['num_files']} ({v['total_lines']})" for k, v in r["engine_parts"].items())
+    rows += [
+        ("engine parts: files (lines)", parts),
+        ("status assignments; transition call sites", f"{st['num_assignment_sites']}; {st['num_call_sites']}"),
+        ("  in functions, files", f"{st['num_calling_functions']}, {st['num_calling_files']}"),
+        (
+            "functions where results land; calling forward",
+            f"{la['num_landing_functions']}; {la['num_forward_functions']}",
+        ),
+        ("isinstance on commands: sites, functions", f"{co['num_isinstance_sites']}, {co['num_functions']}"),
+        ("import cycles in pic/", cy["num_cycles"]),
+        ("engine functions > 50 lines; files > 250", f"{sz['num_functions_over']}; {sz['num_files_over']}"),
     ]
     print(f"engine shape of {r['root']} @ {r['commit'][:10]}")
     for name, value in rows:
