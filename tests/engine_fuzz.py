@@ -6,8 +6,9 @@ and the invariants that hold after any such run are checked. Shared by the in-pr
 ``Fuzz.run`` runs them against one engine; ``Fuzz.check`` then asserts, on the idle engine:
 
 - no request failed but for its own bad input, or a pool that cannot hold it: alone, or beside the links other
-  threads held parked meanwhile (the engine cannot take a parked link's blocks back; such a request may also end
-  early with ``FinishReason.KV_POOL``, with the first tokens of its alone output);
+  threads held meanwhile (a link is parked from its ``link`` call until the engine takes its ``generate`` in, and
+  the engine never takes a parked link's blocks back: ``Linked`` holds its KV until generated from or released;
+  such a request may also end early with ``FinishReason.KV_POOL``, with the first tokens of its alone output);
 - every greedy output equals the same request run alone (afterwards, on the same engine);
 - the pool is back at rest: no block in use, its bookkeeping consistent;
 - the engine still serves a new request.
@@ -15,12 +16,13 @@ and the invariants that hold after any such run are checked. Shared by the in-pr
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import gc
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import pic
@@ -104,7 +106,8 @@ def plan(seed: int, *, num_threads: int, num_ops: int, max_tokens: int) -> list[
 
 @dataclass(frozen=True)
 class Outcome:
-    """A greedy request's result (``text`` when compared as text: a stream, a server's reply)."""
+    """A greedy request's result (``text`` when compared as text: a server's reply), and the thread and times of
+    the operation it came from."""
 
     ids: tuple[str, ...]
     ask: Ask
@@ -113,6 +116,7 @@ class Outcome:
     finish: str
     start: float
     end: float
+    thread: int = field(default_factory=threading.get_ident)
 
 
 @dataclass(frozen=True)
@@ -121,6 +125,7 @@ class Failure:
     error: Exception
     start: float
     end: float
+    thread: int = field(default_factory=threading.get_ident)
 
 
 @dataclass
@@ -130,15 +135,14 @@ class Fuzz:
     Attributes:
         ids: the base documents' cache ids.
         outcomes, failures: greedy results and the operations that raised.
-        parked: ``(start, end)`` of every link a thread held parked (from its ``link`` call to the end of its
-            generation or its release: the engine takes a ``Resume`` in some time after the call).
+        parked: ``(thread, start, end)`` of every operation that held links (``held``).
     """
 
     engine: pic.PIC
     ids: list[str]
     outcomes: list[Outcome] = field(default_factory=list)
     failures: list[Failure] = field(default_factory=list)
-    parked: list[tuple[float, float]] = field(default_factory=list)
+    parked: list[tuple[int, float, float]] = field(default_factory=list)
     seed: int = 0
 
     def run(self, threads: list[list[Op]], *, op: Callable[[Fuzz, Op], None] | None = None) -> None:
@@ -168,6 +172,15 @@ class Fuzz:
             Outcome(tuple(ids), ask, tuple(out.token_ids), out.text, out.stats.finish_reason.value, start, now())
         )
 
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Around an operation's links, from its ``link`` call to the end of its generation (``parked``)."""
+        start = now()
+        try:
+            yield
+        finally:
+            self.parked.append((threading.get_ident(), start, now()))
+
     def link(self, ask: Ask, ids: list[str] | None = None) -> pic.Linked:
         return self.engine.link(ids or self.cache_ids(ask), ask.query, policy=ask.policy)
 
@@ -196,7 +209,7 @@ class Fuzz:
 
     def _same(self, out: Outcome, want: pic.Generation) -> None:
         got, expected = (out.tokens, tuple(want.token_ids)) if out.tokens is not None else (out.text, want.text)
-        if out.finish == "kv_pool" and self._beside_parked(out.start, out.end):
+        if out.finish == "kv_pool" and self._beside_parked(out.thread, out.start, out.end):
             assert expected[: len(got)] == got, f"seed {self.seed}: {out.ask}: {got!r} is not a start of {expected!r}"
             return
         assert got == expected, f"seed {self.seed}: {out.ask} ({out.finish}): {got!r} != alone {expected!r}"
@@ -205,7 +218,7 @@ class Fuzz:
         """Whether a failure is the request's own: a pool that cannot hold it (bad input: ``_bad`` checks it)."""
         if not isinstance(failure.error, KVPoolExhaustedError):
             return False
-        if self._beside_parked(failure.start, failure.end):
+        if self._beside_parked(failure.thread, failure.start, failure.end):
             return True
         try:  # the same operation alone, in process
             run_op(self, failure.op)
@@ -213,8 +226,9 @@ class Fuzz:
             return True
         return False
 
-    def _beside_parked(self, start: float, end: float) -> bool:
-        return any(s < end and start < e for s, e in self.parked)
+    def _beside_parked(self, thread: int, start: float, end: float) -> bool:
+        """Whether another thread held links between ``start`` and ``end``."""
+        return any(t != thread and s < end and start < e for t, s, e in self.parked)
 
     def check_rest(self, *, timeout_s: float = 20.0) -> None:
         """The pool at rest (aborts from closed connections may still be on their way: waited for)."""
@@ -240,72 +254,76 @@ def run_op(fuzz: Fuzz, op: Op) -> None:
 
 def _generate(fuzz: Fuzz, op: Op) -> None:
     ask, start = op.asks[0], now()
-    fuzz.record(fuzz.cache_ids(ask), ask, fuzz.link(ask).generate(ask.max_new_tokens), start)
+    with fuzz.held():
+        out = fuzz.link(ask).generate(ask.max_new_tokens)
+    fuzz.record(fuzz.cache_ids(ask), ask, out, start)
 
 
 def _sample(fuzz: Fuzz, op: Op) -> None:
     ask = op.asks[0]
-    out = fuzz.link(ask).generate(ask.max_new_tokens, temperature=0.8, seed=op.arg)
+    with fuzz.held():
+        out = fuzz.link(ask).generate(ask.max_new_tokens, temperature=0.8, seed=op.arg)
     assert 1 <= len(out.token_ids) <= ask.max_new_tokens
 
 
 def _park(fuzz: Fuzz, op: Op) -> None:
     ask, start = op.asks[0], now()
-    linked = fuzz.link(ask)
-    try:
+    with fuzz.held():
+        linked = fuzz.link(ask)
         time.sleep(op.arg / 1000)
         out = linked.generate(ask.max_new_tokens)
-    finally:  # (parked until the engine takes its ``Resume`` in: after ``generate`` returns, to be sure)
-        fuzz.parked.append((start, now()))
     fuzz.record(fuzz.cache_ids(ask), ask, out, start)
 
 
 def _together(fuzz: Fuzz, op: Op) -> None:
     start, linked = now(), []
-    try:
-        for ask in op.asks:
-            linked.append(fuzz.link(ask))
-        outs = pic.generate_together(linked, op.asks[0].max_new_tokens)
-    finally:
-        fuzz.parked.append((start, now()))
-        for item in linked:
-            item.release()  # (one that failed to link leaves the others parked)
+    with fuzz.held():
+        try:
+            for ask in op.asks:
+                linked.append(fuzz.link(ask))
+            outs = pic.generate_together(linked, op.asks[0].max_new_tokens)
+        finally:
+            for item in linked:
+                item.release()  # (one that failed to link leaves the others parked)
     for ask, out in zip(op.asks, outs, strict=True):
         fuzz.record(fuzz.cache_ids(ask), ask, out, start)
 
 
 def _stream(fuzz: Fuzz, op: Op) -> None:
     ask, start = op.asks[0], now()
-    pieces, text = fuzz.link(ask).stream(ask.max_new_tokens), []
-    while True:
-        try:
-            text.append(next(pieces))
-        except StopIteration as stop:  # (the stream's return value: the generation)
-            out = stop.value
-            break
+    with fuzz.held():
+        pieces, text = fuzz.link(ask).stream(ask.max_new_tokens), []
+        while True:
+            try:
+                text.append(next(pieces))
+            except StopIteration as stop:  # (the stream's return value: the generation)
+                out = stop.value
+                break
     assert "".join(text) == out.text
     fuzz.record(fuzz.cache_ids(ask), ask, out, start)
 
 
 def _abort(fuzz: Fuzz, op: Op) -> None:
-    pieces = fuzz.link(op.asks[0]).stream(400)
-    for i, _ in enumerate(pieces):
-        if i >= op.arg:
-            break
-    pieces.close()
+    with fuzz.held():
+        pieces = fuzz.link(op.asks[0]).stream(400)
+        for i, _ in enumerate(pieces):
+            if i >= op.arg:
+                break
+        pieces.close()
 
 
 def _release(fuzz: Fuzz, op: Op) -> None:
-    start = now()
-    fuzz.link(op.asks[0]).release()
-    fuzz.parked.append((start, now()))
+    with fuzz.held():
+        fuzz.link(op.asks[0]).release()
 
 
 def _compile(fuzz: Fuzz, op: Op) -> None:
     ask, start = op.asks[0], now()
     (new,) = fuzz.engine.compile([fuzz.new_document(op.arg)], policy=ask.policy)
     ids = [*fuzz.cache_ids(ask)[:1], new]
-    fuzz.record(ids, ask, fuzz.link(ask, ids).generate(ask.max_new_tokens), start)
+    with fuzz.held():
+        out = fuzz.link(ask, ids).generate(ask.max_new_tokens)
+    fuzz.record(ids, ask, out, start)
 
 
 def _many(fuzz: Fuzz, op: Op) -> None:
