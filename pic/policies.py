@@ -6,6 +6,7 @@ from pic.link.policies import (
     A3,
     APE,
     MEPIC,
+    Anchors,
     Auto,
     CacheBlend,
     FullRecompute,
@@ -29,6 +30,7 @@ from pic.link.policies import (
 
 __all__ = [
     "A3",
+    "Anchors",
     "APE",
     "Auto",
     "MEPIC",

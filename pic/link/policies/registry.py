@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pic.errors import PolicyError
+from pic.link.policies.anchors import Anchors
 from pic.link.policies.ape import APE
 from pic.link.policies.auto import Auto
 from pic.link.policies.base import Policy
@@ -27,6 +28,7 @@ _POLICIES: dict[str, type[Policy]] = {
         Regions,
         Auto,
         Suffix,
+        Anchors,
     )
 }
 
