@@ -178,7 +178,7 @@ def _pic_reply(engine, built: dict, policy: str) -> str:
     return linked.generate(max_new_tokens=24, stop=built["stop"]).text
 
 
-_VLLM_ARMS = ("vllm_prefill", "vllm_prefill_relevance", "connector_naive", "connector_suffix")
+_VLLM_ARMS = ("vllm_prefill", "vllm_prefill_relevance", "connector_naive", "connector_suffix", "connector_whole")
 
 
 def _case_prompts(engine, case) -> dict:
@@ -190,11 +190,14 @@ def _case_prompts(engine, case) -> dict:
     query += case.answer_prefix
     encode = lambda text: engine.tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     chunks = [(cid, encode(doc)) for cid, doc in zip(ids, case.documents, strict=True)]
+    arms = {
+        "vllm_prefill": ("full", "given"), "vllm_prefill_relevance": ("full", "relevance"),
+        "connector_naive": ("naive", "given"), "connector_suffix": ("suffix:0.2", "relevance"),
+        "connector_whole": ("suffix:0.2,whole=true", "relevance"),
+    }  # fmt: skip
     prompts = {
-        "vllm_prefill": link_prompt(chunks, encode(query), prefix_ids=encode(prefix), policy="full", order="given"),
-        "vllm_prefill_relevance": link_prompt(chunks, encode(query), prefix_ids=encode(prefix), policy="full"),
-        "connector_naive": link_prompt(chunks, encode(query), prefix_ids=encode(prefix), policy="naive", order="given"),
-        "connector_suffix": link_prompt(chunks, encode(query), prefix_ids=encode(prefix), policy="suffix:0.2"),
+        arm: link_prompt(chunks, encode(query), prefix_ids=encode(prefix), policy=policy, order=order)
+        for arm, (policy, order) in arms.items()
     }
     return {"ids": ids, "prefix": prefix, "query": query, "stop": list(case.stop), "prompts": prompts}
 
