@@ -155,7 +155,8 @@ def test_kernels_compile_as_launched_pipelined_without_spills(arch):
     bfloat16 (with and without its 4096 window), through ``TritonBackend.precompile``, i.e. with the launch's
     own specialization, for H100 (sm_90) and A100 (sm_80). None spills registers; every attention kernel's
     KV loop is software-pipelined (``cp.async`` copies in flight); a decode program leaves room for at least
-    two per SM; the 128-row prefill tile is launched on sm_90 only. And batches unlike precompile's (other
+    two per SM; the 128-row prefill tile is launched on sm_90 only; every launch also has its split variant, with
+    ``combine_splits_kernel``. And batches unlike precompile's (other
     sizes, contexts and split counts) compile nothing more: no request waits on the compiler."""
     env = child_env()  # the parent's import path: the GPU run's pydantic is in /tmp/site
     env.pop("TRITON_INTERPRET", None)
@@ -167,7 +168,7 @@ def test_kernels_compile_as_launched_pipelined_without_spills(arch):
     assert after == {"compiled_after_precompile": {"paged_attention_kernel": 0, "combine_splits_kernel": 0}}
     launches = {(r["launch"], r["window"]) for r in reports}
     prefill = ["prefill 64", "prefill 128"] if arch == 90 else ["prefill 64"]
-    names = ["decode", "decode split", *prefill]
+    names = ["decode", *prefill] + [f"{name} split" for name in ("decode", *prefill)]
     assert launches == {(n, w) for n in names for w in (False, True)} | {("store", False)}, launches
     assert all(r["stack"] == 0 and r["registers"] <= 255 for r in reports), reports
     attention = [r for r in reports if r["kernel"] == "paged_attention_kernel"]
