@@ -19,6 +19,7 @@ from tests.attention_cases import make_case, rel_error, rope_table
 triton_backend = pytest.importorskip(
     "pic.attention.triton_backend", reason="needs triton: pip install 'pic-kv[triton]' (.ci/run installs it)"
 )
+from pic.attention import triton_split  # noqa: E402  (imports Triton)
 
 DEVICE = torch.device(os.environ.get("PIC_TEST_DEVICE", "cpu"))
 TOLERANCE = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 1e-2}  # as tests/test_triton.py
@@ -105,14 +106,33 @@ def _mistral_plan(keys: int, rows: int) -> triton_backend.TritonPlan:
 
 def test_the_plan_splits_a_link_and_not_a_prefill():
     """On an H100, a link's 32 rows over 16K keys are 1 tile of 128 rows (32 tokens x 4 query heads) x 8 KV heads:
-    8 programs for 132 SMs. The plan splits each work list 16 ways (132 // 8 resident 128-row programs, one per SM),
-    each split 16 KV tiles of 64 slots. A 4K-row prefill (128 tiles x 8 heads = 1024 programs) fills the GPU
-    unsplit; so, just, do 544 rows (17 x 8 = 136 programs: more than half of 132)."""
+    8 programs for 132 SMs. The plan splits each work list 16 ways (132 resident 128-row programs, one per SM),
+    each split 16 KV tiles of 64 slots. A 4K-row prefill (128 tiles x 8 heads = 1024 programs, 8 waves) runs
+    unsplit. 544 rows (17 x 8 = 136 programs: two waves, the second of 4) split 6 ways: 7 waves of 43 tiles."""
     link = _mistral_plan(16384, 32).prefill
     assert link.launch.block_m == 128 and link.num_tiles == 1 and link.launch.split
     work = link.work[None]
     assert work.max_splits == 16 and work.chunk.tolist() == [16] and work.lens.tolist() == [256]
     assert link.scratch.acc.numel() == 1 * 8 * 16 * 128 * 128
-    for keys, rows in ((4096, 4096), (16384, 544)):
-        prefill = _mistral_plan(keys, rows).prefill
-        assert not prefill.launch.split and prefill.work[None].max_splits == 1 and prefill.scratch is None, rows
+    prefill = _mistral_plan(4096, 4096).prefill
+    assert prefill.num_tiles == 128 and not prefill.launch.split and prefill.work[None].max_splits == 1
+    assert prefill.scratch is None
+    chunk_heads = _mistral_plan(16384, 544).prefill
+    assert chunk_heads.num_tiles == 17 and chunk_heads.launch.split and chunk_heads.work[None].max_splits == 6
+
+
+def test_split_limits_by_waves_for_passes_and_by_one_wave_for_decodes():
+    """A recompute pass's split balances waves of compute-bound programs (``balance_waves``); a decode's fills one
+    wave. 132 resident programs, 256 KV tiles (16K slots of 64) unless said."""
+    limit = triton_split.split_limit
+    cost = triton_split.SPLIT_COST_TILES
+    assert limit(num_programs=8, num_kv_tiles=256, resident=132, balance_waves=True) == 16  # one wave, as a decode
+    assert limit(num_programs=8, num_kv_tiles=256, resident=132) == 16
+    assert limit(num_programs=128, num_kv_tiles=256, resident=132, balance_waves=True) == 1  # one full wave
+    assert limit(num_programs=1024, num_kv_tiles=64, resident=132, balance_waves=True) == 1
+    assert 2 * (256 + cost) > 7 * (256 / 6 + cost)  # 136 programs: 2 waves unsplit, 7 waves of a sixth each
+    assert limit(num_programs=136, num_kv_tiles=256, resident=132, balance_waves=True) == 6
+    assert limit(num_programs=136, num_kv_tiles=256, resident=132) == 1  # a decode: bandwidth is shared anyway
+    assert limit(num_programs=2, num_kv_tiles=256, resident=132, balance_waves=True) == triton_split.MAX_SPLITS
+    assert limit(num_programs=2, num_kv_tiles=20, resident=132, balance_waves=True) == 5  # 4 tiles per split
+    assert limit(num_programs=8, num_kv_tiles=256, resident=0, balance_waves=True) == 1  # no GPU to fill

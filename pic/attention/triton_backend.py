@@ -151,14 +151,15 @@ class TritonBackend(AttentionBackend[TritonPlan]):
 
     def _tiles(self, batch: AttentionBatch, launch: Launch, *, decode: bool, **common) -> TritonTiles:
         """The decode (``decode``) or the recompute passes' tiles for ``launch``, split as asked for or, by default,
-        by ``split_limit``: from the tiles (rows), the KV heads, the widest table (slots) and the GPU's resident
-        programs of this launch (SMs x programs per SM). Host data only: no device sync."""
+        by ``split_limit`` (waves balanced for recompute passes): from the tiles (rows), the KV heads, the widest
+        table (slots) and the GPU's resident programs of this launch (SMs x programs per SM). Host data only."""
         tiles = query_tiles(batch, decode=decode, per_tile=launch.block_m // self.group)
         asked = self.splits[decode]
         splits = asked or split_limit(
             num_programs=len(tiles[0]) * self.shape.num_kv_heads,
             num_kv_tiles=common["kv_pos"].shape[1] // launch.block_n,
             resident=self._resident_programs(launch, batch.q_positions.device, decode=decode),
+            balance_waves=not decode,
         )
         min_chunk = 1 if asked else MIN_TILES_PER_SPLIT  # asked-for splits split short contexts too
         return make_tiles(
