@@ -85,15 +85,6 @@ class TritonBackend(AttentionBackend[TritonPlan]):
         self.rotate_k = not k_is_rotated
         self._halves: tuple[torch.Tensor, ...] = ()  # the last rotary table and its halves in the model dtype
 
-    @property
-    def num_splits(self) -> int | None:
-        """Splits asked for per decode tile (``None``: by occupancy)."""
-        return self.splits[True]
-
-    @num_splits.setter
-    def num_splits(self, value: int | None) -> None:
-        self.splits[True] = value
-
     def launches(self, device: torch.device) -> dict[str, Launch]:
         """Every launch configuration this backend may use on ``device``, by name (each compiles once per
         window kind): ``"decode"``, ``"prefill 64"`` and, on sm_90 and newer, ``"prefill 128"``, each also split
