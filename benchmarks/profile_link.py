@@ -20,11 +20,12 @@ import collections
 import random
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+
+from pic.kv.transfer import sync_sites
 
 sys.path.insert(0, str(Path(__file__).parent))
 import _gpu  # noqa: E402
@@ -36,21 +37,6 @@ SYNCS = ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize
 def link_once(engine, ids: list[str], query: list[int], policy: str):
     """One link and its first token; the ``Generation``."""
     return engine.link(ids, query, policy=policy).generate(max_new_tokens=1)
-
-
-def sync_sites(fn, device: torch.device) -> list[str]:
-    """``file:line`` of every synchronizing CUDA call ``fn()`` makes (torch's sync debug mode; none off CUDA)."""
-    if device.type != "cuda":
-        fn()
-        return []
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            fn()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    return [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
 
 
 def profile_policy(engine, ids, query, policy: str, args, log) -> None:
@@ -74,7 +60,8 @@ def profile_policy(engine, ids, query, policy: str, args, log) -> None:
     log(ops.table(sort_by=sort, row_limit=args.rows, max_name_column_width=60))
     launches = sum(e.count for e in ops if "LaunchKernel" in e.key)
     syncs = sum(e.count for e in ops if e.key.startswith(SYNCS) or e.key == "cudaMemcpy")
-    sites = collections.Counter(sync_sites(lambda: link_once(engine, ids, query, policy), args.device))
+    run = lambda: link_once(engine, ids, query, policy)  # noqa: E731
+    sites = collections.Counter(f"{f}:{n}" for f, n in (sync_sites(run) if args.device.type == "cuda" else []))
     log(f"{policy}: kernel launches {launches}, host syncs {syncs} (profiler); sync debug mode: {sum(sites.values())}")
     for site, count in sites.most_common(8):
         log(f"    {count} x {site}")

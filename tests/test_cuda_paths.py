@@ -15,7 +15,6 @@ import inspect
 import os
 import sys
 import threading
-import warnings
 
 import pytest
 import torch
@@ -26,7 +25,7 @@ import pic.kv.memory
 from pic.config import CompileOptions
 from pic.engine.sampling import SamplingParams, _multinomial_one, sample_rows, sample_tokens
 from pic.kv import BlockPool, ChunkInfo, ChunkKV, KVCache
-from pic.kv.transfer import long_tensor
+from pic.kv.transfer import long_tensor, sync_sites
 from pic.link.recompute import RecomputePass
 from pic.store import DeviceTier, LruTier, TieredStore
 from pic.store.serde import Expected
@@ -158,18 +157,6 @@ def test_a_default_pool_on_cuda_takes_its_share_of_the_free_memory():
     assert abs(pool_bytes - 0.05 * free) <= 1e-3 * free + block_bytes, (pool_bytes, free)
     del engine
     torch.cuda.empty_cache()
-
-
-def sync_sites(fn) -> list[tuple[str, int]]:
-    """``(file, line)`` of every synchronizing CUDA call ``fn()`` makes (torch's sync debug mode)."""
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            fn()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    return [(w.filename, w.lineno) for w in caught if "synchroniz" in str(w.message)]
 
 
 @cuda_only
