@@ -296,7 +296,7 @@ def test_gpu_script_dry_run_proves_its_steps_within_one_device_call(tmp_path):
     env = os.environ | {"PYTHON": sys.executable, "OUT": str(tmp_path)}
     proc = subprocess.run(["bash", str(script), "--dry-run"], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    for name, limit in (("tests", 200), ("attention", 65), ("ttft", 125), ("profile", 45), ("memory", 55)):
+    for name, limit in (("tests", 200), ("attention", 75), ("ttft", 120), ("profile", 40), ("memory", 55)):
         assert f"=== {name}: would run for at most {limit} s" in proc.stdout
         assert f"=== {name}: exit 0 after" in proc.stdout
     copied = re.findall(r'^\s+\w+\) step \w+ "\$\{\w+:-\d+\}" "([^"]*)"', script.read_text(), re.MULTILINE)
