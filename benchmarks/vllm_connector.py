@@ -93,6 +93,7 @@ def ttft(llm, engine, reps: int) -> dict:
             "vllm_hit": lambda: timed(llm, {"prompt_token_ids": seen.prompt_token_ids}),
             "vllm_miss": lambda m=miss: timed(llm, {"prompt_token_ids": m.prompt_token_ids}),
             "connector_suffix": lambda n=new: _link(llm, engine, n, messages, "suffix:0.2", "relevance"),
+            "connector_whole": lambda n=new: _link(llm, engine, n, messages, "suffix:0.2,whole=true", "relevance"),
             "connector_naive": lambda n=new: _link(llm, engine, n, messages, "naive", "given"),
             "pic_engine_auto": lambda n=new_ids: _pic(engine, n, query, prefix, "auto"),
             "pic_engine_full": lambda n=new_ids: _pic(engine, n, query, prefix, "full"),
@@ -178,26 +179,39 @@ def _pic_reply(engine, built: dict, policy: str) -> str:
     return linked.generate(max_new_tokens=24, stop=built["stop"]).text
 
 
-_VLLM_ARMS = ("vllm_prefill", "vllm_prefill_relevance", "connector_naive", "connector_suffix", "connector_whole")
+_VLLM_ARMS = (
+    "vllm_prefill", "vllm_prefill_relevance", "connector_naive", "connector_suffix", "connector_whole",
+    "connector_whole_context",
+)  # fmt: skip
 
 
 def _case_prompts(engine, case) -> dict:
+    """Each arm's prompt of one case. ``connector_whole_context`` links the documents compiled in the chat's
+    context (``PIC.chat_context``: after its system turn), the others the documents compiled alone."""
     from pic.link.chat import split_chat
     from pic.vllm.client import link_prompt
 
     ids = engine.compile(list(case.documents))
+    in_context = engine.compile(list(case.documents), context=engine.chat_context(case.messages()))
     prefix, query = split_chat(engine.tokenizer, case.messages(), strip_bos=False)
     query += case.answer_prefix
     encode = lambda text: engine.tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
-    chunks = [(cid, encode(doc)) for cid, doc in zip(ids, case.documents, strict=True)]
+    tokens = [encode(doc) for doc in case.documents]
     arms = {
-        "vllm_prefill": ("full", "given"), "vllm_prefill_relevance": ("full", "relevance"),
-        "connector_naive": ("naive", "given"), "connector_suffix": ("suffix:0.2", "relevance"),
-        "connector_whole": ("suffix:0.2,whole=true", "relevance"),
+        "vllm_prefill": ("full", "given", ids), "vllm_prefill_relevance": ("full", "relevance", ids),
+        "connector_naive": ("naive", "given", ids), "connector_suffix": ("suffix:0.2", "relevance", ids),
+        "connector_whole": ("suffix:0.2,whole=true", "relevance", ids),
+        "connector_whole_context": ("suffix:0.2,whole=true", "relevance", in_context),
     }  # fmt: skip
     prompts = {
-        arm: link_prompt(chunks, encode(query), prefix_ids=encode(prefix), policy=policy, order=order)
-        for arm, (policy, order) in arms.items()
+        arm: link_prompt(
+            list(zip(chunk_ids, tokens, strict=True)),
+            encode(query),
+            prefix_ids=encode(prefix),
+            policy=policy,
+            order=order,
+        )  # fmt: skip
+        for arm, (policy, order, chunk_ids) in arms.items()
     }
     return {"ids": ids, "prefix": prefix, "query": query, "stop": list(case.stop), "prompts": prompts}
 
