@@ -6,7 +6,6 @@ from pic.link.policies import (
     A3,
     APE,
     MEPIC,
-    Anchors,
     Auto,
     CacheBlend,
     FullRecompute,
@@ -30,7 +29,6 @@ from pic.link.policies import (
 
 __all__ = [
     "A3",
-    "Anchors",
     "APE",
     "Auto",
     "MEPIC",

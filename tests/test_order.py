@@ -60,7 +60,7 @@ def test_the_callers_relevance_scores_decide_and_ties_keep_the_given_order(stori
 
 def test_every_built_in_policy_but_auto_keeps_the_given_order_by_default(stories):
     ids = stories.compile(DOCS)
-    for policy in ("full", "naive", "mepic", "legolink:4", "regions", "prophetkv:0.2", "suffix:0.2", "anchors"):
+    for policy in ("full", "naive", "mepic", "legolink:4", "regions", "prophetkv:0.2", "suffix:0.2"):
         with stories.link(ids, QUERY, policy=policy) as linked:
             assert linked.order.order is Order.GIVEN and linked.cache_ids == ids, policy
     with stories.link(ids, QUERY) as linked:  # the default, auto: by relevance

@@ -170,7 +170,8 @@ def test_parse_params_without_pic_is_none(params):
 def test_parse_params_reads_compile_and_link_requests():
     assert parse_params({"pic": {"compile": True}}) == CompileRequest()
     link = parse_params({"pic": {"ids": ["a", "b"]}, "other": 1})
-    assert link == LinkRequest(ids=("a", "b"), policy=Suffix(0.2)) and link.policy.name == "suffix:0.2"
+    default = Suffix(0.2, whole=True)  # a request that names no policy: the connector's default
+    assert link == LinkRequest(ids=("a", "b"), policy=default) and link.policy.name == "suffix:0.2,whole=true"
     assert parse_params({"pic": {"ids": ["a"], "policy": "naive"}}).policy == Suffix(0.0)
 
 

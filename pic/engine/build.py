@@ -9,7 +9,6 @@ from pic.engine.core import EngineCore
 from pic.engine.kv_manager import KVManager
 from pic.kv.memory import build_kv_pool
 from pic.link.linker import Linker
-from pic.link.separators import Separators
 from pic.model import ModelRunner
 from pic.store import TieredStore
 from pic.store.device import DeviceTier
@@ -64,7 +63,7 @@ def build_core(
     kv = KVManager(pool, cache, tiers, block_size=config.block_size)
     linker = Linker(
         spec, pool, block_size=config.block_size, share_chunk_blocks=config.share_chunk_blocks,
-        attention_backend=runner.attention_backend.name, separators=Separators(tokenizer),
+        attention_backend=runner.attention_backend.name,
     )  # fmt: skip
     return EngineCore(
         runner=runner, tokenizer=tokenizer, pool=pool, cache=cache, store=tiers, kv=kv, linker=linker, config=config,

@@ -65,8 +65,6 @@ class Layout:
         num_slots: slots the prompt spans, padding included.
         num_generated: tokens at the end of the query that the request generated (a preempted request is
             laid out again with them); a policy reading the query's text leaves them out (``query_ids``).
-        separators: ``[T]`` int8, each token's separator kind (``pic.link.separators.Kind``: 0 none, 1 a clause
-            end, 2 a sentence end or line break), as the engine's tokenizer reads it; ``None`` outside an engine.
     """
 
     block_size: int
@@ -77,7 +75,6 @@ class Layout:
     cached: torch.Tensor
     num_slots: int
     num_generated: int = 0
-    separators: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -12,7 +12,7 @@ its probe's choice.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -23,7 +23,6 @@ from pic.link.layout import Layout, lay_out
 from pic.link.order import ChunkOrder, Order, chunk_order
 from pic.link.policies import Policy
 from pic.link.recompute import PassResult, RecomputePass
-from pic.link.separators import Separators
 from pic.model import ModelSpec
 
 
@@ -86,7 +85,6 @@ class Linker:
     block_size: tokens per block.
     share_chunk_blocks: map clean chunk blocks without copying (``PICConfig.share_chunk_blocks``).
     attention_backend: the runner's backend's name (a policy may need ``"torch"``).
-    separators: the tokenizer's separators, marked in every layout (``Layout.separators``); ``None``: unmarked.
     """
 
     def __init__(
@@ -97,10 +95,9 @@ class Linker:
         block_size: int,
         share_chunk_blocks: bool,
         attention_backend: str,
-        separators: Separators | None = None,
     ) -> None:
         self.spec, self.pool, self.block_size = spec, pool, block_size
-        self._share, self._backend, self._separators = share_chunk_blocks, attention_backend, separators
+        self._share, self._backend = share_chunk_blocks, attention_backend
 
     def plan(
         self,
@@ -129,8 +126,6 @@ class Linker:
                 parallel=link.policy.parallel_positions, num_generated=num_generated,
                 relevance=None if relevance is None else link.chunk_order.apply(relevance),
             )  # fmt: skip
-            if self._separators is not None:
-                link.layout = replace(link.layout, separators=self._separators.kinds(link.layout.token_ids))
             self._check(link)
             link.selected = self._selection(link)
         dirty = link.selected if self._share and not link.policy.is_dynamic else torch.ones_like(link.selected)

@@ -23,7 +23,7 @@ from pic.link.policies import Suffix as SuffixPolicy
 from pic.link.policies import resolve
 
 PARAMS_KEY = "pic"
-DEFAULT_POLICY = "suffix:0.2"
+DEFAULT_POLICY = "suffix:0.2,whole=true"  # docs/vllm.md: a cut chunk collapses answers on Qwen2.5
 _MAX_IDS = 4096
 
 

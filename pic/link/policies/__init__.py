@@ -6,7 +6,6 @@ Use a spec string (``"auto"``: the default, ``"naive"``, ``"full"``, ``"legolink
 your own by subclassing ``Policy`` and decorating it with ``register``.
 """
 
-from pic.link.policies.anchors import Anchors
 from pic.link.policies.ape import APE
 from pic.link.policies.auto import Auto
 from pic.link.policies.base import Policy
@@ -22,7 +21,6 @@ from pic.link.step import LayerStep
 
 __all__ = [
     "A3",
-    "Anchors",
     "APE",
     "Auto",
     "MEPIC",

@@ -31,7 +31,6 @@ from pydantic import Field
 
 from pic.link.layout import Layout, Segment
 from pic.link.lexical import bm25
-from pic.link.policies.anchors import add_anchors
 from pic.link.policies.base import Policy
 from pic.link.policies.heads import chunk_heads
 from pic.link.policies.scoring import top_chunk_tokens
@@ -47,10 +46,7 @@ class Regions(Policy):
     probe reruns the query, so its tokens are paid from the budget too. ``auto`` uses it when the question
     comes before the chunks: the regions let the question's document read the question, the picks repair
     the cached tokens the query leans on elsewhere (on Qwen2.5-Coder-0.5B, regions alone lose 46 points
-    there and the probe's picks none: docs/policies.md).
-
-    ``anchors`` > 0 (without ``picks``) spends that share of the budget on the chunks' heads and separators
-    instead (``pic.link.policies.anchors``: the kinds of token a probe picks, found without one)."""
+    there and the probe's picks none: docs/policies.md)."""
 
     name = "regions"
     budget: float = Field(default=0.2, ge=0.0, le=1.0)
@@ -58,7 +54,6 @@ class Regions(Policy):
     heads: int = Field(default=1, ge=0)
     rank: Literal["lexical", "probe"] = "lexical"
     picks: float = Field(default=0.0, ge=0.0, le=1.0)
-    anchors: float = Field(default=0.0, ge=0.0, le=1.0)
 
     @property
     def is_query_aware(self) -> bool:
@@ -67,10 +62,7 @@ class Regions(Policy):
     def select(self, layout: Layout) -> torch.Tensor:
         if self.is_query_aware:
             return torch.zeros(layout.num_tokens, dtype=torch.bool)  # the probe: prefix and query
-        total = self._limit(layout)
-        if not self.anchors:
-            return self._lexical(layout, total)
-        return add_anchors(layout, self._lexical(layout, round((1 - self.anchors) * total)), total)
+        return self._lexical(layout, self._limit(layout))
 
     def after_probe(self, probe: Probe) -> torch.Tensor:
         layout, mass = probe.layout, probe.mass.mean(0)  # [T]: the query's attention, averaged over layers

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pic.errors import PolicyError
-from pic.link.policies.anchors import Anchors
 from pic.link.policies.ape import APE
 from pic.link.policies.auto import Auto
 from pic.link.policies.base import Policy
@@ -28,7 +27,6 @@ _POLICIES: dict[str, type[Policy]] = {
         Regions,
         Auto,
         Suffix,
-        Anchors,
     )
 }
 
