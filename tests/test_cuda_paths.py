@@ -13,18 +13,20 @@ from __future__ import annotations
 
 import inspect
 import os
+import sys
 import threading
-import warnings
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import pic
 import pic.kv.memory
 from pic.config import CompileOptions
 from pic.engine.sampling import SamplingParams, _multinomial_one, sample_rows, sample_tokens
 from pic.kv import BlockPool, ChunkInfo, ChunkKV, KVCache
-from pic.kv.transfer import long_tensor
+from pic.kv.transfer import long_tensor, sync_sites
+from pic.link.recompute import RecomputePass
 from pic.store import DeviceTier, LruTier, TieredStore
 from pic.store.serde import Expected
 from tests.conftest import make_target_engine
@@ -157,18 +159,6 @@ def test_a_default_pool_on_cuda_takes_its_share_of_the_free_memory():
     torch.cuda.empty_cache()
 
 
-def sync_sites(fn) -> list[tuple[str, int]]:
-    """``(file, line)`` of every synchronizing CUDA call ``fn()`` makes (torch's sync debug mode)."""
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            fn()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    return [(w.filename, w.lineno) for w in caught if "synchroniz" in str(w.message)]
-
-
 @cuda_only
 def test_sampling_and_moving_host_data_queue_without_a_host_sync():
     device = target().device
@@ -200,6 +190,49 @@ def test_steps_sync_the_host_only_to_read_the_sampled_tokens():
             mine = [(f, n) for f, n in sites if f.startswith(ours)]
             assert len(mine) == 1 and mine[0][0] == token_read[0] and mine[0][1] in token_read[1], sites
         assert [len(s.output_ids) for s in owned.scheduler.queues.requests.values()] == [23] * 4
+
+
+class HostValues(TorchDispatchMode):
+    """Records the ops that code objects ``watched`` run (directly or through helpers) which, on CUDA, move a value
+    between the host and the device and so wait for the GPU: a Python number made a tensor (``lift_fresh``: made
+    on the host, then copied to the device by a blocking copy, as ``t[index] = -1`` does), a tensor read by the host
+    (``_local_scalar_dense``: ``item()``, ``int()``, ``bool()``) and ``nonzero`` (its size is read). Runs on the CPU,
+    where torch's sync debug mode does not exist: ``[(op, file, line)]`` of the watched function's line."""
+
+    HOST_OPS = ("aten.lift_fresh", "aten._local_scalar_dense", "aten.nonzero")
+
+    def __init__(self, *watched) -> None:
+        super().__init__()
+        self.watched, self.sites = watched, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(func).startswith(self.HOST_OPS):
+            frame = sys._getframe(1)
+            while frame is not None and frame.f_code not in self.watched:
+                frame = frame.f_back
+            if frame is not None:
+                self.sites.append((str(func), os.path.basename(frame.f_code.co_filename), frame.f_lineno))
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_recompute_piece_moves_no_value_between_host_and_device():
+    """Each piece of a recompute pass (``RecomputePass.seq_input``, per request and piece: its slots' positions
+    written, later pieces' cleared) runs device ops only, on any device. The first H100 run found a host sync
+    there in every step admitting a request (``req.kv_positions[slots] = -1``: the -1 made on the host and copied
+    to the GPU, blocking); the CUDA test above counts syncs, this one shows their cause on the CPU."""
+    engine = make_target_engine("stories260K", eos_token_ids=(), max_num_batched_tokens=64)  # in pieces
+    ids = engine.compile(list(DOCS))
+    core = engine.stepper()
+    for i, policy in enumerate(("legolink:16", "mepic", "naive", "full")):
+        core.add_request(pic.Request(ids, f"{QUERY} {i}", policy=policy, max_new_tokens=2))
+    recorder = HostValues(RecomputePass.seq_input.__code__)
+    with engine.paused() as owned, recorder:
+        for _ in range(40):
+            owned.step()
+            if all(s.output_ids for s in owned._seqs.values()):
+                break
+    assert all(s.output_ids for s in owned._seqs.values())
+    assert recorder.sites == []
 
 
 @cuda_only

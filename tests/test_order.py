@@ -63,6 +63,10 @@ def test_every_built_in_policy_but_auto_keeps_the_given_order_by_default(stories
     for policy in ("full", "naive", "mepic", "legolink:4", "regions", "prophetkv:0.2", "suffix:0.2"):
         with stories.link(ids, QUERY, policy=policy) as linked:
             assert linked.order.order is Order.GIVEN and linked.cache_ids == ids, policy
+    with stories.link(ids, QUERY) as linked:  # the default, auto: by relevance
+        assert linked.policy.name != "auto" and linked.order.order is Order.RELEVANCE and linked.order.moved
+    with stories.link(ids, QUERY, order="given") as linked:  # unless the link asks for the caller's order
+        assert linked.order.order is Order.GIVEN and linked.cache_ids == ids
 
 
 def test_a_generation_reports_its_order(stories):
@@ -76,8 +80,9 @@ def test_a_generation_reports_its_order(stories):
 @pytest.mark.parametrize("bad", ["random", "", 3, None])
 def test_an_unknown_order_is_refused_naming_it(stories, bad):
     ids = stories.compile(DOCS[:1])
-    if bad is None:  # None is the default (the policy's choice), not an error
-        assert stories.link(ids, QUERY, order=bad).order.order is Order.GIVEN
+    if bad is None:  # None is the default (the policy's choice: auto's is relevance), not an error
+        assert stories.link(ids, QUERY, order=bad).order.order is Order.RELEVANCE
+        assert stories.link(ids, QUERY, order=bad, policy="full").order.order is Order.GIVEN
         return
     with pytest.raises(pic.InvalidInputError, match=f"order is {bad!r}"):
         stories.link(ids, QUERY, order=bad)

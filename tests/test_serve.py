@@ -626,3 +626,25 @@ def test_fuzzed_malformed_requests_never_get_a_500_or_break_the_server(server):
         assert http.get("/health").status_code == 200
     assert engine.kv_stats().num_used_blocks == baseline
     assert sum(n for code, n in statuses.items() if code >= 400) > 300, statuses  # mostly refused, as meant
+
+
+def test_the_order_a_request_asks_runs_and_the_usage_reports_it(server, client):
+    """``pic.order``: given keeps ``cache_ids`` then ``documents`` as sent, relevance follows ``pic.relevance``;
+    the usage says which ran (``pic_order``, ``pic_chunk_order``) and the text is ``link``'s in that order; an
+    unknown order is a 400 naming it."""
+    engine = server[1]
+    ids = _compile(server, DOCS)
+    for order, relevance in (("given", None), ("relevance", [0.9, 0.1, 0.5])):
+        options = {"cache_ids": ids, "order": order} | ({"relevance": relevance} if relevance else {})
+        expected = engine.link(ids, QUERY, order=order, relevance=relevance).generate(max_new_tokens=8)
+        out = client.completions.create(
+            model="stories260K", prompt=QUERY, max_tokens=8, temperature=0, extra_body={"pic": options}
+        )
+        usage = out.usage.model_extra
+        assert out.choices[0].text == expected.text
+        assert usage["pic_order"] == order
+        assert usage["pic_chunk_order"] == ([0, 1, 2] if order == "given" else [1, 2, 0])
+    with _http(server) as http:
+        body = {"model": "stories260K", "prompt": QUERY, "pic": {"cache_ids": ids, "order": "shuffled"}}
+        response = http.post("/v1/completions", json=body)
+    assert response.status_code == 422 and "shuffled" in response.text and "order" in response.text

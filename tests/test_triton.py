@@ -19,6 +19,7 @@ import torch
 import pic
 from pic.attention import AttentionShape, TorchBackend, apply_rope, select_backend
 from tests.attention_cases import make_case, rel_error, rope_table
+from tests.child import child_env
 from tests.conftest import make_target_engine
 from tests.models import DOCS, PREFIX, QUERY
 
@@ -102,6 +103,9 @@ def test_store_kernel_writes_only_its_rows():
 
 
 def test_backend_selection(monkeypatch):
+    """What each request gets on the CPU, with Triton's interpreter and without it, whichever mode this run's
+    kernels were compiled in (``select_backend`` reads ``TRITON_INTERPRET`` when asked; it compiles nothing)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
     cpu = torch.device("cpu")
     rope = rope_table(16, 8, "default", cpu)
     shape, wide = AttentionShape(4, 2, 16, torch.float32), AttentionShape(4, 2, 32, torch.float32)
@@ -115,7 +119,7 @@ def test_backend_selection(monkeypatch):
     with pytest.raises(pic.PicError, match="attention_backend='triton'.*halves are not equal"):
         select_backend("triton", shape, device=cpu, rope=rope)
     rope.halves_equal = True
-    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.delenv("TRITON_INTERPRET")  # as on a GPU machine: Triton on the CPU is refused
     with pytest.raises(pic.PicError, match="attention_backend='triton'.*TRITON_INTERPRET=1"):
         select_backend("triton", shape, device=cpu, rope=rope)
     with pytest.raises(pic.PicError, match="attention_backend='flash'"):
@@ -151,26 +155,39 @@ def test_kernels_compile_as_launched_pipelined_without_spills(arch):
     bfloat16 (with and without its 4096 window), through ``TritonBackend.precompile``, i.e. with the launch's
     own specialization, for H100 (sm_90) and A100 (sm_80). None spills registers; every attention kernel's
     KV loop is software-pipelined (``cp.async`` copies in flight); a decode program leaves room for at least
-    two per SM; the 128-row prefill tile is launched on sm_90 only. And batches unlike precompile's (other
+    two per SM; the 128-row prefill tile is launched on sm_90 only; every launch also has its split variant, with
+    ``combine_splits_kernel``. And batches unlike precompile's (other
     sizes, contexts and split counts) compile nothing more: no request waits on the compiler."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = child_env()  # the parent's import path: the GPU run's pydantic is in /tmp/site
+    env.pop("TRITON_INTERPRET", None)
     script = Path(__file__).with_name("compile_kernels.py")
-    run = subprocess.run(
-        [sys.executable, str(script), "--arch", str(arch)],
-        capture_output=True, text=True, env=env | {"PYTHONPATH": str(script.parent.parent)}, timeout=300,
-    )  # fmt: skip
+    run = subprocess.run([sys.executable, str(script), "--arch", str(arch)], capture_output=True, text=True, env=env,
+                         timeout=300)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     *reports, after = [json.loads(line) for line in run.stdout.splitlines()]
     assert after == {"compiled_after_precompile": {"paged_attention_kernel": 0, "combine_splits_kernel": 0}}
     launches = {(r["launch"], r["window"]) for r in reports}
     prefill = ["prefill 64", "prefill 128"] if arch == 90 else ["prefill 64"]
-    names = ["decode", "decode split", *prefill]
+    names = ["decode", *prefill] + [f"{name} split" for name in ("decode", *prefill)]
     assert launches == {(n, w) for n in names for w in (False, True)} | {("store", False)}, launches
     assert all(r["stack"] == 0 and r["registers"] <= 255 for r in reports), reports
     attention = [r for r in reports if r["kernel"] == "paged_attention_kernel"]
     assert all(r["async_copies"] > 0 and r["max_wait_group"] >= 1 for r in attention), attention
     assert all(r["blocks_per_sm"] >= 2 for r in attention if r["launch"].startswith("decode")), attention
     assert {r["triton"] for r in reports} == {triton_backend.triton.__version__}  # the version read with
+
+
+def test_a_child_python_imports_what_its_parent_can(tmp_path, monkeypatch):
+    """A package the parent imports from a path added at run time (the GPU run's ``/tmp/site``) imports in the
+    subprocesses the tests start (``child_env``), from any working directory: the H100 run's compile test could
+    not import pydantic, given only the checkout as ``PYTHONPATH``."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "only_on_the_parents_path.py").write_text("VALUE = 7\n")
+    monkeypatch.syspath_prepend(str(site))
+    code = "import only_on_the_parents_path as m, pic; print(m.VALUE)"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=child_env(), cwd=tmp_path)
+    assert run.returncode == 0 and run.stdout.strip() == "7", run.stderr[-2000:]
 
 
 def test_engine_precompiles_its_kernels_at_start(monkeypatch):

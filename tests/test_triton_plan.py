@@ -17,7 +17,7 @@ from tests.attention_cases import make_case, rel_error
 triton_backend = pytest.importorskip(
     "pic.attention.triton_backend", reason="needs triton: pip install 'pic-kv[triton]' (.ci/run installs it)"
 )
-from pic.attention import triton_plan  # noqa: E402  (imports Triton)
+from pic.attention import triton_plan, triton_split  # noqa: E402  (imports Triton)
 from tests.compile_kernels import jit_cache_sizes  # noqa: E402
 
 DEVICE = torch.device(os.environ.get("PIC_TEST_DEVICE", "cpu"))
@@ -40,10 +40,12 @@ def _random_plan_inputs(gen: torch.Generator, *, num_seqs: int, num_slots: int, 
 @pytest.mark.parametrize("window", [None, 7])
 def test_work_lists_never_skip_a_tile_a_row_attends(window):
     """For shuffled positions with holes: every KV tile holding a slot some query of the tile may attend is
-    listed, in slot order, and no tile is listed twice. For single-token tiles (decodes) without a window
-    the lists are exact: a listed tile always holds an attended slot."""
+    listed, and no tile is listed twice; the list leads with exactly the whole tiles (every slot written and
+    attended by every query of the tile: the kernel reads them unmasked), then the others, each in slot order.
+    For single-token tiles (decodes) without a window the lists are exact: a listed tile always holds an
+    attended slot."""
     gen = torch.Generator().manual_seed(1)
-    block_n = 4
+    block_n, num_whole = 4, 0
     for per_tile in (1, 3):
         kv_pos, q_pos, cu = _random_plan_inputs(gen, num_seqs=5, num_slots=40, block_n=block_n)
         seqs, rows = [], []
@@ -57,8 +59,9 @@ def test_work_lists_never_skip_a_tile_a_row_attends(window):
             seq, row, per_tile=per_tile, cu_q=cu, q_pos=q_pos, spans=spans, window=window, max_splits=1
         )
         for t, (b, start) in enumerate(zip(seqs, rows, strict=True)):
-            listed = work.ids[t, : work.lens[t]].tolist()
-            assert listed == sorted(set(listed))
+            listed, whole = work.ids[t, : work.lens[t]].tolist(), int(work.whole[t])
+            assert len(set(listed)) == len(listed) and whole <= len(listed)
+            assert listed[:whole] == sorted(listed[:whole]) and listed[whole:] == sorted(listed[whole:])
             queries = q_pos[start : min(start + per_tile, int(cu[b + 1]))]
             pos = kv_pos[b].view(-1, block_n)
             may = (pos[None] >= 0) & (pos[None] <= queries[:, None, None])
@@ -66,8 +69,11 @@ def test_work_lists_never_skip_a_tile_a_row_attends(window):
                 may &= pos[None] > queries[:, None, None] - window
             needed = may.any(0).any(1).nonzero().flatten().tolist()
             assert set(needed) <= set(listed), (t, needed, listed)
+            assert listed[:whole] == may.all(0).all(1).nonzero().flatten().tolist(), (t, whole, listed)
+            num_whole += whole
             if per_tile == 1 and window is None:
-                assert needed == listed
+                assert needed == sorted(listed)
+    assert num_whole > 0  # the case has whole tiles
 
 
 def test_splits_are_never_empty_and_cover_each_list():
@@ -78,7 +84,7 @@ def test_splits_are_never_empty_and_cover_each_list():
     decode_rows = cu[1:] - 1
     spans = triton_plan.tile_spans(kv_pos, block_n=4)
     for max_splits in (1, 3, 5, 64):
-        for min_chunk in (1, 2, triton_plan.MIN_TILES_PER_SPLIT):
+        for min_chunk in (1, 2, triton_split.MIN_TILES_PER_SPLIT):
             work = triton_plan.work_lists(
                 torch.arange(6, dtype=torch.int32), decode_rows.int(), per_tile=1, cu_q=cu, q_pos=q_pos, spans=spans,
                 window=None, max_splits=max_splits, min_chunk=min_chunk,
@@ -94,10 +100,10 @@ def test_splits_are_never_empty_and_cover_each_list():
 
 def test_split_limit_fills_one_wave():
     """Splits fill the GPU's resident programs without a second, partial wave, of 4 tiles or more each."""
-    limit = triton_plan.split_limit
+    limit = triton_split.split_limit
     assert limit(num_programs=100, num_kv_tiles=1000, resident=264) == 2  # 300 programs would need 2 waves
     assert limit(num_programs=8, num_kv_tiles=1000, resident=264) == 33
-    assert limit(num_programs=1, num_kv_tiles=1000, resident=264) == triton_plan.MAX_SPLITS
+    assert limit(num_programs=1, num_kv_tiles=1000, resident=264) == triton_split.MAX_SPLITS
     assert limit(num_programs=8, num_kv_tiles=20, resident=264) == 5  # 4 tiles per split at least
     assert limit(num_programs=200, num_kv_tiles=1000, resident=264) == 1  # the launch fills the GPU alone
     assert limit(num_programs=0, num_kv_tiles=1000, resident=264) == 1
@@ -125,7 +131,7 @@ def test_tiles_outside_the_window_are_never_read():
         q = int(case.batch.q_positions[b])
         positions = case.batch.kv_positions[b]
         for tile in range(-(-positions.numel() // block_n)):
-            slots = torch.arange(tile * block_n, min((tile + 1) * block_n, positions.numel()))
+            slots = torch.arange(tile * block_n, min((tile + 1) * block_n, positions.numel()), device=DEVICE)
             if int(positions[slots].max()) > q - window:
                 continue  # in the window (or after it): visited
             rows = case.batch.block_tables[b][slots // page] * page + slots % page
@@ -147,26 +153,32 @@ def test_combine_reads_only_the_splits_that_ran():
     plan = kernel.plan(c.batch)
     work = plan.decode.work[None]
     assert work.max_splits == 6 and (-(-work.lens // work.chunk)).tolist()[1] < 6
-    plan.split_acc.fill_(float("nan"))
-    plan.split_ml.fill_(float("nan"))
+    plan.decode.scratch.acc.fill_(float("nan"))
+    plan.decode.scratch.ml.fill_(float("nan"))
     assert rel_error(_attend(c, kernel, plan, None), expected) <= 1e-3
 
 
 def test_launches_and_rotary_halves():
-    """The launch per GPU generation, nothing compiled in the interpreter, and the rotary table read as one
-    half in the model's dtype, converted once for a static table."""
+    """The launch per GPU generation, nothing compiled in the interpreter (and every launch by a compiler: the CUDA
+    run), and the rotary table read as one half in the model's dtype, converted once for a static table."""
     shape = AttentionShape(32, 8, 128, torch.float16, (None, 4096))
     cpu = torch.device("cpu")
     hopper = triton_backend.TritonBackend(shape, capability=(9, 0)).launches(cpu)
     ampere = triton_backend.TritonBackend(shape, capability=(8, 0)).launches(cpu)
-    assert list(hopper) == ["decode", "decode split", "prefill 64", "prefill 128"]
-    assert list(ampere) == ["decode", "decode split", "prefill 64"]
+    assert list(hopper) == ["decode", "prefill 64", "prefill 128", "decode split", "prefill 64 split",
+                            "prefill 128 split"]  # fmt: skip
+    assert list(ampere) == ["decode", "prefill 64", "decode split", "prefill 64 split"]
+    assert all(launch.split == name.endswith("split") for name, launch in hopper.items())
     assert (hopper["prefill 128"].num_warps, hopper["prefill 128"].block_n) == (8, 64)
     assert (hopper["decode"].block_m, hopper["decode"].num_warps) == (16, 4)
     case = make_case(seqs=[(30, "all"), (12, "decode")], num_q_heads=4, num_kv_heads=2, head_dim=16, page=4)
     c = case.cast(torch.float16)  # on the CPU whatever the test device
-    kernel = triton_backend.TritonBackend(c.shape())
-    assert kernel.precompile(c.k_cache, c.v_cache) == []  # the interpreter compiles nothing
+    kernel = triton_backend.TritonBackend(c.shape(), capability=(8, 0))
+    compiled = kernel.precompile(c.k_cache, c.v_cache)  # the interpreter compiles nothing; a compiler every launch
+    if isinstance(triton_backend.paged_attention_kernel, triton_backend.triton.runtime.interpreter.InterpretedFunction):
+        assert compiled == []
+    else:
+        assert {launch.name for launch in compiled} == set(kernel.launches(cpu)) | {"store"}
     first, second = kernel.plan(c.batch), kernel.plan(c.batch)
     assert first.cos.dtype == torch.float16 and first.cos.shape == (c.batch.rope_cos.shape[0], 8)
     assert torch.equal(first.sin.float(), c.batch.rope_sin[:, :8].half().float())

@@ -148,8 +148,18 @@ def test_parse_policy_refuses_others_naming_them(value):
 
 
 def test_suffix_rounds_its_share_of_the_chunk_tokens():
-    assert [Suffix(0.2).num_recomputed(n) for n in (10, 7, 8, 0)] == [2, 1, 2, 0]
-    assert Suffix(0.0).num_recomputed(50) == 0 and Suffix(1.0).num_recomputed(50) == 50
+    assert [Suffix(0.2).num_recomputed([n]) for n in (10, 7, 8, 0)] == [2, 1, 2, 0]
+    assert Suffix(0.0).num_recomputed([50]) == 0 and Suffix(1.0).num_recomputed([20, 30]) == 50
+    assert Suffix(0.2).num_recomputed([30, 40, 30]) == 20  # the last 20 tokens, inside the last chunk
+
+
+def test_a_whole_suffix_takes_the_chunks_it_would_cut():
+    whole = Suffix(0.2, whole=True)
+    assert whole.num_recomputed([30, 40, 30]) == 30  # the whole last chunk
+    assert whole.num_recomputed([30, 40, 10]) == 50  # 16 tokens reach into the middle chunk: it comes whole
+    assert whole.num_recomputed([100]) == 100 and Suffix(0.001, whole=True).num_recomputed([100]) == 0
+    assert parse_policy("suffix:0.2,whole=true") == whole and whole.name == "suffix:0.2,whole=true"
+    assert parse_policy(whole.name) == whole  # the spelling the salt uses reads back
 
 
 @pytest.mark.parametrize("params", [None, {}, {"do_remote_prefill": True}, "pic"])
@@ -160,7 +170,8 @@ def test_parse_params_without_pic_is_none(params):
 def test_parse_params_reads_compile_and_link_requests():
     assert parse_params({"pic": {"compile": True}}) == CompileRequest()
     link = parse_params({"pic": {"ids": ["a", "b"]}, "other": 1})
-    assert link == LinkRequest(ids=("a", "b"), policy=Suffix(0.2)) and link.policy.name == "suffix:0.2"
+    default = Suffix(0.2, whole=True)  # a request that names no policy: the connector's default
+    assert link == LinkRequest(ids=("a", "b"), policy=default) and link.policy.name == "suffix:0.2,whole=true"
     assert parse_params({"pic": {"ids": ["a"], "policy": "naive"}}).policy == Suffix(0.0)
 
 
@@ -200,9 +211,12 @@ def test_link_prompt_in_the_given_order():
 
 
 def test_link_prompt_by_relevance_puts_the_chunk_with_the_querys_rare_tokens_last():
-    prompt = link_prompt(LINKED, [21, 21, 5])
-    assert prompt.ids == ("a", "c", "b")
+    prompt = link_prompt(LINKED, [21, 21, 5])  # a suffix policy (the default): the relevance order
+    assert prompt.ids == ("a", "c", "b") and prompt.order.indices == (1, 2, 0)
     assert prompt.prompt_token_ids == [5, 10, 11, 5, 40, 41, 5, 20, 21, 21, 21, 5]
+    assert prompt.kv_transfer_params["pic"]["order"] == "relevance"
+    assert link_prompt(LINKED, [21, 21, 5], policy="naive").ids == ("b", "a", "c")  # naive, full: as given
+    assert link_prompt(LINKED, [21, 21, 5], relevance=[3, 2, 1]).ids == ("c", "a", "b")  # the caller's scores
 
 
 @pytest.mark.parametrize(
@@ -216,7 +230,8 @@ def test_link_prompt_refuses_bad_input(chunks, query, options):
 
 def test_link_prompt_carries_the_salt_and_params_the_connector_checks():
     prompt = link_prompt(LINKED, [21], policy="full", order="given")
-    salt, params = link_salt(["b", "a", "c"], "full"), {"pic": {"ids": ["b", "a", "c"], "policy": "full"}}
+    order = {"order": "given"}
+    salt, params = link_salt(["b", "a", "c"], "full"), {"pic": {"ids": ["b", "a", "c"], "policy": "full", **order}}
     assert prompt.tokens_prompt() == {"prompt_token_ids": prompt.prompt_token_ids, "cache_salt": salt}
     assert prompt.extra_args() == {"kv_transfer_params": params}
     assert prompt.openai_extra_body() == {"cache_salt": salt, "kv_transfer_params": params}

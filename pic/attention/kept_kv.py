@@ -102,12 +102,12 @@ def attend_kept(
     out = torch.empty_like(q)
     for i, state in enumerate(kept):
         k, v = state.kv(k_cache, v_cache)  # [Hkv, S_i, D] each
-        grouped = q[i, 0].view(1, k.shape[0], num_q_heads // k.shape[0], dim)  # [1, Hkv, Hq / Hkv, D]: heads as rows
+        grouped = q[i, 0].reshape(1, k.shape[0], num_q_heads // k.shape[0], dim)  # [1, Hkv, Hq / Hkv, D]: heads as rows
         seq_mask = None if mask is None else mask[i, None, None, :, : k.shape[1]]  # [1, 1, 1, S_i]
         attended = F.scaled_dot_product_attention(
             grouped.to(k.dtype), k[None], v[None], attn_mask=seq_mask, scale=scaling
         )
-        out[i, 0] = attended.view(num_q_heads, dim)  # (cast back to q's dtype)
+        out[i, 0] = attended.reshape(num_q_heads, dim)  # CUDA's SDPA lays it out [1, G, Hkv, D]; cast to q's dtype
     return out
 
 

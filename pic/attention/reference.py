@@ -317,10 +317,10 @@ def _attend(
         return out.transpose(1, 2)
     if q.shape[2] == 1:  # decode: each KV head's query heads as rows, one fused call without the GQA path
         b, num_q_heads, _, dim = q.shape
-        grouped = q.view(b, k.shape[1], num_q_heads // k.shape[1], dim)  # [b, Hkv, Hq / Hkv, D]
+        grouped = q.reshape(b, k.shape[1], num_q_heads // k.shape[1], dim)  # [b, Hkv, Hq / Hkv, D]
         mask = None if mask is None else mask[:, None]  # [b, 1, 1, S]
         out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask, scale=scaling)
-        return out.view(b, num_q_heads, 1, dim).transpose(1, 2)
+        return out.reshape(b, num_q_heads, 1, dim).transpose(1, 2)  # CUDA's SDPA lays out [b, G, Hkv, D]: no view
     out = torch.empty_like(q)
     for rows, end in group.tiles:
         tile_mask = None if mask is None else mask[:, None, rows, :end]

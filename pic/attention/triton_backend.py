@@ -8,7 +8,7 @@ imports Triton. On CUDA it compiles the kernels; on the CPU it needs Triton's in
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 import triton
@@ -16,36 +16,22 @@ import triton.runtime.interpreter
 
 from pic.attention.backend import AttentionBackend, AttentionShape
 from pic.attention.batch import AttentionBatch
-from pic.attention.triton_compile import kernel_resources
+from pic.attention.triton_compile import CompiledLaunch, compile_launches, kernel_resources
 from pic.attention.triton_kernels import paged_attention_kernel
 from pic.attention.triton_launch import launch_attention, launch_store, pow2
 from pic.attention.triton_plan import (
-    MIN_TILES_PER_SPLIT,
     Launch,
     TritonPlan,
+    TritonTiles,
     make_tiles,
     padded_slots,
-    split_limit,
-    warmup_batch,
+    query_tiles,
 )  # fmt: skip
+from pic.attention.triton_split import MIN_TILES_PER_SPLIT, split_limit
 
-# Decode programs an SM holds at once, until ``precompile`` reads it from the compiled decode kernel.
-ASSUMED_DECODE_BLOCKS_PER_SM = 2
-
-
-@dataclass(frozen=True)
-class CompiledLaunch:
-    """A kernel variant ``TritonBackend.precompile`` compiled.
-
-    Attributes:
-        name: which launch (``"decode"``, ``"decode split"``, ``"prefill 64"``, ``"prefill 128"``, ``"store"``).
-        window: compiled for a sliding window.
-        kernels: the ``triton.compiler.CompiledKernel`` of each kernel the launch runs, in order.
-    """
-
-    name: str
-    window: bool
-    kernels: list
+# Programs an SM holds at once, until ``precompile`` reads it from each compiled kernel: a decode program (4 warps,
+# about 140 registers) and a recompute pass's (the 128-row tile: 8 warps, about 250 registers).
+ASSUMED_BLOCKS_PER_SM = {True: 2, False: 1}  # by decode
 
 
 class TritonBackend(AttentionBackend[TritonPlan]):
@@ -54,7 +40,8 @@ class TritonBackend(AttentionBackend[TritonPlan]):
     Tiles: a decode program takes one token's ``GROUP`` query heads (``block_m`` the next power of two, at
     least 16) on 4 warps, so that two fit on an SM; recompute passes take 128 rows on 8 warps on sm_90 and
     newer (the configuration of Triton's own flash attention there) and 64 rows on 4 warps on older GPUs
-    and for passes of 64 rows or fewer.
+    and for passes of 64 rows or fewer. Either launch splits its KV work lists (``triton_split``) when its
+    programs would leave most of the GPU idle: decodes of a small batch, a link's few rows over a long context.
 
     Args:
         shape: the model's attention shape (``head_dim`` even: the kernel rotates the two halves).
@@ -63,8 +50,11 @@ class TritonBackend(AttentionBackend[TritonPlan]):
         prefill_block_m: rows per program of the recompute passes (``None``: by GPU and pass length, above).
         num_splits: most KV splits per decode tile (flash-decoding), each of one KV tile or more; ``None``: by
             occupancy, per forward, each split of ``MIN_TILES_PER_SPLIT`` tiles or more.
+        prefill_splits: the same for the recompute passes' tiles.
         capability: the CUDA compute capability to launch for (``None``: the device's, read at the first
             plan; ``(0, 0)`` in the interpreter).
+        num_sms: the SMs the occupancy rule fills (``None``: the CUDA device's; none in the interpreter, so no
+            split there unless asked for or given an SM count).
         k_is_rotated: the cache holds K already rotated at its slots' positions, so the kernel only pages it
             (``benchmarks/attention.py`` separates the cost of rotation from that of paging; pic's caches hold
             NoPE K, so the engine never sets it).
@@ -79,27 +69,31 @@ class TritonBackend(AttentionBackend[TritonPlan]):
         block_n: int | None = None,
         prefill_block_m: int | None = None,
         num_splits: int | None = None,
+        prefill_splits: int | None = None,
         capability: tuple[int, int] | None = None,
+        num_sms: int | None = None,
         k_is_rotated: bool = False,
     ) -> None:
         super().__init__(shape)
         assert shape.head_dim % 2 == 0, shape
-        self.block_n, self.prefill_block_m, self.num_splits = block_n, prefill_block_m, num_splits
+        self.block_n, self.prefill_block_m = block_n, prefill_block_m
+        self.splits = {True: num_splits, False: prefill_splits}  # asked for, by decode
         self.group = shape.num_q_heads // shape.num_kv_heads
         self.decode_block_m = pow2(self.group)
-        self.decode_blocks_per_sm = ASSUMED_DECODE_BLOCKS_PER_SM
-        self.capability = capability
+        self.blocks_per_sm: dict[Launch, int] = {}  # read by ``precompile`` from each compiled (unsplit) launch
+        self.capability, self.num_sms = capability, num_sms
         self.rotate_k = not k_is_rotated
         self._halves: tuple[torch.Tensor, ...] = ()  # the last rotary table and its halves in the model dtype
 
     def launches(self, device: torch.device) -> dict[str, Launch]:
         """Every launch configuration this backend may use on ``device``, by name (each compiles once per
-        window kind): ``"decode"``, ``"decode split"``, ``"prefill 64"`` and, on sm_90 and newer, ``"prefill 128"``."""
-        launches = {"decode": self._decode_launch(False), "decode split": self._decode_launch(True)}
+        window kind): ``"decode"``, ``"prefill 64"`` and, on sm_90 and newer, ``"prefill 128"``, each also split
+        (``"decode split"``, ...)."""
+        launches = {"decode": self._decode_launch(False)}
         for rows in (1, 1 << 30):
             launch = self._prefill_launch(device, rows=rows)
             launches[f"prefill {launch.block_m}"] = launch
-        return launches
+        return launches | {f"{name} split": replace(launch, split=True) for name, launch in launches.items()}
 
     def _capability(self, device: torch.device) -> tuple[int, int]:
         if self.capability is None:
@@ -122,7 +116,12 @@ class TritonBackend(AttentionBackend[TritonPlan]):
         block_m = max(block_m, self.decode_block_m)
         big = block_m >= 128
         block_n = self.block_n or (64 if big else 32)
-        return Launch(block_m=block_m, block_n=block_n, num_warps=8 if big else 4, split=False, rotate_k=self.rotate_k)
+        # The unmasked loop of whole tiles costs the 64-row tile 168 -> 236 registers on sm_90 (3 -> 2 programs per
+        # SM): not there. The 128-row tile it costs none (253 -> 245): tests/compile_kernels.py, docs/gpu.md.
+        return Launch(
+            block_m=block_m, block_n=block_n, num_warps=8 if big else 4, split=False, whole_tiles=block_m != 64,
+            rotate_k=self.rotate_k,
+        )  # fmt: skip
 
     def plan(self, batch: AttentionBatch) -> TritonPlan:
         device = batch.q_positions.device
@@ -130,36 +129,41 @@ class TritonBackend(AttentionBackend[TritonPlan]):
         kv_pos, tables = padded_slots(batch, block_n=self.block_n or 64, page=page)  # a multiple of every block_n
         cu_q = batch.cu_seqlens_q.to(device=device, dtype=torch.int32, non_blocking=True)
         q_pos = batch.q_positions.to(torch.int32)
-        splits = self.num_splits or split_limit(
-            num_programs=batch.decode_seqs.numel() * self.shape.num_kv_heads,
-            num_kv_tiles=kv_pos.shape[1] // self._decode_launch(False).block_n,
-            resident=self._resident_decode_programs(device),
-        )
-        min_chunk = 1 if self.num_splits else MIN_TILES_PER_SPLIT  # asked-for splits split short contexts too
         longest = int((batch.cu_seqlens_q[1:] - batch.cu_seqlens_q[:-1]).max()) * self.group
         common = dict(cu_q=cu_q, q_pos=q_pos, kv_pos=kv_pos, windows=set(self.shape.sliding_windows), group=self.group)
-        tiles = {
-            True: make_tiles(
-                batch, self._decode_launch(splits > 1), decode=True, max_splits=splits, min_chunk=min_chunk, **common
-            ),
-            False: make_tiles(batch, self._prefill_launch(device, rows=longest), decode=False, max_splits=1, **common),
-        }
-        split_acc = split_ml = None
-        if splits > 1 and tiles[True].num_tiles:  # scratch for the splits' partial results, shared by every layer
-            parts = tiles[True].num_tiles * self.shape.num_kv_heads * splits * self.decode_block_m
-            split_acc = torch.empty(parts * pow2(self.shape.head_dim), device=device)
-            split_ml = torch.empty(parts * 2, device=device)
+        decode = self._tiles(batch, self._decode_launch(False), decode=True, **common)
+        prefill = self._tiles(batch, self._prefill_launch(device, rows=longest), decode=False, **common)
         cos, sin = self._rope_halves(batch)
         rope_off = batch.rope_offsets.to(device=device, dtype=torch.int32)
         return TritonPlan(
             cos=cos, sin=sin, rope_off=rope_off, cu_q=cu_q, q_pos=q_pos, tables=tables, kv_pos=kv_pos,
-            decode=tiles[True], prefill=tiles[False], split_acc=split_acc, split_ml=split_ml,
+            decode=decode, prefill=prefill,
         )  # fmt: skip
 
-    def _resident_decode_programs(self, device: torch.device) -> int:
-        if device.type != "cuda":
-            return 1  # no splits in the interpreter unless asked for
-        return torch.cuda.get_device_properties(device).multi_processor_count * self.decode_blocks_per_sm
+    def _tiles(self, batch: AttentionBatch, launch: Launch, *, decode: bool, **common) -> TritonTiles:
+        """The decode (``decode``) or the recompute passes' tiles for ``launch``, split as asked for or, by default,
+        by ``split_limit`` (waves balanced for recompute passes): from the tiles (rows), the KV heads, the widest
+        table (slots) and the GPU's resident programs of this launch (SMs x programs per SM). Host data only."""
+        tiles = query_tiles(batch, decode=decode, per_tile=launch.block_m // self.group)
+        asked = self.splits[decode]
+        splits = asked or split_limit(
+            num_programs=len(tiles[0]) * self.shape.num_kv_heads,
+            num_kv_tiles=common["kv_pos"].shape[1] // launch.block_n,
+            resident=self._resident_programs(launch, batch.q_positions.device, decode=decode),
+            balance_waves=not decode,
+        )
+        min_chunk = 1 if asked else MIN_TILES_PER_SPLIT  # asked-for splits split short contexts too
+        return make_tiles(
+            tiles, replace(launch, split=splits > 1), max_splits=splits, min_chunk=min_chunk,
+            num_kv_heads=self.shape.num_kv_heads, d_pad=pow2(self.shape.head_dim), **common,
+        )  # fmt: skip
+
+    def _resident_programs(self, launch: Launch, device: torch.device, *, decode: bool) -> int:
+        """Programs of ``launch`` the GPU holds at once (0 in the interpreter without ``num_sms``: no splits)."""
+        num_sms = self.num_sms
+        if num_sms is None:
+            num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
+        return num_sms * self.blocks_per_sm.get(replace(launch, split=False), ASSUMED_BLOCKS_PER_SM[decode])
 
     def _rope_halves(self, batch: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """One half of each rotary table in the model's dtype (transformers rounds cos and sin to it too): half
@@ -207,34 +211,20 @@ class TritonBackend(AttentionBackend[TritonPlan]):
             return []
         on_gpu = k_cache.device.type == "cuda"  # else compiling for a GPU elsewhere (tests/compile_kernels.py)
         with torch.cuda.device(k_cache.device) if on_gpu else nullcontext():  # the JIT caches per current device
-            return self._precompile(k_cache, v_cache)
-
-    def _precompile(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> list[CompiledLaunch]:
-        device, shape = k_cache.device, self.shape
-        page, num_kv_heads, head_dim = k_cache.shape[1:]
-        plan = self.plan(warmup_batch(page=page, head_dim=head_dim, device=device))
-        parts = plan.decode.num_tiles * num_kv_heads * 2 * self.decode_block_m  # split scratch, never written here
-        acc, ml = torch.empty(parts * pow2(head_dim), device=device), torch.empty(parts * 2, device=device)
-        plan = replace(plan, split_acc=acc, split_ml=ml)
-        q = torch.empty(plan.q_pos.shape[0], shape.num_q_heads, head_dim, dtype=shape.dtype, device=device)
-        compiled = []
-        for name, launch in self.launches(device).items():
-            for window in sorted(set(shape.sliding_windows), key=lambda w: w is not None):
-                tiles = replace(plan.decode, launch=launch)
-                out = torch.empty_like(q)
-                kernels = launch_attention(
-                    q, k_cache, v_cache, out, plan, tiles, scaling=1.0, window=window, warmup=True
-                )
-                compiled.append(CompiledLaunch(name=name, window=window is not None, kernels=kernels))
-        store_rows = torch.zeros(1, dtype=torch.long, device=device)
-        k = torch.empty(1, num_kv_heads, head_dim, dtype=k_cache.dtype, device=device)
-        store = launch_store(k_cache.flatten(0, 1), v_cache.flatten(0, 1), store_rows, k, k.clone(), warmup=True)
-        compiled.append(CompiledLaunch(name="store", window=False, kernels=[store]))
-        if device.type == "cuda":  # split decodes by the residency the compiled decode kernel really has
-            major, minor = self._capability(device)
-            decode = next(c.kernels[0] for c in compiled if c.name == "decode")
-            self.decode_blocks_per_sm = kernel_resources(decode, arch=10 * major + minor).blocks_per_sm
+            compiled = compile_launches(self, k_cache, v_cache)
+        if on_gpu:
+            self._read_residency(compiled, k_cache.device)
         return compiled
+
+    def _read_residency(self, compiled: list[CompiledLaunch], device: torch.device) -> None:
+        """Split by the residency each compiled (unsplit) launch really has, its tightest window variant's."""
+        major, minor = self._capability(device)
+        for name, launch in self.launches(device).items():
+            kernels = [c.kernels[0] for c in compiled if c.name == name]
+            if kernels and not launch.split:
+                self.blocks_per_sm[launch] = min(
+                    kernel_resources(k, arch=10 * major + minor).blocks_per_sm for k in kernels
+                )
 
     def store(self, k_rows: torch.Tensor, v_rows: torch.Tensor, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """One launch for K and V."""

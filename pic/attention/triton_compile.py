@@ -1,7 +1,8 @@
-"""What a compiled Triton kernel costs an SM: registers, stack (spills), shared memory, async-copy stages.
+"""Compiling the Triton backend's launches ahead of serving, and what a compiled kernel costs an SM: registers,
+stack (spills), shared memory, async-copy stages.
 
-Read from the kernel's own cubin and PTX with the ``cuobjdump`` Triton bundles, so the numbers are the
-same whether the kernel was compiled on a GPU (``TritonBackend.precompile`` at engine start) or for
+The costs are read from the kernel's own cubin and PTX with the ``cuobjdump`` Triton bundles, so the numbers
+are the same whether the kernel was compiled on a GPU (``TritonBackend.precompile`` at engine start) or for
 one on a machine without it (``tests/compile_kernels.py``).
 """
 
@@ -10,10 +11,19 @@ from __future__ import annotations
 import re
 import subprocess
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+import torch
 import triton
+
+from pic.attention.triton_launch import launch_attention, launch_store, pow2
+from pic.attention.triton_plan import warmup_batch
+from pic.attention.triton_split import SplitScratch
+
+if TYPE_CHECKING:
+    from pic.attention.triton_backend import TritonBackend
 
 # Per SM, sm_80 and sm_90: 64K 32-bit registers, allocated per warp in units of 256; at most 64 warps
 # and 32 programs; 1 KB of shared memory reserved per program.
@@ -23,6 +33,46 @@ MAX_WARPS_PER_SM = 64
 MAX_PROGRAMS_PER_SM = 32
 SHARED_PER_SM = {80: 164 * 1024, 86: 100 * 1024, 89: 100 * 1024, 90: 228 * 1024}
 RESERVED_SHARED = 1024
+
+
+@dataclass(frozen=True)
+class CompiledLaunch:
+    """A kernel variant ``TritonBackend.precompile`` compiled.
+
+    Attributes:
+        name: which launch (``"decode"``, ``"decode split"``, ``"prefill 64"``, ``"prefill 128"``, ``"store"``).
+        window: compiled for a sliding window.
+        kernels: the ``triton.compiler.CompiledKernel`` of each kernel the launch runs, in order.
+    """
+
+    name: str
+    window: bool
+    kernels: list
+
+
+def compile_launches(backend: TritonBackend, k_cache: torch.Tensor, v_cache: torch.Tensor) -> list[CompiledLaunch]:
+    """Every launch of ``backend`` (each window kind) and the KV store, compiled through the JIT's own launch path
+    over this cache's layout (``k_cache, v_cache``: ``[num_blocks, block_size, Hkv, D]``, one layer's), so each
+    variant compiles exactly as it runs. Nothing is launched; split scratch is allocated, never written."""
+    device, shape = k_cache.device, backend.shape
+    page, num_kv_heads, head_dim = k_cache.shape[1:]
+    plan = backend.plan(warmup_batch(page=page, head_dim=head_dim, device=device))
+    q = torch.empty(plan.q_pos.shape[0], shape.num_q_heads, head_dim, dtype=shape.dtype, device=device)
+    compiled = []
+    for name, launch in backend.launches(device).items():
+        scratch = SplitScratch.empty(
+            num_programs=plan.decode.num_tiles * num_kv_heads * 2, block_m=launch.block_m, d_pad=pow2(head_dim),
+            device=device,
+        )  # fmt: skip
+        tiles = replace(plan.decode, launch=launch, scratch=scratch if launch.split else None)
+        for window in sorted(set(shape.sliding_windows), key=lambda w: w is not None):
+            out = torch.empty_like(q)
+            kernels = launch_attention(q, k_cache, v_cache, out, plan, tiles, scaling=1.0, window=window, warmup=True)
+            compiled.append(CompiledLaunch(name=name, window=window is not None, kernels=kernels))
+    store_rows = torch.zeros(1, dtype=torch.long, device=device)
+    k = torch.empty(1, num_kv_heads, head_dim, dtype=k_cache.dtype, device=device)
+    store = launch_store(k_cache.flatten(0, 1), v_cache.flatten(0, 1), store_rows, k, k.clone(), warmup=True)
+    return compiled + [CompiledLaunch(name="store", window=False, kernels=[store])]
 
 
 @dataclass(frozen=True)

@@ -8,19 +8,22 @@ tile may attend (the plan builds the lists once per forward, so tiles wholly aft
 before the window are never visited). For each, it looks up the slots' blocks, loads NoPE K and V
 together (only slots that were written: stale slots are never read, so never multiplied in), rotates K
 from the rotary table at each slot's logical position, masks by position (exact causality, sliding
-window) and accumulates with an online softmax in float32.
+window) and accumulates with an online softmax in float32. With ``WHOLE_TILES`` the list's leading *whole*
+tiles (every slot written and attended by every row: most of a long prompt's) run in a first loop without
+the mask, as flash attention runs its off-diagonal tiles, and the rest in a second loop, masked.
 
-The loop body has no branch: every load's address depends only on the loop index, so Triton's
+The loop bodies have no branch: every load's address depends only on the loop index, so Triton's
 software pipeliner can issue the next tiles' loads (async copies) while this tile computes.
 Rotate-half is done on the two halves of the head dimension, so each K element is read once: for
 ``x = [x1, x2]``, ``rope(x) = [x1 cos - x2 sin, x2 cos + x1 sin]``; the table holds one half, in the
 model's dtype (as transformers rounds it), and the products are taken in float32.
 
-With ``SPLIT_KV`` (flash-decoding), the launch's third grid axis splits each work list into shares of
-``work_chunk[tile]`` tiles: split ``s`` writes its unnormalized accumulator, running max and sum, and
-``combine_splits_kernel`` merges the tile's ``cdiv(work_len, work_chunk)`` splits. Programs past a tile's
-last split store nothing, so no split is empty. Split counts are run-time values: a decode whose split
-count changes as its context grows compiles nothing new.
+With ``SPLIT_KV`` (flash-decoding, for decodes and recompute passes alike: ``triton_split``), the launch's
+third grid axis splits each work list into shares of ``work_chunk[tile]`` tiles: split ``s`` writes its
+unnormalized accumulator, running max and sum, and ``combine_splits_kernel`` merges the tile's
+``cdiv(work_len, work_chunk)`` splits. Programs past a tile's last split store nothing, so no split is
+empty. Split counts are run-time values: a decode whose split count changes as its context grows compiles
+nothing new.
 
 Every kernel is the one the CUDA path runs; the CPU tests run the same source in Triton's interpreter.
 Offsets that scale with the pool or the batch (cache rows, query rows, partials) are int64.
@@ -43,6 +46,55 @@ def _rotate(x1, x2, table_row, cos_ptr, sin_ptr, cols, col_ok, HALF: tl.constexp
     return x1 * c - x2 * s, x2 * c + x1 * s
 
 
+@triton.jit
+def _kv_tiles(
+    m_i, l_i, acc, q1, q2, q_pos, row_ok, work, kv_pos, table, k_ptr, v_ptr, stride_kr, stride_vr,
+    rope_off, cos_ptr, sin_ptr, window, first, last, cols, col_ok, d, d_ok,
+    HALF: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, MASKED: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, ROTATE_K: tl.constexpr,
+):  # fmt: skip
+    """The online softmax over work-list entries ``first .. last - 1`` of one (query tile, KV head): the running
+    max ``m_i`` and sum ``l_i`` ``[BLOCK_M]`` and unnormalized output ``acc`` ``[BLOCK_M, D_PAD]`` (float32), updated.
+    ``k_ptr, v_ptr``: this head's K and V in row 0; ``rope_off``: the sequence's row of the rotary halves.
+    ``MASKED``: mask each score by position (exact causality, window) and load only written slots; without it
+    (whole tiles) every slot is written and attended by every row. Branch-free: the loads pipeline."""
+    dot_dtype = q1.dtype
+    offs_n = tl.arange(0, BLOCK_N)
+    for i in range(first, last):
+        slots = tl.load(work + i) * BLOCK_N + offs_n
+        k_pos = tl.load(kv_pos + slots)
+        written = k_pos >= 0
+        row = tl.load(table + slots // PAGE).to(tl.int64) * PAGE + slots % PAGE
+        k_at = k_ptr + row[:, None] * stride_kr + cols[None, :]
+        v_at = v_ptr + row[:, None] * stride_vr + d[None, :]
+        if MASKED:
+            k_ok, v_ok = written[:, None] & col_ok[None, :], written[:, None] & d_ok[None, :]
+        else:
+            k_ok, v_ok = col_ok[None, :], d_ok[None, :]
+        k1 = tl.load(k_at, mask=k_ok, other=0.0)
+        k2 = tl.load(k_at + HALF, mask=k_ok, other=0.0)
+        v = tl.load(v_at, mask=v_ok, other=0.0)
+        if ROTATE_K:
+            k1, k2 = _rotate(k1, k2, rope_off + tl.maximum(k_pos, 0), cos_ptr, sin_ptr, cols, col_ok, HALF)
+        s = tl.dot(q1, tl.trans(k1.to(dot_dtype)), input_precision=DOT_PRECISION)
+        s += tl.dot(q2, tl.trans(k2.to(dot_dtype)), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N], log2
+        if MASKED:
+            allowed = written[None, :] & (k_pos[None, :] <= q_pos[:, None]) & row_ok[:, None]
+            if HAS_WINDOW:
+                allowed = allowed & (k_pos[None, :] > q_pos[:, None] - window)
+            s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = m_new  # a whole tile gives every row a finite score
+        if MASKED:
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing allowed yet
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
 # Arguments that change from step to step as tables grow: not specialized (a value of 1 or a multiple of
 # 16 would otherwise compile another variant mid-generation).
 @triton.jit(do_not_specialize=["stride_table", "stride_kv_pos", "stride_work", "window"])
@@ -63,6 +115,7 @@ def paged_attention_kernel(
     kv_pos_ptr,  # [B, S] int32 slot positions, -1 = never attended (S a multiple of BLOCK_N)
     work_ptr,  # [T, W] int32 KV tiles each query tile visits, in slot order (the first work_len)
     work_len_ptr,  # [T] int32
+    work_whole_ptr,  # [T] int32 whole KV tiles leading each list (read unmasked)
     work_chunk_ptr,  # [T] int32 KV tiles per split (SPLIT_KV)
     stride_qn,
     stride_qh,
@@ -87,6 +140,7 @@ def paged_attention_kernel(
     SPLIT_KV: tl.constexpr,  # write partials for combine_splits_kernel (the number of splits is grid axis 2)
     HAS_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs (no TF32), else None (the default)
+    WHOLE_TILES: tl.constexpr,  # run the list's whole tiles in an unmasked loop (else every tile masked)
     ROTATE_K: tl.constexpr = True,  # False: the cache holds K already rotated (benchmarks: paging without rotation)
 ):
     tile, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -124,33 +178,21 @@ def paged_attention_kernel(
     work = work_ptr + tile.to(tl.int64) * stride_work
     kv_pos = kv_pos_ptr + seq.to(tl.int64) * stride_kv_pos
     table = tables_ptr + seq.to(tl.int64) * stride_table
-    offs_n = tl.arange(0, BLOCK_N)
-    for i in range(start, end):  # branch-free: addresses depend on i only, so the loads pipeline
-        slots = tl.load(work + i) * BLOCK_N + offs_n
-        k_pos = tl.load(kv_pos + slots)
-        written = k_pos >= 0
-        row = tl.load(table + slots // PAGE).to(tl.int64) * PAGE + slots % PAGE
-        k_at = k_ptr + row[:, None] * stride_kr + kv_head * stride_kh + cols[None, :]
-        k_ok = written[:, None] & col_ok[None, :]
-        k1 = tl.load(k_at, mask=k_ok, other=0.0)
-        k2 = tl.load(k_at + HALF, mask=k_ok, other=0.0)
-        v_at = v_ptr + row[:, None] * stride_vr + kv_head * stride_vh + d[None, :]
-        v = tl.load(v_at, mask=written[:, None] & d_ok[None, :], other=0.0)
-        if ROTATE_K:
-            k1, k2 = _rotate(k1, k2, rope_off + tl.maximum(k_pos, 0), cos_ptr, sin_ptr, cols, col_ok, HALF)
-        s = tl.dot(q1, tl.trans(k1.to(dot_dtype)), input_precision=DOT_PRECISION)
-        s += tl.dot(q2, tl.trans(k2.to(dot_dtype)), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N], log2
-        allowed = written[None, :] & (k_pos[None, :] <= q_pos[:, None]) & row_ok[:, None]
-        if HAS_WINDOW:
-            allowed = allowed & (k_pos[None, :] > q_pos[:, None] - window)
-        s = tl.where(allowed, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing allowed yet
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    k_head, v_head = k_ptr + kv_head * stride_kh, v_ptr + kv_head * stride_vh
+    masked_from = start
+    if WHOLE_TILES:  # the list's whole tiles in this program's share, unmasked
+        n_whole = tl.load(work_whole_ptr + tile)
+        m_i, l_i, acc = _kv_tiles(
+            m_i, l_i, acc, q1, q2, q_pos, row_ok, work, kv_pos, table, k_head, v_head, stride_kr, stride_vr,
+            rope_off, cos_ptr, sin_ptr, window, start, tl.minimum(end, n_whole), cols, col_ok, d, d_ok,
+            HALF, BLOCK_N, PAGE, False, HAS_WINDOW, DOT_PRECISION, ROTATE_K,
+        )  # fmt: skip
+        masked_from = tl.maximum(start, n_whole)
+    m_i, l_i, acc = _kv_tiles(
+        m_i, l_i, acc, q1, q2, q_pos, row_ok, work, kv_pos, table, k_head, v_head, stride_kr, stride_vr,
+        rope_off, cos_ptr, sin_ptr, window, masked_from, end, cols, col_ok, d, d_ok,
+        HALF, BLOCK_N, PAGE, True, HAS_WINDOW, DOT_PRECISION, ROTATE_K,
+    )  # fmt: skip
 
     if not SPLIT_KV:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -182,14 +224,16 @@ def combine_splits_kernel(
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    ROWS: tl.constexpr,  # rows per program (divides BLOCK_M): grid axis 2 is BLOCK_M // ROWS
 ):
-    """Merge the splits of one (tile, KV head): ``out = sum_s 2^(m_s - m) acc_s / sum_s 2^(m_s - m) l_s``."""
+    """Merge the splits of ``ROWS`` rows of one (tile, KV head): ``out = sum_s 2^(m_s - m) acc_s / sum_s 2^(m_s - m)
+    l_s``. A recompute pass's few tiles of 128 rows are merged by many programs of a few rows, not by one each."""
     tile, kv_head = tl.program_id(0), tl.program_id(1)
-    rows = tl.arange(0, BLOCK_M)
+    rows = tl.program_id(2) * ROWS + tl.arange(0, ROWS)
     d = tl.arange(0, D_PAD)
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_sum = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    m = tl.full([ROWS], float("-inf"), tl.float32)
+    l_sum = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, D_PAD], tl.float32)
     num_splits = tl.cdiv(tl.load(work_len_ptr + tile), tl.load(work_chunk_ptr + tile))
     first = (tile * tl.num_programs(1) + kv_head).to(tl.int64) * max_splits
     for split in range(num_splits):

@@ -9,6 +9,10 @@ import triton
 from pic.attention.triton_kernels import combine_splits_kernel, paged_attention_kernel, store_kv_kernel
 from pic.attention.triton_plan import TritonPlan, TritonTiles
 
+# Rows each program of ``combine_splits_kernel`` merges: a 128-row tile's accumulators in one 4-warp program would
+# spill (``[128, 128]`` float32 twice), and a link's few tiles would leave the GPU idle.
+COMBINE_ROWS = 16
+
 
 def pow2(n: int, *, at_least: int = 16) -> int:
     """The next power of two of ``n``, at least ``at_least`` (a ``tl.dot`` needs 16)."""
@@ -48,10 +52,11 @@ def launch_attention(
     d_pad, splits = pow2(head_dim), work.max_splits
     k_rows, v_rows = k_cache.flatten(0, 1), v_cache.flatten(0, 1)  # [num_blocks * page, Hkv, D]
     grid = (tiles.num_tiles, num_kv_heads, splits)
-    target, part_ml = (plan.split_acc, plan.split_ml) if launch.split else (out, out)  # part_ml unread unsplit
+    target, part_ml = (tiles.scratch.acc, tiles.scratch.ml) if launch.split else (out, out)  # part_ml unread unsplit
     args = (
         q, k_rows, v_rows, target, part_ml, plan.cos, plan.sin, plan.rope_off,
-        tiles.seq, tiles.row, plan.cu_q, plan.q_pos, plan.tables, plan.kv_pos, work.ids, work.lens, work.chunk,
+        tiles.seq, tiles.row, plan.cu_q, plan.q_pos, plan.tables, plan.kv_pos, work.ids, work.lens, work.whole,
+        work.chunk,
         q.stride(0), q.stride(1), k_rows.stride(0), k_rows.stride(1), v_rows.stride(0), v_rows.stride(1),
         out.stride(0), out.stride(1), plan.tables.stride(0), plan.kv_pos.stride(0), work.ids.stride(0),
         scaling * 1.4426950408889634, window or 0,
@@ -60,17 +65,20 @@ def launch_attention(
         GROUP=q.shape[1] // num_kv_heads, HEAD_DIM=head_dim, HALF_PAD=pow2(head_dim // 2), D_PAD=d_pad,
         BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, PAGE=page, SPLIT_KV=launch.split, HAS_WINDOW=window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None, num_warps=launch.num_warps,
-        num_stages=launch.num_stages, maxnreg=launch.max_registers, ROTATE_K=launch.rotate_k,
+        num_stages=launch.num_stages, maxnreg=launch.max_registers, WHOLE_TILES=launch.whole_tiles,
+        ROTATE_K=launch.rotate_k,
     )  # fmt: skip
     combine_args = (target, part_ml, out, tiles.seq, tiles.row, plan.cu_q, work.lens, work.chunk)
     combine_args += (out.stride(0), out.stride(1), splits)
-    combine_options = dict(GROUP=options["GROUP"], HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_M=launch.block_m)
+    rows = min(launch.block_m, COMBINE_ROWS)
+    combine_options = dict(GROUP=options["GROUP"], HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_M=launch.block_m, ROWS=rows)
+    combine_grid = (*grid[:2], launch.block_m // rows)
     if warmup:
         compiled = [paged_attention_kernel.warmup(*args, grid=grid, **options)]
         if launch.split:
-            compiled.append(combine_splits_kernel.warmup(*combine_args, grid=grid[:2], **combine_options))
+            compiled.append(combine_splits_kernel.warmup(*combine_args, grid=combine_grid, **combine_options))
         return compiled
     paged_attention_kernel[grid](*args, **options)
     if launch.split:
-        combine_splits_kernel[grid[:2]](*combine_args, **combine_options)
+        combine_splits_kernel[combine_grid](*combine_args, **combine_options)
     return []

@@ -1,11 +1,14 @@
 """The Triton backend's plan: a forward's batch as the kernels read it, built once and shared by every layer.
 
 Besides the int32 copies of the batch, the plan builds each query tile's *work list*: the KV tiles
-(``block_n`` slots) holding a slot some row of the tile may attend, in slot order. A tile is visited when
-its earliest written position is at or before the tile's latest query position and, under a sliding
-window, its latest position is inside the window of the tile's earliest query. Deciding this here, with
-a few tensor ops per forward, takes the branch out of the kernel's KV loop (it pipelines) and keeps the
-skipping exact for any order of positions over slots (a linked request's are not sorted).
+(``block_n`` slots) holding a slot some row of the tile may attend. A tile is visited when its earliest
+written position is at or before the tile's latest query position and, under a sliding window, its latest
+position is inside the window of the tile's earliest query. The list holds first the *whole* tiles, which
+every row of the query tile attends in full (every slot written, at or before the earliest query, inside
+the latest query's window), then the others, each part in slot order: the kernel runs the whole ones
+without a mask. Deciding this here, with a few tensor ops per forward, takes the branch out of the
+kernel's KV loops (they pipeline) and keeps the skipping exact for any order of positions over slots (a
+linked request's are not sorted).
 """
 
 from __future__ import annotations
@@ -17,11 +20,9 @@ import torch
 import triton
 
 from pic.attention.batch import AttentionBatch
+from pic.attention.triton_split import MIN_TILES_PER_SPLIT, SplitScratch
 
 _NO_POSITION = torch.iinfo(torch.int32).max
-# Flash-decoding: a split takes at least this many KV tiles (fewer would cost more to combine than to run).
-MIN_TILES_PER_SPLIT = 4
-MAX_SPLITS = 64
 
 
 @dataclass(frozen=True)
@@ -29,14 +30,17 @@ class TritonWork:
     """Which KV tiles each query tile visits, for one sliding window.
 
     Attributes:
-        ids: ``[T, W]`` int32, per query tile its KV tiles to visit in slot order, first ``lens[t]`` of them.
+        ids: ``[T, W]`` int32, per query tile its KV tiles to visit, first ``lens[t]`` of them: its ``whole[t]``
+            whole tiles (attended in full by every row), then the rest, each part in slot order.
         lens: ``[T]`` int32.
+        whole: ``[T]`` int32, the whole tiles leading each list (the kernel reads them without a mask).
         chunk: ``[T]`` int32, KV tiles per split: tile ``t`` runs ``cdiv(lens[t], chunk[t])`` splits.
         max_splits: splits launched per tile (grid axis 2); programs past a tile's own count store nothing.
     """
 
     ids: torch.Tensor
     lens: torch.Tensor
+    whole: torch.Tensor
     chunk: torch.Tensor
     max_splits: int
 
@@ -49,9 +53,10 @@ class Launch:
         block_m: rows (query tokens x GQA heads) per program.
         block_n: slots per KV tile (a power of two, at least 16).
         num_warps: warps per program.
-        split: flash-decoding partials, merged by ``combine_splits_kernel``.
+        split: split-KV partials, merged by ``combine_splits_kernel`` (``triton_split``).
         num_stages: KV tiles in flight in the software pipeline (async copies issued ahead).
         max_registers: per thread (PTX ``.maxnreg``; ``None``: ptxas chooses).
+        whole_tiles: run each work list's whole tiles in a loop without the mask (a second loop: more registers).
         rotate_k: rotate K as it is read (``False``: the cache holds it rotated; benchmarks only).
     """
 
@@ -61,6 +66,7 @@ class Launch:
     split: bool
     num_stages: int = 3
     max_registers: int | None = None
+    whole_tiles: bool = True
     rotate_k: bool = True
 
 
@@ -73,12 +79,14 @@ class TritonTiles:
         row: ``[T]`` int32, the tile's first query row in the batch.
         launch: how the tiles are launched.
         work: per sliding window of the model (``None``: none), the tiles' work lists.
+        scratch: a split launch's partial results (``None`` unsplit), shared by every layer and window.
     """
 
     seq: torch.Tensor
     row: torch.Tensor
     launch: Launch
     work: dict[int | None, TritonWork]
+    scratch: SplitScratch | None = None
 
     @property
     def num_tiles(self) -> int:
@@ -96,10 +104,8 @@ class TritonPlan:
         q_pos: ``[N]`` int32 query positions.
         tables: ``[B, S // page]`` int32 block tables, padded with block 0.
         kv_pos: ``[B, S]`` int32 slot positions, ``-1``: never attended; ``S`` a multiple of each launch's ``block_n``.
-        decode, prefill: the tiles of the decode launch (one query token per sequence) and of the recompute passes.
-        split_acc: ``[T_decode * Hkv * max_splits * block_m * D_PAD]`` float32 partial accumulators of a split
-            decode launch (``None`` without splits); ``split_ml``: ``[T_decode * Hkv * max_splits * 2 * block_m]``
-            float32, their running maxima and sums.
+        decode, prefill: the tiles of the decode launch (one query token per sequence) and of the recompute passes,
+            each split or not (``TritonTiles.launch.split``).
     """
 
     cos: torch.Tensor
@@ -111,8 +117,6 @@ class TritonPlan:
     kv_pos: torch.Tensor
     decode: TritonTiles
     prefill: TritonTiles
-    split_acc: torch.Tensor | None
-    split_ml: torch.Tensor | None
 
 
 def padded_slots(batch: AttentionBatch, *, block_n: int, page: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,12 +132,21 @@ def padded_slots(batch: AttentionBatch, *, block_n: int, page: int) -> tuple[tor
     return kv_pos, tables
 
 
-def tile_spans(kv_pos: torch.Tensor, *, block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per sequence and KV tile, the earliest written position (int32 max: none) and the latest (-1: none);
-    ``kv_pos [B, S]`` -> two ``[B, S // block_n]``."""
+@dataclass(frozen=True)
+class TileSpans:
+    """Per sequence and KV tile of ``block_n`` slots (``[B, S // block_n]`` each): the earliest written position
+    (int32 max: none), the latest (-1: none), and whether every slot is written."""
+
+    first: torch.Tensor
+    last: torch.Tensor
+    full: torch.Tensor
+
+
+def tile_spans(kv_pos: torch.Tensor, *, block_n: int) -> TileSpans:
+    """The ``TileSpans`` of ``kv_pos`` ``[B, S]`` (slot positions, ``-1``: unwritten)."""
     pos = kv_pos.view(kv_pos.shape[0], -1, block_n)
-    first = torch.where(pos >= 0, pos, _NO_POSITION).amin(-1)
-    return first, pos.amax(-1)
+    written = pos >= 0
+    return TileSpans(torch.where(written, pos, _NO_POSITION).amin(-1), pos.amax(-1), written.all(-1))
 
 
 def query_tiles(batch: AttentionBatch, *, decode: bool, per_tile: int) -> tuple[list[int], list[int]]:
@@ -151,10 +164,9 @@ def query_tiles(batch: AttentionBatch, *, decode: bool, per_tile: int) -> tuple[
 
 
 def make_tiles(
-    batch: AttentionBatch,
+    tiles: tuple[list[int], list[int]],
     launch: Launch,
     *,
-    decode: bool,
     group: int,
     cu_q: torch.Tensor,
     q_pos: torch.Tensor,
@@ -162,30 +174,22 @@ def make_tiles(
     windows: set[int | None],
     max_splits: int,
     min_chunk: int = MIN_TILES_PER_SPLIT,
+    num_kv_heads: int,
+    d_pad: int,
 ) -> TritonTiles:
-    """The decode (one token) or the prefill sequences' query tiles for ``launch``, with their work lists
-    for each of the model's ``windows``; ``cu_q`` and ``q_pos`` as in ``work_lists``, ``kv_pos`` as in the plan."""
+    """The query ``tiles`` (``query_tiles``: sequence and first row of each) for ``launch``, with their work lists
+    for each of the model's ``windows`` and, for a split launch, the scratch of its ``num_kv_heads * max_splits``
+    programs per tile (``d_pad`` wide); ``cu_q`` and ``q_pos`` as in ``work_lists``, ``kv_pos`` as in the plan."""
     spans = tile_spans(kv_pos, block_n=launch.block_n)
-    per_tile = launch.block_m // group
-    seqs, rows = query_tiles(batch, decode=decode, per_tile=per_tile)
     device = q_pos.device
-    seq = torch.tensor(seqs, dtype=torch.int32).to(device, non_blocking=True)
-    row = torch.tensor(rows, dtype=torch.int32).to(device, non_blocking=True)
-    work = {
-        w: work_lists(
-            seq,
-            row,
-            per_tile=per_tile,
-            cu_q=cu_q,
-            q_pos=q_pos,
-            spans=spans,
-            window=w,
-            max_splits=max_splits,
-            min_chunk=min_chunk,
-        )
-        for w in windows
-    }
-    return TritonTiles(seq=seq, row=row, launch=launch, work=work)
+    seq, row = (torch.tensor(t, dtype=torch.int32).to(device, non_blocking=True) for t in tiles)
+    common = dict(cu_q=cu_q, q_pos=q_pos, spans=spans, max_splits=max_splits, min_chunk=min_chunk)
+    work = {w: work_lists(seq, row, per_tile=launch.block_m // group, window=w, **common) for w in windows}
+    scratch = None
+    if launch.split and tiles[0]:  # shared by every layer and window of the forward
+        num_programs = len(tiles[0]) * num_kv_heads * max_splits
+        scratch = SplitScratch.empty(num_programs=num_programs, block_m=launch.block_m, d_pad=d_pad, device=device)
+    return TritonTiles(seq=seq, row=row, launch=launch, work=work, scratch=scratch)
 
 
 def work_lists(
@@ -195,38 +199,32 @@ def work_lists(
     per_tile: int,
     cu_q: torch.Tensor,
     q_pos: torch.Tensor,
-    spans: tuple[torch.Tensor, torch.Tensor],
+    spans: TileSpans,
     window: int | None,
     max_splits: int,
     min_chunk: int = MIN_TILES_PER_SPLIT,
 ) -> TritonWork:
     """The KV tiles each query tile (``seq``, ``row``: ``[T]`` int32, of ``per_tile`` query tokens) visits
-    under ``window``, and its splits. ``cu_q``: ``[B + 1]`` int32 query rows per sequence; ``q_pos``: ``[N]``
-    int32 query positions; ``spans``: ``tile_spans`` of the batch's slots; a split takes at least ``min_chunk``
-    KV tiles."""
-    first, last = spans
+    under ``window``, the whole ones first, and its splits. ``cu_q``: ``[B + 1]`` int32 query rows per sequence;
+    ``q_pos``: ``[N]`` int32 query positions; ``spans``: ``tile_spans`` of the batch's slots; a split takes at
+    least ``min_chunk`` KV tiles."""
+    b = seq.long()
     rows = row[:, None].long() + torch.arange(per_tile, device=row.device)  # [T, per_tile]
-    ok = rows < cu_q[seq.long() + 1][:, None]
+    ok = rows < cu_q[b + 1][:, None]
     pos = q_pos[rows.clamp(max=q_pos.shape[0] - 1)]
-    q_max = torch.where(ok, pos, -1).amax(1)
-    live = first[seq.long()] <= q_max[:, None]  # [T, num_kv_tiles]
+    q_max = torch.where(ok, pos, -1).amax(1)[:, None]
+    q_min = torch.where(ok, pos, _NO_POSITION).amin(1)[:, None]
+    first, last = spans.first[b], spans.last[b]  # [T, num_kv_tiles]
+    live = first <= q_max
+    whole = spans.full[b] & (last <= q_min)
     if window is not None:
-        q_min = torch.where(ok, pos, _NO_POSITION).amin(1)
-        live &= last[seq.long()] > (q_min - window)[:, None]
+        live &= last > q_min - window
+        whole &= first > q_max - window
+    kind = torch.where(whole, 0, torch.where(live, 1, 2)).to(torch.uint8)  # whole, live, skipped
+    ids = torch.argsort(kind, dim=1, stable=True).to(torch.int32)  # each kind in slot order
     lens = live.sum(1, dtype=torch.int32)
-    ids = torch.argsort((~live).to(torch.uint8), dim=1, stable=True).to(torch.int32)  # visited first, in order
     chunk = torch.clamp(triton.cdiv(lens, max_splits), min=min_chunk).to(torch.int32)
-    return TritonWork(ids=ids, lens=lens, chunk=chunk, max_splits=max_splits)
-
-
-def split_limit(*, num_programs: int, num_kv_tiles: int, resident: int) -> int:
-    """Flash-decoding splits per tile for a decode launch of ``num_programs`` (tile, KV head) programs over at
-    most ``num_kv_tiles`` KV tiles each, when ``resident`` programs fit on the GPU at once: as many as fill
-    one wave without starting a second (a partial wave costs as much as a full one), and none shorter than
-    ``MIN_TILES_PER_SPLIT`` tiles."""
-    if num_programs == 0 or num_programs * 2 > resident:
-        return 1
-    return max(1, min(resident // num_programs, num_kv_tiles // MIN_TILES_PER_SPLIT, MAX_SPLITS))
+    return TritonWork(ids=ids, lens=lens, whole=whole.sum(1, dtype=torch.int32), chunk=chunk, max_splits=max_splits)
 
 
 def warmup_batch(*, page: int, head_dim: int, device: torch.device) -> AttentionBatch:

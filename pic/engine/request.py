@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -18,7 +17,7 @@ from pic.engine.sampling import SamplingOptions, SamplingParams, sampling_params
 from pic.errors import InvalidInputError
 from pic.ids import cache_id_list
 from pic.link import Layout, policies
-from pic.link.order import ChunkOrder, Order, parse_order
+from pic.link.order import ChunkOrder, Order, parse_order, relevance_scores
 from pic.link.policies import Policy
 from pic.link.probe import Probe
 
@@ -161,24 +160,6 @@ def check_request_id(request_id: object) -> int:
     if not isinstance(request_id, int) or isinstance(request_id, bool):
         raise InvalidInputError(f"request id {request_id!r:.80} is not an int (an id that submit/add_request returned)")
     return request_id
-
-
-def relevance_scores(relevance: object, num_chunks: int) -> tuple[float, ...] | None:
-    """``relevance`` as a tuple of floats, one per chunk (``None``: not given).
-
-    Raises:
-        InvalidInputError: not a sequence of finite numbers, or not ``num_chunks`` of them.
-    """
-    if relevance is None:
-        return None
-    if isinstance(relevance, (str, bytes)) or not isinstance(relevance, Sequence | torch.Tensor):
-        raise InvalidInputError(f"relevance is {relevance!r:.80}; expected one number per cache id")
-    values = relevance.tolist() if isinstance(relevance, torch.Tensor) else list(relevance)
-    if not all(isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) for v in values):
-        raise InvalidInputError(f"relevance {values!r:.80} holds something else than finite numbers")
-    if len(values) != num_chunks:
-        raise InvalidInputError(f"relevance has {len(values)} scores for {num_chunks} cache ids; give one per cache id")
-    return tuple(float(v) for v in values)
 
 
 @dataclass(frozen=True)

@@ -5,12 +5,14 @@ copies, then the host waits until the stream is idle, i.e. until every kernel qu
 run. In a decode loop that stalls the CPU once per small tensor, so the next step's kernels are queued
 late. A non-blocking copy from pageable memory does not wait for the stream: CUDA stages the bytes before
 it returns (so the CPU tensor may be freed or changed at once), and the copy is ordered on the stream
-before every kernel queued after it. On the CPU both are plain tensors, no copy.
+before every kernel queued after it. On the CPU both are plain tensors, no copy. ``sync_sites`` finds the
+syncs that remain (the tests and ``benchmarks/profile_link.py`` list them).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -27,3 +29,16 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     is safe: torch's pinned-memory allocator records the copy and reuses the memory only after it.
     """
     return tensor.to(device, non_blocking=True)
+
+
+def sync_sites(fn: Callable[[], object]) -> list[tuple[str, int]]:
+    """``(file, line)`` of every synchronizing CUDA call ``fn()`` makes, by torch's sync debug mode (a prototype: it
+    may miss some). The mode is process-wide, so calls from other threads are caught too."""
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return [(w.filename, w.lineno) for w in caught if "synchroniz" in str(w.message)]

@@ -89,7 +89,13 @@ class Linker:
     """
 
     def __init__(
-        self, spec: ModelSpec, pool: BlockPool, *, block_size: int, share_chunk_blocks: bool, attention_backend: str
+        self,
+        spec: ModelSpec,
+        pool: BlockPool,
+        *,
+        block_size: int,
+        share_chunk_blocks: bool,
+        attention_backend: str,
     ) -> None:
         self.spec, self.pool, self.block_size = spec, pool, block_size
         self._share, self._backend = share_chunk_blocks, attention_backend

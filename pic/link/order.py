@@ -15,9 +15,12 @@ no model, no text. Ties keep the caller's order, so chunks the query shares noth
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeVar
+
+import torch
 
 from pic.errors import InvalidInputError
 from pic.link.lexical import bm25
@@ -106,3 +109,21 @@ def chunk_order(
     if order is Order.GIVEN:
         return given(len(chunks))
     raise InvalidInputError(f"order {order.value!r} must be resolved by the link's policy first")
+
+
+def relevance_scores(relevance: object, num_chunks: int) -> tuple[float, ...] | None:
+    """``relevance`` as a tuple of floats, one per chunk (``None``: not given).
+
+    Raises:
+        InvalidInputError: not a sequence of finite numbers, or not ``num_chunks`` of them.
+    """
+    if relevance is None:
+        return None
+    if isinstance(relevance, (str, bytes)) or not isinstance(relevance, Sequence | torch.Tensor):
+        raise InvalidInputError(f"relevance is {relevance!r:.80}; expected one number per cache id")
+    values = relevance.tolist() if isinstance(relevance, torch.Tensor) else list(relevance)
+    if not all(isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) for v in values):
+        raise InvalidInputError(f"relevance {values!r:.80} holds something else than finite numbers")
+    if len(values) != num_chunks:
+        raise InvalidInputError(f"relevance has {len(values)} scores for {num_chunks} cache ids; give one per cache id")
+    return tuple(float(v) for v in values)

@@ -129,8 +129,8 @@ class RecomputePass:
                     req.cache, self.num_layers, layout, self.assembly.source_rows, self.policy, index, req
                 )
             self._inputs = (to_device(layout.token_ids, device)[index], positions[index], slots[index])
-            if self.chunkable:
-                req.kv_positions[self._inputs[2]] = -1  # each piece writes its own (``ModelRunner.forward``)
+            if self.chunkable:  # each piece writes its own (``ModelRunner.forward``): a device op, the -1 its argument
+                req.kv_positions.index_fill_(0, self._inputs[2], -1)  # (``[slots] = -1``: a blocking copy of the -1)
         start = self.num_done
         end = start + (self.num_left if num_tokens is None else num_tokens)
         self.num_done = end

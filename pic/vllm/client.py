@@ -8,23 +8,21 @@ chunk_n + query``, with the ``cache_salt`` and ``kv_transfer_params`` the connec
     llm.generate(prompt.tokens_prompt(), SamplingParams(max_tokens=64, extra_args=prompt.extra_args()))
     client.completions.create(model=..., prompt=prompt.prompt_token_ids, extra_body=prompt.openai_extra_body())
 
-``order="relevance"`` (default) puts the documents the query shares most rare tokens with (BM25 over token
-ids) last: vLLM recomputes a suffix of the prompt, so under ``suffix:<r>`` the recomputed tokens are those of
-the most relevant documents.
+Under a ``suffix`` policy (the default) the documents go in relevance order unless ``order="given"``: the one
+the query shares most rare tokens with (BM25 over token ids, or the caller's ``relevance`` scores) last, as
+pic's own engine orders them under ``auto``; vLLM recomputes a suffix of the prompt, so the recomputed tokens
+are those of the most relevant documents.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 from pic.errors import InvalidInputError, PicError
 from pic.link.chat import split_chat
-from pic.link.lexical import bm25
+from pic.link.order import ChunkOrder, Order, chunk_order, parse_order, relevance_scores
 from pic.vllm.params import DEFAULT_POLICY, PARAMS_KEY, link_salt, parse_policy
-
-Order = Literal["relevance", "given"]
 
 
 @dataclass(frozen=True)
@@ -35,11 +33,13 @@ class LinkPrompt:
         prompt_token_ids: ``prefix + chunks + query``.
         ids: the chunks' cache ids in prompt order (after ``order``).
         policy: the connector policy's name.
+        order: the order the chunks were put in (``ChunkOrder``: the caller's chunk indices in prompt order).
     """
 
     prompt_token_ids: list[int]
     ids: tuple[str, ...]
     policy: str
+    order: ChunkOrder
 
     @property
     def cache_salt(self) -> str:
@@ -47,7 +47,7 @@ class LinkPrompt:
 
     @property
     def kv_transfer_params(self) -> dict:
-        return {PARAMS_KEY: {"ids": list(self.ids), "policy": self.policy}}
+        return {PARAMS_KEY: {"ids": list(self.ids), "policy": self.policy, "order": self.order.order.value}}
 
     def tokens_prompt(self) -> dict:
         """For ``LLM.generate``: a ``TokensPrompt`` dict."""
@@ -68,28 +68,33 @@ def link_prompt(
     *,
     prefix_ids: Sequence[int] = (),
     policy: str = DEFAULT_POLICY,
-    order: Order = "relevance",
+    order: str | Order = Order.POLICY,
+    relevance: Sequence[float] | None = None,
 ) -> LinkPrompt:
     """The linked prompt of ``chunks`` (``(cache id, token ids)``, e.g. from ``compile_result``) and a query.
 
+    ``order``: ``"relevance"`` (the least relevant chunk first, the most relevant last: by ``relevance``, one
+    score per chunk, else BM25 over token ids; ``pic.link.order``, as pic's own engine orders), ``"given"`` (as
+    passed), or ``"policy"`` (the default): relevance under a ``suffix`` policy (vLLM recomputes the last
+    chunks: the most relevant), the given order under ``naive`` and ``full``, as pic's engine keeps it for them.
+
     Raises:
-        InvalidInputError: no chunks, an empty query, an unknown policy or order.
+        InvalidInputError: no chunks, an empty query, an unknown policy or order, bad relevance scores.
     """
-    policy = parse_policy(policy).name  # the spelling the connector salts with ("suffix:0.20" -> "suffix:0.2")
+    suffix = parse_policy(policy)
     if not chunks:
         raise InvalidInputError("link_prompt needs at least one chunk")
     if not query_ids:
         raise InvalidInputError("the query has no tokens; vLLM computes at least the prompt's last token")
-    if order not in ("relevance", "given"):
-        raise InvalidInputError(f"order is {order!r}; expected 'relevance' or 'given'")
     chunks = list(chunks)
-    if order == "relevance":
-        scores = bm25(list(query_ids), [list(tokens) for _, tokens in chunks])
-        chunks = [
-            chunk for _, _, chunk in sorted(zip(scores, range(len(chunks)), chunks, strict=True))
-        ]  # least relevant first
+    chosen = parse_order(order)
+    if chosen is Order.POLICY:
+        chosen = Order.RELEVANCE if 0.0 < suffix.ratio < 1.0 else Order.GIVEN
+    scores = relevance_scores(relevance, len(chunks))
+    ran = chunk_order(chosen, list(query_ids), [list(tokens) for _, tokens in chunks], scores)
+    chunks = ran.apply(chunks)
     tokens = list(prefix_ids) + [t for _, chunk in chunks for t in chunk] + list(query_ids)
-    return LinkPrompt(prompt_token_ids=tokens, ids=tuple(cid for cid, _ in chunks), policy=policy)
+    return LinkPrompt(prompt_token_ids=tokens, ids=tuple(cid for cid, _ in chunks), policy=suffix.name, order=ran)
 
 
 def chat_link_prompt(
@@ -98,13 +103,15 @@ def chat_link_prompt(
     messages: list[dict],
     *,
     policy: str = DEFAULT_POLICY,
-    order: Order = "relevance",
+    order: str | Order = Order.POLICY,
+    relevance: Sequence[float] | None = None,
 ) -> LinkPrompt:
     """``link_prompt`` with the prefix and query cut from the model's chat template around the documents
     (where a message says ``{documents}``, else at the start of the first user message: ``PIC.link_chat``)."""
     prefix, query = split_chat(tokenizer, messages, strip_bos=False)
     encode = lambda text: list(tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
-    return link_prompt(chunks, encode(query), prefix_ids=encode(prefix), policy=policy, order=order)
+    ids = encode(query)
+    return link_prompt(chunks, ids, prefix_ids=encode(prefix), policy=policy, order=order, relevance=relevance)
 
 
 def compile_prompt(document_ids: Sequence[int], *, bos_token_id: int | None = None) -> tuple[list[int], dict]:

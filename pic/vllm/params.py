@@ -4,7 +4,7 @@ vLLM's OpenAI server passes a request's ``kv_transfer_params`` through to the co
 ``LLM.generate`` takes them as ``SamplingParams(extra_args={"kv_transfer_params": ...})``), so pic's fields
 live under one key there::
 
-    {"pic": {"ids": ["3f2a...", "9c1e..."], "policy": "suffix:0.2"}}   # link these chunks, in prompt order
+    {"pic": {"ids": ["3f2a...", "9c1e..."], "policy": "suffix:0.2", "order": "relevance"}}  # link these, in this order
     {"pic": {"compile": true}}                                          # store this prompt as a chunk
 
 A linked request must also carry ``cache_salt = link_salt(ids, policy)`` (``pic.vllm.client`` sets it):
@@ -15,12 +15,15 @@ a plain prompt with the same tokens, nor a link under another policy (LMCache #3
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pic.errors import InvalidInputError
+from pic.errors import InvalidInputError, PicError
+from pic.link.policies import Suffix as SuffixPolicy
+from pic.link.policies import resolve
 
 PARAMS_KEY = "pic"
-DEFAULT_POLICY = "suffix:0.2"
+DEFAULT_POLICY = "suffix:0.2,whole=true"  # docs/vllm.md: a cut chunk collapses answers on Qwen2.5
 _MAX_IDS = 4096
 
 
@@ -28,43 +31,55 @@ _MAX_IDS = 4096
 class Suffix:
     """The recompute policy inside vLLM: vLLM's own forward computes the last ``ratio`` of the linked chunks'
     tokens (and everything after them); the rest is loaded from pic's store at its positions (naive).
+    ``whole``: the suffix reaches back to the start of the chunk it would cut, so no chunk is part loaded, part
+    recomputed (a chunk cut so answers worse than one left whole on Qwen2.5-Coder-0.5B: docs/vllm.md).
 
     ``ratio=0`` is ``"naive"`` (every chunk token from the store), ``ratio=1`` is ``"full"`` (none: a plain
     prefill that only checks the chunks). vLLM computes a suffix of the prompt and nothing else, so the
     tokens a policy recomputes must end the chunks: put the documents that matter most last
-    (``client.link_prompt(order="relevance")``).
+    (``client.link_prompt(order="relevance")``). Spelled as pic's own ``suffix`` policy, which runs the same
+    choice in pic's engine (``pic.link.policies.Suffix``).
     """
 
     ratio: float
+    whole: bool = False
 
     @property
     def name(self) -> str:
-        return {0.0: "naive", 1.0: "full"}.get(self.ratio, f"suffix:{self.ratio:g}")
+        named = {0.0: "naive", 1.0: "full"}.get(self.ratio)
+        return named or f"suffix:{self.ratio:g}" + (",whole=true" if self.whole else "")
 
-    def num_recomputed(self, num_chunk_tokens: int) -> int:
-        return round(self.ratio * num_chunk_tokens)
+    def num_recomputed(self, chunk_lengths: Sequence[int]) -> int:
+        """Chunk tokens left to vLLM, for chunks of ``chunk_lengths`` tokens in prompt order."""
+        total = sum(chunk_lengths)
+        num = round(self.ratio * total)
+        if not self.whole or num == 0:
+            return num
+        tail = 0
+        for length in reversed(chunk_lengths):  # whole chunks from the last, until they hold the suffix
+            tail += length
+            if tail >= num:
+                return tail
+        return total
 
 
 def parse_policy(value: object) -> Suffix:
-    """``"naive"``, ``"full"`` or ``"suffix:<ratio in [0, 1]>"``.
+    """``"naive"``, ``"full"``, or pic's ``suffix`` spec: ``"suffix:<ratio in [0, 1]>"``, with ``",whole=true"``.
 
     Raises:
         InvalidInputError: anything else, naming it.
     """
-    if value == "naive":
-        return Suffix(0.0)
-    if value == "full":
-        return Suffix(1.0)
-    if isinstance(value, str) and value.startswith("suffix:"):
-        try:
-            ratio = float(value.removeprefix("suffix:"))
-        except ValueError:
-            ratio = -1.0
-        if 0.0 <= ratio <= 1.0:
-            return Suffix(ratio)
+    if value in ("naive", "full"):
+        return Suffix({"naive": 0.0, "full": 1.0}[value])
+    try:
+        policy = resolve(value) if isinstance(value, str) and value.startswith("suffix:") else None
+    except PicError:
+        policy = None
+    if isinstance(policy, SuffixPolicy):
+        return Suffix(policy.ratio, whole=policy.whole)
     raise InvalidInputError(
         f"pic policy {value!r:.80} is not one the vLLM connector runs; expected 'naive', 'full' or "
-        f"'suffix:<ratio in [0, 1]>' (vLLM recomputes a suffix of the prompt only)"
+        f"'suffix:<ratio in [0, 1]>[,whole=true]' (vLLM recomputes a suffix of the prompt only)"
     )
 
 
@@ -74,6 +89,7 @@ class LinkRequest:
 
     ids: tuple[str, ...]
     policy: Suffix
+    order: str = "given"  # what the client ordered the ids by (reported back; the ids are in prompt order)
 
     @property
     def salt(self) -> str:
@@ -94,7 +110,7 @@ def parse_params(kv_transfer_params: object) -> LinkRequest | CompileRequest | N
     if not isinstance(kv_transfer_params, dict) or PARAMS_KEY not in kv_transfer_params:
         return None
     entry = kv_transfer_params[PARAMS_KEY]
-    if not isinstance(entry, dict) or set(entry) - {"ids", "policy", "compile"}:
+    if not isinstance(entry, dict) or set(entry) - {"ids", "policy", "order", "compile"}:
         raise InvalidInputError(
             f"kv_transfer_params['pic'] is {entry!r:.120}; expected {{'ids': [...], 'policy': ...}} or "
             f"{{'compile': true}}"
@@ -106,7 +122,10 @@ def parse_params(kv_transfer_params: object) -> LinkRequest | CompileRequest | N
         raise InvalidInputError(
             f"kv_transfer_params['pic']['ids'] is {ids!r:.120}; expected a list of 1 to {_MAX_IDS} cache ids"
         )
-    return LinkRequest(ids=tuple(ids), policy=parse_policy(entry.get("policy", DEFAULT_POLICY)))
+    order = entry.get("order", "given")
+    if order not in ("given", "relevance"):
+        raise InvalidInputError(f"kv_transfer_params['pic']['order'] is {order!r:.80}; expected 'given' or 'relevance'")
+    return LinkRequest(ids=tuple(ids), policy=parse_policy(entry.get("policy", DEFAULT_POLICY)), order=order)
 
 
 def link_salt(ids: tuple[str, ...] | list[str], policy: str) -> str:

@@ -106,16 +106,16 @@ class SchedulerSide:
         if lookup.error is not None:
             self._refuse(req_id, lookup.error)
             return 0
-        num_chunk = sum(len(c) for c in lookup.chunks)
         plan = plan_link(
             prompt, params.ids, lookup.chunks, start=lookup.start, num_computed=num_computed,
-            num_recomputed=params.policy.num_recomputed(num_chunk), prefix_id=lookup.prefix_id,
+            num_recomputed=params.policy.num_recomputed([len(c) for c in lookup.chunks]), prefix_id=lookup.prefix_id,
             prefix_stored=lookup.prefix_stored,
         )  # fmt: skip
         tracked = _Tracked(plan=plan, num_computed=num_computed)
-        tracked.report = {"policy": params.policy.name, "num_loaded": plan.num_external, "num_prefix": plan.num_prefix,
-                          "num_chunk_tokens": plan.num_chunk_tokens, "num_recomputed": plan.num_recomputed,
-                          "linked": plan.reason is None, "reason": plan.reason}  # fmt: skip
+        tracked.report = {"policy": params.policy.name, "order": params.order, "num_loaded": plan.num_external,
+                          "num_prefix": plan.num_prefix, "num_chunk_tokens": plan.num_chunk_tokens,
+                          "num_recomputed": plan.num_recomputed, "linked": plan.reason is None,
+                          "reason": plan.reason}  # fmt: skip
         if plan.save_prefix is not None:
             tracked.save = (plan.save_prefix, prompt[: lookup.start], False)
         if plan.reason is not None:

@@ -32,7 +32,8 @@ class FullRecompute(Policy):
 
 
 class Suffix(Policy):
-    """Recompute the last ``ratio`` of the chunk tokens (those right before the query), reuse the rest as is.
+    """Recompute the last ``ratio`` of the chunk tokens (those right before the query), reuse the rest as is;
+    ``whole``: extended back to the start of the chunk the cut falls in, so no chunk is part fresh, part cached.
 
     It is what ``PicConnector`` runs inside vLLM, whose forward computes only a suffix of the prompt
     (``pic.vllm.params.Suffix``, the same count: ``round(ratio * chunk tokens)``); here it lets pic's engine
@@ -41,11 +42,16 @@ class Suffix(Policy):
 
     name = "suffix"
     ratio: float = Field(default=0.2, ge=0.0, le=1.0)
+    whole: bool = False
 
     def select(self, layout: Layout) -> torch.Tensor:
         chunk = layout.cached.nonzero().flatten()  # chunk token indices, in prompt order
         chosen = torch.zeros(layout.num_tokens, dtype=torch.bool)
         num = round(self.ratio * chunk.numel())
-        if num:
-            chosen[chunk[-num:]] = True
-        return chosen
+        if not num:
+            return chosen
+        start = int(chunk[-num])
+        if self.whole:
+            start = next(seg.token_start for seg in layout.chunks if seg.token_start + seg.num_tokens > start)
+        chosen[start:] = True
+        return chosen & layout.cached
