@@ -13,7 +13,7 @@ import subprocess
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import triton
@@ -22,8 +22,16 @@ from pic.attention.triton_launch import launch_attention, launch_store, pow2
 from pic.attention.triton_plan import warmup_batch
 from pic.attention.triton_split import SplitScratch
 
-if TYPE_CHECKING:
-    from pic.attention.triton_backend import TritonBackend
+
+class Launches(Protocol):
+    """What ``compile_launches`` reads of a backend (``TritonBackend``, which imports this module)."""
+
+    shape: object
+
+    def plan(self, batch: object) -> object: ...
+
+    def launches(self, device: torch.device) -> dict: ...
+
 
 # Per SM, sm_80 and sm_90: 64K 32-bit registers, allocated per warp in units of 256; at most 64 warps
 # and 32 programs; 1 KB of shared memory reserved per program.
@@ -50,7 +58,7 @@ class CompiledLaunch:
     kernels: list
 
 
-def compile_launches(backend: TritonBackend, k_cache: torch.Tensor, v_cache: torch.Tensor) -> list[CompiledLaunch]:
+def compile_launches(backend: Launches, k_cache: torch.Tensor, v_cache: torch.Tensor) -> list[CompiledLaunch]:
     """Every launch of ``backend`` (each window kind) and the KV store, compiled through the JIT's own launch path
     over this cache's layout (``k_cache, v_cache``: ``[num_blocks, block_size, Hkv, D]``, one layer's), so each
     variant compiles exactly as it runs. Nothing is launched; split scratch is allocated, never written."""
