@@ -229,9 +229,9 @@ def test_a_recompute_piece_moves_no_value_between_host_and_device():
     with engine.paused() as owned, recorder:
         for _ in range(40):
             owned.step()
-            if all(s.output_ids for s in owned._seqs.values()):
+            if all(s.output_ids for s in owned.scheduler.queues.requests.values()):
                 break
-    assert all(s.output_ids for s in owned._seqs.values())
+    assert all(s.output_ids for s in owned.scheduler.queues.requests.values())
     assert recorder.sites == []
 
 

@@ -13,17 +13,16 @@ import subprocess
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import triton
 
+from pic.attention.backend import AttentionShape
+from pic.attention.batch import AttentionBatch
 from pic.attention.triton_launch import launch_attention, launch_store, pow2
-from pic.attention.triton_plan import warmup_batch
+from pic.attention.triton_plan import Launch, TritonPlan, warmup_batch
 from pic.attention.triton_split import SplitScratch
-
-if TYPE_CHECKING:
-    from pic.attention.triton_backend import TritonBackend
 
 # Per SM, sm_80 and sm_90: 64K 32-bit registers, allocated per warp in units of 256; at most 64 warps
 # and 32 programs; 1 KB of shared memory reserved per program.
@@ -33,6 +32,17 @@ MAX_WARPS_PER_SM = 64
 MAX_PROGRAMS_PER_SM = 32
 SHARED_PER_SM = {80: 164 * 1024, 86: 100 * 1024, 89: 100 * 1024, 90: 228 * 1024}
 RESERVED_SHARED = 1024
+
+
+class Launches(Protocol):
+    """What ``compile_launches`` reads of a backend (``TritonBackend``, which imports this module: a protocol, not
+    an import back)."""
+
+    shape: AttentionShape
+
+    def plan(self, batch: AttentionBatch) -> TritonPlan: ...
+
+    def launches(self, device: torch.device) -> dict[str, Launch]: ...
 
 
 @dataclass(frozen=True)
@@ -50,7 +60,7 @@ class CompiledLaunch:
     kernels: list
 
 
-def compile_launches(backend: TritonBackend, k_cache: torch.Tensor, v_cache: torch.Tensor) -> list[CompiledLaunch]:
+def compile_launches(backend: Launches, k_cache: torch.Tensor, v_cache: torch.Tensor) -> list[CompiledLaunch]:
     """Every launch of ``backend`` (each window kind) and the KV store, compiled through the JIT's own launch path
     over this cache's layout (``k_cache, v_cache``: ``[num_blocks, block_size, Hkv, D]``, one layer's), so each
     variant compiles exactly as it runs. Nothing is launched; split scratch is allocated, never written."""
