@@ -18,20 +18,11 @@ from typing import Protocol
 import torch
 import triton
 
+from pic.attention.backend import AttentionShape
+from pic.attention.batch import AttentionBatch
 from pic.attention.triton_launch import launch_attention, launch_store, pow2
-from pic.attention.triton_plan import warmup_batch
+from pic.attention.triton_plan import Launch, TritonPlan, warmup_batch
 from pic.attention.triton_split import SplitScratch
-
-
-class Launches(Protocol):
-    """What ``compile_launches`` reads of a backend (``TritonBackend``, which imports this module)."""
-
-    shape: object
-
-    def plan(self, batch: object) -> object: ...
-
-    def launches(self, device: torch.device) -> dict: ...
-
 
 # Per SM, sm_80 and sm_90: 64K 32-bit registers, allocated per warp in units of 256; at most 64 warps
 # and 32 programs; 1 KB of shared memory reserved per program.
@@ -41,6 +32,17 @@ MAX_WARPS_PER_SM = 64
 MAX_PROGRAMS_PER_SM = 32
 SHARED_PER_SM = {80: 164 * 1024, 86: 100 * 1024, 89: 100 * 1024, 90: 228 * 1024}
 RESERVED_SHARED = 1024
+
+
+class Launches(Protocol):
+    """What ``compile_launches`` reads of a backend (``TritonBackend``, which imports this module: a protocol, not
+    an import back)."""
+
+    shape: AttentionShape
+
+    def plan(self, batch: AttentionBatch) -> TritonPlan: ...
+
+    def launches(self, device: torch.device) -> dict[str, Launch]: ...
 
 
 @dataclass(frozen=True)
