@@ -93,7 +93,7 @@ def test_one_bos_when_pic_adds_it(template):
     e = engine(template)
     ids, prefix, _ = plain_prompt(e.tokenizer, MESSAGES, strip_bos=True)
     assert not prefix.startswith("<s>")
-    linked = e.link_chat(e.compile(list(DOCS)), MESSAGES)
+    linked = e.link_chat(e.compile(list(DOCS)), MESSAGES, order="given")  # the plain prompt's order
     p = len(encode(e.tokenizer, prefix))
     doc_ids = [[BOS, *encode(e.tokenizer, d)] for d in DOCS]
     expected = [BOS, *ids[:p], *doc_ids[0], *doc_ids[1], *ids[p + sum(len(d) - 1 for d in doc_ids) :]]
@@ -113,7 +113,7 @@ def test_marker_moves_the_documents():
     assert prefix.endswith("<|im_start|>user\nRead this: ") and "Hello." in prefix
     assert query.startswith("Who had a ball?<|im_end|>")
     cids = e.compile(list(DOCS))
-    moved = e.link_chat(cids, messages)
+    moved = e.link_chat(cids, messages, order="given")  # the plain prompt's order
     assert moved.input_ids.tolist() == ids
     unmarked = [*messages[:3], {"role": "user", "content": "Read this: Who had a ball?"}]
     default = e.link_chat(cids, unmarked)  # at the start of the first user message, before "Hello."
