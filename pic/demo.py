@@ -70,7 +70,7 @@ def run_demo(engine: PIC | None = None, *, max_new_tokens: int = 48) -> None:
             linked = engine.link([policy_ids[i] for i in order], QUERY, policy=name)
             out = linked.generate(max_new_tokens)
             same = _common_prefix(out.token_ids, reference.token_ids)
-            label = _label(name, linked)
+            label = _label(name, linked, order)
             print(
                 f"{label:<18} recomputed {_recomputed(linked)}, TTFT {out.ttft_s * 1e3:6.1f} ms, "
                 f"first {same}/{len(reference.token_ids)} tokens equal Full Recompute"
@@ -108,7 +108,7 @@ def _chat_demo(engine: PIC, max_new_tokens: int) -> None:
                 linked = engine.link_chat([], messages, documents=docs, policy=name)
                 out = linked.generate(max_new_tokens)
             same = "same as Full Recompute" if out.text == reference.text else "differs from Full Recompute"
-            label = _label(name, linked, default=default)
+            label = _label(name, linked, order, default=default)
             print(
                 f"{label:<28} recomputed {_recomputed(linked)}, TTFT {out.ttft_s * 1e3:5.0f} ms "
                 f"({prefill_s / out.ttft_s:4.1f}x the prefill), {same}"
@@ -117,11 +117,17 @@ def _chat_demo(engine: PIC, max_new_tokens: int) -> None:
         print()
 
 
-def _label(name: str, linked, *, default: str | None = None) -> str:
-    """``[spec]``, marked when it is the default, and the policy it ran when it chose another (``auto``)."""
+def _label(name: str, linked, order: list[int], *, default: str | None = None) -> str:
+    """``[spec]``, marked when it is the default, and the policy it ran when it chose another (``auto``) and the
+    documents' order when it moved them (``auto``: by relevance), numbered as the demo numbers them (``order``:
+    the documents' indices as linked)."""
     asked = policies.resolve(name)
     label = f"[{asked.spec}]" + (" (default)" if name == default else "")
-    return label if linked.policy == asked else f"{label} -> {linked.policy.spec}"
+    if linked.policy != asked:
+        label += f" -> {linked.policy.spec}"
+    if linked.order.moved:
+        label += " order " + ",".join(str(order[i] + 1) for i in linked.order.indices)
+    return label
 
 
 def _transformers_prefill_s(engine: PIC, input_ids: torch.Tensor) -> float:
