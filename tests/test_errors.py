@@ -404,3 +404,23 @@ def test_a_string_where_a_list_is_expected_is_refused(call, named):
 def test_compile_still_takes_one_string_as_one_document(engine):
     """``compile("text")`` is one document, as documented (the one place a string stands for a list)."""
     assert engine.compile(DOCS[0]) == engine.compile([DOCS[0]]) and len(engine.compile(DOCS[0])) == 1
+
+
+def test_what_repr_shows_are_attributes(engine):
+    """Issue 51, item 7: ``repr(Linked)`` showed ``num_chunks`` and ``num_tokens``, which were no attributes
+    (``linked.num_chunks`` raised AttributeError). Every ``name=value`` the reprs of ``Linked`` and ``Request``
+    show is an attribute holding that value."""
+    import re
+
+    ids = engine.compile(DOCS)
+    request = pic.Request(ids, "One day,", max_new_tokens=2)
+    with engine.link(ids, "One day,", policy="naive") as linked:
+        for obj in (linked, request):
+            top = repr(obj).split(", sampling=")[0]  # Request's sampling: a SamplingParams, its own repr
+            shown = dict(re.findall(r"(\w+)=('[^']*'|[\w.]+)", top))
+            assert "num_chunks" in shown and len(shown) >= 3, repr(obj)
+            assert (obj is linked) or repr(obj.sampling) in repr(obj)
+            for name, value in shown.items():
+                actual = getattr(obj, name)
+                actual = getattr(actual, "spec", getattr(getattr(actual, "order", None), "value", actual))
+                assert str(actual) == value.strip("'") or repr(actual) == value, (name, value, actual)
