@@ -80,8 +80,8 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )  # fmt: skip
     serve.add_argument(
         "--decode-weights", choices=["model", "int8"], default=None,
-        help="int8: decode steps read int8 copies of the weights (CPU, float32; ~1.6x faster decode, not exact: "
-        "docs/cpu.md); default: the model's own",
+        help="int8: decode steps read int8 copies of the weights (CPU, float32; faster decode, not exact: its speed "
+        "and accuracy are measured in docs/cpu.md); default: the model's own",
     )  # fmt: skip
     serve.add_argument(
         "--prefill-order", choices=["interactive", "arrival"], default=None,
