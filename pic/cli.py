@@ -113,6 +113,8 @@ def _run_check(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if hasattr(args, "check_flags"):  # a command whose flags depend on each other: usage error, exit 2
+        args.check_flags(args)
     from pic.errors import PicError
 
     try:

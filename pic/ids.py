@@ -18,6 +18,7 @@ from torch import nn
 
 from pic.config import CompileOptions
 from pic.errors import InvalidInputError
+from pic.text import refuse_text_for_list
 
 # Bump when the meaning of cached KV changes, so old ids stop matching.
 KV_FORMAT_VERSION = 1
@@ -50,15 +51,19 @@ def chunk_id(fingerprint: str, token_ids: Sequence[int], options: CompileOptions
     return hashlib.sha256(key).hexdigest()[:32]
 
 
-def cache_id_list(cache_ids: object) -> list[str]:
-    """``cache_ids`` as a list of strings: one id, or an iterable of ids (as ``compile`` returns them).
+def cache_id_list(cache_ids: object, name: str = "cache_ids") -> list[str]:
+    """``cache_ids`` as a list of strings: an iterable of ids (as ``compile`` returns them).
+
+    One id as a bare string is refused, not taken as a list of one: ``link_chat``'s ``documents`` is a list
+    where a string was iterated character by character, and one rule for every list argument leaves nothing
+    to remember.
 
     Raises:
-        InvalidInputError: anything else (``None``, a number, a list holding a non-string).
+        InvalidInputError: anything else (a string, ``None``, a number, a list holding a non-string), naming
+            ``name``.
     """
-    if isinstance(cache_ids, str):
-        return [cache_ids]
+    refuse_text_for_list(cache_ids, name, "cache ids")
     ids = list(cache_ids) if isinstance(cache_ids, Iterable) else None
     if ids is None or not all(isinstance(cid, str) for cid in ids):
-        raise InvalidInputError(f"cache_ids is {cache_ids!r:.80}; expected a list of cache ids from compile()")
+        raise InvalidInputError(f"{name} is {cache_ids!r:.80}; expected a list of cache ids from compile()")
     return ids

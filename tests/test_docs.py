@@ -166,3 +166,30 @@ def test_integration_examples_send_pic_where_the_server_reads_it(index, modules,
     assert llm["model"] == "smollm2" and llm.get("base_url", llm.get("api_base")) == "http://127.0.0.1:8000/v1"
     user = [messages[-1] for kind, messages in calls if kind == "chat"]
     assert len(user) == 1 and "\n\n{documents}Question: Into which sea" in user[0]
+
+
+def test_install_md_shows_what_the_torch_check_prints(tmp_path):
+    """Issue 51, item 7: docs/install.md's torch check, run right after the first line (torch alone, no NumPy yet),
+    printed a NumPy warning the page did not show. Here NumPy is made missing as it is then (a ``numpy`` that
+    fails to import as a missing one does, first on the path) and the check's output is the page's, its paths
+    aside."""
+    import subprocess
+
+    page = ROOT / "docs" / "install.md"
+    command = next(line for line in _blocks(page, "bash")[0].splitlines() if line.startswith("python -c"))
+    shown = next(b for b in _blocks(page, "") if "Failed to initialize NumPy" in b).splitlines()
+    (tmp_path / "numpy").mkdir()
+    (tmp_path / "numpy" / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'numpy'\")\n")
+    code = command.removeprefix("python -c ").strip('"')
+    run = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"},
+    )  # fmt: skip
+    printed = (run.stderr + run.stdout).splitlines()
+    assert run.returncode == 0 and len(printed) == len(shown) == 3, printed
+    warning = re.sub(r"^.*/site-packages/", ".../site-packages/", printed[0])
+    assert warning.split(" (Triggered")[0] == shown[0].split(" (Triggered")[0], (warning, shown[0])
+    assert printed[1] == shown[1]
+    import torch
+
+    assert printed[2] == f"{torch.__version__} False" and shown[2].endswith("+cpu False")

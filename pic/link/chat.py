@@ -39,8 +39,7 @@ def split_chat(
     if not isinstance(add_generation_prompt, bool):
         raise InvalidInputError(f"add_generation_prompt is {add_generation_prompt!r:.80}; expected True or False")
     check_messages(messages)
-    template = getattr(tokenizer, "chat_template", None)
-    if not template or not hasattr(tokenizer, "apply_chat_template"):
+    if not has_chat_template(tokenizer):
         raise InvalidInputError(
             f"tokenizer {_name(tokenizer)!r} has no chat template; set tokenizer.chat_template, or link "
             f"with an explicit prefix and query (PIC.link)"
@@ -59,6 +58,12 @@ def split_chat(
     if strip_bos and isinstance(bos, str) and bos and prefix.startswith(bos):
         prefix = prefix[len(bos) :]
     return prefix, query
+
+
+def has_chat_template(tokenizer: object) -> bool:
+    """Whether ``tokenizer`` can render chats (a base model's has no template; ``pic serve --chat-template``
+    gives it one)."""
+    return bool(getattr(tokenizer, "chat_template", None)) and hasattr(tokenizer, "apply_chat_template")
 
 
 def check_messages(messages: object) -> None:

@@ -24,6 +24,7 @@ import torch
 
 from pic.errors import InvalidInputError
 from pic.link.lexical import bm25
+from pic.text import refuse_text_for_list
 
 T = TypeVar("T")
 
@@ -119,7 +120,8 @@ def relevance_scores(relevance: object, num_chunks: int) -> tuple[float, ...] | 
     """
     if relevance is None:
         return None
-    if isinstance(relevance, (str, bytes)) or not isinstance(relevance, Sequence | torch.Tensor):
+    refuse_text_for_list(relevance, "relevance", "numbers, one per cache id")
+    if not isinstance(relevance, Sequence | torch.Tensor):
         raise InvalidInputError(f"relevance is {relevance!r:.80}; expected one number per cache id")
     values = relevance.tolist() if isinstance(relevance, torch.Tensor) else list(relevance)
     if not all(isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) for v in values):

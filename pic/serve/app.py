@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from pic.engine import PIC
 from pic.engine import Request as PicRequest
+from pic.link.chat import has_chat_template
 from pic.serve.handlers import install_error_handlers
 from pic.serve.http import Guard, error_response, pic_error_response
 from pic.serve.loop import AsyncEngine
@@ -110,6 +111,8 @@ def build_app(
     async def chat_completions(body: ChatBody, http: Request):
         if body.model != model_name:
             return _unknown_model(body.model, model_name)
+        if not has_chat_template(engine.tokenizer):
+            return _no_chat_template(model_name)
         messages = [m.model_dump() for m in body.messages]
         prefix, query = await aengine.cpu(engine.chat_segments, messages)  # renders: off the loop
         context = await aengine.cpu(engine.chat_context, messages) if body.pic.documents else None
@@ -193,6 +196,16 @@ async def _disconnected(http: Request) -> None:
     """Return when the client has gone (the body was read already: what arrives next is the disconnect)."""
     while (await http.receive())["type"] != "http.disconnect":
         pass
+
+
+def _no_chat_template(served: str) -> JSONResponse:
+    """The 400 of a chat on a model without a chat template, saying what a server's user can do about it (the
+    library's error names ``PIC.link``, which a client of the server cannot call)."""
+    return error_response(
+        400, f"model {served!r} has no chat template, so it cannot render chat messages: start pic serve with "
+        "--chat-template FILE (a Jinja chat template), or send the prompt as text to /v1/completions",
+        param="messages",
+    )  # fmt: skip
 
 
 def _unknown_model(asked: str, served: str) -> JSONResponse:

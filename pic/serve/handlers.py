@@ -1,7 +1,8 @@
 """The app's exception handlers: every error the app answers is OpenAI's error body.
 
-A validation error is a 422 naming each bad field and its value (cut short), or a 400 for a body that is not
-JSON (naming the content-type it came with, when that was not JSON's), an unknown field or an unsupported
+A validation error is a 422 naming each bad field by its path (``pic.documents[0]``) and its value (cut short),
+or a 400 for malformed JSON (where the parser stopped: line, column, character), a body that is not a JSON object
+(naming the content-type it came with, when that was not read as JSON), an unknown field or an unsupported
 parameter; Starlette's own errors (an unknown route, a wrong method:
 405 with its ``Allow`` header) and an unexpected exception (a 500) keep their status in the same shape, so a
 client parses one error format whatever went wrong.
@@ -16,7 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import BaseRoute, Match
 
 from pic.errors import PicError
-from pic.serve.http import error_response, exception_error, pic_error_response, sent_content_type
+from pic.serve.http import error_response, exception_error, pic_error_response, read_as_json, sent_content_type
 
 # Pydantic error types that are a 400 (the request is wrong as a whole), not a 422 (a value is).
 _BAD_REQUEST = ("unknown_parameter", "unsupported_parameter")
@@ -58,32 +59,65 @@ def _allowed(request: Request) -> str:
 
 
 def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
-    """422 naming each bad field and value; a body that is not JSON at all, and a parameter this server does
-    not support, are 400s."""
+    """422 naming each bad field (by its path, ``pic.documents[0]``) and value; a body that is not JSON at all,
+    and a parameter this server does not support, are 400s."""
     errors = exc.errors()
     refused = [e for e in errors if e.get("type") in _BAD_REQUEST]
     if refused:
         return error_response(400, refused[0]["msg"], param=refused[0].get("ctx", {}).get("param"))
-    not_json = any(e.get("type") == "json_invalid" or tuple(e["loc"]) == ("body",) for e in errors)
-    if not_json:
+    malformed = next((e for e in errors if e.get("type") == "json_invalid"), None)
+    if malformed is not None:
+        return error_response(400, _malformed(malformed, exc.body))
+    if any(tuple(e["loc"]) == ("body",) for e in errors):
         return error_response(400, f"the request body is not a valid JSON object{_sent_as(_request)}")
-    problems = []
-    for err in errors[:_MAX_PROBLEMS]:
-        where = ".".join(str(p) for p in err["loc"] if p != "body")
-        problems.append(f"{where}={_echo(err.get('input'))}: {err['msg'].removeprefix('Value error, ')}")
+    problems = [_problem(err) for err in errors[:_MAX_PROBLEMS]]
     if len(errors) > _MAX_PROBLEMS:
         problems.append(f"and {len(errors) - _MAX_PROBLEMS} more")
-    return error_response(422, "; ".join(problems), param=str(errors[0]["loc"][-1]) if errors else None)
+    return error_response(422, "; ".join(problems), param=field_path(errors[0]["loc"]) if errors else None)
+
+
+def field_path(loc: tuple) -> str:
+    """A field's path as a client writes it: ``("body", "pic", "documents", 0)`` -> ``pic.documents[0]``."""
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part != "body":
+            path += f".{part}" if path else str(part)
+    return path
+
+
+def _problem(err: dict) -> str:
+    """One bad field, in words: its path, then what is wrong (the value echoed, cut short; a missing field's
+    "value" is the body around it, which pydantic hands over, and is not echoed)."""
+    where, value = field_path(err["loc"]), err.get("input")
+    if err.get("type") == "missing":
+        return f"{where}: a required field is missing"
+    if err.get("type") == "list_type" and isinstance(value, str):
+        return f"{where} is a string ({_echo(value)}), not a list: pass a list ([{_echo(value)}] for one)"
+    return f"{where}={_echo(value)}: {err['msg'].removeprefix('Value error, ')}"
+
+
+def _malformed(err: dict, body: object) -> str:
+    """A body that does not parse as JSON: the parser's reason and where (line, column and character, as
+    Python's ``json`` says it), whatever content-type it came with (it was read as JSON)."""
+    pos = err["loc"][-1] if isinstance(err["loc"][-1], int) else None
+    reason = err.get("ctx", {}).get("error", "not JSON")
+    if pos is None:
+        return f"the request body is malformed JSON: {reason}"
+    if not isinstance(body, str):
+        return f"the request body is malformed JSON: {reason} at character {pos}"
+    line, column = body.count("\n", 0, pos) + 1, pos - body.rfind("\n", 0, pos)
+    return f"the request body is malformed JSON: {reason} at line {line}, column {column} (char {pos})"
 
 
 def _sent_as(request: Request) -> str:
-    """What a body that is not JSON came as, when that was not ``application/json`` (text/plain is not parsed
-    as JSON; a body without a content-type, or curl -d's form type, was tried as JSON)."""
+    """What a body that is not JSON came as, when it was not read as JSON (``text/plain``); a body without a
+    content-type, or with curl -d's form type, was read as JSON, and its content-type is not the problem."""
     sent = sent_content_type(request.scope)
-    if sent is not None and sent.split(";")[0].strip().lower() == "application/json":
+    if read_as_json(sent):
         return ""
-    came = "without a content-type" if sent is None else f"with content-type {sent[:_MAX_ECHO]!r}"
-    return f" (it came {came}; send JSON, with content-type: application/json)"
+    return f" (it came with content-type {sent[:_MAX_ECHO]!r}; send JSON, with content-type: application/json)"
 
 
 # An error names at most this many problems, each value echoed in at most this many characters: a large

@@ -26,7 +26,7 @@ from pic.errors import (
 
 # A POST body with no content-type, or curl -d's form type, is taken as JSON: every body this server reads is
 # JSON, and the header is easy to forget (curl -d sends the form type unless told otherwise).
-_TAKEN_AS_JSON = (b"", b"application/x-www-form-urlencoded")
+_TAKEN_AS_JSON = ("", "application/x-www-form-urlencoded")
 # The scope key under which the Guard keeps a request's content-type as it came (``sent_content_type``).
 _SENT_CONTENT_TYPE = "pic.sent_content_type"
 
@@ -88,6 +88,18 @@ def sent_content_type(scope: dict) -> str | None:
     return None if sent is None else sent.decode("latin-1")
 
 
+def read_as_json(content_type: str | None) -> bool:
+    """Whether a body sent with ``content_type`` (``None``: no header) was parsed as JSON: JSON's own type, and
+    the ones the ``Guard`` takes as JSON."""
+    return _media_type(content_type) in (*_TAKEN_AS_JSON, "application/json")
+
+
+def _media_type(content_type: str | bytes | None) -> str:
+    """``"Application/JSON; charset=utf-8"`` -> ``"application/json"`` (``None``: ``""``)."""
+    text = content_type.decode("latin-1") if isinstance(content_type, bytes) else content_type or ""
+    return text.split(";")[0].strip().lower()
+
+
 def _header(scope: dict, name: bytes) -> bytes | None:
     return next((value for key, value in scope["headers"] if key == name), None)  # ASGI names: lower case
 
@@ -97,7 +109,7 @@ def _take_as_json(scope: dict) -> None:
     ``application/json`` in ``scope`` (the app parses only JSON-typed bodies as JSON; the others were "not a
     JSON object" however JSON they were); what it came with is kept for the error of a body that is not JSON."""
     sent = _header(scope, b"content-type")
-    if scope["method"] != "POST" or (sent or b"").split(b";")[0].strip().lower() not in _TAKEN_AS_JSON:
+    if scope["method"] != "POST" or _media_type(sent) not in _TAKEN_AS_JSON:
         return
     scope[_SENT_CONTENT_TYPE] = sent
     headers = [(key, value) for key, value in scope["headers"] if key != b"content-type"]

@@ -80,8 +80,8 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )  # fmt: skip
     serve.add_argument(
         "--decode-weights", choices=["model", "int8"], default=None,
-        help="int8: decode steps read int8 copies of the weights (CPU, float32; ~1.6x faster decode, not exact: "
-        "docs/cpu.md); default: the model's own",
+        help="int8: decode steps read int8 copies of the weights (CPU, float32; faster decode, not exact: its speed "
+        "and accuracy are measured in docs/cpu.md); default: the model's own",
     )  # fmt: skip
     serve.add_argument(
         "--prefill-order", choices=["interactive", "arrival"], default=None,
@@ -93,7 +93,23 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="the share of each step's token budget bulk compiles keep while completions wait (default: 0.125)",
     )  # fmt: skip
     serve.add_argument("--skip-check", action="store_true", help="serve even if the start-up `pic check` fails")
+    serve.set_defaults(check_flags=lambda args: check_flags(serve, args))
     return serve
+
+
+def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """What one flag's ``type`` cannot check: flags that need each other, and the configs the flags make
+    together. A problem is an argparse error naming the flags (usage, exit 2), before the port or the model is
+    touched, as every other bad option is."""
+    from pic.errors import InvalidInputError
+
+    if (args.disk_path is None) != (args.disk_bytes is None):
+        given, needed = ("--disk-path", "--disk-bytes") if args.disk_bytes is None else ("--disk-bytes", "--disk-path")
+        parser.error(f"{given} needs {needed}: the disk tier's folder and its size (--disk-path DIR --disk-bytes 200G)")
+    try:
+        engine_config(args), store_config(args)
+    except InvalidInputError as exc:
+        parser.error(str(exc))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -108,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
         from pic.errors import MissingDependencyError
 
         raise MissingDependencyError('pic serve needs FastAPI and uvicorn: pip install "pic-kv[serve]"') from None
-    config, store = engine_config(args), store_config(args)  # the flags' values: checked before the port is taken
+    config, store = engine_config(args), store_config(args)  # checked already (check_flags): exit 2 when bad
     sock = listen(args.host, args.port)
     if sock is None:
         return 1
@@ -234,7 +250,8 @@ def store_config(args: argparse.Namespace):
     """The ``StoreConfig`` the store flags ask for; ``None``: the default (the KV pool alone).
 
     Raises:
-        InvalidInputError: ``--disk-path`` without ``--disk-bytes`` or the reverse.
+        InvalidInputError: ``--disk-path`` without ``--disk-bytes`` or the reverse (``check_flags`` says so first,
+            naming the flags).
     """
     import pic
 

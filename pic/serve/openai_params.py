@@ -68,8 +68,9 @@ ROUTE_HINTS: dict[str, dict[str, str]] = {
     "/v1/chat/completions": {"prompt": "a prompt goes to /v1/completions; a chat sends messages"},
 }
 
-# At most this many unknown fields are named, each in at most this many characters.
-_MAX_NAMED, _MAX_NAME = 4, 60
+# At most this many unknown fields are named, each in at most this many characters; a refused value is echoed
+# whole up to _MAX_VALUE characters.
+_MAX_NAMED, _MAX_NAME, _MAX_VALUE = 4, 60, 40
 
 
 def unknown_fields(data: dict, known: set[str], route: str) -> tuple[str, str, str] | None:
@@ -90,8 +91,9 @@ def unsupported_parameters(data: dict) -> tuple[str, str, str] | None:
     asked = [key for key, neutral in UNSUPPORTED.items() if key in data and not _neutral(data[key], neutral)]
     if not asked:
         return None
-    names = ", ".join(f"{key}={data[key]!r:.40}" for key in asked)
-    return "unsupported_parameter", asked[0], f"{names}: not supported by this server (leave them out)"
+    names = ", ".join(f"{key}={_brief(data[key])}" for key in asked)
+    leave = "leave it out" if len(asked) == 1 else "leave them out"
+    return "unsupported_parameter", asked[0], f"{names}: not supported by this server ({leave})"
 
 
 def openai_properties() -> dict[str, dict]:
@@ -121,6 +123,18 @@ def _hint(key: str, route: str) -> str:
     if hint is not None:
         return hint
     return f'not a parameter of {route} (OpenAI\'s, or pic\'s under "pic": {{"documents": [...], ...}})'
+
+
+def _brief(value: object) -> str:
+    """``value`` as the error echoes it: whole when short (``logprobs=5``), else its kind and size
+    (``tools=[...] (1 item)``): a repr cut at a fixed width ended the message mid-value, mid-word."""
+    text = repr(value)
+    if len(text) <= _MAX_VALUE:
+        return text
+    if isinstance(value, list | dict):  # JSON's arrays and objects
+        shape, unit = ("[...]", "item") if isinstance(value, list) else ("{...}", "key")
+        return f"{shape} ({len(value)} {unit}{'s' if len(value) != 1 else ''})"
+    return f"{text[: _MAX_VALUE - 3]}... ({len(text)} characters)"
 
 
 def _name(key: str) -> str:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pic.errors import InvalidInputError, PicError
 from pic.link.chat import split_chat
 from pic.link.order import ChunkOrder, Order, chunk_order, parse_order, relevance_scores
+from pic.text import refuse_text_for_list
 from pic.vllm.params import DEFAULT_POLICY, PARAMS_KEY, link_salt, parse_policy
 
 
@@ -82,6 +83,7 @@ def link_prompt(
         InvalidInputError: no chunks, an empty query, an unknown policy or order, bad relevance scores.
     """
     suffix = parse_policy(policy)
+    refuse_text_for_list(chunks, "chunks", "(cache id, token ids) pairs")
     if not chunks:
         raise InvalidInputError("link_prompt needs at least one chunk")
     if not query_ids:

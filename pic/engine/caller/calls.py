@@ -18,6 +18,7 @@ from pic.engine.request import CompileJob, CompileReport, LinkOutput, NewRequest
 from pic.errors import InvalidInputError
 from pic.link.policies import Policy
 from pic.store.lease import FleetLeases
+from pic.text import refuse_text_for_list
 
 # Running at least this many requests, or compiling this many documents, shows a progress bar (unless
 # ``progress`` says otherwise).
@@ -26,7 +27,8 @@ _PROGRESS_MIN = 8
 
 def check_requests(requests: object) -> None:
     """Raises: InvalidInputError: ``requests`` is not a sequence of ``pic.Request`` (naming the first that is not)."""
-    if not isinstance(requests, Sequence) or isinstance(requests, str):
+    refuse_text_for_list(requests, "requests", "pic.Request objects")
+    if not isinstance(requests, Sequence):
         raise InvalidInputError(f"requests is {requests!r:.80}; expected a list of pic.Request")
     bad = next((i for i, r in enumerate(requests) if not isinstance(r, Request)), None)
     if bad is not None:

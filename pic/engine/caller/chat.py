@@ -15,9 +15,11 @@ from collections.abc import Sequence
 
 from pic.config import PICConfig
 from pic.engine.caller.linked import Linked
+from pic.ids import cache_id_list
 from pic.link import policies
 from pic.link.chat import DOCUMENTS_MARKER, split_chat
 from pic.link.order import Order
+from pic.text import refuse_text_for_list
 
 
 class ChatMethods:
@@ -53,10 +55,12 @@ class ChatMethods:
 
         Raises:
             InvalidInputError: malformed messages, no place for the documents, several markers, a
-                tokenizer without a chat template; and everything ``link`` and ``compile`` raise.
+                tokenizer without a chat template, a string for ``cache_ids`` or ``documents`` (pass a list:
+                ``["text"]`` for one); and everything ``link`` and ``compile`` raise.
         """
+        ids = cache_id_list(cache_ids)
+        refuse_text_for_list(documents, "documents", "documents")  # iterated, a string is a document per character
         prefix, query = self.chat_segments(messages, add_generation_prompt=add_generation_prompt)
-        ids = list(cache_ids)
         if documents:  # interactive: this request waits for them, so their prefills go before bulk compiles
             context = self.chat_context(messages)
             ids += self.compile(list(documents), policy=policy, context=context, progress=False, interactive=True)

@@ -32,6 +32,7 @@ class Linked:
         order: the order the chunks ran in (``ChunkOrder``: ``order.order`` is ``Order.GIVEN`` or
             ``Order.RELEVANCE``, ``order.indices`` the caller's chunk indices in prompt order).
         cache_ids: the chunks' cache ids in prompt order.
+        num_chunks, num_tokens: ``len(cache_ids)`` and ``len(input_ids)`` (as ``repr`` shows them).
         link_s: seconds ``link`` took (waiting for the engine included).
         num_shared_blocks: blocks of the request's table that alias a chunk's canonical block (no
             copy: one physical copy serves every live request linking the chunk).
@@ -153,6 +154,16 @@ class Linked:
             self.release()
 
     @property
+    def num_chunks(self) -> int:
+        """The chunks linked (``len(cache_ids)``)."""
+        return len(self.cache_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """The linked prompt's tokens (``len(input_ids)``)."""
+        return int(self.input_ids.shape[0])
+
+    @property
     def block_ids(self) -> list[int]:
         """The physical KV blocks of the request's linked prompt, in slot order (a copy of its block table
         when ``link`` returned)."""
@@ -178,7 +189,7 @@ class Linked:
 
     def __repr__(self) -> str:
         return (
-            f"Linked(num_tokens={self.input_ids.shape[0]}, num_chunks={len(self.layout.chunks)}, "
+            f"Linked(num_tokens={self.num_tokens}, num_chunks={self.num_chunks}, "
             f"num_recomputed={self.num_recomputed}, policy={self.policy.spec!r}, order={self.order.order.value!r})"
         )
 

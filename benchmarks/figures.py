@@ -1,0 +1,321 @@
+"""The docs' headline figures, rendered from their one source: the results files under benchmarks/results/.
+
+A number copied by hand into three pages drifts apart from them after the next re-measure (issue 51 found the
+same accuracy as 60.5% in one page and 58.3% in the table it linked). So a page marks such text, inline or as
+a block of lines, and this module renders it from the JSON:
+
+    ... decodes <!-- figures: decode_at_a_glance -->12.5 tokens/s ...<!-- /figures --> after ...
+
+    <!-- figures: decode_table -->
+    | | batch 1 | ...
+    <!-- /figures -->
+
+``NAME`` is a function below, registered with ``@figure``, that reads results files and returns the text. The
+markers are HTML comments, so GitHub shows only the text. tests/test_figures.py re-renders every marked block of
+README.md and docs/*.md and fails on any difference (a number no results file holds has no renderer to come
+from). After a re-measure:
+
+    python benchmarks/figures.py            # check: the blocks that differ, as diffs (exit 1 if any)
+    python benchmarks/figures.py --write    # rewrite them in place
+
+How to add a block: docs/testing.md ("Figures in the docs").
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+MARK = re.compile(r"<!-- figures: (?P<name>[\w-]+) -->(?P<body>.*?)<!-- /figures -->", re.S)
+# A marker that starts a line opens an HTML block in Markdown, which ends the paragraph around it: such a marker
+# must be a line of its own between blank lines (a table's block); inline, it follows text on its line.
+LINE_START = re.compile(r"^[ \t]*<!-- /?figures", re.M)
+
+FIGURES: dict[str, Callable[[], str]] = {}
+
+
+def figure(render: Callable[[], str]) -> Callable[[], str]:
+    """Register ``render`` under its function's name: the ``NAME`` of ``<!-- figures: NAME -->``."""
+    FIGURES[render.__name__] = render
+    return render
+
+
+@cache
+def results(name: str) -> dict:
+    """A results file of benchmarks/results/ (``cpu_rag.json``), parsed."""
+    return json.loads((RESULTS / name).read_text())
+
+
+def pages() -> list[Path]:
+    """The pages whose marked blocks are checked: README.md and docs/*.md."""
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+@dataclass(frozen=True)
+class Block:
+    """One marked block of a page: its renderer's ``name``, the ``line`` it starts on and its text (``body``)."""
+
+    page: Path
+    name: str
+    line: int
+    body: str
+
+
+def blocks(page: Path) -> list[Block]:
+    """The marked blocks of ``page``, but those in code (a fenced example of a marker, as docs/testing.md shows)."""
+    text = page.read_text()
+    return [
+        Block(page, m["name"], text.count("\n", 0, m.start()) + 1, m["body"])
+        for m in MARK.finditer(_outside_code(text))
+    ]
+
+
+def _outside_code(text: str) -> str:
+    """``text`` with the lines of fenced code blocks blanked by spaces (every offset and line number holds)."""
+    out, fenced = [], False
+    for line in text.split("\n"):
+        opens = line.lstrip().startswith("```")
+        out.append(" " * len(line) if fenced or opens else line)
+        fenced ^= opens
+    return "\n".join(out)
+
+
+def rendered(name: str) -> str:
+    """The text of block ``name`` as its results files say now.
+
+    Raises:
+        KeyError: no renderer of that name (the block's figures have no source).
+    """
+    if name not in FIGURES:
+        raise KeyError(f"<!-- figures: {name} --> has no renderer in benchmarks/figures.py (known: {sorted(FIGURES)})")
+    return FIGURES[name]().strip("\n")
+
+
+def _with_body(body: str, text: str) -> str:
+    """``text`` in place of ``body``: a block of lines (a table) keeps its blank lines around it; an inline one
+    spanning lines is wrapped as wide as it was, its later lines indented as they were (a list item's)."""
+    lead, trail = body[: len(body) - len(body.lstrip("\n"))], body[len(body.rstrip("\n")) :]
+    if lead or "\n" in text or "\n" not in body:
+        return f"{lead}{text}{trail}"
+    first, *rest = body.split("\n")
+    indent = re.match(r"[ \t]*", rest[0]).group()
+    lines, line, limit = [], "", len(first)
+    for word in text.split(" "):
+        if line.strip() and len(line) + 1 + len(word) > limit:
+            lines.append(line)
+            line, limit = indent + word, max(len(part) for part in rest)
+        else:
+            line = f"{line} {word}" if line.strip() else f"{line}{word}"
+    return "\n".join([*lines, line])
+
+
+def render_page(text: str) -> str:
+    """``text`` with every marked block rendered anew (a block whose words are unchanged is left as wrapped; code
+    is left alone)."""
+    out, end = [], 0
+    for m in MARK.finditer(_outside_code(text)):  # the same offsets as text's: code was blanked by spaces
+        figure_text = rendered(m["name"])
+        body = m["body"] if same(m["body"], figure_text) else _with_body(m["body"], figure_text)
+        out += [text[end : m.start()], f"<!-- figures: {m['name']} -->{body}<!-- /figures -->"]
+        end = m.end()
+    return "".join([*out, text[end:]])
+
+
+def same(body: str, text: str) -> bool:
+    """Whether a block's ``body`` says ``text``, however the page wraps its lines (runs of spaces and line breaks
+    are one space: a page may wrap a rendered sentence at its own width)."""
+    return body.split() == text.split()
+
+
+def stale(page: Path) -> list[str]:
+    """Each block of ``page`` whose text is not what its results files say, as a unified diff."""
+    out = []
+    for block in blocks(page):
+        want = rendered(block.name)
+        if not same(block.body, want):
+            where = f"{page.relative_to(ROOT)}:{block.line} <!-- figures: {block.name} -->"
+            diff = difflib.unified_diff(
+                block.body.strip("\n").splitlines(), want.splitlines(), "the page", "the results", lineterm=""
+            )
+            out.append(f"{where}\n" + "\n".join(diff))
+    return out
+
+
+def misplaced(page: Path) -> list[str]:
+    """Markers that would break the page's Markdown or the check: one starting a line but not alone on it between
+    blank lines (it would end its paragraph), or one without its other half (its block would go unchecked)."""
+    text, name = _outside_code(page.read_text()), page.relative_to(ROOT)
+    lines, out = text.splitlines(), []
+    for i, line in enumerate(lines):
+        if LINE_START.match(line):
+            alone = re.fullmatch(r"<!-- (figures: [\w-]+|/figures) -->", line.strip()) is not None
+            blank = all(not lines[j].strip() for j in (i - 1, i + 1) if 0 <= j < len(lines))
+            if not (alone and blank):
+                out.append(f"{name}:{i + 1}: a marker that starts a line must be alone on it, between blank lines")
+    opened, closed = len(re.findall(r"<!-- figures: ", text)), text.count("<!-- /figures -->")
+    if not opened == closed == len(blocks(page)):
+        out.append(f"{name}: {opened} opening and {closed} closing markers for {len(blocks(page))} blocks")
+    return out
+
+
+# -- the figures -------------------------------------------------------------------------------------------------
+
+
+def _x(ratio: float) -> str:
+    return f"{ratio:.2f}x"
+
+
+def _points(share: float) -> str:
+    """A difference of two shares in signed points: ``-0.01`` -> ``-1.0``."""
+    return f"{100 * share:+.1f}"
+
+
+def _interval(score: dict) -> str:
+    """An accuracy's 95% interval in percent: ``79.4-89.3``."""
+    return f"{100 * score['accuracy_low']:.1f}-{100 * score['accuracy_high']:.1f}"
+
+
+@figure
+def decode_table() -> str:
+    """README's and docs/cpu.md's decode table: tokens/s after the first of 32 (cpu_rag.json)."""
+    decode = results("cpu_rag.json")["decode"]
+    rate, vs_hf, vs_cpp = decode["tokens_per_s"], decode["ratio"]["hf"], decode["ratio"]["llama.cpp"]
+    rows = [
+        ("transformers (float32)", "hf", False),
+        ("llama.cpp (Q4_1)", "llama.cpp", False),
+        ("pic (float32, exact)", "pic", True),
+        ("pic, int8 decode weights", "pic int8", True),
+    ]
+    lines = ["| | batch 1 | / transformers | / llama.cpp | batch 8 | batch 16 |", "|---|---:|---:|---:|---:|---:|"]
+    for label, key, batched in rows:
+        one = f"{key} x1" if batched else key
+        more = [f"{rate[f'{key} x{n}']:.1f}" if batched else "" for n in (8, 16)]
+        cells = [label, f"{rate[one]:.1f}", _ratio(vs_hf[one]), _ratio(vs_cpp[one]), *more]
+        lines.append(f"| {' | '.join(cells)} |".replace("|  |", "| |").replace("|  |", "| |"))
+    return "\n".join(lines)
+
+
+def _ratio(ratio: float) -> str:
+    """A ratio as the tables write it: ``2.91x``, and a row's own baseline ``1.0x``."""
+    return "1.0x" if ratio == 1.0 else f"{ratio:.2f}x"
+
+
+@figure
+def decode_at_a_glance() -> str:
+    """README's "Results at a glance" decode line (cpu_rag.json, int8_accuracy.json)."""
+    decode, int8 = results("cpu_rag.json")["decode"], results("int8_accuracy.json")["int8_minus_model"]
+    rate, vs_hf, vs_cpp = decode["tokens_per_s"], decode["ratio"]["hf"], decode["ratio"]["llama.cpp"]
+    return (
+        f"{rate['pic x1']:.1f} tokens/s in float32 (exact; transformers {rate['hf']:.1f}), {rate['pic int8 x1']:.1f} "
+        f"with int8 decode weights ({_x(vs_hf['pic int8 x1'])} transformers, {_points(int8['diff'])} point of QA "
+        f"accuracy, {_points(int8['low'])} to {_points(int8['high'])}), against llama.cpp's {rate['llama.cpp']:.1f} on "
+        f"its Q4_1 weights ({_x(vs_cpp['pic int8 x1'])}); {rate['pic int8 x8']:.1f} tokens/s for 8 requests decoding "
+        "together"
+    )
+
+
+@figure
+def int8_accuracy() -> str:
+    """README's int8 paragraph: the QA accuracy with and without int8 decode weights (int8_accuracy.json)."""
+    report = results("int8_accuracy.json")
+    diff = report["int8_minus_model"]
+    return (
+        f"it answers {report['int8']['accuracy']:.1%} against float32's {report['model']['accuracy']:.1%}, "
+        f"paired **{_points(diff['diff'])} point ({_points(diff['low'])} to {_points(diff['high'])})**, "
+        f"{report['same_reply']:.0%} of replies identical ({report['num_cases']} cases)"
+    )
+
+
+@figure
+def int8_accuracy_detail() -> str:
+    """docs/cpu.md's int8 accuracy bullet, with both intervals and the cases gained and lost."""
+    report = results("int8_accuracy.json")
+    model, int8, diff = report["model"], report["int8"], report["int8_minus_model"]
+    return (
+        f"{model['accuracy']:.1%} ({_interval(model)}), int8 {int8['accuracy']:.1%} ({_interval(int8)}), "
+        f"**paired difference {_points(diff['diff'])} point ({_points(diff['low'])} to {_points(diff['high'])})**, "
+        f"{report['same_reply']:.0%} of replies the same text, {report['num_gained']} case gained and "
+        f"{report['num_lost']} lost"
+    )
+
+
+def _default_cell(model: str, workload: str, layout: str) -> dict:
+    """One cell of the default policy's table (default_policy.json)."""
+    cells = results("default_policy.json")["cells"]
+    return next(c for c in cells if (c["model"], c["workload"], c["layout"]) == (model, workload, layout))
+
+
+@figure
+def chat_default_qa() -> str:
+    """docs/chat.md: the default against Full Recompute on SmolLM2's short documents asked about first, the cell of
+    the table that page links to (policies.md, "Which policy should I use")."""
+    cell = _default_cell("smollm2", "qa", "before")
+    return (
+        f"{cell['default']:.1%} of questions under the default against Full Recompute's {cell['full']:.1%} "
+        f"({cell['num_cases']} cases)"
+    )
+
+
+@figure
+def default_policy_table() -> str:
+    """The default against Full Recompute in every cell (default_policy.json, as benchmarks/default_table.py
+    prints it). Ready for docs/policies.md's "Which policy should I use" table."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from default_table import table
+
+    return table(results("default_policy.json")["cells"])
+
+
+EPIC_GENERATION = ("legolink:16", "mepic", "cacheblend:0.15")
+
+
+@figure
+def epic_generation_paragraphs() -> str:
+    """What the EPIC / CacheBlend / MEPIC generation loses on SmolLM2's paragraphs, each layout (the profiles
+    runs: smollm2_profiles.json, question first; smollm2_profiles_question_after.json, after). Ready for
+    README's "Results at a glance" and docs/policies.md, which gave 19-23 and 10-23 for it."""
+
+    def span(name: str) -> str:
+        rows = {r["policy"]: r for r in results(name)["scores"]}
+        losses = sorted(-100 * rows[p]["diff_vs_full"] for p in EPIC_GENERATION)
+        return f"{losses[0]:.0f}–{losses[-1]:.0f}"
+
+    cases = results("smollm2_profiles.json")["num_cases_evaluated"]
+    return (
+        f"loses {span('smollm2_profiles.json')} points on SmolLM2's paragraphs with the question first and "
+        f"{span('smollm2_profiles_question_after.json')} with it after ({cases} cases each)"
+    )
+
+
+# -- the command -------------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Check (or --write) the docs' figure blocks against the results.")
+    parser.add_argument("--write", action="store_true", help="rewrite the blocks that differ, in place")
+    args = parser.parse_args(argv)
+    broken = [problem for page in pages() for problem in misplaced(page)]
+    if broken:
+        print("\n".join(broken))
+        return 1
+    differ = [page for page in pages() if stale(page)]
+    for page in differ:
+        if args.write:
+            page.write_text(render_page(page.read_text()))
+            print(f"rewrote {page.relative_to(ROOT)}")
+        else:
+            print("\n\n".join(stale(page)))
+    return 0 if args.write or not differ else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
