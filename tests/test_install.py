@@ -71,7 +71,7 @@ def test_extras():
     brings the openai client its examples use; the test extra the schemathesis that the API tests use."""
     extras = _extras()
     assert "triton" not in extras["test"] and extras["triton"] == ["triton"]
-    assert "openai" in extras["serve"] and "schemathesis" in extras["test"]
+    assert "openai" in extras["serve"] and "schemathesis" in extras["test"] and "pytest-xdist" in extras["test"]
     assert set(extras["serve"]) | set(extras["gguf"]) | set(extras["eval"]) <= set(extras["test"])
 
 
@@ -95,13 +95,14 @@ def test_ci_runs_the_readme_install_and_test_commands():
     install = _readme_block("Install")
     torch_line, test_line, vllm_line = _command(install[0]), _command(install[-2]), _command(install[-1])
     assert torch_line == "pip install torch --index-url https://download.pytorch.org/whl/cpu"
-    assert test_line.endswith("&& python -m pytest -q") and '".[test,triton]"' in test_line
+    pytest = "python -m pytest -q -n 2 --dist loadfile"  # two workers (pytest-xdist, in the test extra): CI's 2 cores
+    assert test_line.endswith(f"&& {pytest}") and '".[test,triton]"' in test_line
     assert vllm_line == "bash tests_vllm/run.sh"  # the vLLM connector's tests, in a virtualenv of their own
     ci = (ROOT / ".ci" / "run").read_text().splitlines()
     assert "python3 -m venv --clear .ci/.venv" in ci and ". .ci/.venv/bin/activate" in ci  # from scratch
     assert f"pip install torch==2.13.0 && {test_line}" in ci
     assert "rm -rf .ci/.vllm-venv" in ci and ci[-1] == f"VLLM_VENV=.ci/.vllm-venv {vllm_line}"  # from scratch too
-    assert _command(_readme_block("Tests")[0]) == "python -m pytest -q"
+    assert _command(_readme_block("Tests")[0]) == pytest
 
 
 def _requirements(extras: set[str]) -> set[str]:

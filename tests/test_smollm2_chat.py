@@ -288,7 +288,7 @@ def test_link_chat_compiles_documents_in_the_chats_context(smollm2):
 
 
 def test_cli_eval_accuracy_profiles_in_context(smollm2, tmp_path):
-    argv = ["eval", "accuracy", "--model", "smollm2", "--workload", "profiles", "--cases", "2", "--sink-cases", "0"]
+    argv = ["eval", "accuracy", "--model", "smollm2", "--workload", "profiles", "--cases", "1", "--sink-cases", "0"]
     argv += ["--policies", "regions@context ape", "--max-new-tokens", "4", "--out", str(tmp_path), "--name", "p"]
     assert main(argv) == 0
     data = json.loads((tmp_path / "p.json").read_text())

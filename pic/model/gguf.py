@@ -111,7 +111,7 @@ def converted(path: Path) -> Path:
     try:
         _convert(path, partial)
         (partial / _MARKER).write_text(json.dumps({"format": _FORMAT, "source": str(path), "sha256": digest}) + "\n")
-        if folder.exists():  # an interrupted conversion, or an old format: replace it
+        if folder.exists() and not _is_complete(folder, digest):  # interrupted, or an old format: replace it
             shutil.rmtree(folder, ignore_errors=True)
         try:
             os.replace(partial, folder)
