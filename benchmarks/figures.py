@@ -248,31 +248,33 @@ def int8_accuracy_detail() -> str:
     )
 
 
-def _default_cell(model: str, workload: str, layout: str) -> dict:
-    """One cell of the default policy's table (default_policy.json)."""
-    cells = results("default_policy.json")["cells"]
-    return next(c for c in cells if (c["model"], c["workload"], c["layout"]) == (model, workload, layout))
+def _grid_cell(model: str, workload: str, layout: str) -> dict:
+    """The default's line of one cell of the order grid (order_grid/order_grid.json)."""
+    cells = results("order_grid/order_grid.json")["cells"]
+    key = (model, workload, layout, "auto:0.2@context")
+    return next(c for c in cells if (c["model"], c["workload"], c["layout"], c["row"]) == key)
 
 
 @figure
 def chat_default_qa() -> str:
     """docs/chat.md: the default against Full Recompute on SmolLM2's short documents asked about first, the cell of
     the table that page links to (policies.md, "Which policy should I use")."""
-    cell = _default_cell("smollm2", "qa", "before")
+    cell = _grid_cell("smollm2", "qa", "before")
     return (
-        f"{cell['default']:.1%} of questions under the default against Full Recompute's {cell['full']:.1%} "
+        f"{cell['accuracy']:.1%} of questions under the default against Full Recompute's {cell['full']:.1%} "
         f"({cell['num_cases']} cases)"
     )
 
 
 @figure
-def default_policy_table() -> str:
-    """The default against Full Recompute in every cell (default_policy.json, as benchmarks/default_table.py
-    prints it). Ready for docs/policies.md's "Which policy should I use" table."""
+def order_grid_table() -> str:
+    """docs/policies.md's and README's accuracy table: the default in every cell of the order grid, against Full
+    Recompute in the caller's order and the link's (order_grid/order_grid.json, as benchmarks/order_grid.py
+    prints it)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from default_table import table
+    from order_grid import table
 
-    return table(results("default_policy.json")["cells"])
+    return table(results("order_grid/order_grid.json")["cells"])
 
 
 EPIC_GENERATION = ("legolink:16", "mepic", "cacheblend:0.15")

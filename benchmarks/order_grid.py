@@ -122,20 +122,30 @@ def cells(folder: Path) -> list[dict]:
     return sorted(found, key=lambda c: (rank[c["model"]], rank[c["workload"]], rank[c["layout"]], c["row"]))
 
 
-def table(found: list[dict]) -> str:
-    def points(c: dict, key: str) -> str:
-        return f"{100 * c[key]:+.1f} ({100 * c[key + '_low']:+.1f} to {100 * c[key + '_high']:+.1f})"
+DEFAULT_ROW, GIVEN_ROW = "auto:0.2@context", "auto:0.2@context/given"
 
+
+def table(found: list[dict]) -> str:
+    """One line per cell: the default (``auto``, which orders by relevance) against Full Recompute in the caller's
+    order and in the link's own, and the old default (``auto`` in the caller's order) where the cell ran it."""
+
+    def points(c: dict, key: str) -> str:
+        text = f"{100 * c[key]:+.1f} ({100 * c[key + '_low']:+.1f} to {100 * c[key + '_high']:+.1f})"
+        return text.replace("-", "\u2212")
+
+    given = {(c["model"], c["workload"], c["layout"]): c for c in found if c["row"] == GIVEN_ROW}
     lines = [
-        "| model | workload | question | row | cases | FR (given) | row | vs FR, given order (95% CI) | "
-        "vs FR, the link's order (95% CI) | reordered | chunk token-layers | link speedup |",
-        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| model | workload | question | cases | Full Recompute | default | vs Full Recompute (95% CI) | "
+        "vs Full Recompute in the link's order | caller's order kept (the old default) | chunk token-layers | "
+        "link speedup |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for c in found:
+    for c in (c for c in found if c["row"] == DEFAULT_ROW):
+        old = given.get((c["model"], c["workload"], c["layout"]))
         lines.append(
-            f"| {MODELS[c['model']]} | {c['workload']} | {c['layout']} | `{c['row']}` | {c['num_cases']} | "
-            f"{c['full']:.1%} | {c['accuracy']:.1%} | {points(c, 'diff')} | {points(c, 'diff_link_order')} | "
-            f"{c['reordered']:.0%} | {c['chunk_token_layers']:.1%} | {c['speedup']:.2f}x |"
+            f"| {MODELS[c['model']]} | {c['workload']} | {c['layout']} | {c['num_cases']} | {c['full']:.1%} | "
+            f"{c['accuracy']:.1%} | {points(c, 'diff')} | {points(c, 'diff_link_order')} | "
+            f"{points(old, 'diff') if old else '(not run)'} | {c['chunk_token_layers']:.1%} | {c['speedup']:.2f}x |"
         )
     return "\n".join(lines)
 

@@ -142,8 +142,12 @@ WORKLOADS = {
 }
 
 
-def accuracy(llm, engine, num_cases: int, workload: str, seed: int = 0) -> dict:
-    """Every case answered by each arm; correctness paired against vLLM's own prefill."""
+def accuracy(
+    llm, engine, num_cases: int, workload: str, seed: int = 0, arms: tuple[str, ...] = (), haystack_tokens: int = 0
+) -> dict:
+    """Every case answered by each arm (``arms``: all when empty; vLLM's prefill always, the reference);
+    correctness paired against vLLM's own prefill. ``haystack_tokens``: the needles' haystack (0: the workload's
+    default)."""
     import importlib
 
     from pic.evaluation.accuracy_report import paired_difference, wilson_interval
@@ -151,12 +155,15 @@ def accuracy(llm, engine, num_cases: int, workload: str, seed: int = 0) -> dict:
 
     module, name = WORKLOADS[workload].split(":")
     make = getattr(importlib.import_module(module), name)
-    cases = make(num_cases=num_cases, question_first=False, seed=seed).cases
+    options = {"haystack_tokens": haystack_tokens} if haystack_tokens else {}
+    cases = make(num_cases=num_cases, question_first=False, seed=seed, **options).cases
+    chosen = ("vllm_prefill", *(a for a in arms if a != "vllm_prefill")) if arms else ARMS
     built = [_case_prompts(engine, case) for case in cases]
     _vllm_answers(llm, [built[0]], "connector_naive", check=False)  # the first link stores the shared prefix
-    replies = {arm: _vllm_answers(llm, built, arm) for arm in _VLLM_ARMS}
+    replies = {arm: _vllm_answers(llm, built, arm) for arm in _VLLM_ARMS if arm in chosen}
     for arm, policy in (("pic_engine_naive", "naive"), ("pic_engine_auto", "auto")):
-        replies[arm] = [_pic_reply(engine, b, policy) for b in built]
+        if arm in chosen:
+            replies[arm] = [_pic_reply(engine, b, policy) for b in built]
     correct = {
         arm: [score_answer(r, case).correct for r, case in zip(rs, cases, strict=True)] for arm, rs in replies.items()
     }
@@ -166,10 +173,12 @@ def accuracy(llm, engine, num_cases: int, workload: str, seed: int = 0) -> dict:
         mean, lo, hi = paired_difference([int(m) - int(r) for m, r in zip(marks, reference, strict=True)])
         rows[arm] = {"accuracy": sum(marks) / len(marks), "accuracy_ci": wilson_interval(sum(marks), len(marks)),
                      "diff_vs_vllm_prefill": mean, "diff_ci": [lo, hi]}  # fmt: skip
-    same = [int(a) - int(b) for a, b in zip(correct["connector_naive"], correct["pic_engine_naive"], strict=True)]
-    rows["connector_naive_vs_pic_engine_naive"] = dict(zip(("diff", "lo", "hi"), paired_difference(same), strict=True))
-    agree = sum(a == b for a, b in zip(replies["connector_naive"], replies["pic_engine_naive"], strict=True))
-    rows["connector_naive_replies_equal_pic_engine_naive"] = agree / len(cases)
+    if {"connector_naive", "pic_engine_naive"} <= set(correct):
+        same = [int(a) - int(b) for a, b in zip(correct["connector_naive"], correct["pic_engine_naive"], strict=True)]
+        diff = paired_difference(same)
+        rows["connector_naive_vs_pic_engine_naive"] = dict(zip(("diff", "lo", "hi"), diff, strict=True))
+        agree = sum(a == b for a, b in zip(replies["connector_naive"], replies["pic_engine_naive"], strict=True))
+        rows["connector_naive_replies_equal_pic_engine_naive"] = agree / len(cases)
     return {"workload": f"{workload}, question after the documents", "seed": seed, "num_cases": len(cases),
             "rows": rows}  # fmt: skip
 
@@ -183,6 +192,7 @@ _VLLM_ARMS = (
     "vllm_prefill", "vllm_prefill_relevance", "connector_naive", "connector_suffix", "connector_whole",
     "connector_whole_context",
 )  # fmt: skip
+ARMS = (*_VLLM_ARMS, "pic_engine_naive", "pic_engine_auto")
 
 
 def _case_prompts(engine, case) -> dict:
@@ -252,6 +262,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", type=int, default=100)
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="qa")
+    parser.add_argument("--arms", nargs="+", choices=ARMS, default=(), help="the arms run (default: all)")
+    parser.add_argument("--haystack-tokens", type=int, default=0, help="niah: the haystack (default: the workload's)")
     parser.add_argument("--reps", type=int, default=5, help="TTFT repetitions (0: accuracy only)")
     parser.add_argument("--seed", type=int, default=0, help="the workload's seed")
     parser.add_argument(
@@ -272,7 +284,9 @@ def main() -> None:
         result["ttft"] = ttft(llm, engine, args.reps)
         Path(args.out).write_text(json.dumps(result, indent=1))
     if args.cases:
-        result["accuracy"] = accuracy(llm, engine, args.cases, args.workload, args.seed)
+        result["accuracy"] = accuracy(
+            llm, engine, args.cases, args.workload, args.seed, tuple(args.arms), args.haystack_tokens
+        )
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if k in ("ttft", "accuracy")}, indent=1))
 
