@@ -224,6 +224,19 @@ def decode_at_a_glance() -> str:
 
 
 @figure
+def decode_status() -> str:
+    """README's Status sentence on CPU decode (cpu_rag.json, int8_accuracy.json)."""
+    decode, int8 = results("cpu_rag.json")["decode"], results("int8_accuracy.json")["int8_minus_model"]
+    vs_hf, vs_cpp = decode["ratio"]["hf"], decode["ratio"]["llama.cpp"]
+    loss = _points(int8["diff"]).replace("-", "\u2212")
+    return (
+        f"float32 exact at {_x(vs_hf['pic x1'])} transformers' rate, an optional int8 mode at "
+        f"{_x(vs_hf['pic int8 x1'])} ({_x(vs_cpp['pic int8 x1'])} llama.cpp's on Q4_1 weights) for {loss} point of "
+        "QA accuracy"
+    )
+
+
+@figure
 def int8_accuracy() -> str:
     """README's int8 paragraph: the QA accuracy with and without int8 decode weights (int8_accuracy.json)."""
     report = results("int8_accuracy.json")
