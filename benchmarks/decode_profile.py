@@ -151,6 +151,7 @@ def per_step(long: tuple, short: tuple, num_steps: int) -> dict:
     top = sorted(diff.items(), key=lambda item: item[1][0], reverse=True)[:12]
     row["top_aten_ops"] = [{"op": op, "self_ms_per_step": ms, "calls_per_step": n} for op, (ms, n) in top]
     row["aten_calls_per_step"] = sum(n for _, n in diff.values())
+    row["mm_calls_per_step"] = diff.get("aten::mm", (0.0, 0))[1]  # a count, whatever the top list's timings rank
     return row
 
 

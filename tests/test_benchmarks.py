@@ -349,8 +349,9 @@ def test_decode_profile_quick(tmp_path):
         parts = ("projections", "lm_head", "norms", "activation", "attention", "sampling", "embedding", "other")
         assert all(math.isfinite(row[p]) for p in parts) and math.isfinite(row["unprofiled_step_ms"])
         assert abs(sum(row[p] for p in parts) - row["step_ms"]) < 1e-6
-        mm = [op for op in row["top_aten_ops"] if op["op"] == "aten::mm"]
-        assert row["aten_calls_per_step"] > 0 and mm and mm[0]["calls_per_step"] > 0  # call counts: not timings
+        # call counts, not timings: the top list ranks ops by time, which a loaded machine reorders (a CI-like
+        # run once left aten::mm out of it)
+        assert row["aten_calls_per_step"] > 0 and row["mm_calls_per_step"] > 0 and row["top_aten_ops"]
 
 
 def test_cpu_matmul_quick(tmp_path):
