@@ -261,11 +261,17 @@ def int8_accuracy_detail() -> str:
     )
 
 
+def _order_grid():
+    """benchmarks/order_grid.py, the grid's runner: its default row's name, model names and table."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import order_grid
+
+    return order_grid
+
+
 def _grid_cell(model: str, workload: str, layout: str) -> dict:
     """The default's line of one cell of the order grid (order_grid/order_grid.json)."""
-    cells = results("order_grid/order_grid.json")["cells"]
-    key = (model, workload, layout, "auto:0.2@context")
-    return next(c for c in cells if (c["model"], c["workload"], c["layout"], c["row"]) == key)
+    return next(c for c in _grid_defaults() if (c["model"], c["workload"], c["layout"]) == (model, workload, layout))
 
 
 @figure
@@ -284,19 +290,16 @@ def order_grid_table() -> str:
     """docs/policies.md's and README's accuracy table: the default in every cell of the order grid, against Full
     Recompute in the caller's order and the link's (order_grid/order_grid.json, as benchmarks/order_grid.py
     prints it)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from order_grid import table
-
-    return table(results("order_grid/order_grid.json")["cells"])
+    return _order_grid().table(results("order_grid/order_grid.json")["cells"])
 
 
 _WORKLOAD_NAMES = {"qa": "short documents", "profiles": "paragraphs", "niah-single": "needles (one key)",
                    "niah-multikey": "needles (four keys)"}  # fmt: skip
-_MODEL_NAMES = {"smollm2": "SmolLM2-135M", "qwen0.5b": "Qwen2.5-Coder-0.5B", "qwen1.5b": "Qwen2.5-Coder-1.5B"}
 
 
 def _grid_defaults() -> list[dict]:
-    return [c for c in results("order_grid/order_grid.json")["cells"] if c["row"] == "auto:0.2@context"]
+    default = _order_grid().DEFAULT_ROW
+    return [c for c in results("order_grid/order_grid.json")["cells"] if c["row"] == default]
 
 
 def _cell_phrase(c: dict) -> str:
@@ -311,9 +314,9 @@ def _cell_phrase(c: dict) -> str:
 def order_grid_at_a_glance() -> str:
     """README's accuracy bullet: the default against Full Recompute in the caller's order, every cell of the order
     grid by model (order_grid/order_grid.json)."""
-    cells = _grid_defaults()
-    models = [m for m in _MODEL_NAMES if any(c["model"] == m for c in cells)]
-    parts = [f"{_MODEL_NAMES[m]}: " + ", ".join(_cell_phrase(c) for c in cells if c["model"] == m) for m in models]
+    cells, names = _grid_defaults(), _order_grid().MODELS
+    models = [m for m in names if any(c["model"] == m for c in cells)]
+    parts = [f"{names[m]}: " + ", ".join(_cell_phrase(c) for c in cells if c["model"] == m) for m in models]
     layers = [100 * c["chunk_token_layers"] for c in cells]
     speed = [c["speedup"] for c in cells]
     return (
@@ -328,7 +331,7 @@ def order_grid_misses() -> str:
     missed = [c for c in _grid_defaults() if c["diff"] < -0.03]
     if not missed:
         return "none"
-    return "; ".join(f"{_MODEL_NAMES[c['model']]} {_cell_phrase(c)}" for c in missed)
+    return "; ".join(f"{_order_grid().MODELS[c['model']]} {_cell_phrase(c)}" for c in missed)
 
 
 EPIC_GENERATION = ("legolink:16", "mepic", "cacheblend:0.15")
