@@ -135,18 +135,41 @@ def test_a_broken_invariant_fails_that_request_alone_and_the_engine_serves_the_n
 
 
 def test_a_pass_under_way_goes_before_an_earlier_request_that_waits_for_blocks():
-    """Work under way is scheduled before new work: a probe's second pass (the step after its probe) is not held up
-    behind an earlier request that waits for the blocks the pass's own request holds. (The fuzzer's seed 9 over 256
-    tokens livelocked so: the waiting request waited for the prefilling one, which was never scheduled.)"""
+    """Work under way is scheduled before new work: the pieces of a long static pass are not held up behind an
+    earlier request that waits for the blocks the pass's own request holds (else a livelock: the waiting request
+    waits for the prefilling one, which is never scheduled)."""
+    engine = make_engine("stories260K", kv_pool_tokens=256, eos_token_ids=(), max_num_batched_tokens=16)
+    ids = engine.compile(list(DOCS))
+    stepper = engine.stepper()
+    long = stepper.add_request(pic.Request(ids, QUERY, policy="full", max_new_tokens=4))
+    assert stepper.step() == []  # its first piece
+    big = stepper.add_request(pic.Request([], [5] * 150, policy="naive", max_new_tokens=4))  # fits alone, not beside
+    with engine.paused() as core:
+        seqs = core.scheduler.queues.requests
+        assert seqs[long].status is Status.PREFILLING  # its next pieces are the next steps' work
+        seqs[big].times.arrival_s = seqs[long].times.arrival_s - 1.0  # it came first
+    finished: dict[int, pic.RequestOutput] = {}
+    for _ in range(60):
+        finished |= {out.request_id: out for out in stepper.step() if out.finished}
+    assert set(finished) == {long, big} and all(out.error is None for out in finished.values())
+    assert [len(out.generation.token_ids) for out in finished.values()] == [4, 4]
+
+
+def test_a_probes_second_pass_runs_in_its_probes_step_before_an_earlier_request():
+    """A probe's second pass runs in the step of its probe (a second forward), never held up behind other work: not
+    behind an earlier request that waits for the blocks the probe's own request holds. (The fuzzer's seed 9 over 256
+    tokens livelocked when the second pass was the next step's work: the waiting request waited for the prefilling
+    one, which was never scheduled.)"""
     engine = make_engine("stories260K", kv_pool_tokens=256, eos_token_ids=())
     ids = engine.compile(list(DOCS))
     stepper = engine.stepper()
     probe = stepper.add_request(pic.Request(ids, QUERY, policy="prophetkv", max_new_tokens=4))
-    assert stepper.step() == []  # the probe's forward
+    first = stepper.step()  # the probe's forward, then its second pass's: the first token
+    assert [(out.request_id, len(out.token_ids)) for out in first] == [(probe, 1)]
     big = stepper.add_request(pic.Request([], [5] * 150, policy="naive", max_new_tokens=4))  # fits alone, not beside
     with engine.paused() as core:
         seqs = core.scheduler.queues.requests
-        assert seqs[probe].status is Status.PREFILLING  # its second pass is the next step's work
+        assert seqs[probe].status is Status.RUNNING
         seqs[big].times.arrival_s = seqs[probe].times.arrival_s - 1.0  # it came first
     finished: dict[int, pic.RequestOutput] = {}
     for _ in range(30):

@@ -71,6 +71,7 @@ def make_batch(
     rope: RopeTable,
     scratch: Sequence[dict] = (),
     context: Sequence[tuple[ContextScaling, torch.Tensor] | None] = (),
+    decoding: Sequence[bool] | None = None,
 ) -> AttentionBatch:
     """Describe one forward. Host data goes to the device with non-blocking copies: no host sync, except
     for a dynamic rope type (its tables need each sequence's largest position).
@@ -79,11 +80,15 @@ def make_batch(
         block_tables: per sequence, ``[num_blocks_b]`` int64 physical blocks.
         kv_positions: per sequence, ``[num_blocks_b * block_size]`` int64 slot positions (``-1``: none).
         q_positions: ``[N]`` int64, the query tokens of every sequence, concatenated.
-        seq_lens: query tokens per sequence (``sum == N``; each at least 1).
+        seq_lens: query tokens per sequence (``sum == N``); a sequence with none (every token dropped from a
+            pass) takes no part in attention.
         rope: the engine's rotary table.
         scratch: per sequence, its ``RequestKV.scratch`` (``AttentionBatch.scratch``), or none.
         context: per sequence, ``None`` or its APE context scaling and ``[num_blocks_b * block_size]`` bool chunk
             slots (``RequestKV.context``).
+        decoding: per sequence, whether it decodes (its one token follows every slot it wrote); ``None``: the
+            sequences with one query token. A pass left with one token (the others dropped, or a piece of one) is
+            not decoding: its token may precede written slots, which a decode attends without a mask.
     """
     cu = torch.tensor([0, *seq_lens]).cumsum(0)
     tables = pad_sequence(block_tables, batch_first=True, padding_value=0)
@@ -95,6 +100,7 @@ def make_batch(
         max_positions = [0] * len(seq_lens)
     cos, sin, offsets = rope.tables(max_positions)
     lens = torch.tensor(seq_lens)
+    decodes = lens == 1 if decoding is None else torch.tensor(list(decoding), dtype=torch.bool) & (lens == 1)
     device = q_positions.device
     return AttentionBatch(
         cu_seqlens_q=cu,
@@ -104,8 +110,8 @@ def make_batch(
         rope_cos=cos,
         rope_sin=sin,
         rope_offsets=offsets,
-        decode_seqs=(lens == 1).nonzero().squeeze(1).to(device, non_blocking=True),
-        prefill_seqs=(lens > 1).nonzero().squeeze(1).tolist(),
+        decode_seqs=decodes.nonzero().squeeze(1).to(device, non_blocking=True),
+        prefill_seqs=((lens > 0) & ~decodes).nonzero().squeeze(1).tolist(),
         scratch=tuple(scratch),
         **_context(context, kv.shape[1], device),
     )

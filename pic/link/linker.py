@@ -4,7 +4,7 @@ probe and its second pass), apart from the pool work (``pic.engine.core.kv_manag
 The engine holds one ``LinkState`` per request; only the ``Linker`` writes it. A request goes:
 ``plan`` (order the chunks, lay out, check, choose the tokens, count the blocks) -> the KV manager takes the
 blocks -> ``start`` (set up the pass) -> forwards -> for a query-aware policy, ``probe_done`` (the policy chooses
-from its probe; the second pass is set up, to run in a later forward, and the caller copies the chunk blocks it
+from its probe; the second pass is set up, to run in the next forward, and the caller copies the chunk blocks it
 writes) -> ``pass_done``. A preempted request is planned again over its prompt and the tokens it generated, and
 keeps its chunks' order and its probe's choice.
 """

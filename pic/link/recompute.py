@@ -60,7 +60,7 @@ class RecomputePass:
         num_output_rows: the last tokens of the prompt whose final hidden states the forward returns
             (1 to sample the next token; the query's length for ``Linked.logits``).
         probe: this pass is a query-aware policy's probe: it records the query's attention at every layer
-            (``ProbeRecorder``) and returns no hidden states; ``KVManager.after_probe`` sets up the second pass.
+            (``ProbeRecorder``) and returns no hidden states; ``Linker.probe_done`` sets up the second pass.
         chunkable: the pass may run in pieces over several forwards (chunked prefill: ``piece_size``): only a
             static policy's pass whose tokens' positions increase, so that a piece attends to the pieces before
             it exactly as one forward would (the slots of later pieces are unwritten: masked).
@@ -123,7 +123,8 @@ class RecomputePass:
             slots, positions = to_device(layout.slots, device), to_device(layout.positions, device)
             req.kv_positions[slots] = positions
             if self.is_probe:
-                self._recorder = ProbeRecorder(layout, req, num_layers=self.num_layers)
+                layers = self.policy.probe_layers(self.num_layers)
+                self._recorder = ProbeRecorder(layout, req, num_layers=self.num_layers, layers=layers)
             elif self.policy.is_dynamic:
                 self._tracker = _PassTracker(
                     req.cache, self.num_layers, layout, self.assembly.source_rows, self.policy, index, req
@@ -147,15 +148,18 @@ class RecomputePass:
 
     def result(self) -> PassResult:
         """After the forward: the tokens that ran (and, for a probe, what the query saw)."""
-        tracker = self._tracker
+        tracker, recorder = self._tracker, self._recorder
         tokens, counts = (
             (tracker.tokens, tracker.counts) if tracker else (self.index, [self.num_tokens] * self.num_layers)
         )
         recomputed = torch.zeros(self.layout.num_tokens, dtype=torch.bool)
         recomputed[tokens.cpu()] = True
-        if self._recorder is None:
+        if recorder is None:
             return PassResult(recomputed=recomputed, recomputed_by_layer=tuple(counts))
-        probe = self._recorder.probe(self.layout, recomputed)
+        if recorder.exit is not None:  # the query left the probe after that layer
+            left = self.num_tokens - self.layout.query.num_tokens
+            counts = [n if layer <= recorder.exit else left for layer, n in enumerate(counts)]
+        probe = recorder.probe(self.layout, recomputed)
         return PassResult(recomputed, tuple(counts), probe=probe, num_probe_tokens=self.num_tokens)
 
 

@@ -167,9 +167,11 @@ class ModelRunner:
                 keep = self._keep(view, seqs, starts, lens)
             else:
                 keep = None
-            if keep is not None:  # tokens dropped (CacheBlend): the later layers attend for fewer queries
+            if keep is not None:  # tokens dropped (CacheBlend, a probe's query): later layers attend for fewer
                 hidden, positions, rows, alive = hidden[keep], positions[keep], rows[keep], alive[keep]
                 lens = torch.stack([k.sum() for k in keep.split(lens)]).tolist()  # one host sync
+                if not any(lens):  # (every token left: no sequence returns a row)
+                    break
                 batch = self._batch(seqs, positions, lens)
                 plan = self.attention_backend.plan(batch)
         num_tokens = sum(s.token_ids.shape[0] for s in seqs)
@@ -227,6 +229,7 @@ class ModelRunner:
             rope=self.rope,
             scratch=[s.kv.scratch for s in seqs],
             context=[s.kv.context for s in seqs],
+            decoding=[s.decode for s in seqs],
         )
 
     def _layer(

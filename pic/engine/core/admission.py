@@ -1,7 +1,7 @@
 """``Admission``: the prefill work of a step under what its token budget leaves after the decodes. Work under way
 goes first: resumed links get their place among the running, and passes under way go on (pieces of a long static
-pass, a probe's second pass: they hold their blocks and take no new ones, and a waiting request may be waiting for
-them). Then new work: waiting sequences' recompute passes and chunk prefills (``PrefillOrder.INTERACTIVE``: a
+pass: they hold their blocks and take no new ones, and a waiting request may be waiting for them; a probe's second
+pass runs in its probe's step, ``Scheduler.second_passes``). Then new work: waiting sequences' recompute passes and chunk prefills (``PrefillOrder.INTERACTIVE``: a
 request's work first, in arrival order, then bulk compiles' chunk prefills, with the whole budget in steps with no
 request's pass and ``compile_share`` of it in steps with one; ``PrefillOrder.ARRIVAL``: all of it in arrival order).
 
@@ -142,7 +142,7 @@ class Admission:
     def _admit(self, seq: Sequence, batch: ScheduledBatch, *, budget: int, compiles_wait: bool) -> int | None:
         """Schedule a sequence's prefill work: the tokens it takes from the budget, 0 when it is passed over (its
         chunks are being fetched, or it failed), ``None`` when it must wait and the ones after it too."""
-        if seq.status is Status.PREFILLING:  # its pass goes on (a piece, or a probe's second pass)
+        if seq.status is Status.PREFILLING:  # its pass goes on (the next piece)
             if seq.link.pass_.piece_size(budget) > budget and batch.has_prefill_work:
                 return None
             return self._place(seq, batch, budget=budget)

@@ -36,7 +36,7 @@ class ScheduledBatch:
 
     Attributes:
         passes: recompute passes (or pieces of them) of admitted sequences; a probe's second pass is one too,
-            scheduled in a step after its probe's.
+            in a batch of its own run right after its probe's (``Scheduler.second_passes``).
         pieces: chunk prefills and their part of this step's forward.
         decodes: running: their last token runs (``SeqBlocks.next_slot`` is reserved).
         resumed: parked sequences whose generation starts: their first token is sampled from the

@@ -3,7 +3,8 @@
 Nothing here locks and nothing here is shared: the core thread is the only one that calls it. A step is vLLM v1's:
 take in the loader's answers, ``scheduler.schedule()`` (decodes, then prefill work under one token budget), one
 batched forward over what it chose (recompute passes, chunk-prefill pieces, decode tokens), then
-``scheduler.update_from_output(batch, output)``, the one place a step's results land. The commands
+``scheduler.update_from_output(batch, output)``, the one place a step's results land; a probe that ended has its
+second pass run at once, a second forward in the same step. The commands
 (``pic.engine.commands``) call the rest between two steps.
 """
 
@@ -166,6 +167,9 @@ class EngineCore:
         self.compiles.poll()
         batch = self.scheduler.schedule()
         outputs = self.scheduler.update_from_output(batch, self._execute(batch))
+        second = self.scheduler.second_passes()  # the probes that ended: their second passes, in this step
+        if second.has_forward:
+            outputs += self.scheduler.update_from_output(second, self._execute(second))
         self.compiles.poll()
         return outputs
 

@@ -18,7 +18,7 @@ import torch
 
 from pic.config import PICConfig
 from pic.engine.core.admission import Admission
-from pic.engine.core.batch import ForwardOutput, ScheduledBatch, StepOutput
+from pic.engine.core.batch import ForwardOutput, PassPiece, ScheduledBatch, StepOutput
 from pic.engine.core.chunk_sources import ChunkSources
 from pic.engine.core.compile_calls import CompileCalls
 from pic.engine.core.decoding import Decoder, Sampled
@@ -57,6 +57,7 @@ class Scheduler:
         self.kv, self.linker, self.sources, self.compiles, self.decoder = kv, linker, sources, compiles, decoder
         self.device, self.max_num_batched_tokens = device, config.max_num_batched_tokens
         self.queues = Queues()
+        self._probed: list[Sequence] = []  # probes that ended in this step: their second passes run next
         self.admission = Admission(
             self.queues, kv, linker, sources, max_num_seqs=config.max_num_seqs, prefill_order=config.prefill_order,
             compile_share=config.compile_share, frees_soon=lambda: compiles.num_writing > 0,
@@ -139,6 +140,17 @@ class Scheduler:
                     batch.failed.append((seq, FinishReason.KV_POOL))
         return preempted
 
+    def second_passes(self) -> ScheduledBatch:
+        """The second passes of the probes that ended in this step's forward, to run in the same step: a probe's
+        request is not held up a step more (behind a compile's piece or a pass that came first), and its picks are
+        computed at once. Nothing else runs beside them; an empty batch when no probe ended."""
+        batch = ScheduledBatch()
+        for seq in self._probed:
+            if seq.status is Status.PREFILLING and seq.link.pass_ is not None:  # (not failed since)
+                batch.passes.append(PassPiece(seq, seq.link.pass_.num_left, ends=True))
+        self._probed = []
+        return batch
+
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> bool:
         """Free ``seq``'s blocks for the others (its chunks held); whether it was (else it failed alone)."""
         with self.queues.guard(seq, batch.failed):
@@ -153,7 +165,7 @@ class Scheduler:
 
     def update_from_output(self, batch: ScheduledBatch, output: ForwardOutput) -> list[RequestOutput]:
         """The one place a step's results land: the passes that ended park their link or start decoding (a probe's
-        policy chooses, and its second pass becomes the next step's work), the chunks compiled become resident
+        policy chooses, and its second pass runs next, in the same step: ``second_passes``), the chunks compiled become resident
         and held for the requests that waited for them, every generating sequence samples a token, and every
         output goes to its request's sink. Sequences that could not run, and a failed forward's, fail here."""
         failed: list[tuple[Sequence, Exception | FinishReason]] = list(batch.failed)
@@ -166,6 +178,7 @@ class Scheduler:
             with self.queues.guard(seq, failed):  # (a policy's own error fails its request, not the batch)
                 if seq.link.pass_.is_probe:
                     self.kv.copy_written(seq, self.linker.probe_done(seq.link))
+                    self._probed.append(seq)
                     continue
                 self.linker.pass_done(seq.link)
                 self.kv.pass_done(seq)

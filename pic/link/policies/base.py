@@ -103,6 +103,11 @@ class Policy(BaseModel, ABC):
         """
         raise NotImplementedError
 
+    def probe_layers(self, num_layers: int) -> range:
+        """Query-aware policies: the layers whose attention ``after_probe`` reads (``Probe.layers``). The probe
+        scores only those, and the query leaves it after the last (default: every layer)."""
+        return range(num_layers)
+
     @property
     def is_dynamic(self) -> bool:
         """Whether the policy overrides ``after_layer``."""
