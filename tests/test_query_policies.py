@@ -17,7 +17,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 import pic
 from pic.evaluation.workload import cache_argument
-from pic.policies import A3, ProphetKV
+from pic.policies import A3, FusionRAG, InfoFlow, ProphetKV
 from tests.conftest import make_engine
 from tests.models import DOCS, PREFIX, QUERY, model
 
@@ -73,6 +73,85 @@ def test_probe_attention_equals_transformers_weights(family):
         assert torch.allclose(probe.mass[layer], expected, atol=TOL)
         assert torch.allclose(probe.mass[layer].sum(), torch.tensor(1.0), atol=1e-5)
     assert probe.recomputed.sum() == probe.layout.num_tokens - int(chunk.sum())  # prefix and query
+
+
+@pytest.mark.parametrize("family", NO_WINDOW)
+def test_probe_norm_is_infoflows_attention_norm_of_transformers_weights(family):
+    engine = make_engine(family)
+    ids = engine.compile(list(DOCS))
+    with engine.link(ids[::-1], QUERY, prefix=PREFIX, policy="prophetkv:0.3") as linked:
+        probe = linked.probe
+    attentions, _ = naive_attentions(family, probe.layout)
+    for layer, weights in enumerate(attentions):  # [Hq, Q, T]: heads averaged, then the L2 norm over query rows
+        assert torch.allclose(probe.norm[layer], weights.mean(0).norm(dim=0), atol=TOL)
+
+
+class Chosen(pic.policies.Policy):
+    """A static policy recomputing the tokens it is given: a probe's second pass without its probe."""
+
+    name = "test-chosen"
+    tokens: tuple[int, ...] = ()
+
+    def select(self, layout):
+        chosen = torch.zeros(layout.num_tokens, dtype=torch.bool)
+        chosen[list(self.tokens)] = True
+        return chosen
+
+
+@pytest.mark.parametrize("family", ("llama", "qwen2", "stories260K"))
+@pytest.mark.parametrize("prefix", ["", PREFIX])
+def test_a_probe_of_some_layers_scores_those_and_its_query_leaves_after_the_last(family, prefix):
+    engine = make_engine(family)
+    num_layers = engine.spec.num_layers
+    ids = engine.compile(list(DOCS))
+    with engine.link(ids[::-1], QUERY, prefix=prefix, policy="prophetkv:0.3") as linked:
+        every = linked.probe  # every layer scored
+    band = ProphetKV(ratio=0.3, first_layer=1, num_layers=1)  # layer 1 only: the query leaves the probe after it
+    with engine.link(ids[::-1], QUERY, prefix=prefix, policy=band) as linked:
+        probe, logits, recomputed, by_layer = linked.probe, linked.logits, linked.recomputed, linked.recomputed_by_layer
+    assert probe.layers == range(1, 2)
+    for name in ("mass", "attention", "norm"):
+        got, want = getattr(probe, name), getattr(every, name)
+        assert torch.allclose(got[1], want[1], atol=TOL) and not got[[0, *range(2, num_layers)]].any(), name
+    layout = probe.layout
+    num_query, num_uncached = layout.query.num_tokens, layout.num_tokens - int(layout.cached.sum())
+    num_picked = int((recomputed & layout.cached).sum())
+    probe_rows = [num_uncached] * 2 + [num_uncached - num_query] * (num_layers - 2)
+    assert by_layer == tuple(n + num_picked + num_query for n in probe_rows)
+    # the same tokens recomputed without a probe: the probe's early exit left no trace in the KV (the prefix kept
+    # its exact KV in every layer; the query's upper layers were written by the second pass)
+    chosen = Chosen(tokens=tuple(recomputed.nonzero().flatten().tolist()))
+    with engine.link(ids[::-1], QUERY, prefix=prefix, policy=chosen) as static:
+        assert torch.allclose(static.logits, logits, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("family", ("llama", "stories260K"))
+def test_infoflow_and_fusionrag_recompute_the_top_of_their_scores(family):
+    engine = make_engine(family)
+    num_layers = engine.spec.num_layers
+    ids = engine.compile(list(DOCS))
+    with engine.link(ids, QUERY, prefix=PREFIX, policy="prophetkv:0.3") as linked:
+        every = linked.probe
+    layout = every.layout
+    num = round(0.3 * int(layout.cached.sum()))
+    band = InfoFlow(ratio=0.3, start=0.0, stop=1.0).probe_layers(num_layers)
+    scores = {
+        InfoFlow(ratio=0.3, start=0.0, stop=1.0): every.norm[band.start : band.stop].mean(0),
+        FusionRAG(ratio=0.3): every.attention[num_layers - 1],
+    }
+    for policy, score in scores.items():
+        with engine.link(ids, QUERY, prefix=PREFIX, policy=policy) as linked:
+            recomputed = linked.recomputed
+        expected = ~layout.cached
+        expected[score.masked_fill(~layout.cached, -1.0).topk(num).indices] = True
+        assert torch.equal(recomputed, expected), policy
+
+
+def test_infoflow_reads_a_band_of_the_depth():
+    assert InfoFlow().probe_layers(32) == range(19, 26)  # the code's 22-25 of Llama-3.1-8B lie inside
+    assert InfoFlow().probe_layers(30) == range(18, 24)
+    assert InfoFlow(start=0.0, stop=0.01).probe_layers(4) == range(0, 1)  # at least one layer
+    assert FusionRAG().probe_layers(24) == range(23, 24)
 
 
 @pytest.mark.parametrize("family", ("llama", "mistral", "stories260K"))

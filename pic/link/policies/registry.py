@@ -9,7 +9,8 @@ from pic.link.policies.base import Policy
 from pic.link.policies.builtin import FullRecompute, Naive, Suffix
 from pic.link.policies.cacheblend import CacheBlend
 from pic.link.policies.heads import MEPIC, LegoLink, LegoLinkZero
-from pic.link.policies.query import A3, ProphetKV
+from pic.link.policies.a3 import A3
+from pic.link.policies.query import FusionRAG, InfoFlow, ProphetKV
 from pic.link.policies.regions import Regions
 
 _POLICIES: dict[str, type[Policy]] = {
@@ -22,6 +23,8 @@ _POLICIES: dict[str, type[Policy]] = {
         CacheBlend,
         MEPIC,
         ProphetKV,
+        InfoFlow,
+        FusionRAG,
         A3,
         APE,
         Regions,
