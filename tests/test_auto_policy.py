@@ -1,6 +1,7 @@
-"""``auto``, the default: it links the chunks by relevance, reads where the question is and chooses ``regions``
-(question before the chunks) or a probe's picks (question after them) within one budget, the probe counted. Pinned
-on the accuracy workloads' real chat prompts in SmolLM2's template, both layouts, linked end to end."""
+"""``auto``, the default: the chunks in relevance order, the last (most relevant) ones recomputed whole, at least
+``budget`` of the chunk tokens, under a ceiling of ``max_share`` of the prompt (else the best regions within it), and
+no probe. Pinned on the accuracy workloads' real chat prompts in SmolLM2's template, both layouts, linked end to end,
+and on hand-made layouts for the rule's edges."""
 
 from __future__ import annotations
 
@@ -13,9 +14,7 @@ from pic.evaluation.profiles import profile_workload
 from pic.evaluation.qa import qa_workload
 from pic.kv import ChunkKV
 from pic.link import lay_out
-from pic.link.policies.auto import question_before
-from pic.link.probe import Probe
-from pic.policies import Auto, ProphetKV, Regions
+from pic.policies import Auto, Regions, Suffix
 
 WORKLOADS = {
     "qa": lambda first: qa_workload(num_cases=2, question_first=first, seed=3),
@@ -33,70 +32,62 @@ def _layout(prefix: list[int], query: list[int], chunks=((5, 6, 7),)):
 
 @pytest.mark.parametrize("workload", sorted(WORKLOADS))
 @pytest.mark.parametrize("question_first", [True, False], ids=["question-before", "question-after"])
-def test_the_default_reads_the_layout_and_picks_as_designed(smollm2, workload, question_first):
+def test_the_default_recomputes_the_most_relevant_chunk_whole(smollm2, workload, question_first):
     assert smollm2.default_policy == Auto()
+    seen = set()
     for case in WORKLOADS[workload](question_first).cases:
         messages = case.messages()
         prefix, query = smollm2.chat_segments(messages)
         ids = smollm2.compile(list(case.documents), context=smollm2.chat_context(messages), progress=False)
         with smollm2.link(ids, query + case.answer_prefix, prefix=prefix) as linked:
-            layout, by_layer = linked.layout, linked.recomputed_by_layer
-            # in relevance order: the document holding the answer next to the question (BM25 ranks it first)
+            layout, recomputed, by_layer = linked.layout, linked.recomputed, linked.recomputed_by_layer
+            # in relevance order: the document holding the answer next to the question (BM25 ranks it first) ...
             assert linked.order.order is pic.Order.RELEVANCE and linked.order.indices[-1] in case.gold, case
-            num_chunk, num_other = int(layout.cached.sum()), layout.num_tokens - int(layout.cached.sum())
-            chunk_share = (sum(by_layer) - len(by_layer) * num_other) / (len(by_layer) * num_chunk)
-            if workload == "qa":  # a 20-token query would take half the budget: no probe, the regions alone
-                assert linked.policy == Regions(budget=0.2) and linked.probe is None
-            elif question_first:
-                assert linked.policy == Regions(budget=0.2, picks=0.5) and linked.probe is not None
-            else:
-                assert isinstance(linked.policy, ProphetKV) and linked.probe is not None
-            # the chunk tokens' token-layers, the probe's rerun of the query included, stay within the budget
-            # (Regions may take a window's remainder, ProphetKV rounds its count: a token either way)
-            assert chunk_share <= 0.2 + 1.5 / num_chunk, (workload, chunk_share)
+            # ... recomputed whole (or, over the ceiling, as much of it as fits), and no other chunk token; every
+            # layer alike, one pass, no probe
+            last = layout.chunks[-1]
+            whole = ~layout.cached
+            whole[last.token_start : last.token_start + last.num_tokens] = True
+            assert linked.probe is None and by_layer == (int(recomputed.sum()),) * smollm2.spec.num_layers
+            if int(whole.sum()) <= 0.5 * layout.num_tokens:
+                assert linked.policy == Suffix(ratio=0.05, whole=True) and torch.equal(recomputed, whole)
+            else:  # short documents behind a long query (qa asked first): the ceiling, half the prompt
+                assert isinstance(linked.policy, Regions) and int(recomputed.sum()) <= 0.5 * layout.num_tokens + 1
+                assert int((recomputed & ~whole).sum()) <= len(layout.chunks)  # besides it, chunks' first tokens
+                assert int((recomputed & whole & layout.cached).sum()) > last.num_tokens // 2
+            seen.add(type(linked.policy))
+    if workload != "qa":  # documents of 150 tokens and more: whole
+        assert seen == {Suffix}
 
 
-def test_question_before_needs_a_run_of_the_querys_tokens_in_the_prefix():
-    template = [1, 2, 3]  # e.g. ChatML's "<|im_end|>\n<|im_start|>", in the prefix and the query alike
-    question = [40, 41, 42, 43, 44, 45]
-    assert question_before(_layout([9, *question, 9], [*question, *template]), 5)
-    assert not question_before(_layout([9, *template, 9], [*question, *template]), 5)  # 3 shared tokens only
-    assert not question_before(_layout([9, *question[:4], 9], question), 5)  # a run of 4 is not a question
-    assert not question_before(_layout([], question), 5)  # no prefix: chunks start the prompt
-    assert question_before(_layout([9, *question[:4], 9], question), 4)
+def test_whole_chunks_from_the_last_until_they_hold_the_budget():
+    chunks = [tuple(range(100, 140)), tuple(range(200, 230)), tuple(range(300, 320))]  # 40, 30, 20 tokens
+    layout = _layout([9], [1, 2], chunks)
+    for budget, num_whole in ((0.05, 20), (0.22, 20), (0.23, 50), (0.6, 90)):
+        policy = Auto(budget=budget, max_share=1.0).for_layout(layout)
+        assert policy == Suffix(ratio=budget, whole=True)
+        chosen = policy.recompute_mask(layout) & layout.cached
+        assert int(chosen.sum()) == num_whole and bool(chosen[layout.chunks[-1].tokens].all()), budget
 
 
-def test_after_the_question_the_probe_is_paid_from_the_budget():
-    chunk = tuple(range(100, 200))  # 100 chunk tokens; a 5-token query leaves 0.3 * 100 - 5 = 25 picks
-    assert Auto(budget=0.3).for_layout(_layout([9], list(range(5)), [chunk])) == ProphetKV(ratio=0.25)
-    # a 10-token query would cost a third of those 30 tokens (more than max_probe, a quarter): the regions alone
-    assert Auto(budget=0.3).for_layout(_layout([9], list(range(10)), [chunk])) == Regions(budget=0.3)
-    assert Auto(budget=0.3, max_probe=0.5).for_layout(_layout([9], list(range(10)), [chunk])) == ProphetKV(ratio=0.2)
-    before = Auto(budget=0.3).for_layout(_layout(list(range(10)), list(range(10)), [chunk]))
-    assert before == Regions(budget=0.3)  # the 10-token probe would cost a third of the 30 tokens: regions alone
-    long_chunk = tuple(range(100, 300))
-    before = Auto(budget=0.3).for_layout(_layout(list(range(10)), list(range(10)), [long_chunk]))
-    assert before == Regions(budget=0.3, picks=0.5)  # a sixth of 60: the probe is worth its cost
-
-
-def test_regions_with_picks_spends_the_budget_on_windows_then_the_probes_top_tokens():
-    layout = _layout([9], [150, 151, 152, 153], [tuple(range(100, 200))])  # 100 chunk tokens from index 1
-    mass = torch.zeros(1, layout.num_tokens)
-    mass[0, 1:101] = torch.linspace(1e-3, 1e-4, 100)  # the query's attention falls off along the chunk ...
-    mass[0, 1 + 10 : 1 + 13] = 1.0  # ... and is on chunk tokens 10-12 most
-    probe = Probe(layout=layout, mass=mass, attention=mass, recomputed=~layout.cached)
-    chosen = Regions(budget=0.3, picks=0.5).after_probe(probe)
-    # 0.3 * 100 - 4 (the probe reran the query) = 26 tokens: 13 for the regions (the chunk's head, then 12 of
-    # the window holding the query's words, up to its first match: chunk tokens 40-51), 13 for the picks
-    # (10-12, then the next highest: 1-9 and 13)
-    expected = {0, *range(40, 52), *range(1, 14)}
-    assert set((chosen.nonzero()[:, 0] - 1).tolist()) == expected and len(expected) == 26
+def test_over_the_ceiling_the_best_regions_within_it():
+    long_chunk = tuple(range(100, 300))  # 200 chunk tokens: whole, 209 of the 209-token prompt
+    layout = _layout([9, 8, 7, 6], [1, 2, 3, 4, 5], [long_chunk])
+    policy = Auto(max_share=0.4).for_layout(layout)
+    room = 0.4 * layout.num_tokens - 9  # the prompt's 40%, less its 9 prefix and query tokens
+    assert policy == Regions(budget=round(room / 200, 4))
+    recomputed = policy.recompute_mask(layout)
+    assert int(recomputed.sum()) <= 0.4 * layout.num_tokens
+    # a query that alone fills the ceiling: no chunk token
+    assert Auto(max_share=0.04).for_layout(layout) == Regions(budget=0.0)
 
 
 def test_auto_is_a_spec_and_cannot_be_run_without_a_layout():
-    assert pic.policies.resolve("auto:0.25").budget == 0.25 and Auto().spec == "auto:0.2"
-    assert pic.policies.resolve("auto:0.2,picks=0.25").picks == 0.25
+    assert pic.policies.resolve("auto:0.25").budget == 0.25 and Auto().spec == "auto:0.05"
+    assert pic.policies.resolve("auto:0.1,max_share=0.6").max_share == 0.6
     with pytest.raises(pic.PolicyError, match="budget"):
         pic.policies.resolve("auto:1.5")
+    with pytest.raises(pic.PolicyError, match="max_share"):
+        pic.policies.resolve("auto:0.1,max_share=0")
     with pytest.raises(pic.PolicyError, match="for_layout"):
         Auto().select(_layout([9], [1, 2]))

@@ -37,7 +37,6 @@ def test_quickstart_example():
     lines = _run("quickstart.py")
     # the whole ids, which link() takes (issue "what a new user tripped on", item 4: they were cut to 12)
     assert re.fullmatch(r"cache ids: [0-9a-f]{32}, [0-9a-f]{32}, [0-9a-f]{32}", lines[0]), lines[0]
-    # the default, auto, reads the layout: no text before the chunks, the question after them, and a 4-token
-    # query is a cheap probe (under a quarter of the 20-token budget) -> the probe's picks
-    assert sum("policy='prophetkv:0." in line for line in lines) == 2
+    # the default, auto: the documents by relevance, the most relevant last, recomputed whole
+    assert sum("policy='suffix:0.05,whole=True', order='relevance'" in line for line in lines) == 2
     assert any(line.startswith("Full Recompute") for line in lines)

@@ -135,13 +135,19 @@ def test_plan_for_a_prompt_without_the_chunks_says_why():
     assert "tokens" in result.reason
 
 
-def test_parse_policy_reads_the_three_forms():
+def test_parse_policy_reads_the_four_forms():
     assert parse_policy("naive") == Suffix(0.0) and parse_policy("naive").name == "naive"
     assert parse_policy("full") == Suffix(1.0) and parse_policy("full").name == "full"
     assert parse_policy("suffix:0.2").ratio == 0.2 and parse_policy("suffix:0.2").name == "suffix:0.2"
+    auto = parse_policy("auto")  # pic's default, as vLLM runs it: whole chunks under a ceiling
+    assert auto == Suffix(0.05, whole=True, max_share=0.5) and auto.name == "auto:0.05"
+    assert parse_policy("auto:0.1,max_share=0.5") == Suffix(0.1, whole=True, max_share=0.5)
+    assert parse_policy(parse_policy("auto:0.1,max_share=0.5").name) == Suffix(0.1, whole=True, max_share=0.5)
 
 
-@pytest.mark.parametrize("value", ["suffix:1.5", "suffix:-0.1", "suffix:x", "suffix:nan", "cacheblend:0.15", None])
+@pytest.mark.parametrize(
+    "value", ["suffix:1.5", "suffix:-0.1", "suffix:x", "suffix:nan", "cacheblend:0.15", "auto:2", "autox", None]
+)
 def test_parse_policy_refuses_others_naming_them(value):
     with pytest.raises(InvalidInputError, match=re.escape(repr(value))):
         parse_policy(value)
@@ -162,6 +168,14 @@ def test_a_whole_suffix_takes_the_chunks_it_would_cut():
     assert parse_policy(whole.name) == whole  # the spelling the salt uses reads back
 
 
+def test_auto_takes_whole_chunks_under_its_ceiling_and_cuts_over_it():
+    auto = Suffix(0.05, whole=True, max_share=0.5)
+    assert auto.num_recomputed([300, 300, 300], 1000) == 300  # the last chunk whole: 400 of 1000 tokens
+    assert auto.num_recomputed([300, 500], 850) == 425 - 50  # the last chunk whole: 550 of 850; cut at half
+    assert auto.num_recomputed([30, 40, 50], 250) == 0  # the query and prefix fill the ceiling
+    assert auto.num_recomputed([300, 300, 350]) == 350  # no prompt length: whole, no ceiling
+
+
 @pytest.mark.parametrize("params", [None, {}, {"do_remote_prefill": True}, "pic"])
 def test_parse_params_without_pic_is_none(params):
     assert parse_params(params) is None
@@ -170,8 +184,8 @@ def test_parse_params_without_pic_is_none(params):
 def test_parse_params_reads_compile_and_link_requests():
     assert parse_params({"pic": {"compile": True}}) == CompileRequest()
     link = parse_params({"pic": {"ids": ["a", "b"]}, "other": 1})
-    default = Suffix(0.2, whole=True)  # a request that names no policy: the connector's default
-    assert link == LinkRequest(ids=("a", "b"), policy=default) and link.policy.name == "suffix:0.2,whole=true"
+    default = Suffix(0.05, whole=True, max_share=0.5)  # a request that names no policy: pic's default, auto
+    assert link == LinkRequest(ids=("a", "b"), policy=default) and link.policy.name == "auto:0.05"
     assert parse_params({"pic": {"ids": ["a"], "policy": "naive"}}).policy == Suffix(0.0)
 
 

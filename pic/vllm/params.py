@@ -19,11 +19,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pic.errors import InvalidInputError, PicError
+from pic.link.policies import Auto
 from pic.link.policies import Suffix as SuffixPolicy
 from pic.link.policies import resolve
 
 PARAMS_KEY = "pic"
-DEFAULT_POLICY = "suffix:0.2,whole=true"  # docs/vllm.md: a cut chunk collapses answers on Qwen2.5
+DEFAULT_POLICY = "auto"  # pic's default, as vLLM can run it: the most relevant chunks last, recomputed whole
 _MAX_IDS = 4096
 
 
@@ -34,37 +35,49 @@ class Suffix:
     ``whole``: the suffix reaches back to the start of the chunk it would cut, so no chunk is part loaded, part
     recomputed (a chunk cut so answers worse than one left whole on Qwen2.5-Coder-0.5B: docs/vllm.md).
 
+    ``max_share``: pic's ``auto`` (the default): whole chunks, but the prompt's tokens computed by vLLM (the chunks'
+    suffix, the prefix and query counted as ``auto`` counts them) stay within that share of the prompt; over it,
+    the suffix is cut at the share (pic's engine takes the best regions there, which vLLM cannot run).
+
     ``ratio=0`` is ``"naive"`` (every chunk token from the store), ``ratio=1`` is ``"full"`` (none: a plain
     prefill that only checks the chunks). vLLM computes a suffix of the prompt and nothing else, so the
     tokens a policy recomputes must end the chunks: put the documents that matter most last
-    (``client.link_prompt(order="relevance")``). Spelled as pic's own ``suffix`` policy, which runs the same
-    choice in pic's engine (``pic.link.policies.Suffix``).
+    (``client.link_prompt(order="relevance")``). Spelled as pic's own ``suffix`` (or ``auto``) policy, which runs
+    the same choice in pic's engine (``pic.link.policies.Suffix``, ``Auto``).
     """
 
     ratio: float
     whole: bool = False
+    max_share: float | None = None
 
     @property
     def name(self) -> str:
+        if self.max_share is not None:
+            return Auto(budget=self.ratio, max_share=self.max_share).spec
         named = {0.0: "naive", 1.0: "full"}.get(self.ratio)
         return named or f"suffix:{self.ratio:g}" + (",whole=true" if self.whole else "")
 
-    def num_recomputed(self, chunk_lengths: Sequence[int]) -> int:
-        """Chunk tokens left to vLLM, for chunks of ``chunk_lengths`` tokens in prompt order."""
+    def num_recomputed(self, chunk_lengths: Sequence[int], num_prompt_tokens: int | None = None) -> int:
+        """Chunk tokens left to vLLM, for chunks of ``chunk_lengths`` tokens in prompt order, in a prompt of
+        ``num_prompt_tokens`` (``max_share``'s ceiling; ``None``: the chunks alone)."""
         total = sum(chunk_lengths)
         num = round(self.ratio * total)
-        if not self.whole or num == 0:
-            return num
-        tail = 0
-        for length in reversed(chunk_lengths):  # whole chunks from the last, until they hold the suffix
-            tail += length
-            if tail >= num:
-                return tail
-        return total
+        if self.whole and num > 0:
+            tail = 0
+            for length in reversed(chunk_lengths):  # whole chunks from the last, until they hold the suffix
+                tail += length
+                if tail >= num:
+                    break
+            num = min(tail, total)
+        if self.max_share is not None and num_prompt_tokens is not None:
+            room = int(self.max_share * num_prompt_tokens) - (num_prompt_tokens - total)
+            num = min(num, max(room, 0))
+        return num
 
 
 def parse_policy(value: object) -> Suffix:
-    """``"naive"``, ``"full"``, or pic's ``suffix`` spec: ``"suffix:<ratio in [0, 1]>"``, with ``",whole=true"``.
+    """``"naive"``, ``"full"``, pic's ``auto`` spec (``"auto"``, ``"auto:<budget>[,max_share=<share>]"``), or its
+    ``suffix`` spec: ``"suffix:<ratio in [0, 1]>"``, with ``",whole=true"``.
 
     Raises:
         InvalidInputError: anything else, naming it.
@@ -72,14 +85,16 @@ def parse_policy(value: object) -> Suffix:
     if value in ("naive", "full"):
         return Suffix({"naive": 0.0, "full": 1.0}[value])
     try:
-        policy = resolve(value) if isinstance(value, str) and value.startswith("suffix:") else None
+        policy = resolve(value) if isinstance(value, str) and value.startswith(("suffix:", "auto")) else None
     except PicError:
         policy = None
     if isinstance(policy, SuffixPolicy):
         return Suffix(policy.ratio, whole=policy.whole)
+    if isinstance(policy, Auto):
+        return Suffix(policy.budget, whole=True, max_share=policy.max_share)
     raise InvalidInputError(
-        f"pic policy {value!r:.80} is not one the vLLM connector runs; expected 'naive', 'full' or "
-        f"'suffix:<ratio in [0, 1]>[,whole=true]' (vLLM recomputes a suffix of the prompt only)"
+        f"pic policy {value!r:.80} is not one the vLLM connector runs; expected 'naive', 'full', 'auto[:<budget>]' "
+        f"or 'suffix:<ratio in [0, 1]>[,whole=true]' (vLLM recomputes a suffix of the prompt only)"
     )
 
 
