@@ -317,12 +317,85 @@ def order_grid_at_a_glance() -> str:
     cells, names = _grid_defaults(), _order_grid().MODELS
     models = [m for m in names if any(c["model"] == m for c in cells)]
     parts = [f"{names[m]}: " + ", ".join(_cell_phrase(c) for c in cells if c["model"] == m) for m in models]
-    layers = [100 * c["chunk_token_layers"] for c in cells]
-    speed = [c["speedup"] for c in cells]
-    return (
-        "; ".join(parts) + f" (points, 95% interval, cases), at {min(layers):.1f}-{max(layers):.1f}% of the chunk "
-        f"token-layers, links {min(speed):.1f}-{max(speed):.1f}x faster than Full Recompute"
-    )
+    return "; ".join(parts) + " (points, 95% interval, cases)"
+
+
+def _speed_classes() -> list[tuple[str, list[dict]]]:
+    """The grid's default cells by prompt length: under 2K tokens, 2K to 4K, 4K and more."""
+    cells = _grid_defaults()
+    bands = (("under 2K tokens", 0, 2048), ("of 2K tokens", 2048, 4096), ("of 4K tokens", 4096, 1 << 30))
+    return [(name, [c for c in cells if low <= c["num_prompt_tokens"] < high]) for name, low, high in bands]
+
+
+@figure
+def order_grid_speed() -> str:
+    """The default's link speedup over Full Recompute in the grid, by prompt length, against the issue's targets
+    (order_grid/order_grid.json): the lowest median of a cell in each band, and the share of the prompt recomputed."""
+    parts = []
+    for name, cells in _speed_classes():
+        if not cells:
+            continue
+        speed = [c["speedup"] for c in cells]
+        share = [100 * c["prompt_token_layers"] for c in cells]
+        target = _order_grid().speed_target(min(c["num_prompt_tokens"] for c in cells))
+        parts.append(
+            f"{min(speed):.1f}-{max(speed):.1f}x on prompts {name} (target {target:g}x; "
+            f"{min(share):.0f}-{max(share):.0f}% of the prompt recomputed, {len(cells)} cells)"
+        )
+    return "; ".join(parts)
+
+
+@figure
+def order_grid_speed_misses() -> str:
+    """The grid's cells whose median speedup is under the target for their prompt length."""
+    grid = _order_grid()
+    missed = [c for c in _grid_defaults() if c["speedup"] < grid.speed_target(c["num_prompt_tokens"])]
+    return "; ".join(
+        f"{grid.MODELS[c['model']]} {_cell_phrase(c).rsplit(' ', 4)[0]} {c['speedup']:.2f}x "
+        f"(target {grid.speed_target(c['num_prompt_tokens']):g}x)"
+        for c in missed
+    ) or "none"
+
+
+def _frontier():
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import frontier
+
+    return frontier
+
+
+@figure
+def frontier_table() -> str:
+    """docs/policies.md's frontier: every selection at every budget, per model and cell (frontier/frontier.json, as
+    benchmarks/frontier.py prints it)."""
+    return _frontier().table(results("frontier/frontier.json")["rows"])
+
+
+_PROFILES = (
+    ("SmolLM2-135M, RULER's needle asked after", "link_profile_smollm2_niah"),
+    ("Qwen2.5-Coder-0.5B, paragraphs asked after", "link_profile_qwen0.5b_profiles"),
+)
+
+
+@figure
+def link_profile_table() -> str:
+    """docs/policies.md's profile of the default link before and after (link_profile_*.json and *_before.json: the
+    code before this change and after it, each with ``benchmarks/link_profile.py``)."""
+    lines = [
+        "| case | prompt tokens | code | default ran | link | its rows' forward | probe | the rest | spent beside "
+        "its rows | speedup |",
+        "|---|---:|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for label, name in _PROFILES:
+        for code, suffix in (("before", "_before"), ("after", "")):
+            for tokens, policies in results(f"{name}{suffix}.json")["cases"].items():
+                r = policies["auto"]
+                lines.append(
+                    f"| {label} | {int(tokens):,} | {code} | `{r['ran']}` | {r['link_ms']:,.0f} ms | "
+                    f"{r['rows_ms']:,.0f} ms ({r['rows']:.0f} rows) | {r['probe_ms']:,.0f} ms | {r['other_ms']:,.0f} ms "
+                    f"| {r['spent_share']:.1%} | {r['speedup']:.2f}x |"
+                )
+    return "\n".join(lines)
 
 
 @figure
