@@ -50,7 +50,7 @@ def main() -> None:
     )  # fmt: skip
     tokenizer = llm.get_tokenizer()
     for attempt in ("stores the chat's prefix", "links"):  # a new prefix is prefilled once and stored
-        prompt = chat_link_prompt(tokenizer, chunks, MESSAGES)  # the default: suffix:0.2,whole=true, by relevance
+        prompt = chat_link_prompt(tokenizer, chunks, MESSAGES)  # the default, auto: by relevance, the last whole
         out = llm.generate(prompt.tokens_prompt(), SamplingParams(max_tokens=24, extra_args=prompt.extra_args()))
         r = link_report(out[0].kv_transfer_params, strict=False)
         print(f"{attempt}: {out[0].outputs[0].text!r}")

@@ -127,9 +127,9 @@ class PICConfig(_Frozen):
             EPIC and CacheBlend papers ran their baselines.
         eos_token_ids: token ids that end a generation; ``None`` takes the model's generation
             config (and the tokenizer's EOS).
-        default_policy: the recompute policy ``link`` uses when none is given: ``auto`` (pic's own: ``regions``
-            when the question comes before the chunks, a probe's picks when it follows them, within a fifth of
-            the chunk token-layers; docs/policies.md).
+        default_policy: the recompute policy ``link`` uses when none is given: ``auto`` (pic's own: the chunks in
+            relevance order, the most relevant recomputed whole, at least 5% of the chunk tokens, within half the
+            prompt; docs/policies.md).
         max_num_seqs: most requests the engine runs at once (one decode token each per step).
         max_num_batched_tokens: the token budget of one engine step (vLLM's): one token per running request,
             then recompute passes and chunk-prefill pieces (a compile's chunks run in pieces of what is left,

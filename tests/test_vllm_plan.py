@@ -170,10 +170,9 @@ def test_a_whole_suffix_takes_the_chunks_it_would_cut():
 
 def test_auto_takes_whole_chunks_under_its_ceiling_and_cuts_over_it():
     auto = Suffix(0.05, whole=True, max_share=0.5)
-    assert auto.num_recomputed([300, 300, 300], 1000) == 300  # the last chunk whole: 400 of 1000 tokens
-    assert auto.num_recomputed([300, 500], 850) == 425 - 50  # the last chunk whole: 550 of 850; cut at half
-    assert auto.num_recomputed([30, 40, 50], 250) == 0  # the query and prefix fill the ceiling
-    assert auto.num_recomputed([300, 300, 350]) == 350  # no prompt length: whole, no ceiling
+    assert auto.num_recomputed([300, 300, 300]) == 300  # the last chunk whole: a third of the chunk tokens
+    assert auto.num_recomputed([300, 500]) == 400  # the last chunk, 500 of 800, cut at half the chunk tokens
+    assert auto.num_recomputed([10, 12]) == 11 and auto.num_recomputed([12, 10]) == 10
 
 
 @pytest.mark.parametrize("params", [None, {}, {"do_remote_prefill": True}, "pic"])

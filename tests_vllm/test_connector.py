@@ -121,18 +121,19 @@ def test_suffix_policy_recomputes_the_last_chunk_tokens(llm, engine, ids):
 
 
 def test_the_default_recomputes_whole_chunks_most_relevant_last(llm, engine, ids):
-    """The default, ``suffix:0.2,whole=true``: the suffix reaches back to the start of the chunk it would cut (a chunk
-    part loaded, part recomputed answers worse than one left whole), over the documents in relevance order."""
+    """The default, pic's ``auto``: the last chunks whole, at least 5% of the chunk tokens (the most relevant
+    document: a chunk part loaded, part recomputed answers worse than one left whole), over the documents in
+    relevance order, within half the chunk tokens."""
     llm.reset_prefix_cache()
     chunks = _chunks(engine, ids)
     prompt = chat_link_prompt(engine.tokenizer, chunks, MESSAGES)
-    assert prompt.policy == "suffix:0.2,whole=true" and prompt.order.order.value == "relevance"
+    assert prompt.policy == "auto:0.05" and prompt.order.order.value == "relevance"
     out = _generate(llm, prompt.tokens_prompt(), extra_args=prompt.extra_args())
     report = link_report(out.kv_transfer_params)
     in_order = [len(tokens) for _, tokens in prompt.order.apply(chunks)]
-    whole = next(sum(in_order[-k:]) for k in range(1, len(in_order) + 1) if sum(in_order[-k:]) >= 0.2 * sum(in_order))
-    assert report["num_recomputed"] == whole > round(0.2 * report["num_chunk_tokens"])  # the case cuts a chunk
-    assert report["order"] == "relevance" and report["policy"] == "suffix:0.2,whole=true"
+    whole = next(sum(in_order[-k:]) for k in range(1, len(in_order) + 1) if sum(in_order[-k:]) >= 0.05 * sum(in_order))
+    assert report["num_recomputed"] == min(whole, int(0.5 * sum(in_order))) > round(0.05 * report["num_chunk_tokens"])
+    assert report["order"] == "relevance" and report["policy"] == "auto:0.05"
     assert out.num_cached_tokens == report["num_loaded"]
 
 

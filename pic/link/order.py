@@ -35,8 +35,8 @@ class Order(str, enum.Enum):
     - ``GIVEN``: the caller's order, token for token.
     - ``RELEVANCE``: the least relevant first, the most relevant last, next to the query (where a model
       reading the question after the documents looks most; and where a recomputed suffix would fall).
-    - ``POLICY``: what the link's policy chooses for the layout (``Policy.order_for``): ``auto`` reads where
-      the question is; every other built-in policy keeps the caller's order.
+    - ``POLICY``: what the link's policy chooses for the layout (``Policy.order_for``): ``auto`` orders by
+      relevance; every other built-in policy keeps the caller's order.
     """
 
     GIVEN = "given"

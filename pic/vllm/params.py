@@ -35,9 +35,8 @@ class Suffix:
     ``whole``: the suffix reaches back to the start of the chunk it would cut, so no chunk is part loaded, part
     recomputed (a chunk cut so answers worse than one left whole on Qwen2.5-Coder-0.5B: docs/vllm.md).
 
-    ``max_share``: pic's ``auto`` (the default): whole chunks, but the prompt's tokens computed by vLLM (the chunks'
-    suffix, the prefix and query counted as ``auto`` counts them) stay within that share of the prompt; over it,
-    the suffix is cut at the share (pic's engine takes the best regions there, which vLLM cannot run).
+    ``max_share``: pic's ``auto`` (the default): whole chunks, at most that share of the chunk tokens; over it, the
+    suffix is cut at the share (pic's engine takes the best regions there, which vLLM cannot run).
 
     ``ratio=0`` is ``"naive"`` (every chunk token from the store), ``ratio=1`` is ``"full"`` (none: a plain
     prefill that only checks the chunks). vLLM computes a suffix of the prompt and nothing else, so the
@@ -57,9 +56,8 @@ class Suffix:
         named = {0.0: "naive", 1.0: "full"}.get(self.ratio)
         return named or f"suffix:{self.ratio:g}" + (",whole=true" if self.whole else "")
 
-    def num_recomputed(self, chunk_lengths: Sequence[int], num_prompt_tokens: int | None = None) -> int:
-        """Chunk tokens left to vLLM, for chunks of ``chunk_lengths`` tokens in prompt order, in a prompt of
-        ``num_prompt_tokens`` (``max_share``'s ceiling; ``None``: the chunks alone)."""
+    def num_recomputed(self, chunk_lengths: Sequence[int]) -> int:
+        """Chunk tokens left to vLLM, for chunks of ``chunk_lengths`` tokens in prompt order."""
         total = sum(chunk_lengths)
         num = round(self.ratio * total)
         if self.whole and num > 0:
@@ -69,9 +67,8 @@ class Suffix:
                 if tail >= num:
                     break
             num = min(tail, total)
-        if self.max_share is not None and num_prompt_tokens is not None:
-            room = int(self.max_share * num_prompt_tokens) - (num_prompt_tokens - total)
-            num = min(num, max(room, 0))
+        if self.max_share is not None:
+            num = min(num, int(self.max_share * total))
         return num
 
 

@@ -108,8 +108,7 @@ class SchedulerSide:
             return 0
         plan = plan_link(
             prompt, params.ids, lookup.chunks, start=lookup.start, num_computed=num_computed,
-            num_recomputed=params.policy.num_recomputed([len(c) for c in lookup.chunks], len(prompt)),
-            prefix_id=lookup.prefix_id,
+            num_recomputed=params.policy.num_recomputed([len(c) for c in lookup.chunks]), prefix_id=lookup.prefix_id,
             prefix_stored=lookup.prefix_stored,
         )  # fmt: skip
         tracked = _Tracked(plan=plan, num_computed=num_computed)

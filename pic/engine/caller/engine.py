@@ -134,8 +134,8 @@ class PIC(CompileMethods, ChatMethods):
         ranks chunks (``regions``) recomputes the most relevant ones first, and the relevance order uses it.
         ``order``: where the chunks go: ``"given"`` (the caller's order, token for token), ``"relevance"``
         (the most relevant last, next to the query: by ``relevance``, else BM25 over token ids), or
-        ``"policy"`` / ``None`` (the default): the policy's choice (``auto`` reorders by relevance when the
-        question comes only after the chunks; every other built-in policy keeps the given order).
+        ``"policy"`` / ``None`` (the default): the policy's choice (``auto`` orders by relevance, in every layout;
+        every other built-in policy keeps the given order).
         ``Linked.order`` says what ran, and ``Linked.input_ids`` is the prompt as it ran.
 
         Raises:

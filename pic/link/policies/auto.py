@@ -14,9 +14,11 @@ budgets of 5 to 30%, and the grid), what keeps the answers is where the tokens a
   keep, and with the question before the documents only the question's document recomputed whole reads it.
 - **No probe.** The selection is static, so the link is one pass of its recomputed rows, which can run in pieces
   beside other work; a probe's extra pass over the query bought no answers in relevance order.
-- **A ceiling.** When the whole chunks would make the link recompute more than ``max_share`` of the prompt's tokens
-  (the prefix and query included: a few long documents), the most relevant regions within that share are taken
-  instead (``Regions``), so the link stays about 1 / ``max_share`` times sooner than Full Recompute.
+- **A ceiling.** When the whole chunks would be more than ``max_share`` of the chunk tokens (a few long documents,
+  the most relevant the longest), the most relevant regions within that share are taken instead (``Regions``), so
+  the link recomputes at most about ``max_share`` of the documents whatever their sizes. The prefix and query are
+  not counted: they are recomputed under every policy, and a short prompt whose query is half of it still needs
+  its document read (a ceiling on the whole prompt left such links with no document token recomputed).
 
 The chosen policy is what ``Linked.policy`` reports.
 """
@@ -35,10 +37,8 @@ from pic.link.policies.regions import Regions
 
 
 class Auto(Policy):
-    """The last (most relevant) chunks whole, at least ``budget`` of the chunk tokens, at most ``max_share`` of the
-    prompt's tokens recomputed in all (else the best regions within it); the chunks in relevance order (the module
-    docstring). ``budget``: the least share of the chunk tokens recomputed (whole chunks, from the last);
-    ``max_share``: the most the link recomputes, as a share of the prompt's tokens, its prefix and query included."""
+    """The last (most relevant) chunks whole, at least ``budget`` and at most ``max_share`` of the chunk tokens (else
+    the best regions within ``max_share``); the chunks in relevance order (the module docstring)."""
 
     name = "auto"
     budget: float = Field(default=0.05, ge=0.0, le=1.0)
@@ -47,11 +47,9 @@ class Auto(Policy):
     def for_layout(self, layout: Layout) -> Policy:
         whole = Suffix(ratio=self.budget, whole=True)
         num_chunk = int(layout.cached.sum())
-        num_whole = int(whole.select(layout).sum())
-        room = self.max_share * layout.num_tokens - (layout.num_tokens - num_chunk)  # chunk tokens within the ceiling
-        if num_whole <= room or not num_chunk:
+        if int(whole.select(layout).sum()) <= self.max_share * num_chunk or not num_chunk:
             return whole
-        return Regions(budget=round(max(room, 0.0) / num_chunk, 4))
+        return Regions(budget=self.max_share)
 
     def order_for(self, layout: Layout) -> Order:
         """The relevance order, in every layout (module docstring)."""
