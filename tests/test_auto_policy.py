@@ -61,6 +61,19 @@ def test_whole_chunks_from_the_last_until_they_hold_the_budget():
         assert int(chosen.sum()) == num_whole and bool(chosen[layout.chunks[-1].tokens].all()), budget
 
 
+@pytest.mark.parametrize(("num_chunks", "num_recomputed"), [(4, 256), (8, 256), (16, 256), (32, 512)])
+def test_a_longer_prompt_of_more_documents_recomputes_a_smaller_share(num_chunks, num_recomputed):
+    """The budget is a floor in whole chunks: one 256-token document of a prompt of 1K, 2K or 4K chunk tokens (two of
+    8K: 5% is 410 tokens), so the link's speedup grows with the prompt (docs/policies.md: 4x at 2K tokens, 5x at
+    4K)."""
+    chunks = [tuple(range(1000 * i, 1000 * i + 256)) for i in range(num_chunks)]
+    layout = _layout(list(range(20)), list(range(30)), chunks)
+    policy = Auto().for_layout(layout)
+    chosen = policy.recompute_mask(layout)
+    assert policy == Suffix(ratio=0.05, whole=True) and int((chosen & layout.cached).sum()) == num_recomputed
+    assert bool(chosen[layout.chunks[-1].tokens].all())
+
+
 def test_over_the_ceiling_the_best_regions_within_it():
     chunks = [tuple(range(100, 160)), tuple(range(200, 340))]  # 60 and 140 chunk tokens: the last is 70%
     layout = _layout([9, 8, 7, 6], [1, 2, 3, 4, 5], chunks)
