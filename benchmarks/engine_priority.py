@@ -157,11 +157,12 @@ def main() -> None:
     parser.add_argument("--docs", type=int, default=200, help="documents per compile (at most 200)")
     parser.add_argument("--http", action="store_true", help="also the server case (a pic serve process per order)")
     parser.add_argument("--http-docs", type=int, default=1024, help="documents of the server's POST /v1/chunks")
+    parser.add_argument("--step-tokens", type=int, default=None, help="PICConfig.max_num_batched_tokens (default: the engine's)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     began = time.perf_counter()
     pool = (args.rounds + 1) * args.docs * DOC_BLOCK_TOKENS  # every round's chunks stay resident (none evicted)
-    config = {"eos_token_ids": (), "kv_pool_tokens": pool}
+    config = {"eos_token_ids": (), "kv_pool_tokens": pool, "max_num_batched_tokens": args.step_tokens}
     engines = {o: pic.load(config=pic.PICConfig(prefill_order=o, **config)) for o in ORDERS}
     ids = {o: e.compile(STREAM_CHUNKS[:2], progress=False) for o, e in engines.items()}
     raw: dict[str, list[dict]] = {o: [] for o in ORDERS}

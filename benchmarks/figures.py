@@ -428,6 +428,48 @@ def epic_generation_paragraphs() -> str:
     )
 
 
+_VLLM_ROWS = (
+    ("vllm_miss", "vLLM, the documents in a new order"),
+    ("vllm_hit", "vLLM, the order it has seen (its prefix cache hits)"),
+    ("connector_auto", "vLLM + PicConnector, `auto` (the default: the most relevant document whole)"),
+    ("connector_whole", "vLLM + PicConnector, `suffix:0.2,whole=true` (the previous default)"),
+    ("connector_suffix", "vLLM + PicConnector, `suffix:0.2` (the token cut)"),
+    ("connector_naive", "vLLM + PicConnector, `naive`"),
+    ("pic_engine_auto", "pic's own engine, `auto`"),
+    ("pic_engine_full", "pic's own engine, Full Recompute"),
+)
+
+
+@figure
+def vllm_ttft_table() -> str:
+    """README's and docs/vllm.md's time to first token inside vLLM (vllm_connector_ttft.json): each arm's median,
+    the chunk tokens the connector left to vLLM, and its ratio to vLLM's miss."""
+    ttft = results("vllm_connector_ttft.json")["ttft"]
+    lines = [f"| time to first token (median of {ttft['repetitions']}) | | chunk tokens recomputed | vs vLLM's miss |",
+             "|---|---:|---:|---:|"]  # fmt: skip
+    for key, label in _VLLM_ROWS:
+        if key not in ttft["median_s"]:
+            continue
+        report = ttft["reports"].get(key, {})
+        recomputed = f"{report['num_recomputed']:,}" if "num_recomputed" in report else ""
+        speed = ttft["speedup_vs_vllm_miss"][key]
+        ratio = "1.00x" if key == "vllm_miss" else f"**{speed:.2f}x**" if key == "connector_auto" else f"{speed:.2f}x"
+        lines.append(f"| {label} | {ttft['median_s'][key]:.2f} s | {recomputed} | {ratio} |")
+    return "\n".join(lines)
+
+
+@figure
+def vllm_ttft_sentence() -> str:
+    """docs/vllm.md's opening: vLLM's miss against the connector's default and naive (vllm_connector_ttft.json)."""
+    ttft = results("vllm_connector_ttft.json")["ttft"]
+    med, speed, auto = ttft["median_s"], ttft["speedup_vs_vllm_miss"], ttft["reports"]["connector_auto"]
+    return (
+        f"vLLM {med['vllm_miss']:.2f} s to the first token, vLLM + PicConnector {med['connector_auto']:.2f} s "
+        f"({speed['connector_auto']:.2f}x sooner) with the most relevant document's {auto['num_recomputed']} tokens "
+        f"recomputed (the default), {med['connector_naive']:.2f} s ({speed['connector_naive']:.1f}x) with none"
+    )
+
+
 # -- the command -------------------------------------------------------------------------------------------------
 
 

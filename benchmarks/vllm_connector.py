@@ -7,12 +7,13 @@ TTFT: 8 prose passages (~3K tokens with the chat template), one question. Each r
 prefix cache, runs the chat with the documents in order A (vLLM has now seen them), then times, in an order
 rotated per repetition: the same prompt again (``vllm_hit``: its prefix cache holds it all, the floor); the
 documents in a new order (``vllm_miss``: only the system turn hits); the new order linked through PicConnector
-under ``suffix:0.2`` with the documents ordered by relevance (``connector_suffix``, the connector's default),
-and under ``naive``. pic's own engine (one torch thread) links the same chat (auto, full) for comparison.
+under its default, pic's ``auto`` (``connector_auto``: the most relevant documents last, recomputed whole, under a
+ceiling of half the prompt), under ``suffix:0.2`` (the token cut) and ``suffix:0.2,whole=true`` with the documents
+ordered by relevance, and under ``naive``. pic's own engine (one torch thread) links the same chat (auto, full) for comparison.
 Accuracy: pic's QA workload with the question after the documents (the layout whose prefix, the system turn,
 every request shares); each case answered by vLLM's prefill, by vLLM's prefill of the relevance-ordered
-prompt, by the connector (naive and suffix:0.2) and by pic's engine (naive, auto); paired differences
-against vLLM's prefill with 95% intervals.
+prompt, by the connector (its default ``auto``, naive, suffix:0.2 and whole) and by pic's engine (naive, auto);
+paired differences against vLLM's prefill with 95% intervals.
 """
 
 from __future__ import annotations
@@ -92,6 +93,7 @@ def ttft(llm, engine, reps: int) -> dict:
         runs = {
             "vllm_hit": lambda: timed(llm, {"prompt_token_ids": seen.prompt_token_ids}),
             "vllm_miss": lambda m=miss: timed(llm, {"prompt_token_ids": m.prompt_token_ids}),
+            "connector_auto": lambda n=new: _link(llm, engine, n, messages, "auto", "relevance"),
             "connector_suffix": lambda n=new: _link(llm, engine, n, messages, "suffix:0.2", "relevance"),
             "connector_whole": lambda n=new: _link(llm, engine, n, messages, "suffix:0.2,whole=true", "relevance"),
             "connector_naive": lambda n=new: _link(llm, engine, n, messages, "naive", "given"),
@@ -189,8 +191,8 @@ def _pic_reply(engine, built: dict, policy: str) -> str:
 
 
 _VLLM_ARMS = (
-    "vllm_prefill", "vllm_prefill_relevance", "connector_naive", "connector_suffix", "connector_whole",
-    "connector_whole_context",
+    "vllm_prefill", "vllm_prefill_relevance", "connector_auto", "connector_naive", "connector_suffix",
+    "connector_whole", "connector_whole_context",
 )  # fmt: skip
 ARMS = (*_VLLM_ARMS, "pic_engine_naive", "pic_engine_auto")
 
@@ -209,6 +211,7 @@ def _case_prompts(engine, case) -> dict:
     tokens = [encode(doc) for doc in case.documents]
     arms = {
         "vllm_prefill": ("full", "given", ids), "vllm_prefill_relevance": ("full", "relevance", ids),
+        "connector_auto": ("auto", "relevance", ids),
         "connector_naive": ("naive", "given", ids), "connector_suffix": ("suffix:0.2", "relevance", ids),
         "connector_whole": ("suffix:0.2,whole=true", "relevance", ids),
         "connector_whole_context": ("suffix:0.2,whole=true", "relevance", in_context),

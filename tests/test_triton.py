@@ -129,8 +129,8 @@ def test_backend_selection(monkeypatch):
 @pytest.mark.parametrize("family", ["stories260K", "mistral", "qwen3"])
 def test_engine_on_the_kernel_equals_the_reference(family):
     """The whole engine on the Triton backend: logits of a Full Recompute link and a batch of linked
-    generations (recompute passes and decodes in shared forwards, CacheBlend dropping tokens) give the
-    reference backend's tokens. Mistral has a sliding window, Qwen3 q/k norms and head_dim 32. Float32 on
+    generations (recompute passes and decodes in shared forwards, CacheBlend dropping tokens, InfoFlow's probe
+    leaving the forward before its last layers) give the reference backend's tokens. Mistral has a sliding window, Qwen3 q/k norms and head_dim 32. Float32 on
     every device: batch shapes must not flip a greedy tie between the backends."""
     outputs = {}
     for backend in ("torch", "triton"):
@@ -140,7 +140,7 @@ def test_engine_on_the_kernel_equals_the_reference(family):
         logits = engine.link(ids, QUERY, prefix=PREFIX, policy="full").logits
         requests = [
             pic.Request(cache_ids=ids[::step], query=QUERY, policy=policy, max_new_tokens=6)
-            for step, policy in ((1, "legolink:4"), (-1, "mepic"), (2, "cacheblend:0.3"))
+            for step, policy in ((1, "legolink:4"), (-1, "mepic"), (2, "cacheblend:0.3"), (1, "infoflow:0.3"))
         ]
         tokens = [g.token_ids for g in engine.generate_many(requests)]
         outputs[backend] = (logits, tokens)
