@@ -394,3 +394,46 @@ def test_store_faults_quick(tmp_path):
         assert full["answers_naming_disk"] == full["files_written_while_full"] == 0
         assert full["files_after_room_returned"] == full["found_after_restart"] == full["answered_200"] == 8
         assert full["raise_mode_starts_on_full_disk"] and full["raise_mode_compile_status"] == 503
+
+
+def test_link_profile_quick_times_each_link_beside_its_forwards(tmp_path):
+    """``link_profile.py --quick``: a static policy's link is one pass (no probe), a query-aware one's a probe and
+    its second pass; each link is its forwards plus the rest, and the speedups are Full Recompute's time over it."""
+    out = tmp_path / "link_profile.json"
+    args = [sys.executable, str(BENCHMARKS / "link_profile.py"), "--quick", "--out", str(out)]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    (case,) = json.loads(out.read_text())["cases"].values()
+    assert case["auto"]["ran"].startswith(("suffix:0.05,whole=True", "regions:")) and case["auto"]["probe_ms"] == 0
+    assert case["prophetkv:0.2"]["probe_ms"] > 0 and case["prophetkv:0.2"]["probe_rows"] > 0
+    assert case["full"]["speedup"] == 1.0 and case["full"]["rows"] == case["full"]["num_tokens"]
+    for row in case.values():
+        assert row["link_ms"] >= row["rows_ms"] + row["probe_ms"] - 1e-6
+        assert 0 <= row["spent_share"] < 1
+
+
+def test_frontier_gathers_each_selection_and_budget_from_cell_reports(tmp_path):
+    """``frontier.py table``'s reading of the cell reports: rows named by selection and budget, the cell from the
+    file's name (a model name with a dot included), other rows left out; the markdown table one line a selection."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import frontier
+
+    def score(policy: str, accuracy: float, diff: float, speedup: float) -> dict:
+        return {"policy": policy, "accuracy": accuracy, "diff_vs_full": diff, "diff_low": diff - 0.1,
+                "diff_high": diff + 0.1, "diff_vs_link_order": diff, "diff_link_order_low": 0.0,
+                "diff_link_order_high": 0.0, "full_link_order_accuracy": 0.5, "reordered": 1.0,
+                "chunk_recompute_fraction": 0.2, "recompute_fraction": 0.25, "median_speedup_vs_full": speedup,
+                "mean_recomputed": 100.0}  # fmt: skip
+
+    report = {"num_cases_evaluated": 30, "scores": [
+        score("full", 0.8, 0.0, 1.0), score("suffix:0.05,whole=True@context/relevance", 0.8, 0.0, 2.5),
+        score("infoflow:0.1@context/relevance", 0.7, -0.1, 4.0), score("naive@context", 0.5, -0.3, 9.0),
+    ]}  # fmt: skip
+    (tmp_path / "qwen0.5b_profiles_after.suffix+infoflow.json").write_text(json.dumps(report))
+    rows = frontier.cells(tmp_path)
+    assert [(r["model"], r["workload"], r["layout"], r["selection"], r["budget"]) for r in rows] == [
+        ("qwen0.5b", "profiles", "after", "suffix", 0.05), ("qwen0.5b", "profiles", "after", "infoflow", 0.1)
+    ]  # fmt: skip
+    table = frontier.table(rows)
+    assert "| Qwen2.5-Coder-0.5B | profiles, question after | 30 | 80.0% | suffix | +0.0 · 2.5x |" in table
+    assert "infoflow |  | \u221210.0 · 4.0x |" in table
