@@ -1,21 +1,22 @@
 """The default's grid: model x workload x layout, each cell one resumable ``pic eval accuracy`` run.
 
-    python benchmarks/order_grid.py run --models smollm2 qwen0.5b --cases 60      # runs (or resumes) every cell
+    python benchmarks/order_grid.py run --models smollm2 --workloads niah-single niah-multikey profiles qa --cases 60
+    python benchmarks/order_grid.py run --models smollm2 --workloads niah-single-4k --layouts after --cases 60
     python benchmarks/order_grid.py run --models qwen1.5b --workloads profiles niah-single niah-multikey \\
         --layouts after --cases 30
     python benchmarks/order_grid.py table                                         # -> order_grid.json/.png
 
-Each cell is ``pic eval accuracy --resume`` with the cell's workload, ``--policies`` (default: the default,
-``auto@context``, and the old default's choice in the caller's order, ``auto@context/given``; a cell that has
-started resumes with the rows it started with), writing
+Each cell is ``pic eval accuracy --resume`` (``_cells.py``) with the cell's workload and ``--policies`` (default: the
+default, ``auto@context``; a cell that has started resumes with the rows it started with), writing
 ``<out>/<model>_<workload>_<layout>.json`` after every case and each case's outcomes to ``<name>.cases.jsonl``
 (not kept in git), so a cell stopped anywhere resumes where it was: run the same command again. Cells already
 complete are skipped. The Qwen models are the GGUFs ``benchmarks/qwen_models.py`` assembles (``--wheels``).
+The needle workloads' ``-4k`` and ``-1k`` variants run haystacks of 5,400 and 1,200 tokens of 4 characters.
 
-The table gives, per cell and row: the cases, Full Recompute's accuracy in the caller's order, the row's, its
-paired difference from that (95% interval), from Full Recompute in the order the row ran, the share of cases
-reordered, the chunk token-layers recomputed (the probe included) and the link's speedup over Full Recompute
-(medians on this 2-core CPU, read beside the other rows of the same cell only).
+The table gives, per cell: the prompt's tokens, the cases, Full Recompute's accuracy in the caller's order, the
+default's, its paired difference from that (95% interval), from Full Recompute in the order the default ran, the
+prompt's token-layers it recomputed and its link's speedup over Full Recompute (the median over the cell's cases
+of the two links' times, each pair measured back to back on this 2-core CPU, one torch thread).
 """
 
 from __future__ import annotations
