@@ -470,6 +470,48 @@ def vllm_ttft_sentence() -> str:
     )
 
 
+_VLLM_ANSWERS = (
+    ("SmolLM2-135M", "RULER's needles, ~1.7K tokens", "vllm_connector_smollm2_niah_auto.json"),
+    ("Qwen2.5-Coder-0.5B", "paragraphs with competing facts", "vllm_connector_qwen0.5b_profiles_auto.json"),
+)
+
+
+def _paired(row: dict) -> str:
+    low, high = row["diff_ci"]
+    return f"{_points(row['diff_vs_vllm_prefill'])} ({_points(low)} to {_points(high)})".replace("-", "\u2212")
+
+
+@figure
+def vllm_answers_table() -> str:
+    """docs/vllm.md's answers under the connector's default and its previous one, against vLLM's own prefill
+    (vllm_connector_*_auto.json)."""
+    lines = [
+        "| model | workload | cases | vLLM's prefill | the default (`auto`) | vs vLLM's prefill | the previous default "
+        "(`suffix:0.2,whole=true`) | vs vLLM's prefill |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for model, workload, name in _VLLM_ANSWERS:
+        report = results(name)["accuracy"]
+        rows = report["rows"]
+        auto, whole, prefill = rows["connector_auto"], rows["connector_whole"], rows["vllm_prefill"]
+        lines.append(
+            f"| {model} | {workload} | {report['num_cases']} | {prefill['accuracy']:.1%} | {auto['accuracy']:.1%} | "
+            f"**{_paired(auto)}** | {whole['accuracy']:.1%} | {_paired(whole)} |"
+        )
+    return "\n".join(lines)
+
+
+@figure
+def vllm_answers_sentence() -> str:
+    """README's line on the connector's answers under its default (vllm_connector_*_auto.json)."""
+    parts = []
+    for model, workload, name in _VLLM_ANSWERS:
+        rows = results(name)["accuracy"]["rows"]
+        parts.append(f"{model} {workload} {_paired(rows['connector_auto'])} ({rows['connector_auto']['accuracy']:.1%} "
+                     f"against {rows['vllm_prefill']['accuracy']:.1%})")  # fmt: skip
+    return "; ".join(parts)
+
+
 # -- the command -------------------------------------------------------------------------------------------------
 
 
