@@ -2,6 +2,7 @@
 first (``PICConfig.prefill_order``), in one run.
 
 python benchmarks/engine_priority.py --out benchmarks/results/engine_priority.json
+python benchmarks/engine_priority.py --docs 60 --requests 4 --out ...   # tests/test_scheduling.py's case
 
 Issue 43: prefill work was served first come first served, so a request that arrived during a compile of many
 documents got its first token when the compile was done. On the embedded stories260K (``pic.load``), CPU, torch
@@ -9,7 +10,8 @@ on one thread, one engine per order (``"arrival"``: the old scheduling; ``"inter
 rounds interleaved A B A B:
 
 - *alone*: a default request (the default policy, two small compiled chunks, one new token:
-  ``generate_many``) with nothing else running, 5 times per round;
+  ``generate_many``; ``--requests N``: N such requests sent together, the time until all have theirs) with nothing
+  else running, 5 times per round;
 - *during*: while one ``PIC.compile`` of ``--docs`` new documents of about 290 tokens runs (in a thread), the
   same request again and again, each sent 50 ms after the last answered, from the compile's second chunk to its
   end (first come first served, that is one request per round: it waits for the rest of the compile);
@@ -47,9 +49,12 @@ from engine_flood import DOC_BLOCK_TOKENS, STREAM_CHUNKS, machine, make_docs, qu
 ORDERS = ("arrival", "interactive")
 
 
-def first_token_s(engine: pic.PIC, ids: list[str]) -> float:
+def first_token_s(engine: pic.PIC, ids: list[str], num_requests: int = 1) -> float:
+    """Seconds until ``num_requests`` default requests sent together all have their first token (their only one)."""
     start = time.perf_counter()
-    engine.generate_many([pic.Request(ids, "One day,", max_new_tokens=1)], progress=False)
+    queries = ["One day,", "Once upon a time,", "Then", "The next day,"]
+    requests = [pic.Request(ids, queries[i % len(queries)], max_new_tokens=1) for i in range(num_requests)]
+    engine.generate_many(requests, progress=False)
     return time.perf_counter() - start
 
 
@@ -62,9 +67,9 @@ def stream_until(engine: pic.PIC, ids: list[str], stop: threading.Event, times: 
                 break
 
 
-def one_round(engine: pic.PIC, ids: list[str], tag: str, num_docs: int) -> dict:
+def one_round(engine: pic.PIC, ids: list[str], tag: str, num_docs: int, num_requests: int = 1) -> dict:
     """Alone TTFTs, then a compile with requests arriving during it and a stream running through it."""
-    alone = [first_token_s(engine, ids) for _ in range(5)]
+    alone = [first_token_s(engine, ids, num_requests) for _ in range(5)]
     stop, times = threading.Event(), []
     streamer = threading.Thread(target=stream_until, args=(engine, ids, stop, times))
     streamer.start()
@@ -84,7 +89,7 @@ def one_round(engine: pic.PIC, ids: list[str], tag: str, num_docs: int) -> dict:
     while engine.kv_stats().num_resident_chunks < num_before + 2 and compiling.is_alive():
         time.sleep(0.005)  # the compile's prefills are under way
     while compiling.is_alive():  # (each request is sent while the compile runs)
-        during.append(first_token_s(engine, ids))
+        during.append(first_token_s(engine, ids, num_requests))
         time.sleep(0.05)
     compiling.join()
     stop.set()
@@ -158,6 +163,8 @@ def main() -> None:
     parser.add_argument("--http", action="store_true", help="also the server case (a pic serve process per order)")
     parser.add_argument("--http-docs", type=int, default=1024, help="documents of the server's POST /v1/chunks")
     parser.add_argument("--step-tokens", type=int, default=None, help="PICConfig.max_num_batched_tokens (default: the engine's)")
+    parser.add_argument("--requests", type=int, default=1, help="requests sent together per first-token time (4: as "
+                        "tests/test_scheduling.py sends them)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     began = time.perf_counter()
@@ -168,7 +175,7 @@ def main() -> None:
     raw: dict[str, list[dict]] = {o: [] for o in ORDERS}
     for r in range(args.rounds):
         for order in ORDERS:
-            row = one_round(engines[order], ids[order], f"{order}-{r}", args.docs)
+            row = one_round(engines[order], ids[order], f"{order}-{r}", args.docs, args.requests)
             raw[order].append(row)
             print(
                 f"round {r} {order}: compile {row['compile_s']:.2f} s; TTFT ms alone "
@@ -176,7 +183,7 @@ def main() -> None:
                 f"{[round(1000 * d) for d in row['during'][:8]]}; stream gap {1000 * row['stream_gap']:.0f} ms",
                 flush=True,
             )
-    report: dict = {"orders": {}}
+    report: dict = {"orders": {}, "num_requests": args.requests}
     for order in ORDERS:
         alone = [v for row in raw[order] for v in row["alone"]]
         during = [v for row in raw[order] for v in row["during"]]
