@@ -88,6 +88,8 @@ def test_wilson_interval():
     assert math.isclose(low, 0.2366, abs_tol=1e-4) and math.isclose(high, 0.7634, abs_tol=1e-4)
     assert wilson_interval(0, 10)[0] == 0.0 and math.isclose(wilson_interval(0, 10)[1], 0.2775, abs_tol=1e-4)
     assert wilson_interval(200, 200)[1] == 1.0 and wilson_interval(200, 200)[0] > 0.98
+    # 60 of 60 and 31 of 31 landed a last bit under 1.0 (0.9999999999999999), and the plot's error bar below 0
+    assert all(wilson_interval(n, n)[1] == 1.0 and wilson_interval(0, n)[0] == 0.0 for n in range(1, 200))
     assert all(math.isnan(x) for x in wilson_interval(0, 0))
 
 

@@ -145,4 +145,5 @@ def wilson_interval(successes: int, trials: int, *, z: float = 1.96) -> tuple[fl
     p = successes / trials
     centre = (p + z * z / (2 * trials)) / (1 + z * z / trials)
     half = z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / (1 + z * z / trials)
-    return max(0.0, centre - half), min(1.0, centre + half)
+    # the bounds hold the proportion itself: at 0% and 100% the formula's rounding lands a last bit inside it
+    return min(p, max(0.0, centre - half)), max(p, min(1.0, centre + half))
