@@ -307,7 +307,11 @@ def _cell_phrase(c: dict) -> str:
     layout = "asked first" if c["layout"] == "before" else "asked after"
     diff = f"{_points(c['diff'])} ({_points(c['diff_low'])} to {_points(c['diff_high'])}, {c['num_cases']})"
     diff = diff.replace("-", "\u2212")
-    return f"{_WORKLOAD_NAMES[c['workload']]} {layout} {diff}"
+    workload, _, length = c["workload"].rpartition("-")  # niah-single-4k: a haystack of another length
+    if length not in ("1k", "4k"):
+        workload, length = c["workload"], ""
+    name = _WORKLOAD_NAMES[workload] + (f" in {length.upper()} tokens" if length else "")
+    return f"{name} {layout} {diff}"
 
 
 @figure
