@@ -142,8 +142,14 @@ def plot(found: list[dict], model: str, path: Path) -> None:
 
     mine = [c for c in found if c["model"] == model]
     keys = sorted({(c["workload"], c["layout"], c["haystack"] or 0) for c in mine})
-    fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.6), squeeze=False, sharey=True)
-    for ax, (workload, layout, haystack) in zip(axes[0], keys, strict=True):
+    from matplotlib.ticker import FuncFormatter
+
+    columns = min(3, len(keys))
+    rows = -(-len(keys) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(4.6 * columns, 3.4 * rows), squeeze=False, sharey=True)
+    for ax in axes.flat[len(keys):]:
+        ax.set_visible(False)
+    for ax, (workload, layout, haystack) in zip(axes.flat, keys):
         for i, name in enumerate(SELECTIONS):
             line = sorted(
                 (c for c in mine if (c["workload"], c["layout"], c["haystack"] or 0, c["selection"]) ==
@@ -161,9 +167,10 @@ def plot(found: list[dict], model: str, path: Path) -> None:
                  layout, haystack))  # fmt: skip
         ax.set_title(f"{workload}, question {layout}" + (f", {haystack} tok" if haystack else "") + f" (n={n})",
                      fontsize=9)  # fmt: skip
-        ax.set_xscale("log")
-        ax.set_xlabel("link speedup over Full Recompute (median)")
-    axes[0][0].set_ylabel("answers vs Full Recompute, points")
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}x"))
+        ax.set_xlabel("link speedup over Full Recompute (median)", fontsize=8)
+    for row in axes:
+        row[0].set_ylabel("answers vs Full Recompute, points", fontsize=8)
     axes[0][-1].legend(fontsize=7)
     fig.suptitle(f"{MODELS[model]}: selections at budgets {', '.join(f'{b:g}' for b in BUDGETS)}", fontsize=10)
     fig.tight_layout()
