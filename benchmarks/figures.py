@@ -331,6 +331,12 @@ def _speed_classes() -> list[tuple[str, list[dict]]]:
     return [(name, [c for c in cells if low <= c["num_prompt_tokens"] < high]) for name, low, high in bands]
 
 
+def _span(values: list[float], form: str) -> str:
+    """``2.1-3.4`` for a range, ``8.5`` for one value (or a range that rounds to one)."""
+    low, high = form.format(min(values)), form.format(max(values))
+    return low if low == high else f"{low}-{high}"
+
+
 @figure
 def order_grid_speed() -> str:
     """The default's link speedup over Full Recompute in the grid, by prompt length, against the issue's targets
@@ -343,8 +349,8 @@ def order_grid_speed() -> str:
         share = [100 * c["prompt_token_layers"] for c in cells]
         target = _order_grid().speed_target(min(c["num_prompt_tokens"] for c in cells))
         parts.append(
-            f"{min(speed):.1f}-{max(speed):.1f}x on prompts {name} (target {target:g}x; "
-            f"{min(share):.0f}-{max(share):.0f}% of the prompt recomputed, {len(cells)} cells)"
+            f"{_span(speed, '{:.1f}')}x on prompts {name} (target {target:g}x; "
+            f"{_span(share, '{:.0f}')}% of the prompt recomputed, {len(cells)} cell{'s' * (len(cells) > 1)})"
         )
     return "; ".join(parts)
 
