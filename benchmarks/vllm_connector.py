@@ -8,7 +8,7 @@ prefix cache, runs the chat with the documents in order A (vLLM has now seen the
 rotated per repetition: the same prompt again (``vllm_hit``: its prefix cache holds it all, the floor); the
 documents in a new order (``vllm_miss``: only the system turn hits); the new order linked through PicConnector
 under its default, pic's ``auto`` (``connector_auto``: the most relevant documents last, recomputed whole, under a
-ceiling of half the prompt), under ``suffix:0.2`` (the token cut) and ``suffix:0.2,whole=true`` with the documents
+ceiling of half the chunk tokens), under ``suffix:0.2`` (the token cut) and ``suffix:0.2,whole=true`` with the documents
 ordered by relevance, and under ``naive``. pic's own engine (one torch thread) links the same chat (auto, full) for comparison.
 Accuracy: pic's QA workload with the question after the documents (the layout whose prefix, the system turn,
 every request shares); each case answered by vLLM's prefill, by vLLM's prefill of the relevance-ordered

@@ -128,8 +128,8 @@ class PICConfig(_Frozen):
         eos_token_ids: token ids that end a generation; ``None`` takes the model's generation
             config (and the tokenizer's EOS).
         default_policy: the recompute policy ``link`` uses when none is given: ``auto`` (pic's own: the chunks in
-            relevance order, the most relevant recomputed whole, at least 5% of the chunk tokens, within half the
-            prompt; docs/policies.md).
+            relevance order, the most relevant recomputed whole, at least 5% of the chunk tokens, within half of
+            them; docs/policies.md).
         max_num_seqs: most requests the engine runs at once (one decode token each per step).
         max_num_batched_tokens: the token budget of one engine step (vLLM's): one token per running request,
             then recompute passes and chunk-prefill pieces (a compile's chunks run in pieces of what is left,

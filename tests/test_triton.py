@@ -130,8 +130,9 @@ def test_backend_selection(monkeypatch):
 def test_engine_on_the_kernel_equals_the_reference(family):
     """The whole engine on the Triton backend: logits of a Full Recompute link and a batch of linked
     generations (recompute passes and decodes in shared forwards, CacheBlend dropping tokens, InfoFlow's probe
-    leaving the forward before its last layers) give the reference backend's tokens. Mistral has a sliding window, Qwen3 q/k norms and head_dim 32. Float32 on
-    every device: batch shapes must not flip a greedy tie between the backends."""
+    leaving the forward before its last layers) give the reference backend's tokens. Mistral has a sliding window,
+    Qwen3 q/k norms and head_dim 32. Float32 on every device: batch shapes must not flip a greedy tie between the
+    backends."""
     outputs = {}
     for backend in ("torch", "triton"):
         engine = make_target_engine(family, dtype=torch.float32, attention_backend=backend)
