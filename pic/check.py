@@ -43,7 +43,8 @@ class CheckResult:
     """The outcome of ``check``.
 
     Attributes:
-        model: the model's architecture (``ModelSpec.architecture``), dtype and device.
+        model: the model's architecture (``ModelSpec.architecture``), dtype and device, and why that dtype
+            (``PIC.dtype_choice``).
         max_abs_logit_diff: the largest ``|pic - transformers|`` over the query positions' logits.
         tolerance: the bound it was held to.
         tokens_equal: pic's greedy tokens are exactly transformers' ``generate`` tokens.
@@ -127,7 +128,7 @@ def check(engine: PIC, *, num_new_tokens: int = 8, tolerance: float | None = Non
     if int8_decode:
         decisive = min(decisive, 1)
     return CheckResult(
-        model=f"{spec.architecture} ({str(spec.dtype).removeprefix('torch.')}, {spec.device})",
+        model=f"{spec.architecture} ({engine.dtype_choice.name}, {spec.device}; dtype: {engine.dtype_choice.reason})",
         max_abs_logit_diff=diff,
         tolerance=tolerance,
         tokens_equal=generated == ref_tokens,

@@ -87,7 +87,12 @@ def _model_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--gguf-file", default=None, help="a GGUF file inside the --model folder or Hub repository")
     parser.add_argument("--device", default=None, help="torch device (default: cuda when available, else cpu)")
-    parser.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: per device)")
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        help="float32, bfloat16, float16 or auto: bfloat16 on a CPU with AMX/AVX512-BF16 "
+        "(default: bfloat16 on a GPU, float32 on the CPU)",
+    )
 
 
 def load_engine(args: argparse.Namespace, **options: object):

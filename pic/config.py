@@ -93,7 +93,7 @@ class DecodeWeights(str, enum.Enum):
     """The weights a decode step's matrix products read (``PICConfig.decode_weights``, ``pic.model.products``)."""
 
     MODEL = "model"  # the model's own weights and dtype: exact (the default)
-    INT8 = "int8"  # int8 copies of the large matrices (fbgemm's dynamic quantization): CPU, float32 models only
+    INT8 = "int8"  # int8 copies of the large matrices (fbgemm's dynamic quantization): CPU, float32 or bfloat16 models
 
 
 class PrefillOrder(str, enum.Enum):
@@ -150,7 +150,7 @@ class PICConfig(_Frozen):
             runs Triton's interpreter, for tests: ``TRITON_INTERPRET=1`` before Triton is imported).
         decode_weights: ``"model"`` (the default): every product reads the model's own weights, exactly.
             ``"int8"``: decode steps (and their LM head) read int8 copies of the large matrices, made when the
-            engine is built (about a quarter more weight memory); not exact, a float32 model on the CPU only.
+            engine is built (about a quarter more weight memory); not exact, a float32 or bfloat16 model on the CPU only.
             Prompts, compiles and every first token stay exact, so cache ids do not change
             (``pic.model.products``; speed and accuracy in docs/cpu.md).
     """

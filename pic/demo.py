@@ -52,9 +52,8 @@ def run_demo(engine: PIC | None = None, *, max_new_tokens: int = 48) -> None:
     SamplingParams(max_new_tokens=max_new_tokens)
     engine = engine or PIC.from_pretrained(EMBEDDED_MODEL)
     spec = engine.spec
-    print(
-        f"model: {spec.architecture} ({engine.model_name}) on {spec.device}, {str(spec.dtype).removeprefix('torch.')}"
-    )
+    choice = engine.dtype_choice
+    print(f"model: {spec.architecture} ({engine.model_name}) on {spec.device}, {choice.name} ({choice.reason})")
     if getattr(engine.tokenizer, "chat_template", None):
         return _chat_demo(engine, max_new_tokens)
     ids = engine.compile(list(STORIES))

@@ -76,7 +76,7 @@ def test_bad_token_count_is_refused():
 def test_cli_passes_on_the_embedded_model(capsys):
     assert main(["check"]) == 0
     captured = capsys.readouterr()
-    assert captured.out.startswith("PASS: Full Recompute vs transformers on LlamaForCausalLM (float32, cpu)")
+    assert captured.out.startswith("PASS: Full Recompute vs transformers on LlamaForCausalLM (float32, cpu; dtype: ")
     assert captured.err == ""
 
 

@@ -4,6 +4,8 @@ change; the int8 products stay close to the float ones; bad uses fail clearly.""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -64,16 +66,19 @@ def test_int8_products_are_close_to_float_and_small_matrices_stay_float():
         assert torch.equal(tiny.mlp(layers[0].mlp, x), layers[0].mlp(x)) and tiny.num_bytes == 0
 
 
-def test_int8_decode_weights_need_a_float32_cpu_model_and_a_known_name():
+def test_int8_decode_weights_need_a_float32_or_bfloat16_cpu_model_and_a_known_name():
     with pytest.raises(pic.PicError, match="decode_weights='int4'"):
         pic.PICConfig(decode_weights="int4")
     engine = make_engine("llama")
-    model = engine.model.to(torch.bfloat16)
-    try:
-        with pytest.raises(pic.InvalidInputError, match="float32 model on the CPU.*torch.bfloat16"):
-            pic.PIC(model, engine.tokenizer, config=pic.PICConfig(decode_weights="int8"))
-    finally:
-        model.float()
+    model = copy.deepcopy(engine.model).to(torch.float16)  # (a copy: the fixture's model is shared)
+    with pytest.raises(pic.InvalidInputError, match="float32 or bfloat16 model on the CPU.*torch.float16"):
+        pic.PIC(model, engine.tokenizer, config=pic.PICConfig(decode_weights="int8"))
+    model.to(torch.bfloat16)  # issue 55: a bfloat16 model's decode steps read int8 copies too
+    exact = pic.PIC(model, engine.tokenizer)
+    fast = pic.PIC(model, engine.tokenizer, config=pic.PICConfig(decode_weights="int8"))
+    ids = exact.compile(list(DOCS))
+    first, out = exact.link(ids, QUERY).generate(8), fast.link(fast.compile(list(DOCS)), QUERY).generate(8)
+    assert out.token_ids[0] == first.token_ids[0] and len(out.token_ids) == 8  # the link is exact
     odd = torch.nn.ModuleList([torch.nn.Module()])
     odd[0].self_attn, odd[0].mlp = torch.nn.Module(), torch.nn.Linear(2, 2)
     with pytest.raises(pic.UnsupportedModelError, match="gated MLPs.*Linear"):

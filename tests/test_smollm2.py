@@ -124,7 +124,7 @@ def test_cli_check_passes(smollm2, capsys):
     """``pic check --model smollm2`` passes, loading the model from the folder the fixture converted."""
     assert main(["check", "--model", "smollm2"]) == 0
     out, err = capsys.readouterr()
-    assert out.startswith("PASS: Full Recompute vs transformers on LlamaForCausalLM (float32, cpu)"), out
+    assert out.startswith("PASS: Full Recompute vs transformers on LlamaForCausalLM (float32, cpu; dtype: the CPU"), out
     assert "pic: convert" not in err  # no second conversion (a first one says so on stderr)
 
 
@@ -140,7 +140,7 @@ def test_chat_demo(smollm2, capsys):
 
     run_demo(smollm2, max_new_tokens=6)
     out = capsys.readouterr().out
-    assert out.startswith("model: LlamaForCausalLM (SmolLM2-135M-Instruct.Q4_1) on cpu, float32\n"), out
+    assert out.startswith("model: LlamaForCausalLM (SmolLM2-135M-Instruct.Q4_1) on cpu, float32 ("), out
     headers = [line for line in out.splitlines() if line.startswith("== documents")]
     assert [h.split(":")[0] for h in headers] == ["== documents 1,2,3,4", "== documents 4,3,2,1"], out
     assert all("transformers prefill" in h for h in headers), headers

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from pic.attention.ape import ContextScaling, ape_attention
 from pic.attention.backend import AttentionBackend, AttentionShape
 from pic.attention.batch import AttentionBatch
+from pic.attention.gemm import GemmTile, gemm_attention, gemm_tiles, prefers_gemm
 from pic.attention.kept_kv import KeptKV, attend_kept
 from pic.attention.rope import rotate, signed_sin
 from pic.attention.tiles import causal_masks, is_causal_run, query_tiles, written_slots
@@ -61,6 +62,8 @@ class TorchGroup:
             each, no padding, so in a batch as alone), nothing gathered or rotated but the new slots.
         context: APE's groups (``pic.attention.ape``): ``[b, S]`` bool, the chunk slots among those read, and
             each sequence's ``ContextScaling``; ``None`` for plain attention.
+        gemm: a recompute pass of ``MIN_ROWS`` rows or more in bfloat16 on the CPU: per window, its tiles
+            (``pic.attention.gemm``, attended through bfloat16 products); ``None``: SDPA.
     """
 
     rows: torch.Tensor | slice
@@ -75,6 +78,7 @@ class TorchGroup:
     causal: bool = False
     kept: tuple[KeptKV, ...] = ()
     context: tuple[torch.Tensor, list[ContextScaling | None]] | None = None
+    gemm: dict[int | None, tuple[GemmTile, ...]] | None = None
 
     def queries(self, x: torch.Tensor) -> torch.Tensor:
         """The group's rows of a batch tensor ``[N, ...]`` as ``[b, n, ...]``."""
@@ -203,6 +207,10 @@ class TorchBackend(AttentionBackend[TorchPlan]):
         if any(scaling is not None for scaling in scalings):  # APE: the chunk slots among those read
             context = (batch.kv_context[seqs].gather(1, table_slots) & (kv >= 0), scalings)
             masks = causal_masks(kv, q, set(self.shape.sliding_windows), causal=False)  # explicit, every window
+        gemm = None
+        if isinstance(rows, slice) and context is None and prefers_gemm(self.shape.dtype, q.device, q.shape[1]):
+            heads = self.shape.num_q_heads
+            gemm = {w: gemm_tiles(tiles, None if m is None else m[0], num_heads=heads) for w, m in masks.items()}
         return TorchGroup(
             rows=rows,
             slots=slots,
@@ -215,6 +223,7 @@ class TorchBackend(AttentionBackend[TorchPlan]):
             tiles=tiles,
             causal=run and context is None,
             context=context,
+            gemm=gemm,
         )
 
     def attend(
@@ -312,6 +321,8 @@ def _attend(
     if group.context is not None:  # APE's context scaling: scores computed in full (a few query rows)
         context, scalings = group.context
         return ape_attention(q, k, v, mask, context, scalings, scaling=scaling).transpose(1, 2)
+    if group.gemm is not None:  # a pass in bfloat16 on the CPU: through its products (``pic.attention.gemm``)
+        return gemm_attention(q, k, v, group.gemm[window], scaling=scaling).transpose(1, 2)
     if mask is None and group.causal:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=True)
         return out.transpose(1, 2)

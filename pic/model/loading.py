@@ -10,11 +10,11 @@ from pathlib import Path
 import torch
 
 from pic.errors import InvalidInputError, ModelLoadError, first_line
+from pic.model.dtypes import choose_dtype
 from pic.model.gguf import KNOWN_GGUF_MODELS, converted, gguf_cache_dir, gguf_path
 from pic.model.hub import HubAccess, close_model_name, hub_access
 
 EMBEDDED_MODEL = Path(__file__).resolve().parent.parent / "models" / "stories260K"
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -38,14 +38,9 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    """``None`` -> bfloat16 on CUDA, float32 elsewhere; names as in ``torch`` (``"bfloat16"``)."""
-    if dtype is None:
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if isinstance(dtype, torch.dtype) and dtype in _DTYPES.values():
-        return dtype
-    if isinstance(dtype, str) and dtype.removeprefix("torch.") in _DTYPES:
-        return _DTYPES[dtype.removeprefix("torch.")]
-    raise InvalidInputError(f"dtype {dtype!r} is not one of {', '.join(_DTYPES)}")
+    """``choose_dtype(dtype, device).dtype`` (``pic.model.dtypes``: ``None`` -> bfloat16 on CUDA, float32 on the CPU;
+    ``"auto"`` -> bfloat16 on a CPU with a bfloat16 unit)."""
+    return choose_dtype(dtype, device).dtype
 
 
 def load_pretrained(

