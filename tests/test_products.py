@@ -120,3 +120,30 @@ def test_check_passes_with_int8_decode_and_says_so(smollm2):  # noqa: F811
     result = check(variant(smollm2, decode_weights="int8"))
     assert result.passed and result.int8_decode, result.message
     assert "int8 decode weights" in result.message
+
+
+def test_a_bfloat16_cpu_model_runs_packed_weights_bit_for_bit():
+    """Issue 55: a bfloat16 model's products read oneDNN weights packed once (``PackedProducts``): the same values
+    as its modules, bit for bit, in every forward (the same kernel without the per-call reorder); float32 keeps
+    its modules (packing gained nothing there)."""
+    from pic.model.products import FloatProducts, PackedProducts, model_products
+
+    model = copy.deepcopy(make_engine("qwen2").model).to(torch.bfloat16)  # q/k/v with biases
+    layers, head = model.model.layers, model.lm_head
+    packed = model_products(layers, head)
+    assert isinstance(packed, PackedProducts) and packed.num_bytes > 0
+    wide = make_engine("qwen2").model
+    assert type(model_products(wide.model.layers, wide.lm_head)) is FloatProducts
+    torch.manual_seed(0)
+    for rows in (1, 7, 300):
+        x = torch.randn(rows, model.config.hidden_size, dtype=torch.bfloat16)
+        with torch.no_grad():
+            attn, mlp = layers[0].self_attn, layers[0].mlp
+            assert all(
+                torch.equal(a, b) for a, b in zip(packed.qkv(attn, x), FloatProducts().qkv(attn, x), strict=True)
+            )
+            assert torch.equal(packed.mlp(mlp, x), mlp(x))
+            assert torch.equal(packed.linear(head, x), head(x))
+    exact = pic.PIC(model, make_engine("qwen2").tokenizer)
+    ids = exact.compile(list(DOCS))
+    assert exact.link(ids, QUERY).generate(4).stats.num_generated_tokens == 4

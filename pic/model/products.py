@@ -116,13 +116,67 @@ class Int8Products(FloatProducts):
         return list(out.split(sizes, dim=-1))
 
 
-def products_for(mode: DecodeWeights, layers: nn.ModuleList, lm_head: nn.Linear) -> FloatProducts:
-    """The decode step's products for ``mode``."""
-    return Int8Products(layers, lm_head) if mode == DecodeWeights.INT8 else FloatProducts()
+class PackedProducts(FloatProducts):
+    """A bfloat16 CPU model's linear layers through oneDNN with weights packed once (``mkldnn._reorder_linear_weight``).
+
+    ``F.linear`` on a bfloat16 CPU tensor reorders the weight into oneDNN's blocked layout on every call; packed once,
+    the same products (bit for bit: the same kernel, measured equal at 1 to 2,048 rows) ran 1.7-1.8x faster for one
+    row (a decode step: 0.036 against 0.063 ms for 576x1536) and 1.05x for 256, on this AVX512-BF16 CPU, one thread.
+    float32 gained nothing (0.90x at one row), so float32 models keep ``FloatProducts``. The packed copies add the
+    bfloat16 weights' bytes once more (the model's own stay: transformers' forward, ``pic check``, reads them).
+
+    Args:
+        layers, lm_head: as ``Int8Products``; an MLP of another form than gated keeps its module.
+    """
+
+    def __init__(self, layers: nn.ModuleList, lm_head: nn.Linear) -> None:
+        self._packed: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # id(linear) -> (packed, bias)
+        self.num_bytes = 0
+        for linear in [lm_head, *(m for m in layers.modules() if isinstance(m, nn.Linear))]:
+            weight = linear.weight.detach()
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+            bias = None if linear.bias is None else linear.bias.detach()
+            self._packed[id(linear)] = (packed, bias)
+            self.num_bytes += weight.numel() * weight.element_size()
+        self._gated = {id(layer.mlp) for layer in layers if _is_gated(layer.mlp)}
+
+    def qkv(self, attn: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.linear(attn.q_proj, x), self.linear(attn.k_proj, x), self.linear(attn.v_proj, x)
+
+    def linear(self, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        if id(module) not in self._packed:
+            return module(x)
+        packed, bias = self._packed[id(module)]
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+    def mlp(self, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if id(mlp) not in self._gated:
+            return mlp(x)
+        return self.linear(mlp.down_proj, mlp.act_fn(self.linear(mlp.gate_proj, x)) * self.linear(mlp.up_proj, x))
+
+
+def model_products(layers: nn.ModuleList, lm_head: nn.Linear) -> FloatProducts:
+    """The products of every forward but an int8 decode step: packed for a bfloat16 model on the CPU (where oneDNN
+    runs it: ``torch.ops.mkldnn`` present), the model's own modules otherwise."""
+    weight = lm_head.weight
+    if weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and torch.backends.mkldnn.is_available():
+        return PackedProducts(layers, lm_head)
+    return FloatProducts()
+
+
+def products_for(
+    mode: DecodeWeights, layers: nn.ModuleList, lm_head: nn.Linear, *, model: FloatProducts
+) -> FloatProducts:
+    """The decode step's products for ``mode`` (``model``: the other forwards', which ``"model"`` shares)."""
+    return Int8Products(layers, lm_head) if mode == DecodeWeights.INT8 else model
+
+
+def _is_gated(mlp: nn.Module) -> bool:
+    return all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj", "act_fn"))
 
 
 def _check_gated(mlp: nn.Module) -> None:
-    if not all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+    if not _is_gated(mlp):
         raise UnsupportedModelError(
             f"decode_weights='int8' runs gated MLPs (gate_proj, up_proj, down_proj, act_fn), not {type(mlp).__name__}"
         )

@@ -20,7 +20,7 @@ from torch import nn
 from pic.attention import AttentionBackend, AttentionBatch, AttentionShape, RopeTable, make_batch, select_backend
 from pic.config import DecodeWeights
 from pic.kv import KVCache, RequestKV
-from pic.model.products import FloatProducts, products_for
+from pic.model.products import FloatProducts, model_products, products_for
 from pic.model.spec import ModelSpec, inspect_model
 
 
@@ -121,8 +121,8 @@ class ModelRunner:
             decode_kv_dtype=torch.float16 if decode_weights == DecodeWeights.INT8 else None,
         )  # fmt: skip
         self._observer: AttentionObserver | None = None
-        self._float = FloatProducts()
-        self._decode = products_for(decode_weights, self._layers, self._lm_head)
+        self._float = model_products(self._layers, self._lm_head)
+        self._decode = products_for(decode_weights, self._layers, self._lm_head, model=self._float)
 
     @contextlib.contextmanager
     def observe_attention(self, observer: AttentionObserver) -> Iterator[None]:
