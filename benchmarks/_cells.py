@@ -47,9 +47,11 @@ def run_cell(
     out: Path,
     name: str,
     threads: int,
+    dtype: str | None = None,
 ) -> None:
     """Run (or resume, or skip when complete) one cell: ``rows`` are ``--policies``; a cell that has started resumes
-    with the rows it started with. Exits the process when the evaluation fails."""
+    with the rows it started with; ``dtype`` is ``pic eval``'s (``None``: its default). Exits the process when the
+    evaluation fails."""
     done = out / f"{name}.json"
     if done.exists() and json.loads(done.read_text())["num_cases_evaluated"] >= cases:
         print(f"{name}: complete", flush=True)
@@ -58,7 +60,7 @@ def run_cell(
         sys.executable, "-m", "pic", "eval", "accuracy", "--model", path, *WORKLOADS[workload],
         *(["--haystack-tokens", str(haystack)] if haystack else []), *LAYOUTS[layout], "--cases", str(cases),
         "--seed", str(seed), "--sink-cases", "0", "--policies", started_rows(out / f"{name}.cases.jsonl") or rows,
-        "--out", str(out), "--name", name, "--resume",
+        "--out", str(out), "--name", name, "--resume", *(["--dtype", dtype] if dtype else []),
     ]  # fmt: skip
     print(f"{name}: {' '.join(command)}", flush=True)
     env = os.environ | {"OMP_NUM_THREADS": str(threads)}

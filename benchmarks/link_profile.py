@@ -108,6 +108,7 @@ def main() -> None:
     parser.add_argument("--policies", nargs="+", default=["full", "auto", "naive", "prophetkv:0.2", "suffix:0.05,whole=true"])
     parser.add_argument("--order", default="relevance", help="the chunks' order in every link (default: relevance)")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--dtype", default=None, help="pic.load's dtype (default: float32 on the CPU)")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--quick", action="store_true", help="stories260K, a qa case, 2 rounds")
     parser.add_argument("--out", default="benchmarks/results/link_profile.json")
@@ -116,13 +117,14 @@ def main() -> None:
     if args.quick:
         args.model, args.workload, args.rounds = "stories260K", "qa", 2
     started = time.perf_counter()
-    engine = pic.load() if args.model == "stories260K" else pic.load(args.model)
+    engine = pic.load(dtype=args.dtype) if args.model == "stories260K" else pic.load(args.model, dtype=args.dtype)
     if args.quick:  # stories260K has no chat template: a plain one, for the chat segments
         engine.tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
     clock = ForwardClock(engine)
     lengths = args.haystack if args.workload == "niah" else [0]
-    report = {"model": args.model, "workload": args.workload, "layout": args.layout, "order": args.order, "rounds": args.rounds,
-              "torch_threads": 1, "machine": machine(), "cases": {}}  # fmt: skip
+    report = {"model": args.model, "dtype": engine.dtype_choice.name, "workload": args.workload, "layout": args.layout,
+              "order": args.order, "rounds": args.rounds, "torch_threads": 1, "machine": machine(),
+              "cases": {}}  # fmt: skip
     for haystack in lengths:
         result = profile(engine, clock, case_of(args, haystack), args)
         num_tokens = next(iter(result.values()))["num_tokens"]

@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> None:
                 run_cell(
                     path=path, workload=base, layout=layout, haystack=haystack, rows=args.policies,
                     cases=args.cases, seed=args.seed, out=out, name=f"{model}_{workload}_{layout}",
-                    threads=args.threads,
+                    threads=args.threads, dtype=args.dtype,
                 )  # fmt: skip
 
 
@@ -158,6 +158,7 @@ def main() -> None:
     grid.add_argument("--seed", type=int, default=SEED)
     grid.add_argument("--policies", default=POLICIES)
     grid.add_argument("--threads", type=int, default=1, help="torch threads per evaluation (OMP_NUM_THREADS)")
+    grid.add_argument("--dtype", default=None, help="pic eval's --dtype (default: its own; the bfloat16 grid's)")
     grid.add_argument("--wheels", default=None, help="the folder of the Qwen GGUF wheels (benchmarks/qwen_models.py)")
     grid.add_argument("--out", default=str(RESULTS))
     shown = commands.add_parser("table")

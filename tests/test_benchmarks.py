@@ -437,3 +437,53 @@ def test_frontier_gathers_each_selection_and_budget_from_cell_reports(tmp_path):
     table = frontier.table(rows)
     assert "| Qwen2.5-Coder-0.5B | profiles, question after | 30 | 80.0% | suffix | +0.0 · 2.5x |" in table
     assert "infoflow |  | \u221210.0 · 4.0x |" in table
+
+
+def test_cpu_dtype_benchmark_writes_json(tmp_path):
+    """float32 against bfloat16 side by side (issue 55): every variant per dtype in each round, the ratios from the
+    medians, the prompt's ids for vLLM's run, decode rates per batch; then the paired answers of two cell folders."""
+    _quick("cpu_dtype.py", tmp_path)
+    report = json.loads((tmp_path / "cpu_dtype.json").read_text())
+    assert report["command"].endswith(f"cpu_dtype.py --quick --out {tmp_path}")
+    [row] = report["rows"]
+    med = row["median_s"]
+    assert set(med) == {f"{v} {d}" for v in ("hf", "full", "auto") for d in ("float32", "bfloat16")}
+    assert row["full_over_hf"]["bfloat16"] == med["full bfloat16"] / med["hf bfloat16"]
+    assert row["bf16_gain"]["auto"] == med["auto float32"] / med["auto bfloat16"]
+    assert len(row["prompt_ids"]) == row["prompt_tokens"] and row["threads"] == 1
+    [decode] = report["decode"]
+    pic_rows = {f"pic {d}{m} x{b}" for d in ("float32", "bfloat16") for m in ("", " int8") for b in (1, 2)}
+    assert set(decode["tokens_per_s"]) == pic_rows | {"hf float32", "hf bfloat16"}
+    assert all(rate > 0 for rate in decode["tokens_per_s"].values())  # (no EOS cuts a generation short)
+
+
+def test_dtype_answers_pairs_cases_of_two_folders(tmp_path):
+    """``dtype_answers.py``: per cell both folders hold, each row's paired difference over the cases both ran."""
+    header = {"header": {"labels": ["full", "auto"]}}
+
+    def log(folder: Path, outcomes: list[tuple[bool, bool]]) -> None:
+        folder.mkdir(exist_ok=True)
+        lines = [json.dumps(header)] + [
+            json.dumps(
+                {
+                    "case": i,
+                    "outcomes": {
+                        label: {"score": {"correct": ok}, "link": {"link_s": 1.0 if label == "full" else 0.25}}
+                        for label, ok in zip(("full", "auto"), pair, strict=True)
+                    },
+                }
+            )  # fmt: skip
+            for i, pair in enumerate(outcomes)
+        ]
+        (folder / "m_qa_after.cases.jsonl").write_text("\n".join(lines) + "\n")
+
+    log(tmp_path / "fp32", [(True, True), (True, False), (False, False)])
+    log(tmp_path / "bf16", [(True, False), (True, True)])  # two cases so far
+    out = tmp_path / "answers.json"
+    args = [str(BENCHMARKS / "dtype_answers.py"), "--fp32", str(tmp_path / "fp32"), "--bf16", str(tmp_path / "bf16")]
+    subprocess.run([sys.executable, *args, "--out", str(out)], check=True, capture_output=True)
+    cell = json.loads(out.read_text())["cells"]["m_qa_after"]
+    assert cell["num_cases"] == 2
+    assert cell["rows"]["full"]["diff"] == 0.0 and cell["rows"]["auto"]["fp32"] == 0.5
+    assert cell["rows"]["auto"]["diff"] == 0.0 and cell["rows"]["auto"]["num_changed"] == 2
+    assert cell["rows"]["auto"]["speedup_bf16"] == 4.0
