@@ -107,6 +107,21 @@ def test_int8_decode_keeps_the_link_exact_and_only_decode_steps_read_int8(smollm
     assert len(calls) == num_steps * (30 * 4 + 1) and set(calls) == {1}
 
 
+def test_int8_decode_reads_int8_only_in_small_batches(smollm2, monkeypatch):  # noqa: F811
+    """Issue 55: decode steps of more than ``INT8_MAX_ROWS`` sequences read the model's weights (int8 lost there)."""
+    from pic.model.products import INT8_MAX_ROWS
+
+    calls: list[int] = []
+    run = Int8Products._run
+    monkeypatch.setattr(Int8Products, "_run", lambda self, m, x: calls.append(x.shape[0]) or run(self, m, x))
+    fast = variant(smollm2, decode_weights="int8")
+    ids = fast.compile(list(DOCS))
+    pic.generate_together([fast.link(ids, QUERY) for _ in range(INT8_MAX_ROWS + 2)], 4)
+    assert not calls  # every step decoded 6 sequences together
+    pic.generate_together([fast.link(ids, QUERY) for _ in range(2)], 4)
+    assert calls and set(calls) == {2}
+
+
 def test_int8_logits_are_close_to_float(smollm2):  # noqa: F811
     runner = ModelRunner(smollm2.model, decode_weights=DecodeWeights.INT8)
     hidden = torch.randn(4, smollm2.model.config.hidden_size, generator=torch.Generator().manual_seed(0))

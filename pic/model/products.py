@@ -9,8 +9,9 @@ gain too. A packed matrix with fewer than ``INT8_MIN_WEIGHTS`` weights keeps its
 
 ``DecodeWeights.INT8`` is an optional mode, not exact: weights are quantized per output channel (symmetric), and
 each product quantizes its input per tensor, over the step's rows, at run time; so a sequence's tokens depend a
-little on which others decode beside it. Only decode steps use it (forwards in which every sequence decodes its next
-token, ``SeqInput.decode``, and the LM head over their rows): compiles, recompute passes and every prompt's first
+little on which others decode beside it. Only decode steps of at most ``INT8_MAX_ROWS`` sequences use it (forwards in
+which every sequence decodes its next token, ``SeqInput.decode``, and the LM head over their rows; larger decode
+batches read the model's weights, where int8 lost): compiles, recompute passes and every prompt's first
 token stay in float, so the compiled KV and the cache ids are the same as without it. The int8 copies are made once,
 when the engine is built, and add about a quarter of the float32 weights' bytes; the model's own modules are not
 changed.
@@ -28,6 +29,10 @@ from pic.errors import InvalidInputError, UnsupportedModelError
 
 # Packed matrices with fewer weights keep their float products in int8 mode (576x192 alone: int8 was 0.66x float32).
 INT8_MIN_WEIGHTS = 1 << 18
+# Decode steps of more sequences read the model's own weights in int8 mode: fbgemm's dynamic int8 products lost there
+# (SmolLM2 at 2K tokens, one thread, benchmarks/cpu_dtype.py: 26 tokens/s at batches 8 and 16 where float32 ran 49
+# and 57, bfloat16 64 and 61; at batch 1 int8 20.4, float32 20.0).
+INT8_MAX_ROWS = 4
 
 
 class FloatProducts:

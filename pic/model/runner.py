@@ -20,7 +20,7 @@ from torch import nn
 from pic.attention import AttentionBackend, AttentionBatch, AttentionShape, RopeTable, make_batch, select_backend
 from pic.config import DecodeWeights
 from pic.kv import KVCache, RequestKV
-from pic.model.products import FloatProducts, model_products, products_for
+from pic.model.products import INT8_MAX_ROWS, FloatProducts, model_products, products_for
 from pic.model.spec import ModelSpec, inspect_model
 
 
@@ -156,7 +156,7 @@ class ModelRunner:
         hidden = self._embed(torch.cat([s.token_ids for s in seqs]))  # [N, hidden_size]
         hooked = any(s.after_layer is not None for s in seqs)
         cache = seqs[0].kv.cache
-        products = self._decode if all(s.decode for s in seqs) else self._float
+        products = self._decode_products(len(seqs)) if all(s.decode for s in seqs) else self._float
         for index, layer in enumerate(self._layers):
             hidden, q = self._layer(index, layer, hidden, cache, batch, plan, rows, products)
             if hooked:
@@ -180,9 +180,13 @@ class ModelRunner:
     def logits(self, hidden: torch.Tensor, *, decode: bool = False) -> torch.Tensor:
         """``[m, hidden_size]`` final hidden states -> ``[m, vocab_size]`` float32 logits; ``decode``: every row
         follows a decode step (the LM head reads what decode steps read)."""
-        products = self._decode if decode else self._float
+        products = self._decode_products(hidden.shape[0]) if decode else self._float
         with torch.no_grad():
             return products.linear(self._lm_head, hidden).float()
+
+    def _decode_products(self, num_rows: int) -> FloatProducts:
+        """A decode step's products: int8 copies for ``INT8_MAX_ROWS`` sequences at most, the others' beyond."""
+        return self._decode if num_rows <= INT8_MAX_ROWS else self._float
 
     def _outputs(
         self, seq: SeqInput, start: int, hidden: torch.Tensor, alive: torch.Tensor, alive_all: int
