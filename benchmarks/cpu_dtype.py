@@ -78,7 +78,7 @@ def prefill_row(engines: dict, docs: list[str], context: int, args, llm) -> dict
     row["full_over_hf"] = {d: med[f"full {d}"] / med[f"hf {d}"] for d in DTYPES}
     row["bf16_gain"] = {v: med[f"{v} float32"] / med[f"{v} bfloat16"] for v in ("hf", "full", "auto")}
     row["auto_speedup_vs_full"] = {d: med[f"full {d}"] / med[f"auto {d}"] for d in DTYPES}
-    row["prompt_ids"] = prompt
+    row["prompt_ids"] = " ".join(map(str, prompt))  # (one string: the JSON stays small; vllm_prefill.py splits it)
     return row
 
 

