@@ -161,12 +161,16 @@ class PackedProducts(FloatProducts):
 
 
 def model_products(layers: nn.ModuleList, lm_head: nn.Linear) -> FloatProducts:
-    """The products of every forward but an int8 decode step: packed for a bfloat16 model on the CPU (where oneDNN
-    runs it: ``torch.ops.mkldnn`` present), the model's own modules otherwise."""
+    """The products of every forward but an int8 decode step: packed for a bfloat16 model on a CPU where oneDNN runs
+    bfloat16 (``_is_mkldnn_bf16_supported``: AVX512 or newer), the model's own modules otherwise."""
     weight = lm_head.weight
-    if weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and torch.backends.mkldnn.is_available():
+    if weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and _mkldnn_bf16():
         return PackedProducts(layers, lm_head)
     return FloatProducts()
+
+
+def _mkldnn_bf16() -> bool:
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def products_for(
