@@ -150,9 +150,9 @@ class PICConfig(_Frozen):
             runs Triton's interpreter, for tests: ``TRITON_INTERPRET=1`` before Triton is imported).
         decode_weights: ``"model"`` (the default): every product reads the model's own weights, exactly.
             ``"int8"``: decode steps (and their LM head) read int8 copies of the large matrices, made when the
-            engine is built (about a quarter more weight memory); not exact, a float32 or bfloat16 model on the CPU only.
-            Prompts, compiles and every first token stay exact, so cache ids do not change
-            (``pic.model.products``; speed and accuracy in docs/cpu.md).
+            engine is built (about a quarter more weight memory), for decode steps of up to 4 sequences; not exact, a
+            float32 or bfloat16 model on the CPU only. Prompts, compiles and every first token stay exact, so cache
+            ids do not change (``pic.model.products``; speed and accuracy in docs/cpu.md).
     """
 
     block_size: int = Field(default=16, ge=1, le=4096)

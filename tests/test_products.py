@@ -13,7 +13,7 @@ import pic
 from pic.check import check
 from pic.config import DecodeWeights
 from pic.model import ModelRunner
-from pic.model.products import FloatProducts, Int8Products
+from pic.model.products import INT8_MAX_ROWS, FloatProducts, Int8Products
 from tests.conftest import make_engine
 from tests.smollm2 import DOCS, QUERY, smollm2, variant  # noqa: F401  (the session fixture)
 
@@ -85,10 +85,17 @@ def test_int8_decode_weights_need_a_float32_or_bfloat16_cpu_model_and_a_known_na
         Int8Products(odd, torch.nn.Linear(4, 4))
 
 
-def test_int8_decode_keeps_the_link_exact_and_only_decode_steps_read_int8(smollm2, monkeypatch):  # noqa: F811
+@pytest.fixture
+def int8_rows(monkeypatch) -> list[int]:
+    """The rows of every int8 product the test's engines run (``Int8Products._run`` spied on)."""
     calls: list[int] = []
     run = Int8Products._run
     monkeypatch.setattr(Int8Products, "_run", lambda self, m, x: calls.append(x.shape[0]) or run(self, m, x))
+    return calls
+
+
+def test_int8_decode_keeps_the_link_exact_and_only_decode_steps_read_int8(smollm2, int8_rows):  # noqa: F811
+    calls = int8_rows
     fast = variant(smollm2, decode_weights="int8")
     ids = fast.compile(list(DOCS))
     assert ids == smollm2.compile(list(DOCS))  # the same KV, so the same cache ids
@@ -107,13 +114,9 @@ def test_int8_decode_keeps_the_link_exact_and_only_decode_steps_read_int8(smollm
     assert len(calls) == num_steps * (30 * 4 + 1) and set(calls) == {1}
 
 
-def test_int8_decode_reads_int8_only_in_small_batches(smollm2, monkeypatch):  # noqa: F811
+def test_int8_decode_reads_int8_only_in_small_batches(smollm2, int8_rows):  # noqa: F811
     """Issue 55: decode steps of more than ``INT8_MAX_ROWS`` sequences read the model's weights (int8 lost there)."""
-    from pic.model.products import INT8_MAX_ROWS
-
-    calls: list[int] = []
-    run = Int8Products._run
-    monkeypatch.setattr(Int8Products, "_run", lambda self, m, x: calls.append(x.shape[0]) or run(self, m, x))
+    calls = int8_rows
     fast = variant(smollm2, decode_weights="int8")
     ids = fast.compile(list(DOCS))
     pic.generate_together([fast.link(ids, QUERY) for _ in range(INT8_MAX_ROWS + 2)], 4)

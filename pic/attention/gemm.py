@@ -79,8 +79,8 @@ def gemm_tiles(
                 planned.append(GemmTile(slice(start, stop), stop, start, block.triu_(1)))
                 continue
             hidden = ~mask[start:stop, :end]  # [t, end]
-            masked = hidden.any(0)
-            first = int(masked.to(torch.int8).argmax()) if bool(masked.any()) else end  # (host syncs: once a forward)
+            masked = torch.cat((hidden.any(0), hidden.new_ones(1)))  # (a sentinel: ``end`` when no slot is masked)
+            first = int(masked.to(torch.int8).argmax())  # (a host sync, once a forward)
             planned.append(GemmTile(slice(start, stop), end, first, hidden[:, first:]))
     return tuple(planned)
 
