@@ -8,6 +8,13 @@ from the sources (``trees``: every ``.py`` under ``pic/`` by its path).
 - ``result_landing``: the functions under ``pic/engine`` that take a step's results in: those calling
   ``self.<x>.m(...)`` for ``m`` in ``LANDING`` (a token sampled, a pass or a probe ended, a chunk prefill ended);
   and those calling the runner's forward (``self.runner.forward(...)``).
+- ``failure_sites`` (issue 57): under ``pic/engine``, the calls that put a sequence on a way to failing: ``<x>.m(seq,
+  ...)`` for ``m`` in ``FAIL_CALLS`` with a sequence (a name in ``SEQ_NAMES``, ``work``, or ``<x>.seq``) first, and the
+  writes into a list named ``failed`` (``failed.append(...)``, ``failed += ...``, ``x.failed.append(...)``); the
+  functions they are in; and the movers: the functions named in ``FAIL_CALLS`` that take a sequence (their
+  definitions: each takes a failing sequence out of its queue).
+- ``result_landing`` also counts, under ``pic/engine/core``, the functions that take a loader's answer in (they call
+  ``.done()`` or ``.result()`` on a future).
 - ``command_dispatch``: the ``isinstance(x, C)`` tests under ``pic/engine`` where ``C`` is a class of the module
   that defines ``class Submit`` (the commands).
 - ``import_cycles``: the import graph of ``pic/`` with every import (at any depth, under ``if TYPE_CHECKING``
@@ -23,6 +30,7 @@ import ast
 
 SEQ_NAMES = {"seq", "s", "waiter", "sequence"}
 LANDING = {"sample", "probe_done", "pass_done", "chunk_done"}
+FAIL_CALLS = {"drop", "guard", "fail"}
 MAX_FUNCTION_LINES, MAX_FILE_LINES = 50, 250
 CALLER, CORE = "pic.engine.caller", "pic.engine.core"
 
@@ -117,11 +125,57 @@ def result_landing(trees: dict[str, ast.Module]) -> dict:
                 landing.append(f"{file} {fn.name}: {', '.join(found)}")
             if any(m == "forward" and _is_self(r, "runner") for r, m, _ in calls):
                 forward.append(f"{file} {fn.name}")
+    answers = sorted(
+        f"{file} {fn.name}"
+        for file, tree in _engine(trees).items()
+        if file.startswith("pic/engine/core/")
+        for fn in _functions(tree)
+        if any(m in ("done", "result") and not _is_self(r) for r, m, _ in _calls(fn))
+    )
     return {
+        "num_answer_functions": len(answers),
+        "answer_functions": answers,
         "num_landing_functions": len(landing),
         "landing_functions": landing,
         "num_forward_functions": len(forward),
         "forward_functions": forward,
+    }
+
+
+def _is_seq(node: ast.expr) -> bool:
+    return (isinstance(node, ast.Name) and node.id in SEQ_NAMES | {"work"}) or (
+        isinstance(node, ast.Attribute) and node.attr == "seq"
+    )
+
+
+def _names_failed(node: ast.expr) -> bool:
+    return getattr(node, "id", getattr(node, "attr", None)) == "failed"
+
+
+def failure_sites(trees: dict[str, ast.Module]) -> dict:
+    sites, movers = [], []
+    for file, tree in _engine(trees).items():
+        for fn in _functions(tree):
+            params = {a.arg for a in (*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs)}
+            if fn.name in FAIL_CALLS and params & SEQ_NAMES:
+                movers.append(f"{file}:{fn.lineno} {fn.name}")
+            for n in ast.walk(fn):
+                if n is not fn and isinstance(n, Function):
+                    continue
+                if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute):
+                    m = n.func.attr
+                    if m in FAIL_CALLS and n.args and _is_seq(n.args[0]):
+                        sites.append((file, fn.name, f"{file}:{n.lineno} {fn.name}: .{m}()"))
+                    elif m in ("append", "extend") and _names_failed(n.func.value):
+                        sites.append((file, fn.name, f"{file}:{n.lineno} {fn.name}: failed.{m}()"))
+                elif isinstance(n, ast.AugAssign) and _names_failed(n.target):
+                    sites.append((file, fn.name, f"{file}:{n.lineno} {fn.name}: failed +="))
+    return {
+        "num_sites": len(sites),
+        "num_functions": len({(f, fn) for f, fn, _ in sites}),
+        "sites": sorted({s for _, _, s in sites}),
+        "num_movers": len(movers),
+        "movers": movers,
     }
 
 

@@ -6,14 +6,16 @@ No timings: figures for a refactor to report before and after. Each JSON key hol
 come from (``--root``: the checkout measured, default this script's; nothing is hard-coded but the names below):
 
 - ``default_request_files``: in a subprocess (cwd ``--root``, pic imported from there and checked),
-  ``pic.PIC.from_pretrained()`` (embedded stories260K) compiles 3 short documents untraced, then
-  ``engine.link(ids, "Who is there?").generate(max_new_tokens=4)`` runs traced in every thread: a
-  ``sys.setprofile`` + ``threading.setprofile`` hook, installed before the engine starts its core thread, keeps
-  the "call" events between a start and a stop flag (a dataclass's generated ``__init__``, file ``<string>``,
-  counts in its module's file). The distinct files under ``pic/``, their lines (``wc -l``), how many are in
-  ``pic/engine/``; ``crossed_before_core``: the files the calling thread entered, in first-entry order, before
-  another thread ran a frame in the file defining ``EngineCore`` (approximate: the threads race), and how many
-  of them are in ``pic/engine/``.
+  ``pic.PIC.from_pretrained()`` (embedded stories260K) compiles 3 short documents and runs
+  ``engine.link(ids, "Who is there?").generate()`` (the defaults: policy, order, sampling) once untraced, a
+  warm-up; then the same link and generate run traced in every thread: a ``sys.settrace`` +
+  ``threading.settrace`` hook, installed before the engine starts its core thread, keeps the "call" events
+  between a start and a stop flag (a dataclass's generated ``__init__``, file ``<string>``, counts in its
+  module's file). The distinct files under ``pic/``, their lines (``wc -l``), how many are in ``pic/engine/``;
+  the distinct functions entered (file, qualified name, first line) and the threads that ran them;
+  ``crossed_before_core``: the files the calling thread entered, in first-entry order, before another thread
+  ran a frame in the file defining ``EngineCore`` (approximate: the threads race), and how many of them are
+  in ``pic/engine/``.
 - ``engine_files``: the ``.py`` files under ``pic/engine/`` and their lines.
 - ``sequence_fields_written_outside``: ``Sequence``'s attributes are the ``self.X`` its methods assign (the class
   is found by name under ``pic/engine``). A write outside, in any other ``.py`` under ``pic/``, is an assignment
@@ -35,7 +37,9 @@ come from (``--root``: the checkout measured, default this script's; nothing is 
   rest of ``pic/engine`` (the command channel and its messages); before issue 49 everything is "rest".
 - ``status_changes``, ``result_landing``, ``command_dispatch``, ``import_cycles``, ``sizes``: issue 49's figures
   (where a sequence's status changes, where a step's results land, the commands dispatched by type, the import
-  circles of ``pic/``, the functions and files over the size of the style guide); see ``benchmarks/_shape_steps.py``.
+  circles of ``pic/``, the functions and files over the size of the style guide), and issue 57's
+  ``failure_sites`` (where a sequence is put on a way to failing, and the functions that move one) and the
+  functions that take the loader's answers in (``result_landing``); see ``benchmarks/_shape_steps.py``.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ SEQ_NAMES = {"seq", "s", "waiter", "sequence"}
 SCHEDULER_PARTS = {"Admission"}  # classes of the scheduler's own (issue 49: its admission of prefill work)
 MUTATORS = {"append", "extend", "insert", "pop", "popitem", "remove", "update", "clear", "discard", "add", "setdefault"}
 DOCS = ["Tom had a red ball.", "Lily liked to sing.", "The cat sat on the mat."]
+QUERY = "Who is there?"
 
 
 def parsed(root: Path, sub: str = "pic") -> dict[str, ast.Module]:
@@ -72,40 +77,49 @@ def find_class(trees: dict[str, ast.Module], name: str, under: str = "pic/engine
 
 
 def trace_request(root: Path, core_file: str) -> dict:
-    """Child process: run the default request, tracing every thread; the files it visits under ``root/pic``."""
+    """Child process: run the default request once untraced (a warm-up), then again traced in every thread
+    (``sys.settrace`` + ``threading.settrace``: each Python frame's "call"); the files and functions it enters
+    under ``root/pic``."""
     sys.path.insert(0, str(root))
-    events: list[tuple[int, str]] = []
+    events: list[tuple[int, str, str]] = []
     on = [False]
 
-    def profile(frame, event, arg):
+    def trace(frame, event, arg):
         if on[0] and event == "call":
-            file = frame.f_code.co_filename  # a dataclass's generated __init__: "<string>", its module's file
-            events.append((threading.get_ident(), file if file.endswith(".py") else frame.f_globals.get("__file__")))
+            code = frame.f_code
+            file = code.co_filename  # a dataclass's generated __init__: "<string>", its module's file
+            file = file if file.endswith(".py") else frame.f_globals.get("__file__")
+            events.append((threading.get_ident(), file, f"{code.co_qualname}:{code.co_firstlineno}"))
+        return None  # (no line events)
 
-    threading.setprofile(profile)
-    sys.setprofile(profile)
+    threading.settrace(trace)
+    sys.settrace(trace)
     import pic
 
     if not Path(pic.__file__).resolve().is_relative_to(root / "pic"):
         raise SystemExit(f"pic imported from {pic.__file__}, not from {root}")
     engine = pic.PIC.from_pretrained()
     ids = engine.compile(DOCS)
+    engine.link(ids, QUERY).generate()  # the warm-up: lazy imports and first-call work are not the request's
     on[0] = True
-    engine.link(ids, "Who is there?").generate(max_new_tokens=4)
+    engine.link(ids, QUERY).generate()
     on[0] = False
-    sys.setprofile(None)
-    threading.setprofile(None)
+    sys.settrace(None)
+    threading.settrace(None)
     engine.close()
     caller, pic_dir = threading.get_ident(), root / "pic"
-    visits = [(t, Path(f).resolve()) for t, f in events if f and f.endswith(".py")]
-    visits = [(t, p.relative_to(root).as_posix()) for t, p in visits if p.is_relative_to(pic_dir)]
+    visits = [(t, Path(f).resolve(), fn) for t, f, fn in events if f and f.endswith(".py")]
+    visits = [(t, p.relative_to(root).as_posix(), fn) for t, p, fn in visits if p.is_relative_to(pic_dir)]
     crossed: list[str] = []
-    for thread, file in visits:
+    for thread, file, _ in visits:
         if thread != caller and file == core_file:
             break
         if thread == caller and file not in crossed:
             crossed.append(file)
-    return {"files": sorted({f for _, f in visits}), "crossed_before_core": crossed}
+    functions = sorted({f"{file} {fn}" for _, file, fn in visits})
+    threads = len({t for t, _, _ in visits})
+    return {"files": sorted({f for _, f, _ in visits}), "crossed_before_core": crossed, "functions": functions,
+            "num_threads": threads}
 
 
 def default_request_files(root: Path, core_file: str) -> dict:
@@ -117,11 +131,13 @@ def default_request_files(root: Path, core_file: str) -> dict:
     counts = line_counts(root, [root / f for f in seen["files"]])
     crossed = seen["crossed_before_core"]
     return {
+        "num_functions": len(seen["functions"]),
+        "num_threads": seen["num_threads"],
         "num_engine_files": sum(f.startswith("pic/engine/") for f in counts["files"]),
         "num_crossed_before_core": len(crossed),
         "num_engine_crossed_before_core": sum(f.startswith("pic/engine/") for f in crossed),
         "crossed_before_core": crossed,
-    } | counts
+    } | counts | {"functions": seen["functions"]}
 
 
 def line_counts(root: Path, paths: list[Path]) -> dict:
@@ -300,6 +316,7 @@ def shape_steps(root: Path, trees: dict[str, ast.Module], engine_lines: dict[str
         "engine_parts": {k: {"num_files": len(v), "total_lines": sum(v.values())} for k, v in parts.items()},
         "status_changes": _shape_steps.status_changes(trees),
         "result_landing": _shape_steps.result_landing(trees),
+        "failure_sites": _shape_steps.failure_sites(trees),
         "command_dispatch": _shape_steps.command_dispatch(trees),
         "import_cycles": _shape_steps.import_cycles(trees),
         "sizes": _shape_steps.sizes(trees, engine_lines),
@@ -312,6 +329,7 @@ def main() -> None:
     parser.add_argument("--root", type=Path, default=here, help="a checkout of pic (default: this script's)")
     parser.add_argument("--out", type=Path, help="write the figures here (JSON)")
     parser.add_argument("--kv-class", default="KVManager", help="the class the scheduler's self.kv is")
+    parser.add_argument("--commit", help="the commit ``--root`` holds, when it is not a git checkout (git archive)")
     parser.add_argument("--trace-child", metavar="CORE_FILE", help=argparse.SUPPRESS)
     args = parser.parse_args()
     root = args.root.resolve()
@@ -322,7 +340,7 @@ def main() -> None:
     commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
     result = {
         "root": str(root),
-        "commit": commit.strip(),
+        "commit": args.commit or commit.strip(),
         "python": sys.version.split()[0],
         "default_request_files": default_request_files(root, find_class(trees, "EngineCore")[0]),
         "engine_files": line_counts(root, sorted((root / "pic/engine").rglob("*.py"))),
@@ -344,6 +362,7 @@ def print_table(r: dict) -> None:
     ifs, crossed_engine = k["kv_class"]["policy_branches"], d["num_engine_crossed_before_core"]
     rows = [
         ("default request: files (lines)", f"{d['num_files']} ({d['total_lines']})"),
+        ("  functions; threads", f"{d['num_functions']}; {d['num_threads']}"),
         ("  in pic/engine, of all engine files", f"{d['num_engine_files']} of {e['num_files']}"),
         ("  crossed before EngineCore (in pic/engine)", f"{d['num_crossed_before_core']} ({crossed_engine})"),
         ("engine files (lines)", f"{e['num_files']} ({e['total_lines']})"),
@@ -357,8 +376,8 @@ def print_table(r: dict) -> None:
         ("pic.engine import levels", i["engine_levels"]),
         ("link(cache_ids, query) definitions", r["link_signatures"]["num_link"]),
     ]
-    st, la, co, cy, sz = (
-        r[k] for k in ("status_changes", "result_landing", "command_dispatch", "import_cycles", "sizes")
+    st, la, co, cy, sz, fa = (
+        r[k] for k in ("status_changes", "result_landing", "command_dispatch", "import_cycles", "sizes", "failure_sites")
     )
     parts = ", ".join(f"{k} {v['num_files']} ({v['total_lines']})" for k, v in r["engine_parts"].items())
     rows += [
@@ -369,6 +388,9 @@ def print_table(r: dict) -> None:
             "functions where results land; calling forward",
             f"{la['num_landing_functions']}; {la['num_forward_functions']}",
         ),
+        ("  functions taking in loader answers", la["num_answer_functions"]),
+        ("failure sites; in functions", f"{fa['num_sites']}; {fa['num_functions']}"),
+        ("  functions moving a failing sequence", fa["num_movers"]),
         ("isinstance on commands: sites, functions", f"{co['num_isinstance_sites']}, {co['num_functions']}"),
         ("import cycles in pic/", cy["num_cycles"]),
         ("engine functions > 50 lines; files > 250", f"{sz['num_functions_over']}; {sz['num_files_over']}"),
