@@ -15,7 +15,7 @@ class AccuracyScore:
 
     Attributes:
         policy: the policy's spec string.
-        accuracy: share of cases whose reply holds every answer (``pic.evaluation.qa.score_answer``).
+        accuracy: share of cases whose reply holds every answer (``pic.evaluation.answers.score_answer``).
         accuracy_low, accuracy_high: its 95% Wilson score interval.
         exact_match: share of replies equal to the reference answer (SQuAD normalization).
         f1: mean token F1 of the replies against the reference.
