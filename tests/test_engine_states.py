@@ -13,8 +13,8 @@ import threading
 import pytest
 
 import pic
-from pic.engine.core.sequence import Sequence
-from pic.engine.core.status import TRANSITIONS, Status, Transition
+from pic.engine.core.queues import Queues
+from pic.engine.core.sequence import TRANSITIONS, Sequence, Status, Transition
 from pic.engine.request import NewRequest, Prompt
 from pic.errors import SequenceStateError
 from pic.link import policies
@@ -92,16 +92,21 @@ def _sequence() -> Sequence:
 
 
 def test_a_transition_its_status_does_not_allow_raises_a_named_error_and_changes_nothing():
-    seq = _sequence()
+    """``Queues.move``: checked before anything changes; the sequence is in the queue of its status, and only there."""
+    seq, queues = _sequence(), Queues()
+    queues.add(seq)
     with pytest.raises(SequenceStateError, match="request 7 cannot preempt while waiting"):
-        seq.preempt()
-    assert seq.status is Status.WAITING and seq.num_preemptions == 0
-    seq.admit()
+        queues.move(seq, Transition.PREEMPT)
+    assert seq.status is Status.WAITING and seq.num_preemptions == 0 and list(queues.waiting) == [seq]
+    queues.move(seq, Transition.ADMIT)
+    assert queues.prefilling == [seq] and not queues.waiting and seq.times.scheduled_s is not None
     with pytest.raises(SequenceStateError, match="cannot resume while prefilling"):
-        seq.resume(pic.SamplingParams(), None, sink=None, link_s=0.0)  # type: ignore[arg-type]
-    seq.finish(pic.FinishReason.ABORT)
+        queues.move(seq, Transition.RESUME)
+    assert queues.prefilling == [seq]
+    queues.move(seq, Transition.FINISH)
+    assert not queues.prefilling and not queues.requests
     with pytest.raises(SequenceStateError, match="cannot finish while finished"):
-        seq.finish(pic.FinishReason.ABORT)
+        queues.move(seq, Transition.FINISH)
 
 
 def test_every_status_but_finished_is_reached_and_left():
@@ -127,7 +132,7 @@ def test_a_broken_invariant_fails_that_request_alone_and_the_engine_serves_the_n
     with engine.paused() as core:
         thread.start()  # (its request arrives while the engine is paused)
         (seq,) = [s for s in core.scheduler.queues.running if s.status is Status.RUNNING]
-        seq._status = broken  # the invariant broken: a sequence among the running that is not running
+        seq.status = broken  # the invariant broken: a sequence among the running that is not running
     with pytest.raises(SequenceStateError, match=f"is {broken.value} where only running can be"):
         for _ in victim:
             pass

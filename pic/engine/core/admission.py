@@ -1,9 +1,10 @@
 """``Admission``: the prefill work of a step under what its token budget leaves after the decodes. Work under way
 goes first: resumed links get their place among the running, and passes under way go on (pieces of a long static
 pass: they hold their blocks and take no new ones, and a waiting request may be waiting for them; a probe's second
-pass runs in its probe's step, ``Scheduler.second_passes``). Then new work: waiting sequences' recompute passes and chunk prefills (``PrefillOrder.INTERACTIVE``: a
-request's work first, in arrival order, then bulk compiles' chunk prefills, with the whole budget in steps with no
-request's pass and ``compile_share`` of it in steps with one; ``PrefillOrder.ARRIVAL``: all of it in arrival order).
+pass runs in its probe's step, ``Scheduler.second_passes``). Then new work: waiting sequences' recompute passes and
+chunk prefills (``PrefillOrder.INTERACTIVE``: a request's work first, in arrival order, then bulk compiles' chunk
+prefills, with the whole budget in steps with no request's pass and ``compile_share`` of it in steps with one;
+``PrefillOrder.ARRIVAL``: all of it in arrival order). A sequence whose admission raises fails (``Scheduler.fail``).
 
 A chunk prefill takes what budget is left and goes on in the next step (chunked prefill), so a compile of many
 documents never stalls the running streams for more than a step; so does a static policy's recompute pass larger
@@ -25,19 +26,25 @@ from pic.engine.core.batch import PassPiece, ScheduledBatch
 from pic.engine.core.chunk_sources import ChunkSources
 from pic.engine.core.kv_manager import KVManager
 from pic.engine.core.queues import Queues
-from pic.engine.core.sequence import Sequence
-from pic.engine.core.status import Status
+from pic.engine.core.sequence import Sequence, Status, Transition, expect
 from pic.engine.generation import FinishReason
 from pic.errors import KVPoolExhaustedError, PicError
 from pic.link.linker import Linker
 
 Work = Sequence | ChunkPrefill
+Fail = Callable[[Sequence, "Exception | FinishReason"], None]
+
+
+def _arrival(work: Work) -> float:
+    """Its place in the arrival order of prefill work."""
+    return work.order if isinstance(work, ChunkPrefill) else work.arrival
 
 
 class Admission:
     """Args:
     queues: the sequences by status (admission moves them).
     kv, linker, sources: the blocks, the link plans, the chunks and the chunk prefills' queue.
+    fail: ``Scheduler.fail``, the one way a sequence fails.
     max_num_seqs: most sequences running or prefilling at once (parked ones do not count).
     prefill_order, compile_share: which prefill work goes first (``PICConfig.prefill_order``, ``compile_share``).
     frees_soon: whether store I/O under way will free blocks (a compile's hold on a chunk being written
@@ -51,21 +58,22 @@ class Admission:
         linker: Linker,
         sources: ChunkSources,
         *,
+        fail: Fail,
         max_num_seqs: int,
         prefill_order: PrefillOrder,
         compile_share: float,
         frees_soon: Callable[[], bool],
     ) -> None:
         self.queues, self.kv, self.linker, self.sources, self.frees_soon = queues, kv, linker, sources, frees_soon
+        self.fail = fail
         self.max_num_seqs, self.prefill_order, self.compile_share = max_num_seqs, prefill_order, compile_share
 
-    def prefetch(self, batch: ScheduledBatch) -> None:
+    def prefetch(self) -> None:
         """Start fetching every waiting sequence's missing chunks (a prefetch), failing those that cannot run."""
-        for seq in [s for s in self.queues.waiting if s.status is Status.WAITING]:  # (a resuming one has its KV)
+        for seq in self.queues.of(Status.WAITING):  # (a resuming one has its KV)
             error = self.sources.resolve(seq).error
             if error is not None:
-                self.queues.drop(seq)
-                batch.failed.append((seq, error))
+                self.fail(seq, error)
 
     def schedule(self, batch: ScheduledBatch, *, budget: int) -> None:
         """Give ``budget`` tokens to prefill work: the work under way first (resumed links, passes that go on: they
@@ -74,21 +82,21 @@ class Admission:
         self.sources.drop_abandoned()
         self._start_resumed(batch)
         under_way = list(self.queues.prefilling)
-        requests: list[Work] = [s for s in self.queues.waiting if s.status is Status.WAITING]
+        requests: list[Work] = self.queues.of(Status.WAITING)
         compiles = list(self.sources.prefills.values())
         if self.prefill_order is PrefillOrder.ARRIVAL:
             budget = self._in_order(batch, under_way, budget=budget)
-            self._in_order(batch, sorted([*requests, *compiles], key=lambda w: w.order), budget=budget)
+            self._in_order(batch, sorted([*requests, *compiles], key=_arrival), budget=budget)
             return
         requests += [p for p in compiles if p.is_interactive]  # (chunks a request waits for)
         compiles = [p for p in compiles if not p.is_interactive]
         kept = int(budget * self.compile_share) if compiles else 0
         left = self._in_order(batch, under_way, budget=budget - kept)
-        left = self._in_order(batch, sorted(requests, key=lambda w: w.order), budget=left, compiles_wait=bool(compiles))
+        left = self._in_order(batch, sorted(requests, key=_arrival), budget=left, compiles_wait=bool(compiles))
         # Beside a request's pass, compiles get their share only: the step (and the request's first token) is not
         # slowed by a compile's full piece. Without one, they get the whole budget.
         num_compile = min(kept, left + kept) if batch.has_prefill_work else budget
-        self._in_order(batch, sorted(compiles, key=lambda w: w.order), budget=num_compile)
+        self._in_order(batch, sorted(compiles, key=_arrival), budget=num_compile)
 
     def _in_order(self, batch: ScheduledBatch, queued: list[Work], *, budget: int, compiles_wait: bool = False) -> int:
         """Schedule ``queued`` in order while ``budget`` lasts and none must wait; returns the budget left.
@@ -102,12 +110,14 @@ class Admission:
                     break
                 budget -= batch.pieces[-1][1].token_ids.shape[0]
                 continue
-            num_tokens = None
-            with self.queues.guard(work, batch.failed):
+            try:
                 num_tokens = self._admit(work, batch, budget=budget, compiles_wait=compiles_wait)
-                if num_tokens is None:
-                    break
-            budget -= num_tokens or 0
+            except Exception as exc:
+                self.fail(work, exc)
+                continue
+            if num_tokens is None:
+                break
+            budget -= num_tokens
         return budget
 
     def has_work(self, seqs: list[Sequence]) -> bool:
@@ -121,7 +131,7 @@ class Admission:
 
     def busy(self, batch: ScheduledBatch) -> bool:
         """Whether something runs this step (and will free blocks or take budget)."""
-        return bool(self.queues.running or self.queues.prefilling) or batch.has_prefill_work
+        return self.queues.num_active > 0 or batch.has_prefill_work
 
     def _piece(self, prefill: ChunkPrefill, batch: ScheduledBatch, *, budget: int) -> bool:
         """Add the next piece of ``prefill`` (starting it when the pool has its blocks); whether it ran. One that
@@ -148,30 +158,32 @@ class Admission:
             return self._place(seq, batch, budget=budget)
         if self._full():
             return None
-        seq.expect(Status.WAITING)
+        expect(seq, Status.WAITING)
         return self._new_pass(seq, batch, budget=budget, busy=self.busy(batch) or compiles_wait)
 
     def _full(self) -> bool:
         """Whether ``max_num_seqs`` sequences run or prefill."""
-        return len(self.queues.running) + len(self.queues.prefilling) >= self.max_num_seqs
+        return self.queues.num_active >= self.max_num_seqs
 
     def _start_resumed(self, batch: ScheduledBatch) -> None:
         """Give the resuming links their place among the running while the cap allows: no blocks, no forward (their
         first tokens come from the hidden states their passes left)."""
-        for seq in [s for s in self.queues.waiting if s.status is Status.RESUMING]:
+        for seq in self.queues.of(Status.RESUMING):
             if self._full():
                 return
-            with self.queues.guard(seq, batch.failed):
-                self.queues.start(seq)
-                batch.resumed.append(seq)
+            try:
+                self.queues.move(seq, Transition.START)
+            except Exception as exc:
+                self.fail(seq, exc)
+                continue
+            batch.resumed.append(seq)
 
     def _new_pass(self, seq: Sequence, batch: ScheduledBatch, *, budget: int, busy: bool) -> int | None:
         """Admit a waiting sequence: plan its link, take its blocks, set up its pass, place its first piece."""
         chunks = self.sources.resolve(seq)  # (again: this step's admissions may have evicted a chunk)
         if not chunks.is_ready:
             if chunks.error is not None:
-                self.queues.drop(seq)
-                batch.failed.append((seq, chunks.error))
+                self.fail(seq, chunks.error)
             return 0
         try:
             plan = self.linker.plan(
@@ -187,13 +199,12 @@ class Admission:
                 self.drop_holds(keep=seq)  # (then a KVPoolExhaustedError from allocate if it still does not fit)
             assembly = self.kv.allocate(seq, plan)
         except PicError as exc:
-            self.queues.drop(seq)
             out_of_blocks = isinstance(exc, KVPoolExhaustedError) and seq.output_ids
-            batch.failed.append((seq, FinishReason.KV_POOL if out_of_blocks else exc))
+            self.fail(seq, FinishReason.KV_POOL if out_of_blocks else exc)
             return 0
         num_rows = 1 if seq.sampling else len(seq.query_ids)
         self.linker.start(seq.link, plan, seq.blocks.kv, assembly=assembly, num_output_rows=num_rows)
-        self.queues.admit(seq)
+        self.queues.move(seq, Transition.ADMIT)
         return self._place(seq, batch, budget=budget)
 
     @staticmethod

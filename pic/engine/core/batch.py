@@ -10,7 +10,6 @@ import torch
 
 from pic.compile import ChunkPrefill
 from pic.engine.core.sequence import Sequence
-from pic.engine.generation import FinishReason
 from pic.kv.transfer import to_device
 from pic.model import SeqInput
 
@@ -41,7 +40,6 @@ class ScheduledBatch:
         decodes: running: their last token runs (``SeqBlocks.next_slot`` is reserved).
         resumed: parked sequences whose generation starts: their first token is sampled from the
             hidden state their pass left (no forward).
-        failed: sequences that cannot run, with the error or the reason they finish early.
         failed_prefills: chunk prefills that cannot run, with the error.
     """
 
@@ -49,7 +47,6 @@ class ScheduledBatch:
     pieces: list[tuple[ChunkPrefill, SeqInput]] = field(default_factory=list)
     decodes: list[Sequence] = field(default_factory=list)
     resumed: list[Sequence] = field(default_factory=list)
-    failed: list[tuple[Sequence, Exception | FinishReason]] = field(default_factory=list)
     failed_prefills: list[tuple[ChunkPrefill, Exception]] = field(default_factory=list)
 
     @property

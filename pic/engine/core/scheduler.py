@@ -5,14 +5,15 @@ Each step, running sequences go first: each gets the slot of its next token, in 
 has no block for one, the most recently admitted running sequence is preempted (its blocks freed, its chunks
 held, requeued at the front for a fresh pass over its prompt and the tokens it generated), or, when it runs alone,
 the holds of waiting sequences are let go, then a resuming link is preempted. The budget left goes to
-prefill work (``Admission``: recompute passes, a probe's second pass, chunk prefills). Every status change is a
-transition of the ``Queues`` (checked by the sequence's state machine); work on one sequence that raises fails
-that sequence alone, never the step.
+prefill work (``Admission``: recompute passes, a probe's second pass, chunk prefills). Every status change is one
+``Queues.move`` (checked against the state machine's table). A sequence whose work raises fails through ``fail``,
+the one way a sequence fails: its status, queue and blocks go together, its last output is put, and nothing more
+is done for it; the step and the other requests go on.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence as Seq
+import logging
 
 import torch
 
@@ -24,14 +25,15 @@ from pic.engine.core.compile_calls import CompileCalls
 from pic.engine.core.decoding import Decoder, Sampled
 from pic.engine.core.kv_manager import KVManager
 from pic.engine.core.outputs import finish_output, link_output, token_output
-from pic.engine.core.queues import Queues, log
-from pic.engine.core.sequence import Sequence
-from pic.engine.core.status import Status
+from pic.engine.core.queues import Queues
+from pic.engine.core.sequence import Sequence, Status, Transition, expect
 from pic.engine.generation import FinishReason
 from pic.engine.request import OutputSink, RequestOutput
 from pic.engine.sampling import SamplingParams
+from pic.errors import PicError
 from pic.link.linker import Linker
 
+log = logging.getLogger("pic")
 Row = tuple[Sequence, torch.Tensor]  # a sequence and the final hidden state ``[hidden_size]`` to sample from
 
 
@@ -58,9 +60,11 @@ class Scheduler:
         self.device, self.max_num_batched_tokens = device, config.max_num_batched_tokens
         self.queues = Queues()
         self._probed: list[Sequence] = []  # probes that ended in this step: their second passes run next
+        self._outputs: list[RequestOutput] = []  # the outputs put since the last update (what ``step`` returns)
         self.admission = Admission(
-            self.queues, kv, linker, sources, max_num_seqs=config.max_num_seqs, prefill_order=config.prefill_order,
-            compile_share=config.compile_share, frees_soon=lambda: compiles.num_writing > 0,
+            self.queues, kv, linker, sources, fail=self.fail, max_num_seqs=config.max_num_seqs,
+            prefill_order=config.prefill_order, compile_share=config.compile_share,
+            frees_soon=lambda: compiles.num_writing > 0,
         )  # fmt: skip
 
     # -- requests --------------------------------------------------------------------------------------------
@@ -74,7 +78,9 @@ class Scheduler:
         seq = self.queues.requests.get(request_id)
         if seq is None or seq.status is not Status.PARKED:
             return False
-        self.queues.resume(seq, params, self.decoder.start(params), sink=sink, link_s=link_s)
+        self.queues.move(seq, Transition.RESUME)
+        seq.generate(params, self.decoder.start(params))
+        seq.sink, seq.times.link_s = sink, link_s
         return True
 
     def abort(self, request_id: int) -> None:
@@ -85,7 +91,7 @@ class Scheduler:
 
     def fail_all(self, error: Exception) -> None:
         for seq in list(self.queues.requests.values()):
-            self.finish(seq, error)
+            self.fail(seq, error, quiet=True)
 
     @property
     def is_busy(self) -> bool:
@@ -104,40 +110,44 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         """This step's work: a decode for every running sequence (preempting when the pool is full), then, unless
         one was preempted, prefill work under the budget the decodes leave."""
-        batch = ScheduledBatch()
+        batch, self._outputs = ScheduledBatch(), []
         preempted = self._schedule_running(batch)
-        self.admission.prefetch(batch)
-        for seq, _ in batch.failed:  # (their blocks go now: this step's admissions may need them)
-            self.kv.free(seq)
+        self.admission.prefetch()
         if not preempted:
             self.admission.schedule(batch, budget=self.max_num_batched_tokens - len(batch.decodes))
         return batch
 
     def _schedule_running(self, batch: ScheduledBatch) -> bool:
-        """Reserve each running sequence's next slot, preempting the latest admitted when the pool is full."""
+        """Reserve each running sequence's next slot, preempting the latest admitted when the pool is full; whether
+        one was preempted."""
         todo, preempted = list(self.queues.running), False
         while todo:
             seq = todo.pop(0)
-            with self.queues.guard(seq, batch.failed):
-                seq.expect(Status.RUNNING)
-                while not self.kv.can_append(seq):
-                    if todo:  # preempt the most recently admitted sequence not yet scheduled, and look again
-                        preempted = self._preempt(todo.pop(), batch) or preempted
-                    elif self.admission.drop_holds(keep=None):  # (chunks kept for waiting ones let go)
-                        continue
-                    elif resuming := [s for s in self.queues.waiting if s.status is Status.RESUMING]:
-                        preempted = self._preempt(resuming[-1], batch) or preempted  # (its generation started)
-                    else:
-                        break
-                else:
-                    self.kv.append(seq)
-                    batch.decodes.append(seq)
-                    continue
-                if batch.decodes:  # the others run this step and will free blocks: wait for them
-                    preempted = self._preempt(seq, batch) or preempted
-                else:  # alone: nothing will free a block
-                    self.queues.drop(seq)
-                    batch.failed.append((seq, FinishReason.KV_POOL))
+            try:
+                preempted = self._schedule_decode(seq, todo, batch) or preempted
+            except Exception as exc:
+                self.fail(seq, exc)
+        return preempted
+
+    def _schedule_decode(self, seq: Sequence, todo: list[Sequence], batch: ScheduledBatch) -> bool:
+        """Reserve ``seq``'s next slot, preempting others (``todo``: the running ones not yet scheduled) or itself
+        when the pool has no block for it; whether one was preempted."""
+        expect(seq, Status.RUNNING)
+        preempted = False
+        while not self.kv.can_append(seq):
+            if todo:  # preempt the most recently admitted sequence not yet scheduled, and look again
+                preempted = self._preempt(todo.pop()) or preempted
+            elif self.admission.drop_holds(keep=None):  # (chunks kept for waiting ones let go)
+                continue
+            elif resuming := self.queues.of(Status.RESUMING):
+                preempted = self._preempt(resuming[-1]) or preempted  # (its generation started)
+            elif batch.decodes:  # the others run this step and will free blocks: wait for them
+                return self._preempt(seq) or preempted
+            else:  # alone: nothing will free a block
+                self.fail(seq, FinishReason.KV_POOL)
+                return preempted
+        self.kv.append(seq)
+        batch.decodes.append(seq)
         return preempted
 
     def second_passes(self) -> ScheduledBatch:
@@ -151,70 +161,74 @@ class Scheduler:
         self._probed = []
         return batch
 
-    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> bool:
-        """Free ``seq``'s blocks for the others (its chunks held); whether it was (else it failed alone)."""
-        with self.queues.guard(seq, batch.failed):
-            self.queues.preempt(seq)  # (checked before anything is freed)
+    def _preempt(self, seq: Sequence) -> bool:
+        """Free ``seq``'s blocks for the others (its chunks held); whether it was (else it failed)."""
+        try:
+            self.queues.move(seq, Transition.PREEMPT)  # (checked before anything is freed)
             self.kv.preempt(seq)
             self.linker.forget_pass(seq.link)
-            return True
-        self.kv.free(seq)  # (failed: its blocks go now, for the others)
-        return False
+        except Exception as exc:
+            self.fail(seq, exc)
+            return False
+        return True
 
     # -- update ---------------------------------------------------------------------------------------------
 
     def update_from_output(self, batch: ScheduledBatch, output: ForwardOutput) -> list[RequestOutput]:
         """The one place a step's results land: the passes that ended park their link or start decoding (a probe's
-        policy chooses, and its second pass runs next, in the same step: ``second_passes``), the chunks compiled become resident
-        and held for the requests that waited for them, every generating sequence samples a token, and every
-        output goes to its request's sink. Sequences that could not run, and a failed forward's, fail here."""
-        failed: list[tuple[Sequence, Exception | FinishReason]] = list(batch.failed)
-        ran = self._failed_forward(batch, output.error, failed) if output.error else batch.outputs(output.hidden)
-        rows, parked = self._first_tokens(batch.resumed, failed), []
+        policy chooses, and its second pass runs next, in the same step: ``second_passes``), the chunks compiled
+        become resident and held for the requests that waited for them, every generating sequence samples a token,
+        and every output goes to its request's sink. A failed forward fails its sequences and chunk prefills;
+        returns every output since the last update (those of sequences that ended between steps too)."""
+        if output.error is not None:
+            for seq in batch.sequences():
+                self.fail(seq, output.error)
+            batch.failed_prefills += [(prefill, output.error) for prefill, _ in batch.pieces]
+            ran = StepOutput()
+        else:
+            ran = batch.outputs(output.hidden)
+        rows = [(seq, seq.query_hidden[-1]) for seq in batch.resumed if seq.status is Status.RUNNING]
+        parked: list[Sequence] = []
         for piece, hidden in ran.passes:
-            seq = piece.seq
-            if not piece.ends or seq.status is not Status.PREFILLING:  # (goes on; or it failed in this step)
-                continue
-            with self.queues.guard(seq, failed):  # (a policy's own error fails its request, not the batch)
-                if seq.link.pass_.is_probe:
-                    self.kv.copy_written(seq, self.linker.probe_done(seq.link))
-                    self._probed.append(seq)
-                    continue
-                self.linker.pass_done(seq.link)
-                self.kv.pass_done(seq)
-                rows += self._pass_ended(seq, hidden, parked)
+            if piece.ends and piece.seq.status is Status.PREFILLING:  # (else it goes on; or it failed in this step)
+                rows += self._pass_done(piece.seq, hidden, parked)
         for prefill in ran.pieces:
             if prefill.is_done:
                 self._hold_for(prefill.cache_id, self.compiles.chunk_done(prefill))
-        outputs = [self.finish(seq, why) for seq, why in failed if not seq.is_finished]
         for prefill, error in batch.failed_prefills:
-            outputs += [self.finish(seq, error) for seq in self.compiles.prefill_failed(prefill, error)]
+            for seq in self.compiles.prefill_failed(prefill, error):
+                self.fail(seq, error)
         self._put_links(parked)
-        rows += [(seq, hidden[-1]) for seq, hidden in ran.decodes]
-        return outputs + self._sampled(self.decoder.sample(rows))
+        rows += [(seq, hidden[-1]) for seq, hidden in ran.decodes if seq.status is Status.RUNNING]
+        self._sampled(self.decoder.sample(rows))
+        outputs, self._outputs = self._outputs, []
+        return outputs
 
-    def _failed_forward(self, batch: ScheduledBatch, error: Exception, failed: list) -> StepOutput:
-        """The forward raised: its sequences and chunk prefills fail; the engine and every other request go on."""
-        failed += [(seq, error) for seq in batch.sequences()]
-        batch.failed_prefills += [(prefill, error) for prefill, _ in batch.pieces]
-        return StepOutput()
-
-    def _first_tokens(self, resumed: Seq[Sequence], failed: list) -> list[Row]:
-        """The rows a resumed link samples its first token from: the hidden state its pass left."""
-        rows = []
-        for seq in resumed:
-            with self.queues.guard(seq, failed):
-                rows.append((seq, seq.query_hidden[-1]))
-        return rows
+    def _pass_done(self, seq: Sequence, hidden: torch.Tensor, parked: list[Sequence]) -> list[Row]:
+        """A pass ended: after a probe, the policy chooses (its second pass runs next); else the link parks with its
+        query's hidden states (``Linked.logits``) or the generation decodes, its first token sampled from the pass's
+        last row. A policy's own error fails its request, not the batch."""
+        try:
+            if seq.link.pass_.is_probe:
+                self.kv.copy_written(seq, self.linker.probe_done(seq.link))
+                self._probed.append(seq)
+                return []
+            self.linker.pass_done(seq.link)
+            self.kv.pass_done(seq)
+            return self._pass_ended(seq, hidden, parked)
+        except Exception as exc:
+            self.fail(seq, exc)
+            return []
 
     def _pass_ended(self, seq: Sequence, hidden: torch.Tensor, parked: list[Sequence]) -> list[Row]:
         """A pass ended: a link parks with its query's hidden states (``Linked.logits``); a generation decodes,
         its first token sampled from the pass's last row."""
         if seq.sampling is None:
-            self.queues.park(seq, hidden)
+            self.queues.move(seq, Transition.PARK)
+            seq.query_hidden = hidden
             parked.append(seq)
             return []
-        self.queues.run(seq)
+        self.queues.move(seq, Transition.RUN)
         return [(seq, hidden[-1])]
 
     def _hold_for(self, cache_id: str, waiters: list[Sequence]) -> None:
@@ -230,29 +244,41 @@ class Scheduler:
         for seq in parked:
             seq.sink.put(link_output(seq))
 
-    def _sampled(self, sampled: list[Sampled]) -> list[RequestOutput]:
+    def _sampled(self, sampled: list[Sampled]) -> None:
         """Each sampled token put out, or its sequence finished."""
-        outputs = []
         for one in sampled:
             if one.finish is None:
-                outputs.append(token_output(one.seq, one.text, one.token))
-                one.seq.sink.put(outputs[-1])
+                out = token_output(one.seq, one.text, one.token)
+                self._outputs.append(out)
+                one.seq.sink.put(out)
             else:
-                outputs.append(self.finish(one.seq, one.finish, text=one.text, token=one.token))
-        return outputs
+                self.finish(one.seq, one.finish, text=one.text, token=one.token)
 
-    def finish(
-        self, seq: Sequence, why: FinishReason | Exception, *, text: str = "", token: int | None = None
-    ) -> RequestOutput:
-        """End the sequence, free its blocks, and hand its last output over."""
-        self.queues.finish(seq, why)
-        self.kv.free(seq)
+    def fail(self, seq: Sequence, why: Exception | FinishReason, *, quiet: bool = False) -> None:
+        """The one way a sequence fails: ``why`` is its error, or ``FinishReason.KV_POOL`` (no block for it while
+        nothing else runs: it ends with its tokens so far). Logged (``quiet``: not, the engine is closing), then
+        ended as ``finish`` ends it: status, queue and blocks together. A sequence that ended already is left."""
+        if seq.is_finished:
+            return
         if why is FinishReason.KV_POOL:
-            log.warning(
-                "pic: request %d stopped after %d tokens: the KV pool is full", seq.request_id, len(seq.output_ids)
-            )
-        if not isinstance(why, Exception):
+            num = len(seq.output_ids)
+            log.warning("pic: request %d stopped after %d tokens: the KV pool is full", seq.request_id, num)
+        elif isinstance(why, PicError) and not quiet:
+            log.error("pic: request %d failed: %s", seq.request_id, why)
+        elif not quiet:  # a bug, or a policy's own: logged with its traceback
+            log.error("pic: request %d failed", seq.request_id, exc_info=why)
+        self.finish(seq, why)
+
+    def finish(self, seq: Sequence, why: FinishReason | Exception, *, text: str = "", token: int | None = None) -> None:
+        """End the sequence (out of its queue, FINISHED), free its blocks, and put its last output (with ``text`` and
+        ``token``, this step's)."""
+        self.queues.move(seq, Transition.FINISH)
+        self.kv.free(seq)
+        if isinstance(why, Exception):
+            seq.error = why
+        else:
+            seq.finish_reason = why
             text += self.decoder.flush(seq)
         out = finish_output(seq, text=text, token=token)
+        self._outputs.append(out)
         seq.sink.put(out)
-        return out

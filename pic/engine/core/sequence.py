@@ -1,15 +1,29 @@
-"""A request's state inside the engine, from arrival to its last token: ``Sequence``.
+"""A request's state inside the engine, from arrival to its last token: ``Sequence``, and its life as one state
+machine: its statuses and the transitions between them, written once in ``TRANSITIONS``::
 
-Its status changes only through its transitions (``admit``, ``run``, ``park``, ``resume``, ``start``, ``preempt``,
-``finish``), each checked against the state machine (``pic.engine.core.status``) before anything changes: one not
-allowed raises ``SequenceStateError`` for this request alone. The scheduler's queues call them, and nothing else.
-Its other parts each have one owner: ``fetch`` is ``ChunkSources``'s (``Fetch``), ``link`` the ``Linker``'s
-(``LinkState``), ``blocks`` the ``KVManager``'s (``SeqBlocks``), ``decoding`` the ``Decoder``'s (``Decoding``); they
-are defined here, below their owners, which import this module (nothing imports back).
+    WAITING --ADMIT--> PREFILLING --RUN--> RUNNING --PREEMPT--> WAITING
+                           |                  ^
+                          PARK              START
+                           v                  |
+                        PARKED --RESUME--> RESUMING --PREEMPT--> WAITING
+
+    any status but FINISHED --FINISH--> FINISHED
+
+A parked link whose generation starts is RESUMING until the scheduler gives it a place among the running (its
+first token comes from the hidden state its pass left: no blocks, no forward); from then on it runs, and is
+preempted, as any running sequence. A running sequence that finds no block for its next token may take a resuming
+one's blocks too (its generation has started: the engine owns it; it waits for a fresh pass, as any preempted one).
+
+Its status changes only through ``Queues.move`` (``pic.engine.core.queues``), which applies one transition of the
+table to its status and its queue together. Its other parts each have one owner: ``fetch`` is ``ChunkSources``'s
+(``Fetch``), ``blocks`` the ``KVManager``'s (``SeqBlocks``), ``decoding`` the ``Decoder``'s (``Decoding``), all
+defined here, below their owners, which import this module (nothing imports back); ``link`` is the ``Linker``'s
+(``LinkState``, defined in ``pic.link.linker`` and imported here).
 """
 
 from __future__ import annotations
 
+import enum
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -18,7 +32,6 @@ import torch
 
 from pic.compile import ChunkPrefill
 from pic.engine.core.detokenizer import Detokenizer
-from pic.engine.core.status import Status, Transition, after
 from pic.engine.generation import FinishReason
 from pic.engine.request import NewRequest, OutputSink
 from pic.engine.sampling import SamplingParams
@@ -26,6 +39,66 @@ from pic.errors import SequenceStateError
 from pic.kv import ChunkInfo, ChunkKV, RequestKV
 from pic.link.linker import LinkState
 from pic.link.policies import Policy
+
+
+class Status(enum.Enum):
+    """Where a sequence is in its life."""
+
+    WAITING = "waiting"  # queued for admission: new, or preempted (its blocks freed; planned again)
+    PREFILLING = "prefilling"  # admitted: its recompute pass runs (in pieces; a probe, then its second pass)
+    PARKED = "parked"  # linked (``PIC.link``): its pass ran; it holds its KV until ``Linked.generate`` or release
+    RESUMING = "resuming"  # parked, its generation started: waits for a place among the running
+    RUNNING = "running"  # decoding: one token per step
+    FINISHED = "finished"  # done, failed or aborted: its blocks are freed
+
+
+class Transition(enum.Enum):
+    """What happens to a sequence (its name in messages)."""
+
+    ADMIT = "admit"  # its blocks were taken; its pass runs from the next forward
+    RUN = "run"  # its pass ended and it generates: it decodes from now on
+    PARK = "park"  # its pass ended and it was only linked: it holds its KV
+    RESUME = "resume"  # ``Linked.generate``: its generation starts
+    START = "start"  # a resuming sequence got its place among the running (its first token is sampled now)
+    PREEMPT = "preempt"  # its blocks were freed for others: a fresh pass over its prompt and output later
+    FINISH = "finish"  # done, failed or aborted
+
+
+_LIVE = frozenset(Status) - {Status.FINISHED}
+
+# transition -> (the statuses it may start from, the status it ends in)
+TRANSITIONS: dict[Transition, tuple[frozenset[Status], Status]] = {
+    Transition.ADMIT: (frozenset({Status.WAITING}), Status.PREFILLING),
+    Transition.RUN: (frozenset({Status.PREFILLING}), Status.RUNNING),
+    Transition.PARK: (frozenset({Status.PREFILLING}), Status.PARKED),
+    Transition.RESUME: (frozenset({Status.PARKED}), Status.RESUMING),
+    Transition.START: (frozenset({Status.RESUMING}), Status.RUNNING),
+    Transition.PREEMPT: (frozenset({Status.RUNNING, Status.RESUMING}), Status.WAITING),
+    Transition.FINISH: (_LIVE, Status.FINISHED),
+}
+
+
+def after(request_id: int, status: Status, transition: Transition) -> Status:
+    """The status ``transition`` leads to from ``status``.
+
+    Raises:
+        SequenceStateError: ``transition`` may not start from ``status`` (naming the request, both and what it
+            may start from).
+    """
+    sources, target = TRANSITIONS[transition]
+    if status not in sources:
+        allowed = ", ".join(sorted(s.value for s in sources)) or "nothing"
+        raise SequenceStateError(
+            f"request {request_id} cannot {transition.value} while {status.value} (only from: {allowed})"
+        )
+    return target
+
+
+def expect(seq: Sequence, *statuses: Status) -> None:
+    """Raises: SequenceStateError: ``seq``'s status is none of ``statuses`` (a queue holds it where it cannot be)."""
+    if seq.status not in statuses:
+        wanted = " or ".join(s.value for s in statuses)
+        raise SequenceStateError(f"request {seq.request_id} is {seq.status.value} where only {wanted} can be")
 
 
 @dataclass
@@ -100,6 +173,21 @@ class Timings:
     first_token_s: float | None = None
     link_s: float | None = None
 
+    def reach(self, status: Status, now: float) -> None:
+        """The sequence reached ``status`` at ``now``: kept the first time only (``Queues.move``)."""
+        name = _REACHED.get(status)
+        if name is not None and getattr(self, name) is None:
+            setattr(self, name, now)
+
+
+# the time a status marks when a sequence first reaches it
+_REACHED = {
+    Status.PREFILLING: "scheduled_s",
+    Status.PARKED: "linked_s",
+    Status.RUNNING: "linked_s",
+    Status.RESUMING: "resumed_s",
+}
+
 
 class Sequence:
     """One request: its prompt pieces, its KV once admitted, its tokens, timings, and how it ended.
@@ -117,7 +205,7 @@ class Sequence:
         self.sampling: SamplingParams | None = new.sampling
         self.sink: OutputSink = new.sink
         self.paced = new.paced
-        self._status = Status.WAITING
+        self.status = Status.WAITING  # (changed by ``Queues.move`` only)
         self.times = Timings(arrival_s=time.perf_counter())
         self.fetch = Fetch()
         self.link = LinkState(new.policy, order=prompt.order)
@@ -128,67 +216,6 @@ class Sequence:
         self.num_preemptions = 0
         self.finish_reason: FinishReason | None = None
         self.error: Exception | None = None
-
-    # -- the state machine ----------------------------------------------------------------------------------
-
-    @property
-    def status(self) -> Status:
-        return self._status
-
-    def _move(self, transition: Transition) -> None:
-        """The one place a status changes: after checking that ``transition`` may start from it.
-
-        Raises:
-            SequenceStateError: it may not (the status stays).
-        """
-        self._status = after(self.request_id, self._status, transition)
-
-    def expect(self, *statuses: Status) -> None:
-        """Raises: SequenceStateError: its status is none of ``statuses`` (a queue holds it where it cannot be)."""
-        if self._status not in statuses:
-            wanted = " or ".join(s.value for s in statuses)
-            raise SequenceStateError(f"request {self.request_id} is {self._status.value} where only {wanted} can be")
-
-    def admit(self) -> None:
-        """Its blocks were taken: its pass runs from now on."""
-        self._move(Transition.ADMIT)
-        self.times.scheduled_s = self.times.scheduled_s or time.perf_counter()
-
-    def run(self) -> None:
-        """Its recompute pass ran: it decodes from now on."""
-        self._move(Transition.RUN)
-        self.times.linked_s = self.times.linked_s or time.perf_counter()
-
-    def park(self, query_hidden: torch.Tensor) -> None:
-        """Linked (``PIC.link``): hold the KV and the query's final hidden states ``[num_query, hidden_size]``
-        until ``Linked.generate`` resumes it."""
-        self._move(Transition.PARK)
-        self.query_hidden = query_hidden
-        self.times.linked_s = self.times.linked_s or time.perf_counter()
-
-    def resume(self, params: SamplingParams, decoding: Decoding, *, sink: OutputSink, link_s: float) -> None:
-        """``Linked.generate``: generate with ``params``, its outputs to ``sink`` from now on (``link_s``: the
-        ``PIC.link`` call's wall time)."""
-        self._move(Transition.RESUME)
-        self.generate(params, decoding)
-        self.sink, self.times.link_s, self.times.resumed_s = sink, link_s, time.perf_counter()
-
-    def start(self) -> None:
-        """A resuming sequence runs: its first token is sampled from the hidden state its pass left."""
-        self._move(Transition.START)
-
-    def preempt(self) -> None:
-        """Its blocks were freed for others: back to waiting, for a fresh pass over its prompt and output."""
-        self._move(Transition.PREEMPT)
-        self.num_preemptions += 1
-
-    def finish(self, why: FinishReason | Exception) -> None:
-        """Done: ``why`` is the reason it ended, or the error it failed with."""
-        self._move(Transition.FINISH)
-        if isinstance(why, Exception):
-            self.error = why
-        else:
-            self.finish_reason = why
 
     # -- its generation ---------------------------------------------------------------------------------------
 
@@ -204,7 +231,7 @@ class Sequence:
     # -- reads ------------------------------------------------------------------------------------------
 
     @property
-    def order(self) -> float:
+    def arrival(self) -> float:
         """Its place in the arrival order of prefill work."""
         return self.times.arrival_s
 
@@ -231,7 +258,7 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
-        return self._status is Status.FINISHED
+        return self.status is Status.FINISHED
 
     def __repr__(self) -> str:
-        return f"Sequence({self.request_id}, {self._status.value}, {len(self.output_ids)} tokens)"
+        return f"Sequence({self.request_id}, {self.status.value}, {len(self.output_ids)} tokens)"
