@@ -15,9 +15,10 @@ import pytest
 import pic
 from pic.engine.core.queues import Queues
 from pic.engine.core.sequence import TRANSITIONS, Sequence, Status, Transition
-from pic.engine.request import NewRequest, Prompt
+from pic.engine.request import NewRequest
 from pic.errors import SequenceStateError
 from pic.link import policies
+from pic.link.order import Order
 from tests.conftest import make_engine
 from tests.kv_invariants import check_engine_pool
 from tests.models import DOCS, QUERY
@@ -86,8 +87,9 @@ def test_generate_together_of_three_parked_links_completes(pool):
 
 
 def _sequence() -> Sequence:
-    prompt = Prompt(cache_ids=[], prefix_ids=[], query_ids=[1, 5])
-    new = NewRequest(7, prompt, policies.resolve("naive"), pic.CompileOptions(), None, sink=None)  # type: ignore[arg-type]
+    new = NewRequest(
+        7, [], [], [1, 5], policies.resolve("naive"), Order.GIVEN, None, pic.CompileOptions(), None, sink=None
+    )  # type: ignore[arg-type]
     return Sequence(new)
 
 

@@ -1,5 +1,6 @@
 """The messages of the command channel (``pic.engine.commands``): what a user hands the engine (``Request``, a
-``CompileJob``) and what the engine hands back (``RequestOutput``, ``LinkOutput``, a compile's ``Stored``)."""
+``CompileJob``), what the caller's side makes of a request (``NewRequest``) and what the engine hands back
+(``RequestOutput``, ``LinkOutput``, a compile's ``Stored``)."""
 
 from __future__ import annotations
 
@@ -136,25 +137,31 @@ class OutputSink(Protocol):
 
 
 @dataclass(frozen=True)
-class Prompt:
-    """A request's token ids (and its chunks' relevance scores, when given, and the order asked for),
-    validated by the caller's thread before the engine sees the request."""
+class NewRequest:
+    """A request as the engine's thread runs it, its options resolved and validated once, by its caller's thread
+    (``Preparer``); the core's ``Sequence`` keeps it as it came.
 
+    Attributes:
+        request_id: the engine's id.
+        cache_ids: the chunks, in the caller's order.
+        prefix_ids, query_ids: the prefix's and the query's token ids (the BOS on the first of them that has one
+            when the engine writes one).
+        policy: the policy asked for (the engine's default resolved); the linker specialises it for the layout.
+        order: the chunk order asked for (``Order.POLICY``: the policy's choice).
+        relevance: one score per chunk (the caller's), or ``None``.
+        compile_options: the options the policy needs its chunks compiled with.
+        sampling: ``None`` parks the request after its recompute pass (``link``).
+        sink: where its outputs go.
+        paced: it runs only in steps its client asks for (``Stepper.step``) or that other requests need.
+    """
+
+    request_id: int
     cache_ids: list[str]
     prefix_ids: list[int]
     query_ids: list[int]
-    relevance: tuple[float, ...] | None = None
-    order: Order = Order.POLICY
-
-
-@dataclass(frozen=True)
-class NewRequest:
-    """A request, tokenized by its caller. ``sampling=None`` parks it after its recompute pass (``link``);
-    ``paced`` ones run only in steps their client asks for (``Engine.step``) or that other requests need."""
-
-    request_id: int
-    prompt: Prompt
     policy: Policy
+    order: Order
+    relevance: tuple[float, ...] | None
     compile_options: CompileOptions
     sampling: SamplingParams | None
     sink: OutputSink

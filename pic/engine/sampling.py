@@ -8,6 +8,7 @@ from typing import TypedDict
 
 import torch
 from pydantic import Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from pic.config import _Frozen, as_tuple
 from pic.errors import InvalidInputError
@@ -42,7 +43,7 @@ class SamplingParams(_Frozen):
     """
 
     max_new_tokens: int = Field(default=64, ge=0)
-    temperature: float = Field(default=0.0, ge=0.0)
+    temperature: float = Field(default=0.0, ge=0.0, le=2.0)  # OpenAI's range, as pic serve takes it
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0)
     seed: int | None = Field(default=None, ge=0, lt=2**64)
@@ -64,6 +65,8 @@ class SamplingParams(_Frozen):
     def _stop_tuple(cls, value: object) -> object:
         if value is None:
             return ()
+        if not isinstance(value, (str, list, tuple, set, frozenset)):
+            raise PydanticCustomError("stop", "pass a string or a list of strings (stop=['\\n\\n'])", {})
         return (value,) if isinstance(value, str) else as_tuple(value)
 
     @field_validator("stop")

@@ -6,8 +6,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-from tqdm.auto import tqdm
-
 from pic.config import CompileOptions
 from pic.engine.caller.linked import Linked
 from pic.engine.caller.prepare import Documents, Preparer
@@ -17,6 +15,7 @@ from pic.engine.generation import Generation
 from pic.engine.request import CompileJob, CompileReport, LinkOutput, NewRequest, Request, RequestOutput, Stored
 from pic.errors import InvalidInputError
 from pic.link.policies import Policy
+from pic.progress import tqdm
 from pic.store.lease import FleetLeases
 from pic.text import refuse_text_for_list
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from pic.compile import TextOrTokens, encode, encode_documents, max_token_chars
 from pic.config import CompileOptions, PICConfig
-from pic.engine.request import NewRequest, OutputSink, Prompt, Request
+from pic.engine.request import NewRequest, OutputSink, Request
 from pic.engine.sampling import SamplingParams
 from pic.errors import ContextLengthError, InvalidInputError, PolicyError
 from pic.ids import chunk_id
@@ -75,12 +75,12 @@ def documents(
 
 def prompt_ids(
     request: Request, tokenizer: object, *, vocab_size: int, bos_token_id: int | None, max_chars: int | None = None
-) -> Prompt:
+) -> tuple[list[int], list[int]]:
     """The request's prefix and query token ids. The BOS (``None``: none) goes first: on the prefix, or
     on the query when there is neither a prefix nor a chunk (a chunk brings its own).
 
     Raises:
-        InvalidInputError: an empty query, a bad token id.
+        InvalidInputError: a query of no tokens once tokenized, a bad token id.
     """
     query_ids = encode(tokenizer, request.query, what="query", vocab_size=vocab_size, max_chars=max_chars)
     prefix_ids = encode(tokenizer, request.prefix, what="prefix", vocab_size=vocab_size, max_chars=max_chars)
@@ -88,10 +88,7 @@ def prompt_ids(
         raise InvalidInputError(f"query {request.query!r} has no tokens; link needs at least one query token")
     if bos_token_id is not None and (prefix_ids or not request.cache_ids):
         (prefix_ids if prefix_ids else query_ids).insert(0, bos_token_id)
-    return Prompt(
-        cache_ids=list(request.cache_ids), prefix_ids=prefix_ids, query_ids=query_ids, relevance=request.relevance,
-        order=request.order,
-    )  # fmt: skip
+    return prefix_ids, query_ids
 
 
 class Preparer:
@@ -146,15 +143,16 @@ class Preparer:
             InvalidInputError: an empty query, a bad token id or text.
             PolicyError: as ``compile_options``.
         """
-        prompt = prompt_ids(
+        prefix_ids, query_ids = prompt_ids(
             request,
             self.tokenizer,
             vocab_size=self.spec.vocab_size,
             bos_token_id=self.bos_token_id if self.config.add_bos else None,
             max_chars=self.max_chars,
         )
-        policy = self.policy(request.policy)
+        policy = self.default_policy if request.policy is None else request.policy  # (resolved by ``Request``)
         return NewRequest(
-            request_id=next(self._ids), prompt=prompt, policy=policy, compile_options=self.compile_options(policy),
-            sampling=sampling, sink=sink, paced=paced,
+            request_id=next(self._ids), cache_ids=list(request.cache_ids), prefix_ids=prefix_ids, query_ids=query_ids,
+            policy=policy, order=request.order, relevance=request.relevance,
+            compile_options=self.compile_options(policy), sampling=sampling, sink=sink, paced=paced,
         )  # fmt: skip

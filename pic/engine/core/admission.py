@@ -186,9 +186,10 @@ class Admission:
                 self.fail(seq, chunks.error)
             return 0
         try:
+            request, generated = seq.request, seq.output_ids
             plan = self.linker.plan(
-                seq.link, prefix=seq.prefix_ids, chunks=seq.chunks,
-                query=seq.query_ids + seq.output_ids, num_generated=len(seq.output_ids), relevance=seq.relevance,
+                seq.link, prefix=request.prefix_ids, chunks=seq.chunks, query=request.query_ids + generated,
+                num_generated=len(generated), relevance=request.relevance,
             )  # fmt: skip
             # a larger pass runs in pieces, or (not splittable) with no other prefill work beside it
             if plan.num_tokens > budget and not plan.chunkable and batch.has_prefill_work:
@@ -202,7 +203,7 @@ class Admission:
             out_of_blocks = isinstance(exc, KVPoolExhaustedError) and seq.output_ids
             self.fail(seq, FinishReason.KV_POOL if out_of_blocks else exc)
             return 0
-        num_rows = 1 if seq.sampling else len(seq.query_ids)
+        num_rows = 1 if seq.sampling else len(seq.request.query_ids)
         self.linker.start(seq.link, plan, seq.blocks.kv, assembly=assembly, num_output_rows=num_rows)
         self.queues.move(seq, Transition.ADMIT)
         return self._place(seq, batch, budget=budget)

@@ -148,7 +148,7 @@ class ChunkSources:
                     self.remember(chunk.info)
         if fetch.pending:
             return False
-        chunks = {cid: self._find(fetch, cid) for cid in dict.fromkeys(seq.cache_ids)}
+        chunks = {cid: self._find(fetch, cid) for cid in dict.fromkeys(seq.request.cache_ids)}
         if fetch.pending:
             return False
         lost = [cid for cid, chunk in chunks.items() if chunk is None]
@@ -160,7 +160,9 @@ class ChunkSources:
             fetch.pending[cid].requests.append(seq)
         if fetch.pending:
             return False
-        fetch.chunks = [self._checked(seq, chunks[cid]) for cid in seq.cache_ids]  # (a new list: laid out again)
+        fetch.chunks = [
+            self._checked(seq, chunks[cid]) for cid in seq.request.cache_ids
+        ]  # (a new list: laid out again)
         fetch.found, fetch.lost = {}, set()
         return True
 
@@ -200,7 +202,7 @@ class ChunkSources:
     @staticmethod
     def _checked(seq: Sequence, chunk: ChunkInfo | ChunkKV) -> ChunkInfo | ChunkKV:
         """Raises: CompileOptionsMismatchError: ``chunk`` was compiled with other options than the policy needs."""
-        options, policy, cid = seq.compile_options.without_context(), seq.policy, chunk.cache_id
+        options, policy, cid = seq.request.compile_options.without_context(), seq.policy, chunk.cache_id
         if chunk.options.without_context() != options:
             raise CompileOptionsMismatchError(
                 f"chunk {cid} was compiled with {chunk.options.without_context()!r} but policy "

@@ -85,7 +85,7 @@ class KVManager:
     def preempt(self, seq: Sequence) -> None:
         """Free the sequence's blocks but keep its chunks resident (held) until it is admitted again."""
         blocks = seq.blocks
-        for cid in dict.fromkeys(seq.cache_ids):
+        for cid in dict.fromkeys(seq.request.cache_ids):
             if cid not in blocks.held and self.pool.is_resident(cid):
                 blocks.held[cid] = self.pool.hold(cid)
         blocks.kv.release()

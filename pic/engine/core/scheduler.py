@@ -102,7 +102,7 @@ class Scheduler:
         """Whether a step would do something now; ``paced=False``: not counting sequences that run only in
         steps their client asks for. Sequences waiting on the loader do not count until it answers."""
         queues = self.queues
-        seqs = [s for s in (*queues.waiting, *queues.prefilling, *queues.running) if paced or not s.paced]
+        seqs = [s for s in (*queues.waiting, *queues.prefilling, *queues.running) if paced or not s.request.paced]
         return self.admission.has_work(seqs) or self.compiles.has_news
 
     # -- schedule -------------------------------------------------------------------------------------------

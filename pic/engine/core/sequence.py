@@ -193,22 +193,17 @@ class Sequence:
     """One request: its prompt pieces, its KV once admitted, its tokens, timings, and how it ended.
 
     Only the engine's own thread creates, reads or changes a sequence: other threads see what it puts in ``sink``.
-    ``new`` is the request as its client sent it (``sampling=None``: park after the recompute pass).
+    ``request`` is the request as its client prepared it (``sampling=None``: park after the recompute pass).
     """
 
-    def __init__(self, new: NewRequest) -> None:
-        self.request_id = new.request_id
-        prompt = new.prompt
-        self.cache_ids, self.prefix_ids, self.query_ids = prompt.cache_ids, prompt.prefix_ids, prompt.query_ids
-        self.relevance = prompt.relevance
-        self.compile_options = new.compile_options
-        self.sampling: SamplingParams | None = new.sampling
-        self.sink: OutputSink = new.sink
-        self.paced = new.paced
+    def __init__(self, request: NewRequest) -> None:
+        self.request, self.request_id = request, request.request_id
+        self.sampling: SamplingParams | None = request.sampling  # (``Linked.generate`` sets it for a parked one)
+        self.sink: OutputSink = request.sink
         self.status = Status.WAITING  # (changed by ``Queues.move`` only)
         self.times = Timings(arrival_s=time.perf_counter())
         self.fetch = Fetch()
-        self.link = LinkState(new.policy, order=prompt.order)
+        self.link = LinkState(request.policy, order=request.order)
         self.blocks = SeqBlocks()
         self.decoding: Decoding | None = None
         self.query_hidden: torch.Tensor | None = None  # [num_query, hidden] final hidden states (parked)
@@ -247,7 +242,8 @@ class Sequence:
 
     @property
     def num_prompt_tokens(self) -> int:
-        return len(self.prefix_ids) + sum(c.num_tokens for c in self.chunks or ()) + len(self.query_ids)
+        request = self.request
+        return len(request.prefix_ids) + sum(c.num_tokens for c in self.chunks or ()) + len(request.query_ids)
 
     def decode_position(self) -> int:
         """The logical position of the token a decode step runs (the last one sampled): after the laid-out
