@@ -137,16 +137,7 @@ class ChunkSources:
         fetch = seq.fetch
         if fetch.chunks is not None and not self._evicted(fetch):
             return True
-        for cid, pending in list(fetch.pending.items()):  # (a compile done is no longer pending: ``compiled``)
-            if isinstance(pending, Future) and pending.done():
-                del fetch.pending[cid]
-                chunk = pending.result()
-                if chunk is None:
-                    fetch.lost.add(cid)
-                else:
-                    fetch.found[cid] = chunk
-                    self.remember(chunk.info)
-        if fetch.pending:
+        if fetch.pending:  # (a load lands in ``loaded``; a compile done is no longer pending: ``compiled``)
             return False
         chunks = {cid: self._find(fetch, cid) for cid in dict.fromkeys(seq.request.cache_ids)}
         if fetch.pending:
@@ -165,6 +156,24 @@ class ChunkSources:
         ]  # (a new list: laid out again)
         fetch.found, fetch.lost = {}, set()
         return True
+
+    def loaded(self, seq: Sequence) -> None:
+        """Take in the loader's answers for ``seq``'s chunks (``Scheduler.update_from_output``): a chunk found is
+        kept for its admission, one no tier held is compiled again at its next ``resolve``.
+
+        Raises:
+            StoreUnavailableError: a lower tier failed the load (``on_redis_error="raise"``).
+        """
+        fetch = seq.fetch
+        for cid, pending in list(fetch.pending.items()):
+            if isinstance(pending, Future) and pending.done():
+                del fetch.pending[cid]
+                chunk = pending.result()
+                if chunk is None:
+                    fetch.lost.add(cid)
+                else:
+                    fetch.found[cid] = chunk
+                    self.remember(chunk.info)
 
     def compiled(self, seq: Sequence, cache_id: str) -> None:
         """A chunk compiled for ``seq`` is resident (and held for it): it is no longer pending."""

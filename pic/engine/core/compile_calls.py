@@ -64,7 +64,7 @@ class CompileCalls:
         if not call.checks:
             self._start_prefills(call)  # KVPoolExhaustedError: refused before any work (holds released)
         self.open.append(call)
-        self.poll()
+        self._end_done()
 
     def _start_prefills(self, call: CompileCall) -> None:
         """Once the call knows which of its chunks no tier holds: check that they fit (unless running requests will
@@ -98,7 +98,7 @@ class CompileCalls:
         self.pool.check_available(num_needed, what=f"the {len(new)} new chunks of this compile call")
 
     def poll(self) -> None:
-        """Take in the loader's answers and end the calls that are done."""
+        """Take in the loader's answers (``Scheduler.update_from_output``) and end the calls that are done."""
         for call in self.open:
             for cid, check in list(call.checks.items()):
                 if check.done():
@@ -116,6 +116,10 @@ class CompileCalls:
                     except Exception as exc:  # StoreUnavailableError: on_redis_error="raise"
                         call.writes.pop(cid, None)
                         call.fail(exc)
+        self._end_done()
+
+    def _end_done(self) -> None:
+        """Answer the calls that are done."""
         for call in [c for c in self.open if c.done]:
             self.open.remove(call)
             call.end(self.pool, self.store)

@@ -1,9 +1,9 @@
 """``EngineCore``: the batched engine's state and its step, owned by one thread (``pic.engine.core.core_thread``).
 
 Nothing here locks and nothing here is shared: the core thread is the only one that calls it. A step is vLLM v1's:
-take in the loader's answers, ``scheduler.schedule()`` (decodes, then prefill work under one token budget), one
-batched forward over what it chose (recompute passes, chunk-prefill pieces, decode tokens), then
-``scheduler.update_from_output(batch, output)``, the one place a step's results land; a probe that ended has its
+``scheduler.schedule()`` (decodes, then prefill work under one token budget), one batched forward over what it
+chose (recompute passes, chunk-prefill pieces, decode tokens), then ``scheduler.update_from_output(batch,
+output)``, the one place a step's results (and the store's answers) land; a probe that ended has its
 second pass run at once, a second forward in the same step. The commands
 (``pic.engine.commands``) call the rest between two steps.
 """
@@ -162,15 +162,13 @@ class EngineCore:
     # -- the step: schedule -> execute -> update ---------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Take in store answers, schedule, run the batch's forward, let the scheduler take its results in; returns
+        """Schedule, run the batch's forward, let the scheduler take its results (and the store's answers) in; returns
         what each request produced (already in its sink)."""
-        self.compiles.poll()
         batch = self.scheduler.schedule()
         outputs = self.scheduler.update_from_output(batch, self._execute(batch))
         second = self.scheduler.second_passes()  # the probes that ended: their second passes, in this step
         if second.has_forward:
             outputs += self.scheduler.update_from_output(second, self._execute(second))
-        self.compiles.poll()
         return outputs
 
     def _execute(self, batch: ScheduledBatch) -> ForwardOutput:

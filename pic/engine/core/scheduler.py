@@ -178,8 +178,9 @@ class Scheduler:
         """The one place a step's results land: the passes that ended park their link or start decoding (a probe's
         policy chooses, and its second pass runs next, in the same step: ``second_passes``), the chunks compiled
         become resident and held for the requests that waited for them, every generating sequence samples a token,
-        and every output goes to its request's sink. A failed forward fails its sequences and chunk prefills;
-        returns every output since the last update (those of sequences that ended between steps too)."""
+        every output goes to its request's sink, and the store's answers that came meanwhile are taken in (chunks
+        loaded, compile calls' checks and writes: as vLLM v1 takes a KV connector's finished loads). A failed
+        forward fails its sequences and chunk prefills; returns this step's outputs."""
         if output.error is not None:
             for seq in batch.sequences():
                 self.fail(seq, output.error)
@@ -201,8 +202,19 @@ class Scheduler:
         self._put_links(parked)
         rows += [(seq, hidden[-1]) for seq, hidden in ran.decodes if seq.status is Status.RUNNING]
         self._sampled(self.decoder.sample(rows))
+        self._store_answers()
         outputs, self._outputs = self._outputs, []
         return outputs
+
+    def _store_answers(self) -> None:
+        """The loader's answers: compile calls' checks and writes, and the chunks loaded for waiting sequences (a
+        sequence whose load failed fails)."""
+        self.compiles.poll()
+        for seq in self.queues.of(Status.WAITING):
+            try:
+                self.sources.loaded(seq)
+            except Exception as exc:
+                self.fail(seq, exc)
 
     def _pass_done(self, seq: Sequence, hidden: torch.Tensor, parked: list[Sequence]) -> list[Row]:
         """A pass ended: after a probe, the policy chooses (its second pass runs next); else the link parks with its
