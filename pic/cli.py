@@ -3,14 +3,40 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 
 from pic import __version__
 from pic.cli_args import non_negative_int, positive_float, positive_int, redis_url
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, but an unknown option is refused by the command it was given to (``pic serve: error``,
+    with that command's usage) naming the nearest of its options: ``--polcy (did you mean --policy?)``."""
+
+    def parse_args(self, args=None, namespace=None):
+        found, extra = self.parse_known_args(args, namespace)
+        if extra:
+            command = _chosen(self, found)
+            options = [o for action in command._actions for o in action.option_strings if o.startswith("--")]
+            named = []
+            for arg in extra:
+                near = difflib.get_close_matches(arg.split("=")[0], options, n=1) if arg.startswith("-") else []
+                named.append(f"{arg} (did you mean {near[0]}?)" if near else arg)
+            command.error(f"unrecognized arguments: {' '.join(named)}; see {command.prog} --help")
+        return found
+
+
+def _chosen(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The (sub)command ``args`` were parsed for: ``pic serve``'s parser for ``pic serve ...``."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and getattr(args, action.dest, None) in action.choices:
+            return _chosen(action.choices[getattr(args, action.dest)], args)
+    return parser
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pic", description="Position-independent KV caching for LLMs.")
+    parser = _Parser(prog="pic", description="Position-independent KV caching for LLMs.")
     parser.add_argument("--version", action="version", version=f"pic {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="compile a few stories, link them under each policy, generate")

@@ -6,6 +6,10 @@ leaves every cached chunk intact: inputs are validated before any state changes.
 
 from __future__ import annotations
 
+import difflib
+import re
+from collections.abc import Iterable
+
 
 class PicError(Exception):
     """Base class of every error pic raises on purpose."""
@@ -81,3 +85,47 @@ def first_line(exc: BaseException) -> str:
     third-party error into a ``PicError`` without its multi-line details."""
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+def unknown_policy_hint(spec: str, known: Iterable[str] = ()) -> str:
+    """What to add to ``unknown policy 'spec'``: when the spec is ``pic eval``'s syntax (``naive@context``,
+    ``auto:0.05@context/relevance``: a policy, then how its chunks were compiled and ordered) rather than a policy,
+    the Python calls that do the same; else the nearest of the ``known`` names, if one is near; else ``""``."""
+    policy, at, how = spec.partition("@")
+    policy, slash, order = policy.partition("/")
+    if not (at or slash):
+        near = difflib.get_close_matches(spec.partition(":")[0].strip().lower(), list(known), n=1)
+        return f" (did you mean {near[0]!r}?)" if near else ""
+    context, _, order = how.partition("/") if at else ("", "", order)
+    steps = []
+    if context.strip() == "context":
+        steps.append("compile the chunks in context (pic.compile(docs, context=engine.chat_context(messages)), or "
+                     "engine.link_chat(ids, messages, documents=docs), which does it)")  # fmt: skip
+    steps.append(f"link with policy={policy.strip()!r}" + (f", order={order.strip()!r}" if order.strip() else ""))
+    return f" ('@context' and '/order' are `pic eval`'s syntax, not a policy's: in Python {', then '.join(steps)})"
+
+
+def cache_id_hint(cache_id: object) -> str:
+    """`` (8 characters: a cache id is 32 hex digits, ...)`` for a value that cannot be a whole cache id (a prefix of
+    one, as pages print them cut short); ``""`` for one that can."""
+    if not isinstance(cache_id, str) or re.fullmatch(r"[0-9a-f]{32}", cache_id):
+        return ""
+    return f" ({len(cache_id)} characters: a cache id is 32 hex digits, the whole id compile returned)"
+
+
+def linked_too_long(num_tokens: int, context: int, model: str, segments) -> ContextLengthError:
+    """The error for a linked prompt longer than the model's context, naming the fix: fewer or shorter chunks,
+    starting with the largest (``segments``: the layout's, each with ``num_tokens`` and, for a chunk, its
+    ``cache_id``), or a shorter query and prefix."""
+    chunks = sorted(((s.num_tokens, s.cache_id) for s in segments if getattr(s, "cache_id", None)), reverse=True)
+    rest = num_tokens - sum(n for n, _ in chunks)
+    head = f"linked prompt has {num_tokens} tokens, more than the {context}-token context of {model} "
+    if rest >= context:
+        return ContextLengthError(f"{head}({num_tokens - context} over): the query and prefix alone have {rest} "
+                                  "tokens; shorten them")  # fmt: skip
+    largest = ", ".join(f"{cache_id[:12]}... {n} tokens" for n, cache_id in chunks[:3])
+    return ContextLengthError(
+        f"{head}({num_tokens - context} over): link fewer or shorter chunks ({len(chunks)} chunk"
+        f"{'s' * (len(chunks) != 1)}, {num_tokens - rest} tokens; the largest: {largest}) or a shorter query and "
+        f"prefix ({rest} tokens)"
+    )

@@ -36,7 +36,7 @@ def encode(tokenizer, value: TextOrTokens, *, what: str, vocab_size: int, max_ch
                 f"model's context can hold (refused without tokenizing it); split or shorten it"
             )
         check_encodable(value, what)
-        return list(tokenizer(value, add_special_tokens=False)["input_ids"])
+        return list(tokenizer(value, add_special_tokens=False, verbose=False)["input_ids"])  # pic says it, if too long
     if isinstance(value, torch.Tensor):
         if value.dim() != 1 or value.dtype.is_floating_point:
             raise InvalidInputError(

@@ -20,8 +20,6 @@ import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from tqdm.auto import tqdm
-
 from pic.engine import PIC, Linked, generate_together
 from pic.errors import PicError
 from pic.evaluation.accuracy_report import AccuracyReport, AccuracyScore, paired_difference, wilson_interval
@@ -32,6 +30,7 @@ from pic.evaluation.report import model_fields
 from pic.evaluation.sinks import CaseSinks, measure_sinks, summarize_sinks
 from pic.link.order import Order, parse_order
 from pic.link.policies import FullRecompute, Policy
+from pic.progress import tqdm
 
 
 @dataclass(frozen=True)

@@ -12,13 +12,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-from tqdm.auto import tqdm
 
 from pic.engine import PIC, Linked
 from pic.errors import PicError, PolicyError
 from pic.evaluation.report import FidelityReport, PolicyScore, model_fields
 from pic.evaluation.workload import Case, Workload, sample_workload
 from pic.link.policies import FullRecompute, Policy, resolve
+from pic.progress import tqdm
 
 # Parameters of each policy family, from light to heavy: the points of the KL-vs-recompute plot.
 DEFAULT_POLICIES = (

@@ -9,11 +9,11 @@ from dataclasses import dataclass
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from tqdm.auto import tqdm
 
 from pic.compile import TextOrTokens
 from pic.engine import PIC
 from pic.errors import InvalidInputError
+from pic.progress import tqdm
 
 # A workload file is read whole; refuse files that cannot be a reasonable workload.
 _MAX_WORKLOAD_BYTES = 256 * 1024 * 1024

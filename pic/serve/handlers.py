@@ -10,14 +10,19 @@ client parses one error format whatever went wrong.
 
 from __future__ import annotations
 
+import difflib
+import json
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import BaseRoute, Match
 
 from pic.errors import PicError
 from pic.serve.http import error_response, exception_error, pic_error_response, read_as_json, sent_content_type
+from pic.serve.schemas import ChunksBody, PicOptions
 
 # Pydantic error types that are a 400 (the request is wrong as a whole), not a 422 (a value is).
 _BAD_REQUEST = ("unknown_parameter", "unsupported_parameter")
@@ -41,11 +46,28 @@ def _server_error(_request: Request, exc: Exception) -> JSONResponse:
 def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
     """Starlette's own errors (an unknown route, a wrong method) in OpenAI's error shape."""
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-    response = error_response(exc.status_code, f"{exc.detail}: {_request.method} {_request.url.path}", kind=kind)
+    message = f"{exc.detail}: {_request.method} {_request.url.path}"
+    if exc.status_code == 404:
+        message += _nearest_routes(_request)
+    response = error_response(exc.status_code, message, kind=kind)
     response.headers.update(exc.headers or {})
     if exc.status_code == 405:
         response.headers["allow"] = _allowed(_request)
     return response
+
+
+def _nearest_routes(request: Request) -> str:
+    """``"; did you mean POST /v1/chat/completions?"`` for a path close to the app's routes (a 404's hint)."""
+    routes: dict[str, set[str]] = {}
+    for route in request.app.router.routes:
+        path = getattr(route, "path", None)
+        if isinstance(path, str) and getattr(route, "include_in_schema", True):
+            routes.setdefault(path, set()).update(getattr(route, "methods", None) or ())
+    near = difflib.get_close_matches(request.url.path.rstrip("/") or "/", list(routes), n=2, cutoff=0.6)
+    if not near:
+        return f"; the routes: {', '.join(sorted(routes))}"
+    named = ["/".join(sorted(routes[p] - {"HEAD"}) or ["GET"]) + f" {p}" for p in near]
+    return f"; did you mean {' or '.join(named)}?"
 
 
 def _allowed(request: Request) -> str:
@@ -94,8 +116,37 @@ def _problem(err: dict) -> str:
     if err.get("type") == "missing":
         return f"{where}: a required field is missing"
     if err.get("type") == "list_type" and isinstance(value, str):
-        return f"{where} is a string ({_echo(value)}), not a list: pass a list ([{_echo(value)}] for one)"
+        one = _message(value) if where == "messages" else _echo(value)
+        return f"{where} is a string ({_echo(value)}), not a list: pass a list ([{one}] for one)"
+    if err.get("type") in _NOT_AN_OBJECT and where.startswith("messages[") and isinstance(value, str):
+        return f"{where}={_echo(value)}: a message is an object with a role and content: {_message(value)}"
+    if err.get("type") == "extra_forbidden":
+        return _unknown_field(err["loc"], where)
     return f"{where}={_echo(value)}: {err['msg'].removeprefix('Value error, ')}"
+
+
+_NOT_AN_OBJECT = ("model_type", "model_attributes_type", "dict_type")
+
+
+def _message(text: str) -> str:
+    """``text`` as a chat message a client would send: ``{"role": "user", "content": "hi"}``."""
+    return json.dumps({"role": "user", "content": text if len(text) <= _MAX_ECHO else text[:_MAX_ECHO] + "..."})
+
+
+# The objects whose unknown fields are refused (``extra="forbid"``), by where they sit in a body.
+_FORBIDDING: dict[tuple, type[BaseModel]] = {("body", "pic"): PicOptions, ("body",): ChunksBody}
+
+
+def _unknown_field(loc: tuple, where: str) -> str:
+    """An unknown field of ``pic`` (or of ``/v1/chunks``' body): the nearest known one, and all of them."""
+    model = _FORBIDDING.get(tuple(loc[:-1]))
+    if model is None:
+        return f"{where}: unknown field"
+    fields = list(model.model_fields)
+    near = difflib.get_close_matches(str(loc[-1]), fields, n=1)
+    owner = f"{field_path(loc[:-1])}'s" if len(loc) > 2 else "the body's"
+    hint = f" (did you mean {near[0]!r}?)" if near else ""
+    return f"{where}: unknown field{hint}; {owner} fields: {', '.join(fields)}"
 
 
 def _malformed(err: dict, body: object) -> str:
