@@ -118,8 +118,12 @@ def trace_request(root: Path, core_file: str) -> dict:
             crossed.append(file)
     functions = sorted({f"{file} {fn}" for _, file, fn in visits})
     threads = len({t for t, _, _ in visits})
-    return {"files": sorted({f for _, f, _ in visits}), "crossed_before_core": crossed, "functions": functions,
-            "num_threads": threads}
+    return {
+        "files": sorted({f for _, f, _ in visits}),
+        "crossed_before_core": crossed,
+        "functions": functions,
+        "num_threads": threads,
+    }
 
 
 def default_request_files(root: Path, core_file: str) -> dict:
@@ -130,14 +134,18 @@ def default_request_files(root: Path, core_file: str) -> dict:
     seen = json.loads(out.stdout.strip().splitlines()[-1])
     counts = line_counts(root, [root / f for f in seen["files"]])
     crossed = seen["crossed_before_core"]
-    return {
-        "num_functions": len(seen["functions"]),
-        "num_threads": seen["num_threads"],
-        "num_engine_files": sum(f.startswith("pic/engine/") for f in counts["files"]),
-        "num_crossed_before_core": len(crossed),
-        "num_engine_crossed_before_core": sum(f.startswith("pic/engine/") for f in crossed),
-        "crossed_before_core": crossed,
-    } | counts | {"functions": seen["functions"]}
+    return (
+        {
+            "num_functions": len(seen["functions"]),
+            "num_threads": seen["num_threads"],
+            "num_engine_files": sum(f.startswith("pic/engine/") for f in counts["files"]),
+            "num_crossed_before_core": len(crossed),
+            "num_engine_crossed_before_core": sum(f.startswith("pic/engine/") for f in crossed),
+            "crossed_before_core": crossed,
+        }
+        | counts
+        | {"functions": seen["functions"]}
+    )
 
 
 def line_counts(root: Path, paths: list[Path]) -> dict:
@@ -376,9 +384,8 @@ def print_table(r: dict) -> None:
         ("pic.engine import levels", i["engine_levels"]),
         ("link(cache_ids, query) definitions", r["link_signatures"]["num_link"]),
     ]
-    st, la, co, cy, sz, fa = (
-        r[k] for k in ("status_changes", "result_landing", "command_dispatch", "import_cycles", "sizes", "failure_sites")
-    )
+    keys = ("status_changes", "result_landing", "command_dispatch", "import_cycles", "sizes", "failure_sites")
+    st, la, co, cy, sz, fa = (r[k] for k in keys)
     parts = ", ".join(f"{k} {v['num_files']} ({v['total_lines']})" for k, v in r["engine_parts"].items())
     rows += [
         ("engine parts: files (lines)", parts),

@@ -1,4 +1,4 @@
-"""Building a linked request's block table: shared chunk blocks, copy-on-write, admission.
+"""Planning a linked request's block table: shared chunk blocks, copy-on-write, admission.
 
 Every chunk segment of a layout covers whole blocks (front padding), block ``j`` of the segment
 holding exactly what block ``j`` of the chunk's canonical copy holds. A block the request writes
@@ -10,19 +10,20 @@ so are decode blocks, appended later.
 
 Admission comes first: the private blocks plus the blocks of chunks promoted from a lower tier must
 fit in the free and evictable blocks, not counting the request's own resident chunks (which it is
-about to hold); otherwise ``KVPoolExhaustedError`` and nothing is taken.
+about to hold); otherwise ``KVPoolExhaustedError`` and nothing is taken. Here the plan is counted and the
+table laid out (pure functions); the pool work is the KV manager's (``KVManager.allocate``), the pool's one
+owner.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from pic.kv import BlockPool, ChunkInfo, ChunkKV, KVCache, RequestKV, blocks_for
+from pic.kv import ChunkInfo, ChunkKV, KVCache, RequestKV, blocks_for
 from pic.link.layout import Layout
-from pic.store import TieredStore
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ class AssemblyPlan:
     """What a linked request needs from the pool, counted before anything is taken (no tensors touched).
 
     Attributes:
-        layout, chunks: the request's layout and what ``TieredStore.resolve`` returned for its chunks.
+        layout, chunks: the request's layout and what ``ChunkSources.resolve`` found for its chunks.
         chunk_blocks: request block -> (chunk segment index, block within the chunk), every chunk block.
         shared: the chunk blocks mapped as they are (no recomputed token in them).
         to_promote: chunks to load from a lower tier into fresh canonical blocks.
@@ -78,21 +79,22 @@ class AssemblyPlan:
 
 
 def plan_assembly(
-    pool: BlockPool, layout: Layout, chunks: Sequence[ChunkInfo | ChunkKV], dirty: torch.Tensor
+    layout: Layout, chunks: Sequence[ChunkInfo | ChunkKV], dirty: torch.Tensor, *, is_resident: Callable[[str], bool]
 ) -> AssemblyPlan:
-    """Count what ``assemble`` will take (see the module docstring).
+    """Count what the KV manager will take (see the module docstring).
 
     Args:
-        chunks: what ``TieredStore.resolve`` returned for each chunk segment of ``layout``, in order
+        chunks: what ``ChunkSources.resolve`` found for each chunk segment of ``layout``, in order
             (a resident one must still be resident: resolve it again after an eviction).
         dirty: ``[T]`` bool (CPU), tokens whose KV the request writes: the blocks holding a dirty
             chunk token are private copies. All True gives every request its own copy of everything.
+        is_resident: whether the pool holds a chunk (``KVManager.is_resident``: the pool has one owner).
     """
     num_blocks = blocks_for(layout.num_slots, layout.block_size)
     chunk_blocks = _chunk_blocks(layout)
     dirty_blocks = set((layout.slots[dirty & layout.cached] // layout.block_size).tolist())
     shared = {i: where for i, where in chunk_blocks.items() if i not in dirty_blocks}
-    to_promote = {c.cache_id: c for c in chunks if isinstance(c, ChunkKV) and not pool.is_resident(c.cache_id)}
+    to_promote = {c.cache_id: c for c in chunks if isinstance(c, ChunkKV) and not is_resident(c.cache_id)}
     resident = tuple(cid for cid in dict.fromkeys(c.cache_id for c in chunks) if cid not in to_promote)
     return AssemblyPlan(
         layout=layout,
@@ -106,62 +108,7 @@ def plan_assembly(
     )
 
 
-def assemble(
-    pool: BlockPool,
-    cache: KVCache,
-    store: TieredStore,
-    plan: AssemblyPlan,
-    *,
-    held: dict[str, list[int]] | None = None,
-) -> Assembly:
-    """Hold or promote the chunks, then build the block table (see the module docstring).
-
-    Args:
-        pool, cache: the KV pool the request takes blocks from, and its tensors.
-        store: promotes the chunks a lower tier holds into fresh canonical blocks of ``pool``.
-        held: chunks whose canonical blocks the caller already holds a reference to (a preempted
-            request keeps its chunks resident while it waits); the request takes those references over.
-
-    Raises:
-        KVPoolExhaustedError: the pool cannot hold the request; nothing is taken.
-    """
-    layout = plan.layout
-    held = dict(held or {})
-    to_hold = [cid for cid in plan.resident if cid not in held]
-    pool.check_available(plan.num_blocks_needed, holding=to_hold, what=plan.describe())
-    taken: dict[str, list[int]] = {}
-    private: list[int] = []
-    mapped: list[int] = []  # shared blocks referenced by the table
-    try:
-        for cid in to_hold:
-            taken[cid] = pool.hold(cid)
-        for cid, chunk in plan.to_promote.items():
-            taken[cid] = store.promote(chunk)
-        held |= taken
-        private = pool.allocate(plan.num_private)
-        canonical = [held[c.cache_id] for c in plan.chunks]
-        num_blocks = blocks_for(layout.num_slots, layout.block_size)
-        table, copies = _table(num_blocks, plan.shared, plan.chunk_blocks, canonical, private)
-        mapped = [table[i] for i in plan.shared]
-        pool.incref(mapped)
-        cache.copy_blocks([src for src, _ in copies], [dst for _, dst in copies])
-    except BaseException:
-        pool.free(mapped)
-        pool.free(private)
-        pool.free(b for blocks in taken.values() for b in blocks)
-        raise
-    req = RequestKV(
-        pool, cache, table, num_slots=layout.num_slots, held=[b for blocks in held.values() for b in blocks]
-    )
-    return Assembly(
-        req=req,
-        source_rows=_source_rows(layout, canonical, cache),
-        num_shared_blocks=len(plan.shared),
-        num_private_blocks=plan.num_private,
-    )
-
-
-def _table(
+def block_table(
     num_blocks: int,
     shared: dict[int, tuple[int, int]],
     chunk_blocks: dict[int, tuple[int, int]],
@@ -193,7 +140,7 @@ def _chunk_blocks(layout: Layout) -> dict[int, tuple[int, int]]:
     return blocks
 
 
-def _source_rows(layout: Layout, canonical: list[list[int]], cache: KVCache) -> torch.Tensor:
+def source_rows(layout: Layout, canonical: list[list[int]], cache: KVCache) -> torch.Tensor:
     rows = torch.full((layout.num_tokens,), -1, dtype=torch.long, device=cache.device)
     for seg, blocks in zip(layout.chunks, canonical, strict=True):
         rows[seg.tokens] = cache.rows(blocks, seg.num_tokens)

@@ -11,13 +11,13 @@ keeps its chunks' order and its probe's choice.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from pic.errors import ContextLengthError, PolicyError
-from pic.kv import BlockPool, ChunkInfo, ChunkKV, RequestKV
+from pic.errors import PolicyError, linked_too_long
+from pic.kv import ChunkInfo, ChunkKV, RequestKV
 from pic.link.assemble import AssemblyPlan, plan_assembly
 from pic.link.layout import Layout, lay_out
 from pic.link.order import ChunkOrder, Order, chunk_order
@@ -82,7 +82,8 @@ class LinkPlan:
 class Linker:
     """Args:
     spec: the model's shapes (layers, context).
-    pool: the KV pool (read, to count what a request takes: ``plan_assembly``; the KV manager takes it).
+    is_resident: whether the pool holds a chunk (``KVManager.is_resident``, to count what a request takes:
+        ``plan_assembly``; the KV manager, the pool's one owner, takes it).
     block_size: tokens per block.
     share_chunk_blocks: map clean chunk blocks without copying (``PICConfig.share_chunk_blocks``).
     attention_backend: the runner's backend's name (a policy may need ``"torch"``).
@@ -91,13 +92,13 @@ class Linker:
     def __init__(
         self,
         spec: ModelSpec,
-        pool: BlockPool,
         *,
+        is_resident: Callable[[str], bool],
         block_size: int,
         share_chunk_blocks: bool,
         attention_backend: str,
     ) -> None:
-        self.spec, self.pool, self.block_size = spec, pool, block_size
+        self.spec, self.is_resident, self.block_size = spec, is_resident, block_size
         self._share, self._backend = share_chunk_blocks, attention_backend
 
     def plan(
@@ -130,7 +131,7 @@ class Linker:
             self._check(link)
             link.selected = self._selection(link)
         dirty = link.selected if self._share and not link.policy.is_dynamic else torch.ones_like(link.selected)
-        assembly = plan_assembly(self.pool, link.layout, ordered, dirty)
+        assembly = plan_assembly(link.layout, ordered, dirty, is_resident=self.is_resident)
         num_tokens = int(link.selected.sum())
         reserved = len(assembly.shared) if link.probes else 0
         return LinkPlan(assembly, num_tokens, reserved, self._chunkable(link))
@@ -205,10 +206,7 @@ class Linker:
         """
         num_tokens, context = link.layout.num_tokens, self.spec.max_context
         if num_tokens > context:
-            raise ContextLengthError(
-                f"linked prompt has {num_tokens} tokens, more than the {context}-token context of "
-                f"{self.spec.architecture}"
-            )
+            raise linked_too_long(num_tokens, context, self.spec.architecture, link.layout.segments)
         chosen = link.policy.for_layout(link.layout)
         if chosen.parallel_positions != link.policy.parallel_positions:
             raise PolicyError(f"policy {link.policy.spec!r} chose {chosen.spec!r}, which lays chunks out otherwise")

@@ -124,7 +124,7 @@ def build_core(
     tiers = TieredStore.from_config(store, device=DeviceTier(pool, cache), expected=expected)
     kv = KVManager(pool, cache, tiers, block_size=config.block_size)
     linker = Linker(
-        spec, pool, block_size=config.block_size, share_chunk_blocks=config.share_chunk_blocks,
+        spec, is_resident=kv.is_resident, block_size=config.block_size, share_chunk_blocks=config.share_chunk_blocks,
         attention_backend=runner.attention_backend.name,
     )  # fmt: skip
     return EngineCore(

@@ -1,6 +1,7 @@
 """``KVManager``: the one owner of the KV pool's blocks for the scheduler (vLLM's KVCacheManager), for linked
 requests and chunk compiles alike: ``can_allocate`` / ``allocate``, ``can_append`` / ``append``, ``preempt``,
-``free``; and for chunk prefills ``can_start`` / ``start``.
+``free``; and for chunk prefills ``can_start`` / ``start``. Nothing else touches the pool for a request: the
+``Linker`` (``pic.link``) asks ``is_resident`` when it counts what a request takes.
 
 The scheduler decides *who* runs; the KV manager does the pool work its decisions need, and writes each
 sequence's ``SeqBlocks`` (nothing else does). What a request needs is planned by the ``Linker``
@@ -11,8 +12,8 @@ from __future__ import annotations
 
 from pic.compile import ChunkPrefill
 from pic.engine.core.sequence import SeqBlocks, Sequence
-from pic.kv import BlockPool, KVCache
-from pic.link.assemble import Assembly, assemble
+from pic.kv import BlockPool, KVCache, RequestKV, blocks_for
+from pic.link.assemble import Assembly, AssemblyPlan, block_table, source_rows
 from pic.link.linker import LinkPlan
 from pic.store import TieredStore
 
@@ -39,6 +40,10 @@ class KVManager:
     def _to_hold(self, seq: Sequence, plan: LinkPlan) -> list[str]:
         return [cid for cid in plan.assembly.resident if cid not in seq.blocks.held]
 
+    def is_resident(self, cache_id: str) -> bool:
+        """Whether the pool holds the chunk (what the ``Linker`` asks when it counts a request's blocks)."""
+        return self.pool.is_resident(cache_id)
+
     def allocate(self, seq: Sequence, plan: LinkPlan) -> Assembly:
         """Take the blocks (shared chunk blocks mapped, dirty ones copied, and a probe's possible copies set
         aside: ``SeqBlocks.reserved``); the sequence's holds become its table's references.
@@ -47,14 +52,44 @@ class KVManager:
             KVPoolExhaustedError: ``can_allocate`` is false (the blocks needed and available; nothing is taken).
         """
         needed = plan.assembly.num_blocks_needed + plan.num_reserved
-        self.pool.check_available(needed, holding=self._to_hold(seq, plan), what=plan.assembly.describe())
+        to_hold = self._to_hold(seq, plan)
+        self.pool.check_available(needed, holding=to_hold, what=plan.assembly.describe())
         blocks = seq.blocks
-        assembly = assemble(self.pool, self.cache, self.store, plan.assembly, held=blocks.held)
+        assembly = self._assemble(plan.assembly, held=blocks.held, to_hold=to_hold)
         blocks.held, blocks.kv, blocks.shared = {}, assembly.req, set(plan.assembly.shared)
         blocks.reserved = self.pool.allocate(plan.num_reserved)
         if seq.link.first_pass is None:  # (the figures of its first pass: a link's, reported by LinkOutput)
             blocks.num_shared, blocks.num_private = assembly.num_shared_blocks, assembly.num_private_blocks
         return assembly
+
+    def _assemble(self, plan: AssemblyPlan, *, held: dict[str, list[int]], to_hold: list[str]) -> Assembly:
+        """Hold or promote the chunks, then build the block table (``pic.link.assemble``): ``held`` are the chunks
+        the sequence holds already (it keeps them resident while it waits), whose references its table takes over;
+        nothing is taken if this raises."""
+        layout, pool = plan.layout, self.pool
+        held, taken, private, mapped = dict(held), {}, [], []
+        try:
+            for cid in to_hold:
+                taken[cid] = pool.hold(cid)
+            for cid, chunk in plan.to_promote.items():
+                taken[cid] = self.store.promote(chunk)
+            held |= taken
+            private = pool.allocate(plan.num_private)
+            canonical = [held[c.cache_id] for c in plan.chunks]
+            num_blocks = blocks_for(layout.num_slots, layout.block_size)
+            table, copies = block_table(num_blocks, plan.shared, plan.chunk_blocks, canonical, private)
+            mapped = [table[i] for i in plan.shared]
+            pool.incref(mapped)
+            self.cache.copy_blocks([src for src, _ in copies], [dst for _, dst in copies])
+        except BaseException:
+            pool.free(mapped)
+            pool.free(private)
+            pool.free(b for blocks in taken.values() for b in blocks)
+            raise
+        all_held = [b for blocks in held.values() for b in blocks]
+        req = RequestKV(pool, self.cache, table, num_slots=layout.num_slots, held=all_held)
+        rows = source_rows(layout, canonical, self.cache)
+        return Assembly(req, rows, num_shared_blocks=len(plan.shared), num_private_blocks=plan.num_private)
 
     def copy_written(self, seq: Sequence, written: list[int]) -> None:
         """A probe's second pass will write into the request's blocks ``written``: those it maps shared become
