@@ -73,6 +73,9 @@ def test_item_2_a_pic_eval_spec_in_python_says_what_it_means_there(engine, ids):
     message = str(_raised(lambda: engine.link(ids, "Tom", policy="auto:0.05@context/relevance")))
     assert "policy='auto:0.05', order='relevance'" in message, message
     assert "did you mean 'legolink'" in str(_raised(lambda: engine.link(ids, "Tom", policy="legolnk:16")))
+    guide = re.sub(r"```.*?```", "", (ROOT / "docs" / "policies.md").read_text(), flags=re.S)
+    first = guide.index("@context`")  # the page's first such spec says what the notation is
+    assert "pic eval" in guide[first - 300 : first + 300], guide[first - 300 : first + 300]
 
 
 def _policy_rows(page: Path, header: str) -> set[str]:
