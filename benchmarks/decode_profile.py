@@ -206,7 +206,7 @@ def measure_pic(engine: pic.PIC, link: Callable[[], pic.Linked], num_steps: int)
             stack.enter_context(wrapped(decoding, "sample_rows", "sampling"))
             for method in ("plan", "store", "attend"):
                 stack.enter_context(wrapped(backend, method, "attention"))
-            on_engine = lambda fn: engine._owner.ask(lambda _core: fn())  # noqa: E731  (the engine thread)
+            on_engine = lambda fn: engine._channel.ask(lambda _core: fn())  # noqa: E731  (the engine thread)
             short, long = profiled(lambda: run(0), on_engine), profiled(lambda: run(num_steps), on_engine)
     finally:
         for handle in handles:

@@ -34,7 +34,7 @@ def check_requests(requests: object) -> None:
         raise InvalidInputError(f"requests[{bad}] is {requests[bad]!r:.80}; expected a pic.Request")
 
 
-def submit(thread: Channel, prepare: Preparer, requests: Sequence[Request], *, link_only: bool) -> list[NewRequest]:
+def submit(channel: Channel, prepare: Preparer, requests: Sequence[Request], *, link_only: bool) -> list[NewRequest]:
     """Validate, tokenize and queue ``requests`` together (they can share their first forward); each one's
     last output (or, ``link_only``, its ``LinkOutput``) goes to its own ``RequestStream`` (``new.sink``).
 
@@ -44,23 +44,23 @@ def submit(thread: Channel, prepare: Preparer, requests: Sequence[Request], *, l
     check_requests(requests)
     news = []
     for r in requests:
-        stream = RequestStream(thread.alive, last_only=True)
+        stream = RequestStream(channel.alive, last_only=True)
         news.append(prepare.new_request(r, sink=stream, sampling=None if link_only else r.sampling))
-    thread.send(Submit(tuple(news)))
+    channel.send(Submit(tuple(news)))
     return news
 
 
-def wait_links(thread: Channel, news: Sequence[NewRequest]) -> list[LinkOutput | RequestOutput]:
+def wait_links(channel: Channel, news: Sequence[NewRequest]) -> list[LinkOutput | RequestOutput]:
     """Each request's ``LinkOutput`` (or its failure); an interrupted wait aborts them all."""
     try:
         return [new.sink.get() for new in news]
     except BaseException:  # interrupted: nobody will hold these requests, so free them
         for new in news:
-            thread.send(Abort(new.request_id))
+            channel.send(Abort(new.request_id))
         raise
 
 
-def wait_lasts(thread: Channel, news: Sequence[NewRequest], *, progress: bool) -> list[RequestOutput]:
+def wait_lasts(channel: Channel, news: Sequence[NewRequest], *, progress: bool) -> list[RequestOutput]:
     """Each request's last output, in order; an interrupted wait aborts the ones still running."""
     lasts: list[RequestOutput] = []
     try:
@@ -72,12 +72,12 @@ def wait_lasts(thread: Channel, news: Sequence[NewRequest], *, progress: bool) -
                 bar.update(1)
     finally:
         for new in news[len(lasts) :]:  # interrupted: stop the rest
-            thread.send(Abort(new.request_id))
+            channel.send(Abort(new.request_id))
     return lasts
 
 
 def link_requests(
-    thread: Channel,
+    channel: Channel,
     prepare: Preparer,
     requests: Sequence[Request],
     *,
@@ -86,8 +86,8 @@ def link_requests(
     """``Engine.link_many``: queue the requests parked after their passes, wait, ``make`` a ``Linked`` of each
     (its output, policy and the call's wall time); if one failed, release the others and raise its error."""
     start = time.perf_counter()
-    news = submit(thread, prepare, requests, link_only=True)
-    firsts = wait_links(thread, news)
+    news = submit(channel, prepare, requests, link_only=True)
+    firsts = wait_links(channel, news)
     link_s = time.perf_counter() - start
     linked = [make(first, first.policy, link_s) for first in firsts if isinstance(first, LinkOutput)]
     failed = next((first.error for first in firsts if isinstance(first, RequestOutput)), None)
@@ -99,12 +99,12 @@ def link_requests(
 
 
 def generate_requests(
-    thread: Channel, prepare: Preparer, requests: Sequence[Request], *, progress: bool | None
+    channel: Channel, prepare: Preparer, requests: Sequence[Request], *, progress: bool | None
 ) -> list[Generation]:
     """``Engine.generate_many``: queue the requests, wait for every one to end, raise the first failure
     (``progress``: a bar; ``None``: for ``_PROGRESS_MIN`` requests or more)."""
-    news = submit(thread, prepare, requests, link_only=False)
-    lasts = wait_lasts(thread, news, progress=len(news) >= _PROGRESS_MIN if progress is None else progress)
+    news = submit(channel, prepare, requests, link_only=False)
+    lasts = wait_lasts(channel, news, progress=len(news) >= _PROGRESS_MIN if progress is None else progress)
     failed = next((out.error for out in lasts if out.error is not None), None)
     if failed is not None:
         raise failed
@@ -112,7 +112,7 @@ def generate_requests(
 
 
 def compile_documents(
-    thread: Channel,
+    channel: Channel,
     found: Documents,
     options: CompileOptions,
     *,
@@ -140,7 +140,7 @@ def compile_documents(
                 tokens=found.tokens, options=options, todo=tuple(todo), on_chunk=lambda: bar.update(1),
                 lower_tiers=lower_tiers, interactive=interactive,
             )  # fmt: skip
-            stored = thread.call(lambda reply: Compile(job, reply))
+            stored = channel.call(lambda reply: Compile(job, reply))
             num_compiled += len(stored.compiled)
             return stored
 

@@ -25,7 +25,7 @@ class CompileMethods:
     spec: ModelSpec
     fingerprint: str
     store: StoreView
-    _owner: Channel
+    _channel: Channel
     _prepare: Preparer
 
     def compile(
@@ -97,7 +97,7 @@ class CompileMethods:
         )  # fmt: skip
         fleet, has_chunk = self.store.fleet, self.store.contains
         return compile_documents(
-            self._owner, found, options, fleet=fleet, has_chunk=has_chunk, progress=progress, lower_tiers=lower_tiers,
+            self._channel, found, options, fleet=fleet, has_chunk=has_chunk, progress=progress, lower_tiers=lower_tiers,
             interactive=interactive,
         )  # fmt: skip
 

@@ -72,11 +72,11 @@ class PIC(CompileMethods, ChatMethods):
         )
         self.spec: ModelSpec = started.spec
         self.attention_backend: str = started.attention_backend  # "torch" or "triton"
-        self._owner = started.channel
-        self.store = StoreView(self._owner, started.store)
-        self._finalizer = weakref.finalize(self, self._owner.close)
+        self._channel = started.channel
+        self.store = StoreView(self._channel, started.store)
+        self._finalizer = weakref.finalize(self, self._channel.close)
         self._prepare = Preparer(self.tokenizer, self.spec, config=self.config, bos_token_id=self.bos_token_id)
-        self._stepper = Stepper(self._owner, self._prepare)
+        self._stepper = Stepper(self._channel, self._prepare)
         self.default_policy = self._prepare.default_policy
         # why the model runs in its dtype: ``from_pretrained`` says what it chose; a model given runs in its own
         self.dtype_choice = DtypeChoice(self.spec.dtype, "the model's own")
@@ -164,9 +164,9 @@ class PIC(CompileMethods, ChatMethods):
         and its error is raised."""
 
         def make(first: LinkOutput, policy: policies.Policy, link_s: float) -> Linked:
-            return Linked(first, owner=self._owner, engine=self, policy=policy, link_s=link_s)
+            return Linked(first, channel=self._channel, engine=self, policy=policy, link_s=link_s)
 
-        return link_requests(self._owner, self._prepare, requests, make=make)
+        return link_requests(self._channel, self._prepare, requests, make=make)
 
     def generate_many(self, requests: Sequence[Request], *, progress: bool | None = None) -> list[Generation]:
         """Run many requests together (continuous batching) and return their generations, in order.
@@ -179,7 +179,7 @@ class PIC(CompileMethods, ChatMethods):
         validated before any runs (a bad one raises ``InvalidInputError`` and none runs); every request
         runs to its end; then the first failure, if any, is raised (see ``link`` for the errors).
         """
-        return generate_requests(self._owner, self._prepare, requests, progress=progress)
+        return generate_requests(self._channel, self._prepare, requests, progress=progress)
 
     # -- other clients (the server) ---------------------------------------------------------------------
 
@@ -191,7 +191,7 @@ class PIC(CompileMethods, ChatMethods):
             InvalidInputError: an empty query, a bad token id.
         """
         new = self._prepare.new_request(request, sink=sink, sampling=request.sampling)
-        self._owner.send(Submit((new,)))
+        self._channel.send(Submit((new,)))
         return new.request_id
 
     def abort(self, request_id: int) -> None:
@@ -201,37 +201,34 @@ class PIC(CompileMethods, ChatMethods):
         Raises:
             InvalidInputError: ``request_id`` is not a request id (an int).
         """
-        self._owner.send(Abort(check_request_id(request_id)))
+        self._channel.send(Abort(check_request_id(request_id)))
 
     # -- inspection and lifetime ---------------------------------------------------------------------
 
     def kv_stats(self) -> KVStats:
         """Blocks of the KV pool by state (empty, evictable, held chunk, private; they sum to ``num_blocks``),
         shared references, resident chunks, peak use: see ``KVStats``."""
-        return self._owner.ask(lambda core: core.pool.stats())
+        return self._channel.ask(lambda core: core.pool.stats())
 
     def reset_peak(self) -> None:
         """Restart ``KVStats.peak_used_blocks`` from the blocks in use now."""
-        self._owner.ask(lambda core: core.pool.reset_peak())
+        self._channel.ask(lambda core: core.pool.reset_peak())
 
     def paused(self) -> contextlib.AbstractContextManager[Any]:
         """Stop the engine between two steps and lend its core (``pic.engine.core.EngineCore``) to the caller (tests
         and debugging read the pool, store and runner here); the engine goes on when the block exits."""
-        return self._owner.paused()
+        return self._channel.paused()
 
     def observe_attention(self, observer: AttentionObserver) -> contextlib.AbstractContextManager[None]:
         """Within the block, every layer of every forward calls ``observer`` (on the engine's thread) with
         its attention's inputs: ``ModelRunner.observe_attention``, for analysis such as
         ``pic.evaluation.sinks``. Not reentrant."""
-        return self._owner.observing(observer)
+        return self._channel.observing(observer)
 
     def stepper(self) -> Stepper:
         """The iterative interface (vLLM's ``LLMEngine`` loop): ``add_request``, ``step``, ``abort``,
-        ``has_unfinished``, and the engine's step counters (one object per engine). ``engine()`` is its
-        older name."""
+        ``has_unfinished``, and the engine's step counters (one object per engine)."""
         return self._stepper
-
-    engine = stepper
 
     def close(self) -> None:
         """Stop the engine's thread and free its requests (open ones fail with ``EngineClosedError``);

@@ -49,7 +49,7 @@ class Linked:
         self,
         link: LinkOutput,
         *,
-        owner: Channel,
+        channel: Channel,
         engine: object,
         policy: Policy,
         link_s: float,
@@ -67,20 +67,20 @@ class Linked:
         self.num_private_blocks = link.num_private_blocks
         self.probe = link.probe
         self._engine = engine  # the Engine: kept alive while the request is (dropping it closes it)
-        self._owner = owner
+        self._channel = channel
         self._request_id, self._block_ids = link.request_id, list(link.block_ids)
         self._stream: RequestStream | None = None  # the generation's outputs, once started
         self._hidden = link.query_hidden  # [num_query_tokens, hidden_size]
         self._logits: torch.Tensor | None = None
         self._started = False
-        self._finalizer = weakref.finalize(self, _abort_quietly, self._owner, link.request_id)
+        self._finalizer = weakref.finalize(self, _abort_quietly, self._channel, link.request_id)
 
     @property
     def logits(self) -> torch.Tensor:
         """``[num_query_tokens, vocab_size]`` float32, next-token logits at every query position (the
         last row predicts the first new token); computed on first access."""
         if self._logits is None:
-            self._logits = self._owner.ask(lambda core, hidden=self._hidden: core.logits(hidden))
+            self._logits = self._channel.ask(lambda core, hidden=self._hidden: core.logits(hidden))
         return self._logits
 
     def generate(
@@ -123,8 +123,8 @@ class Linked:
         if self._started or not self._finalizer.alive:
             raise LinkedReleasedError("this Linked request was already generated from or released; link it again")
         self._started = True
-        self._stream = RequestStream(self._owner.alive, last_only=not pieces)
-        self._owner.send(Resume(self._request_id, params, self.link_s, self._stream))
+        self._stream = RequestStream(self._channel.alive, last_only=not pieces)
+        self._channel.send(Resume(self._request_id, params, self.link_s, self._stream))
 
     def _next(self) -> RequestOutput:
         out = self._stream.get()
@@ -173,11 +173,11 @@ class Linked:
         """Free the request's blocks now (idempotent); aborts a generation still running."""
         if self._finalizer.detach() is None:
             return  # released, or finished
-        if self._owner.is_current:
-            self._owner.send(Abort(self._request_id))
+        if self._channel.is_current:
+            self._channel.send(Abort(self._request_id))
             return
         try:
-            self._owner.call(lambda reply: Abort(self._request_id, reply))
+            self._channel.call(lambda reply: Abort(self._request_id, reply))
         except EngineClosedError:
             pass  # a closed engine freed everything
 
@@ -207,7 +207,7 @@ def generate_together(
     """
     if not linked:
         return []
-    num_engines = len({id(item._owner) for item in linked})
+    num_engines = len({id(item._channel) for item in linked})
     if num_engines > 1:
         raise InvalidInputError(f"generate_together takes requests of one engine, got requests of {num_engines}")
     params = _params(max_new_tokens, sampling, options)
@@ -224,10 +224,10 @@ def _params(max_new_tokens: int | None, sampling: SamplingParams | None, options
     return sampling_params(sampling, options)
 
 
-def _abort_quietly(owner: Channel, request_id: int) -> None:
+def _abort_quietly(channel: Channel, request_id: int) -> None:
     """The finalizer of a ``Linked`` dropped unreleased (any thread, even the engine's own, mid-step): queue
     the release; never wait, never raise."""
     try:
-        owner.send(Abort(request_id))
+        channel.send(Abort(request_id))
     except EngineClosedError:
         pass

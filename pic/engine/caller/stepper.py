@@ -18,12 +18,12 @@ class Stepper:
     steps that other callers' requests run meanwhile.
 
     Args:
-        owner: the engine's thread.
+        channel: the way into the engine's core thread.
         prepare: validates and tokenizes a request here, in the caller's thread (``Engine``'s).
     """
 
-    def __init__(self, owner: Channel, prepare: Preparer) -> None:
-        self._owner, self._prepare = owner, prepare
+    def __init__(self, channel: Channel, prepare: Preparer) -> None:
+        self._channel, self._prepare = channel, prepare
         self._outputs: queue.SimpleQueue[RequestOutput] = queue.SimpleQueue()
         self._open: set[int] = set()  # ids whose last output ``step`` has not returned yet
 
@@ -35,14 +35,14 @@ class Stepper:
         """
         new = self._prepare.new_request(request, sink=self._outputs, sampling=request.sampling, paced=True)
         self._open.add(new.request_id)
-        self._owner.send(Submit((new,)))
+        self._channel.send(Submit((new,)))
         return new.request_id
 
     def step(self) -> list[RequestOutput]:
         """The outputs of this interface's requests since the last call, running one step first when
         there are none yet and one of them is unfinished."""
         if self._outputs.empty() and self._open:
-            self._owner.call(Step)
+            self._channel.call(Step)
         outputs = []
         with contextlib.suppress(queue.Empty):
             while True:
@@ -60,14 +60,14 @@ class Stepper:
         Raises:
             InvalidInputError: ``request_id`` is not an int.
         """
-        self._owner.send(Abort(check_request_id(request_id)))
+        self._channel.send(Abort(check_request_id(request_id)))
 
     @property
     def num_steps(self) -> int:
         """Steps the engine ran a forward in (for every caller's requests, these and others)."""
-        return self._owner.ask(lambda core: core.num_steps)
+        return self._channel.ask(lambda core: core.num_steps)
 
     @property
     def num_batched_seqs(self) -> int:
         """Sequences those forwards carried (``num_batched_seqs / num_steps``: the mean batch)."""
-        return self._owner.ask(lambda core: core.num_batched_seqs)
+        return self._channel.ask(lambda core: core.num_batched_seqs)
