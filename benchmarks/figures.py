@@ -28,6 +28,7 @@ import difflib
 import json
 import re
 import sys
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
@@ -147,6 +148,34 @@ def stale(page: Path) -> list[str]:
                 block.body.strip("\n").splitlines(), want.splitlines(), "the page", "the results", lineterm=""
             )
             out.append(f"{where}\n" + "\n".join(diff))
+    return out
+
+
+# A figure as the pages write a measurement: a decimal number with its unit (``7.36 s``, ``3.36x``, ``83.3%``, ``25 ms``
+# needs its decimal: ``2.0 s``; ``12.5 tokens/s``, ``+16.7 points``).
+FIGURE = re.compile(r"(?<![\w.])[−+-]?\d[\d,]*\.\d+(?:x|%| %| s\b| ms\b| tokens/s| points?\b| KiB| MiB| GB/s)")
+# The figures still written by hand, per page (benchmarks/figures_by_hand.json): each is to be rendered from its
+# results file, or is not a measurement of one (a timeout, a configured value, an example's output).
+BY_HAND = ROOT / "benchmarks" / "figures_by_hand.json"
+
+
+def by_hand(page: Path) -> list[str]:
+    """The figures of ``page`` outside its marked blocks and its code, in page order."""
+    text = MARK.sub(lambda m: " " * len(m.group()), _outside_code(page.read_text()))
+    text = re.sub(r"`[^`\n]*`", lambda m: " " * len(m.group()), text)  # inline code: names and commands
+    return FIGURE.findall(text)
+
+
+def new_by_hand() -> list[str]:
+    """Figures written by hand that ``BY_HAND`` does not list (copied from a results file instead of rendered), and
+    listed ones no page holds any more (rendered since: shrink the list with ``--by-hand``)."""
+    listed = json.loads(BY_HAND.read_text())
+    out = []
+    for page in pages():
+        name = str(page.relative_to(ROOT))
+        found, known = Counter(by_hand(page)), Counter(listed.get(name, []))
+        out += [f"{name}: {figure} is written by hand: render it from its results file" for figure in found - known]
+        out += [f"{name}: {figure} is listed as by hand but the page no longer has it" for figure in known - found]
     return out
 
 
@@ -525,6 +554,125 @@ def vllm_answers_sentence() -> str:
     return "; ".join(parts)
 
 
+_RAG_ROWS = (
+    ("hf", "transformers", False), ("llama.cpp", "llama.cpp", False), ("full", "pic, Full Recompute", False),
+    ("mepic", "pic, mepic", True), ("legolink:16", "pic, legolink:16", True),
+    ("cacheblend:0.15", "pic, cacheblend:0.15", True),
+)  # fmt: skip
+
+
+@figure
+def rag_ttft_table() -> str:
+    """README's time to first token of SmolLM2's RAG chat (cpu_rag.json): each arm's median, its speed against
+    transformers and llama.cpp, the tokens it recomputed and its answer's tokens equal to Full Recompute's."""
+    report = results("cpu_rag.json")
+    ttft, answers, new = report["ttft"], report["answers"], report["settings"]["new_tokens"]
+    lines = [
+        "| | TTFT | transformers / it | llama.cpp / it | tokens recomputed | answer tokens equal to Full Recompute's "
+        f"(of {new}) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for key, label, link in _RAG_ROWS:
+        ratios = []
+        for base in ("hf", "llama.cpp"):
+            ratio = ttft["median_s"][base] / ttft["median_s"][key]
+            ratios.append("1.0x" if key == base else f"{ratio:.1f}x" if link else f"{ratio:.2f}x")
+        recomputed = ttft["recomputed_tokens"].get(key, report["prompt_tokens"])
+        lines.append(
+            f"| {label} | {ttft['median_s'][key]:.2f} s | {ratios[0]} | {ratios[1]} | {recomputed} | "
+            f"{answers[key]['tokens_agreeing_with_full']} |"
+        )
+    return "\n".join(lines)
+
+
+@figure
+def rag_ttft_sentence() -> str:
+    """README's "Results at a glance" line on the RAG chat's time to first token (cpu_rag.json)."""
+    med = results("cpu_rag.json")["ttft"]["median_s"]
+    return (
+        f"{med['mepic']:.2f} s against transformers' {med['hf']:.2f} s prefill ({med['hf'] / med['mepic']:.1f}x), "
+        f"`legolink:16` in {med['legolink:16']:.2f} s ({med['hf'] / med['legolink:16']:.1f}x)"
+    )
+
+
+_CPU_LINKS = ("mepic", "legolink:16", "naive", "cacheblend:0.15")
+
+
+@figure
+def cpu_link_table() -> str:
+    """README's link speed against transformers on a random Llama (cpu.json): per context, Full Recompute's prefill
+    time over transformers', transformers' over each link's, and decode tokens/s against transformers'."""
+    report = results("cpu.json")
+    decode = {d["prompt_tokens"]: d["pic_over_hf_decode_tokens_per_s"] for d in report["decode"] if d["batch"] == 1}
+    rates = report["decode_rates"]
+    lines = [
+        "| context | full / HF prefill time | " + " | ".join(f"HF / {p} link" if p == "mepic" else f"HF / {p}"
+                                                        for p in _CPU_LINKS) + " | decode pic / HF tokens/s |",
+        "|---|---|---|---|---|---|---|",
+    ]  # fmt: skip
+    for row in report["prefill"]:
+        med = row["median_s"]
+        cells = [f"{row['context_tokens'] // 1024}K", f"{med['full'] / med['hf']:.2f}x"]
+        cells += [f"{med['hf'] / med[p]:.1f}x" for p in _CPU_LINKS]
+        ratio = decode.get(row["prompt_tokens"])
+        cell = f"{ratio:.2f}x" if ratio else ""
+        if ratio and rates["prompt_tokens"] == row["prompt_tokens"]:
+            int8 = rates["tokens_per_s"]["pic int8 x1"] / rates["tokens_per_s"]["hf"]
+            cell += f" (int8 decode weights: {int8:.2f}x)"
+        lines.append(f"| {' | '.join(cells)} | {cell} |".replace("|  |", "| |"))
+    return "\n".join(lines)
+
+
+@figure
+def cpu_link_memory() -> str:
+    """README's resident memory of a mepic link against transformers' prefill at 8K (cpu.json)."""
+    memory = results("cpu.json")["memory"]
+    peak = memory["peak_kib"]
+    return (
+        f"At {memory['context_tokens'] // 1024}K a mepic link peaks at {peak['mepic']:,} KiB of resident memory above "
+        f"its start, transformers' prefill at {peak['hf']:,} KiB"
+    )
+
+
+@figure
+def kv_memory_sentence() -> str:
+    """README's KV memory line (memory.json): the peak blocks of the most concurrent requests under mepic, shared
+    and private."""
+    report = results("memory.json")
+    shared, private = report["results"]["mepic"][-1], report["results"]["mepic private"][-1]
+    return (
+        f"{shared['n']} live requests, each linking {report['workload']['per_request']} of "
+        f"{report['workload']['chunks']} chunks, peak at {shared['peak_blocks']} blocks under `mepic` with shared "
+        f"chunk blocks, against {private['peak_blocks']} with private copies "
+        f"({private['peak_blocks'] / shared['peak_blocks']:.2f}x)"
+    )
+
+
+@figure
+def throughput_sentence() -> str:
+    """README's throughput line (throughput.json): the best batched run's tokens/s over one request at a time."""
+    report = results("throughput.json")
+    best = max((k for k in report["medians"] if k.startswith("engine")),
+               key=lambda k: report["medians"][k]["tokens_per_s"])  # fmt: skip
+    return (
+        f"{report['workload']['requests']} requests through `generate_many` at `max_num_seqs` {best.split()[1]} reach "
+        f"{report['tokens_per_s_over_facade'][best]:.2f}x the tokens/s of one request at a time"
+    )
+
+
+@figure
+def fidelity_sentence() -> str:
+    """README's fidelity line (fidelity.json): the head policies' KL to Full Recompute over Naive's, and
+    legolink:16's link speed."""
+    scores = {s["policy"]: s for s in results("fidelity.json")["scores"]}
+    heads = [p for p in scores if p.startswith("legolink:") and int(p.split(":")[1]) <= 16] + ["mepic", "regions:0.2"]
+    ratios = [scores[p]["mean_kl"] / scores["naive"]["mean_kl"] for p in heads]
+    return (
+        f"brings the KL to Full Recompute down to {min(ratios):.2f}–{max(ratios):.2f} of Naive's; `legolink:16` links "
+        f"{scores['legolink:16']['median_speedup_vs_full']:.2f}x faster than Full Recompute"
+    )
+
+
 # -- the command -------------------------------------------------------------------------------------------------
 
 
@@ -624,10 +772,19 @@ _MODEL_NAMES = {"smollm2": "SmolLM2-135M", "qwen0.5b": "Qwen2.5-Coder-0.5B", "qw
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Check (or --write) the docs' figure blocks against the results.")
     parser.add_argument("--write", action="store_true", help="rewrite the blocks that differ, in place")
+    parser.add_argument("--by-hand", action="store_true", help=f"rewrite {BY_HAND.name}: the figures left by hand")
     args = parser.parse_args(argv)
+    if args.by_hand:
+        listed = {str(p.relative_to(ROOT)): sorted(by_hand(p)) for p in pages() if by_hand(p)}
+        BY_HAND.write_text(json.dumps(listed, indent=1, ensure_ascii=False) + "\n")
+        print(f"{BY_HAND.relative_to(ROOT)}: {sum(map(len, listed.values()))} figures on {len(listed)} pages")
+        return 0
     broken = [problem for page in pages() for problem in misplaced(page)]
     if broken:
         print("\n".join(broken))
+        return 1
+    if new_by_hand():
+        print("\n".join(new_by_hand()))
         return 1
     differ = [page for page in pages() if stale(page)]
     for page in differ:
