@@ -153,7 +153,7 @@ def stale(page: Path) -> list[str]:
 
 # A figure as the pages write a measurement: a decimal number with its unit (``7.36 s``, ``3.36x``, ``83.3%``, ``25 ms``
 # needs its decimal: ``2.0 s``; ``12.5 tokens/s``, ``+16.7 points``).
-FIGURE = re.compile(r"(?<![\w.])[−+-]?\d[\d,]*\.\d+(?:x|%| %| s\b| ms\b| tokens/s| points?\b| KiB| MiB| GB/s)")
+FIGURE = re.compile(r"(?<![\w.%])[−+-]?\d[\d,]*\.\d+(?:x|%| %| s\b| ms\b| tokens/s| points?\b| KiB| MiB| GB/s)")
 # The figures still written by hand, per page (benchmarks/figures_by_hand.json): each is to be rendered from its
 # results file, or is not a measurement of one (a timeout, a configured value, an example's output).
 BY_HAND = ROOT / "benchmarks" / "figures_by_hand.json"
@@ -174,7 +174,8 @@ def new_by_hand() -> list[str]:
     for page in pages():
         name = str(page.relative_to(ROOT))
         found, known = Counter(by_hand(page)), Counter(listed.get(name, []))
-        out += [f"{name}: {figure} is written by hand: render it from its results file" for figure in found - known]
+        fix = "render it from its results file (a renderer here, a marked block), or if none holds it: --by-hand"
+        out += [f"{name}: {figure} is written by hand: {fix}" for figure in found - known]
         out += [f"{name}: {figure} is listed as by hand but the page no longer has it" for figure in known - found]
     return out
 
@@ -671,6 +672,89 @@ def fidelity_sentence() -> str:
         f"brings the KL to Full Recompute down to {min(ratios):.2f}–{max(ratios):.2f} of Naive's; `legolink:16` links "
         f"{scores['legolink:16']['median_speedup_vs_full']:.2f}x faster than Full Recompute"
     )
+
+
+def _share(value: float | None) -> str:
+    return "n/a" if value is None else f"{100 * value:.1f}%"
+
+
+def _diff(value: float | None) -> str:
+    return "n/a" if value is None else f"{100 * value:+.1f}"
+
+
+def _accuracy_table(name: str, columns: str) -> str:
+    """A ``pic eval accuracy`` report's table as docs/policies.md prints it (``name``: its results file), with the
+    accuracy by where the answer's document sits (``columns="position"``), by kind of question (``"kinds"``), or
+    by kind with exact match and F1 and the prompt tokens recomputed (``"heads"``, the first study's)."""
+    scores = results(name)["scores"]
+    kinds = [] if columns == "position" else list(scores[0]["accuracy_by_kind"])
+    position = ["answer's document 1st / 2nd / 3rd (%)"] if columns == "position" else []
+    head = ["policy", "accuracy (95% CI)", *position, *kinds]
+    if columns == "heads":
+        head += ["EM", "F1", "+/- vs FR", "same reply as FR", "KL to FR (answer token)", "top-1 agree (answer)",
+                 "recomputed tokens"]  # fmt: skip
+    else:
+        head += ["+/- vs FR", "paired diff (95% CI)", "same reply as FR", "KL to FR (answer token)",
+                 "top-1 agree (answer)", "chunk token-layers recomputed"]  # fmt: skip
+    head += ["recomputed token-layers", "link ms (speedup vs FR)"]
+    lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    for s in scores:
+        cells = [s["policy"], f"{_share(s['accuracy'])} ({_share(s['accuracy_low'])}-{_share(s['accuracy_high'])})"]
+        if columns == "position":
+            cells.append(" / ".join(f"{100 * p:.0f}" for p in s["accuracy_by_gold_position"]))
+        cells += [_share(s["accuracy_by_kind"][k]) for k in kinds]
+        if columns == "heads":
+            cells += [_share(s["exact_match"]), f"{s['f1']:.2f}"]
+        cells.append(f"+{s['num_gained']}/-{s['num_lost']}")
+        if columns != "heads":
+            cells.append(f"{_diff(s['diff_vs_full'])} ({_diff(s['diff_low'])} to {_diff(s['diff_high'])})")
+        cells += [_share(s["same_reply_as_full"]), f"{s['mean_kl']:.3f} ({s['answer_kl']:.3f})",
+                  f"{_share(s['top1_agreement'])} ({_share(s['answer_top1'])})"]  # fmt: skip
+        cells.append(f"{s['mean_recomputed']:.1f}" if columns == "heads" else _share(s["chunk_recompute_fraction"]))
+        cells += [_share(s["recompute_fraction"]), f"{1e3 * s['median_link_s']:.0f} ({s['median_speedup_vs_full']:.2f}x)"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+@figure
+def accuracy_profiles_before() -> str:
+    """docs/policies.md: SmolLM2 on paragraphs, the question before the documents (smollm2_profiles.json)."""
+    return _accuracy_table("smollm2_profiles.json", "position")
+
+
+@figure
+def accuracy_profiles_after() -> str:
+    """docs/policies.md: SmolLM2 on paragraphs, the question after them (smollm2_profiles_question_after.json)."""
+    return _accuracy_table("smollm2_profiles_question_after.json", "position")
+
+
+@figure
+def accuracy_qa_before() -> str:
+    """docs/policies.md: SmolLM2 on short documents, the question before them (smollm2_accuracy.json)."""
+    return _accuracy_table("smollm2_accuracy.json", "kinds")
+
+
+@figure
+def accuracy_qa_after() -> str:
+    """docs/policies.md: SmolLM2 on short documents, the question after them (smollm2_accuracy_question_after.json)."""
+    return _accuracy_table("smollm2_accuracy_question_after.json", "kinds")
+
+
+@figure
+def accuracy_heads() -> str:
+    """docs/policies.md's first study: heads, CacheBlend and sinks on short documents (smollm2_accuracy_heads.json)."""
+    return _accuracy_table("smollm2_accuracy_heads.json", "heads")
+
+
+@figure
+def fidelity_table() -> str:
+    """docs/policies.md's fidelity table on stories260K (fidelity.json, as ``pic eval fidelity`` prints it)."""
+    from pic.evaluation.report import FidelityReport, PolicyScore
+
+    report = results("fidelity.json")
+    nan = float("nan")
+    scores = [PolicyScore(**{k: nan if v is None else v for k, v in s.items()}) for s in report["scores"]]
+    return FidelityReport(**{**report, "scores": scores}).table()
 
 
 # -- the command -------------------------------------------------------------------------------------------------
