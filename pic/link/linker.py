@@ -16,11 +16,12 @@ from dataclasses import dataclass
 
 import torch
 
-from pic.errors import PolicyError, linked_too_long
+from pic.errors import ContextLengthError, PolicyError
 from pic.kv import ChunkInfo, ChunkKV, RequestKV
 from pic.link.assemble import AssemblyPlan, plan_assembly
 from pic.link.layout import Layout, lay_out
 from pic.link.order import ChunkOrder, Order, chunk_order
+from pic.link.order import given as _given
 from pic.link.policies import Policy
 from pic.link.recompute import PassResult, RecomputePass
 from pic.model import ModelSpec
@@ -118,18 +119,16 @@ class Linker:
         Raises:
             ContextLengthError, PolicyError: the request cannot run (nothing was taken).
         """
-        if link.chunk_order is None:
-            link.chunk_order = self._order(link, prefix, chunks, query[: len(query) - num_generated], relevance)
-        ordered = link.chunk_order.apply(chunks)
+        if link.chunk_order is None:  # the first plan (nothing generated yet)
+            link.layout = self._first_layout(link, prefix, chunks, query, relevance)
+            self._specialise(link)
+        elif link.laid_out[0] is not chunks or link.laid_out[1] != len(query):  # resolved again; new tokens
+            link.layout = self._lay_out(link, prefix, chunks, query, relevance, num_generated=num_generated)
         if link.laid_out is None or link.laid_out[0] is not chunks or link.laid_out[1] != len(query):
-            link.laid_out = (chunks, len(query))  # (new; its chunks resolved again; preempted after new tokens)
-            link.layout = lay_out(
-                prefix=prefix, chunks=ordered, query=query, block_size=self.block_size,
-                parallel=link.policy.parallel_positions, num_generated=num_generated,
-                relevance=None if relevance is None else link.chunk_order.apply(relevance),
-            )  # fmt: skip
-            self._check(link)
+            link.laid_out = (chunks, len(query))
+            self._check_context(link.layout)
             link.selected = self._selection(link)
+        ordered = link.chunk_order.apply(chunks)
         dirty = link.selected if self._share and not link.policy.is_dynamic else torch.ones_like(link.selected)
         assembly = plan_assembly(link.layout, ordered, dirty, is_resident=self.is_resident)
         num_tokens = int(link.selected.sum())
@@ -182,31 +181,50 @@ class Linker:
         """A preempted request's pass is gone with its blocks (it is planned again at its next admission)."""
         link.pass_ = None
 
-    def _order(
+    def _first_layout(
         self, link: LinkState, prefix: list[int], chunks: Sequence[ChunkInfo | ChunkKV], query: list[int], relevance
-    ) -> ChunkOrder:
-        """The order the chunks run in: ``link.order``, or (``Order.POLICY``) the one the policy chooses from the
-        prompt laid out in the caller's order."""
-        order = link.order
-        if order is Order.POLICY:
-            given = lay_out(
-                prefix=prefix, chunks=chunks, query=query, block_size=self.block_size,
-                parallel=link.policy.parallel_positions, relevance=relevance,
-            )  # fmt: skip
-            order = link.policy.order_for(given)
-            if order not in (Order.GIVEN, Order.RELEVANCE):
-                raise PolicyError(f"policy {link.policy.spec!r} chose the order {order!r}; expected given or relevance")
-        return chunk_order(order, query, [c.token_ids.tolist() for c in chunks], relevance)
+    ) -> Layout:
+        """Fix the order the chunks run in (``link.order``, or with ``Order.POLICY`` the one the policy reads from
+        the prompt in the caller's order) and lay the prompt out in it: once, unless the order moves a chunk."""
+        given = Order.GIVEN if link.order is Order.POLICY and not _chooses_order(link.policy) else link.order
+        layout = None
+        if given is Order.POLICY:
+            layout = self._lay_out(link, prefix, chunks, query, relevance, order=_given(len(chunks)))
+            given = link.policy.order_for(layout)
+            if given not in (Order.GIVEN, Order.RELEVANCE):
+                raise PolicyError(f"policy {link.policy.spec!r} chose the order {given!r}; expected given or relevance")
+        link.chunk_order = chunk_order(given, query, [c.token_ids.tolist() for c in chunks], relevance)
+        if layout is None or link.chunk_order.moved:
+            layout = self._lay_out(link, prefix, chunks, query, relevance)
+        return layout
 
-    def _check(self, link: LinkState) -> None:
-        """Check the layout against the model and the backend, and let the policy choose for it.
+    def _lay_out(
+        self,
+        link: LinkState,
+        prefix: list[int],
+        chunks: Sequence[ChunkInfo | ChunkKV],
+        query: list[int],
+        relevance: Sequence[float] | None,
+        *,
+        num_generated: int = 0,
+        order: ChunkOrder | None = None,
+    ) -> Layout:
+        """The prompt laid out with its chunks (and ``relevance``, given in the caller's order) in ``order`` (default:
+        the request's)."""
+        order = order or link.chunk_order
+        return lay_out(
+            prefix=prefix, chunks=order.apply(chunks), query=query, block_size=self.block_size,
+            parallel=link.policy.parallel_positions, num_generated=num_generated,
+            relevance=None if relevance is None else order.apply(relevance),
+        )  # fmt: skip
+
+    def _specialise(self, link: LinkState) -> None:
+        """Let the policy choose for the request's first layout (``Policy.for_layout``), once, before anything is
+        planned with it, and check its choice against the model and the backend.
 
         Raises:
-            ContextLengthError, PolicyError: as ``plan``.
+            PolicyError: a choice that lays chunks out otherwise, or that this model or backend cannot run.
         """
-        num_tokens, context = link.layout.num_tokens, self.spec.max_context
-        if num_tokens > context:
-            raise linked_too_long(num_tokens, context, self.spec.architecture, link.layout.segments)
         chosen = link.policy.for_layout(link.layout)
         if chosen.parallel_positions != link.policy.parallel_positions:
             raise PolicyError(f"policy {link.policy.spec!r} chose {chosen.spec!r}, which lays chunks out otherwise")
@@ -216,6 +234,15 @@ class Linker:
             raise PolicyError(
                 f"policy {chosen.spec!r} runs on the torch attention backend only, not on "
                 f"{self._backend!r}; build the engine with PICConfig(attention_backend='torch')"
+            )
+
+    def _check_context(self, layout: Layout) -> None:
+        """Raises: ContextLengthError: the layout is longer than the model's context."""
+        num_tokens, context = layout.num_tokens, self.spec.max_context
+        if num_tokens > context:
+            raise ContextLengthError(
+                f"linked prompt has {num_tokens} tokens, more than the {context}-token context of "
+                f"{self.spec.architecture}"
             )
 
     @staticmethod
@@ -238,3 +265,9 @@ class Linker:
             return False
         positions = link.layout.positions[link.selected]
         return bool((positions[1:] > positions[:-1]).all())
+
+
+def _chooses_order(policy: Policy) -> bool:
+    """Whether the policy reads the layout to choose the chunks' order (it overrides ``Policy.order_for``; the base
+    keeps the caller's order without looking)."""
+    return type(policy).order_for is not Policy.order_for
