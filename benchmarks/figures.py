@@ -758,6 +758,91 @@ def fidelity_table() -> str:
     return FidelityReport(**{**report, "scores": scores}).table()
 
 
+@figure
+def rag_ttft_table_cpu() -> str:
+    """docs/cpu.md's copy of README's RAG-chat table (cpu_rag.json), naming llama.cpp's weights."""
+    return rag_ttft_table().replace("| llama.cpp |", "| llama.cpp (Q4_1) |")
+
+
+@figure
+def cpu_prefill_table() -> str:
+    """docs/cpu.md's link speed against transformers' prefill on a random Llama (cpu.json), per context."""
+    lines = [
+        "| context | prompt tokens | transformers prefill | full / HF | "
+        + " | ".join(f"HF / {p}" for p in _CPU_LINKS) + " | recomputed (mepic) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in results("cpu.json")["prefill"]:
+        med = row["median_s"]
+        cells = [f"{row['context_tokens'] // 1024}K", str(row["prompt_tokens"]), f"{med['hf']:.2f} s",
+                 f"{med['full'] / med['hf']:.2f}x", *(f"{med['hf'] / med[p]:.1f}x" for p in _CPU_LINKS),
+                 str(row["recomputed_tokens"]["mepic"])]  # fmt: skip
+        lines.append(f"| {' | '.join(cells)} |")
+    return "\n".join(lines)
+
+
+@figure
+def cpu_link_growth() -> str:
+    """docs/cpu.md: how each arm's time grows from the shortest context to the longest (cpu.json)."""
+    report = results("cpu.json")
+    grow, rows = report["link_growth"], report["prefill"]
+    first, last = rows[0]["median_s"]["mepic"], rows[-1]["median_s"]["mepic"]
+    return (
+        f"the prompt grows {grow['tokens']:.1f}x from {rows[0]['context_tokens'] // 1024}K to "
+        f"{rows[-1]['context_tokens'] // 1024}K. Over that range, transformers' prefill grows {grow['hf']:.1f}x, "
+        f"Full Recompute {grow['full']:.1f}x, mepic {grow['mepic']:.1f}x ({1e3 * first:.0f} to {1e3 * last:.0f} ms), "
+        f"legolink:16 {grow['legolink:16']:.1f}x and naive {grow['naive']:.1f}x"
+    )
+
+
+@figure
+def cpu_decode_table() -> str:
+    """docs/cpu.md's decode rates of pic and transformers on the random Llama, batch 1 (cpu.json)."""
+    lines = ["| prompt tokens | pic tokens/s | transformers tokens/s | pic / HF |", "|---|---|---|---|"]
+    for row in results("cpu.json")["decode"]:
+        if row["batch"] == 1:
+            pic, hf = row["pic"]["decode_tokens_per_s"], row["hf"]["decode_tokens_per_s"]
+            ratio = row["pic_over_hf_decode_tokens_per_s"]
+            lines.append(f"| {row['prompt_tokens']} | {pic:.1f} | {hf:.1f} | {ratio:.2f}x |")
+    return "\n".join(lines)
+
+
+@figure
+def kv_memory_table() -> str:
+    """docs/engine.md's peak KV blocks per number of live requests, each policy, shared and private (memory.json)."""
+    report = results("memory.json")["results"]
+    lines = [
+        "| live requests | distinct chunks | mepic | legolink:16 | cacheblend:0.15 | mepic, private copies "
+        "| private / mepic |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for i, row in enumerate(report["mepic"]):
+        peaks = [report[v][i]["peak_blocks"] for v in ("mepic", "legolink:16", "cacheblend:0.15", "mepic private")]
+        cells = [row["n"], row["distinct_chunks"], *peaks, f"{peaks[3] / peaks[0]:.2f}x"]
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
+    return "\n".join(lines)
+
+
+def _seconds(value: float) -> str:
+    """A time as docs/engine.md's throughput table writes it: ``11 ms``, ``0.49 s``, ``7.9 s``."""
+    return f"{1e3 * value:.0f} ms" if value < 0.1 else f"{value:.2f} s" if value < 1 else f"{value:.1f} s"
+
+
+@figure
+def throughput_table() -> str:
+    """docs/engine.md's batched engine against one request at a time (throughput.json): tokens/s over the facade,
+    the mean batch and the mean time to first token of each max_num_seqs."""
+    medians = results("throughput.json")["medians"]
+    best = max(medians, key=lambda k: medians[k]["tokens_per_s"])
+    lines = ["| variant | tokens/s vs facade | mean batch | mean TTFT |", "| --- | ---: | ---: | ---: |"]
+    for key, row in medians.items():
+        label = "facade (one at a time)" if key == "facade" else f"engine, max_num_seqs {key.split()[1]}"
+        ratio = f"{row['tokens_per_s_over_facade']:.2f}x"
+        lines.append(f"| {label} | {f'**{ratio}**' if key == best else ratio} | {row['mean_batch']:.1f} | "
+                     f"{_seconds(row['mean_ttft_s'])} |")  # fmt: skip
+    return "\n".join(lines)
+
+
 # -- the command -------------------------------------------------------------------------------------------------
 
 
