@@ -154,5 +154,6 @@ class Preparer:
         return NewRequest(
             request_id=next(self._ids), cache_ids=list(request.cache_ids), prefix_ids=prefix_ids, query_ids=query_ids,
             policy=policy, order=request.order, relevance=request.relevance,
-            compile_options=self.compile_options(policy), sampling=sampling, sink=sink, paced=paced,
+            compile_options=compile_options(policy, add_bos=self.config.add_bos, bos_token_id=self.bos_token_id),
+            sampling=sampling, sink=sink, paced=paced,
         )  # fmt: skip

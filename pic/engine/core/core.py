@@ -135,8 +135,9 @@ class EngineCore:
 
     def retry_writes(self) -> None:
         """Write the chunks a lower tier failed to take (``TieredStore.backlog``) again, when due: from the pool
-        while they are resident there (on the loader's writer thread, nobody waiting), else forgotten."""
-        for cache_id in self.store.backlog.due():
+        while they are resident there (on the loader's writer thread, nobody waiting), else forgotten. Nothing to
+        do without a lower tier."""
+        for cache_id in self.store.backlog.due() if self.store.lower else ():
             try:
                 if self.store.device.contains(cache_id):
                     self.loader.write_back(self.store.copy_for_lower(cache_id))
@@ -147,7 +148,7 @@ class EngineCore:
 
     def next_timer_s(self) -> float | None:
         """Seconds until ``retry_writes`` has work (``None``: none pending): how long an idle core may sleep."""
-        return self.store.backlog.next_due_s()
+        return self.store.backlog.next_due_s() if self.store.lower else None
 
     def forget_chunk(self, cache_id: str) -> bool:
         """Drop a chunk from the pool and the engine's memory of its tokens (an expired id is unknown); whether
