@@ -843,6 +843,134 @@ def throughput_table() -> str:
     return "\n".join(lines)
 
 
+def _minus(text: str) -> str:
+    """Minus signs as the pages write them (U+2212)."""
+    return text.replace("-", "\u2212")
+
+
+_ISSUE42_TTFT = (
+    ("vllm_miss", "vLLM, documents in a new order (its prefix cache hits the part before the first moved document)"),
+    ("vllm_hit", "vLLM, the order it has seen (a hit: the floor)"),
+    ("connector_suffix", "vLLM + PicConnector, `suffix:0.2` ({recomputed} chunk tokens recomputed, relevance order)"),
+    ("connector_naive", "vLLM + PicConnector, `naive`"),
+    ("pic_engine_auto", "pic's own engine, `auto`"),
+    ("pic_engine_full", "pic's own engine, Full Recompute"),
+)
+
+
+@figure
+def vllm_issue42_ttft_table() -> str:
+    """docs/vllm.md's issue-42 time to first token, when ``suffix:0.2`` was the connector's default
+    (vllm_connector.json)."""
+    ttft = results("vllm_connector.json")["ttft"]
+    recomputed = results("vllm_connector_ttft.json")["ttft"]["reports"]["connector_suffix"]["num_recomputed"]
+    lines = ["| | median | vs vLLM's miss |", "|---|---|---|"]
+    for key, label in _ISSUE42_TTFT:
+        speed = ttft["speedup_vs_vllm_miss"][key]
+        ratio = "1.00x" if key == "vllm_miss" else f"{speed:.1f}x" if speed >= 10 else f"{speed:.2f}x"
+        ratio = f"**{ratio}**" if key == "connector_suffix" else ratio
+        lines.append(f"| {label.format(recomputed=recomputed)} | {ttft['median_s'][key]:.2f} s | {ratio} |")
+    return "\n".join(lines)
+
+
+@figure
+def vllm_issue42_suffix_spread() -> str:
+    """docs/vllm.md: the issue-42 token cut's speedup and its spread over the repetitions (vllm_connector.json)."""
+    ttft = results("vllm_connector.json")["ttft"]
+    spread = ttft["per_repetition_speedup_suffix"]
+    return (
+        f"{ttft['speedup_vs_vllm_miss']['connector_suffix']:.2f}x here, per repetition {min(spread):.2f}x to "
+        f"{max(spread):.2f}x"
+    )
+
+
+_ISSUE42_ARMS = (
+    ("vllm_prefill", "vLLM's prefill (the reference)"),
+    ("vllm_prefill_relevance", "vLLM's prefill, {documents} in relevance order"),
+    ("connector_suffix", "vLLM + PicConnector, `suffix:0.2` (relevance order{default})"),
+    ("connector_naive", "vLLM + PicConnector, `naive`"),
+    ("pic_engine_naive", "pic's engine, `naive`"),
+    ("pic_engine_auto", "pic's engine, `auto`{its}"),
+)
+
+
+def _issue42_answers(name: str, documents: str, first: bool) -> str:
+    rows = results(name)["accuracy"]["rows"]
+    lines = ["| arm | correct | vs vLLM's prefill |", "|---|---|---|"]
+    for key, label in _ISSUE42_ARMS:
+        row = rows[key]
+        low, high = row["accuracy_ci"]
+        correct = f"{100 * row['accuracy']:.1f}% ({100 * low:.1f}–{100 * high:.1f})"
+        diff = "" if key == "vllm_prefill" else _paired_ci(row["diff_vs_vllm_prefill"], row["diff_ci"])
+        diff = f"**{diff}**" if key == "connector_suffix" else diff
+        text = label.format(documents=documents, default=": the connector's default" if first else "",
+                            its=" (its default)" if first else "")  # fmt: skip
+        lines.append(f"| {text} | {correct} | {diff} |".replace("|  |", "| |"))
+    return "\n".join(lines)
+
+
+def _paired_ci(diff: float, ci: list[float]) -> str:
+    return _minus(f"{_points(diff)} ({_points(ci[0])} to {_points(ci[1])})")
+
+
+@figure
+def vllm_issue42_qa_table() -> str:
+    """docs/vllm.md's issue-42 answers on pic's QA workload (vllm_connector.json)."""
+    return _issue42_answers("vllm_connector.json", "documents", True)
+
+
+@figure
+def vllm_issue42_profiles_table() -> str:
+    """docs/vllm.md's issue-42 answers on paragraphs (vllm_connector_profiles.json)."""
+    return _issue42_answers("vllm_connector_profiles.json", "documents", False)
+
+
+@figure
+def vllm_issue42_niah_table() -> str:
+    """docs/vllm.md's issue-42 answers on RULER's needles (vllm_connector_niah.json)."""
+    return _issue42_answers("vllm_connector_niah.json", "chunks", False)
+
+
+@figure
+def vllm_issue42_same_replies() -> str:
+    """docs/vllm.md: ``naive`` through the connector against pic's engine's, QA workload (vllm_connector.json)."""
+    rows = results("vllm_connector.json")["accuracy"]
+    pair, cases = rows["rows"]["connector_naive_vs_pic_engine_naive"], rows["num_cases"]
+    same = rows["rows"]["connector_naive_replies_equal_pic_engine_naive"]
+    return _minus(
+        f"{_points(pair['diff'])} point ({_points(pair['lo'])} to {_points(pair['hi'])}), {round(same * cases)} of "
+        f"{cases} replies identical"
+    )
+
+
+_ISSUE48 = (
+    ("SmolLM2-135M", "paragraphs with competing facts", "vllm_connector_smollm2_profiles.json"),
+    ("SmolLM2-135M", "RULER's needles, ~1.7K tokens", "vllm_connector_smollm2_niah.json"),
+    ("Qwen2.5-Coder-0.5B", "paragraphs with competing facts", "vllm_connector_qwen0.5b_profiles.json"),
+    ("Qwen2.5-Coder-0.5B", "RULER's needles, ~1K tokens", "vllm_connector_qwen0.5b_niah.json"),
+)
+
+
+@figure
+def vllm_issue48_table() -> str:
+    """docs/vllm.md's issue-48 answers under the previous default (``suffix:0.2,whole=true``), ``naive`` and the
+    token cut (vllm_connector_{smollm2,qwen0.5b}_{profiles,niah}.json)."""
+    lines = [
+        "| model | workload | vLLM's prefill | `suffix:0.2,whole=true` | vs vLLM's prefill | `naive` | `suffix:0.2` (a "
+        "token cut) |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for model, workload, name in _ISSUE48:
+        rows = results(name)["accuracy"]["rows"]
+        whole, cut = rows["connector_whole"], rows.get("connector_suffix")
+        cells = [model, workload, f"{100 * rows['vllm_prefill']['accuracy']:.1f}%", f"{100 * whole['accuracy']:.1f}%",
+                 _paired_ci(whole["diff_vs_vllm_prefill"], whole["diff_ci"]),
+                 _minus(_points(rows["connector_naive"]["diff_vs_vllm_prefill"])),
+                 _paired_ci(cut["diff_vs_vllm_prefill"], cut["diff_ci"]) if cut else "(not run)"]  # fmt: skip
+        lines.append(f"| {' | '.join(cells)} |")
+    return "\n".join(lines)
+
+
 # -- the command -------------------------------------------------------------------------------------------------
 
 
