@@ -47,16 +47,15 @@ class KeptKV:
         # k_cache.data_ptr() -> (k buffer, v buffer, rows filled): a layer's rows filled are slots that lead this
         # step's (advance checks it), so a layer that fell behind (a forward that failed midway) catches up.
         self._layers: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
-        self._cos = self._sin = torch.empty(0)  # [S, D] this step's rotary at the slots
+        self._rot = torch.empty(0)  # [S, 2D] this step's rotary at the slots (``rotary_pair``)
 
-    def advance(self, slots: torch.Tensor, k_cos: torch.Tensor, k_sin: torch.Tensor) -> None:
-        """Begin a step over ``slots`` ``[S]`` int64 (cache rows, slot order) with their rotary ``k_cos, k_sin``
-        ``[S, D]`` (``k_sin``: ``signed_sin``). The slots it kept before must lead ``slots`` unchanged, or it
-        starts over."""
+    def advance(self, slots: torch.Tensor, k_rot: torch.Tensor) -> None:
+        """Begin a step over ``slots`` ``[S]`` int64 (cache rows, slot order) with their rotary ``k_rot`` ``[S, 2D]``
+        (``rotary_pair``). The slots it kept before must lead ``slots`` unchanged, or it starts over."""
         done = 0 if self.slots is None else self.slots.shape[0]
         if not done or done > slots.shape[0] or not torch.equal(slots[:done], self.slots):
             self._layers.clear()
-        self.slots, self._cos, self._sin = slots, k_cos, k_sin
+        self.slots, self._rot = slots, k_rot
 
     def kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This step's rotated K and V of the layer whose NoPE K and V are ``k_cache, v_cache``
@@ -70,7 +69,7 @@ class KeptKV:
             v_buf = _grown(v_buf, filled, total, v_cache, self.dtype)
         new = self.slots[filled:]
         k_new = k_cache.flatten(0, 1).index_select(0, new)  # [new, Hkv, D] NoPE
-        k_buf[:, filled:total] = rotate(k_new, self._cos[filled:], self._sin[filled:]).transpose(0, 1)
+        k_buf[:, filled:total] = rotate(k_new, self._rot[filled:]).transpose(0, 1)
         v_buf[:, filled:total] = v_cache.flatten(0, 1).index_select(0, new).transpose(0, 1)
         self._layers[k_cache.data_ptr()] = (k_buf, v_buf, total)
         return k_buf[:, :total], v_buf[:, :total]
@@ -98,17 +97,25 @@ def attend_kept(
     Returns:
         ``[b, 1, Hq, D]`` in ``q``'s dtype.
     """
-    num_q_heads, dim = q.shape[2], q.shape[3]
+    if len(kept) == 1:  # a lone sequence: its output as it is, no copy
+        return _attend_one(kept[0], q[0, 0], k_cache, v_cache, None if mask is None else mask[0], scaling=scaling)[None]
     out = torch.empty_like(q)
     for i, state in enumerate(kept):
-        k, v = state.kv(k_cache, v_cache)  # [Hkv, S_i, D] each
-        grouped = q[i, 0].reshape(1, k.shape[0], num_q_heads // k.shape[0], dim)  # [1, Hkv, Hq / Hkv, D]: heads as rows
-        seq_mask = None if mask is None else mask[i, None, None, :, : k.shape[1]]  # [1, 1, 1, S_i]
-        attended = F.scaled_dot_product_attention(
-            grouped.to(k.dtype), k[None], v[None], attn_mask=seq_mask, scale=scaling
-        )
-        out[i, 0] = attended.reshape(num_q_heads, dim)  # CUDA's SDPA lays it out [1, G, Hkv, D]; cast to q's dtype
+        seq_mask = None if mask is None else mask[i]
+        out[i, 0] = _attend_one(state, q[i, 0], k_cache, v_cache, seq_mask, scaling=scaling)[0]
     return out
+
+
+def _attend_one(
+    state: KeptKV, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, mask: torch.Tensor | None, *, scaling
+) -> torch.Tensor:
+    """One sequence's ``q`` ``[Hq, D]`` over its kept K and V (``mask`` ``[1, S]`` or ``None``): ``[1, Hq, D]``."""
+    num_q_heads, dim = q.shape
+    k, v = state.kv(k_cache, v_cache)  # [Hkv, S, D] each
+    grouped = q.reshape(1, k.shape[0], num_q_heads // k.shape[0], dim)  # [1, Hkv, Hq / Hkv, D]: heads as rows
+    seq_mask = None if mask is None else mask[None, None, :, : k.shape[1]]  # [1, 1, 1, S]
+    attended = F.scaled_dot_product_attention(grouped.to(k.dtype), k[None], v[None], attn_mask=seq_mask, scale=scaling)
+    return attended.reshape(1, num_q_heads, dim).to(q.dtype)  # CUDA's SDPA lays it out [1, G, Hkv, D]
 
 
 def _grown(

@@ -10,7 +10,7 @@ forward.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +20,7 @@ from pic.attention.backend import AttentionBackend, AttentionShape
 from pic.attention.batch import AttentionBatch
 from pic.attention.gemm import GemmTile, gemm_attention, gemm_tiles, prefers_gemm
 from pic.attention.kept_kv import KeptKV, attend_kept
-from pic.attention.rope import rotate, signed_sin
+from pic.attention.rope import rotary_pair, rotate
 from pic.attention.tiles import causal_masks, is_causal_run, query_tiles, written_slots
 
 # The key of a sequence's KeptKV in its scratch (AttentionBatch.scratch).
@@ -43,14 +43,18 @@ class TorchGroup:
     0 * NaN = NaN), so nothing needs zeroing.
 
     Attributes:
-        rows: the group's query rows in the batch: ``[b]`` int64 (decode) or a slice (a recompute pass).
+        rows: the group's query rows in the batch: ``[b]`` int64 (decode; ``None``: every row of the batch, each
+            sequence decoding) or a slice (a recompute pass).
         slots: ``[b, S]`` int64, the rows of ``k_cache.flatten(0, 1)`` (and of V) that the group reads.
         table_slots: ``[b, S]`` int64, those slots' indices in their sequence's table (``batch.kv_positions``).
-        q_cos, q_sin: ``[b, n, head_dim]`` in the model dtype, at the query positions (``q_sin``: ``signed_sin``).
-        k_cos, k_sin: ``[b, S, head_dim]`` in the model dtype, at the slot positions (``k_sin``: ``signed_sin``).
+        q_rot: ``[b, n, 2 * head_dim]`` in the model dtype, the rotary (``rotary_pair``) at the query positions.
+        k_rot: ``[b, S, 2 * head_dim]`` in the model dtype, at the slot positions.
         masks: per window of the model (``None``: none), ``[b, n, S]`` bool, True where a query may attend:
             a written slot at a position not after the query's (exact causality by position), within the window;
             ``None`` where the query attends every slot read (a lone decoding sequence without a window).
+        sdpa_masks: ``masks`` as SDPA adds them (``[b, n, S]``, 0 or -inf in the model dtype), made here once
+            rather than by SDPA in every layer (a bool mask costs it two operations a call); ``{}`` for groups that
+            attend otherwise (APE, bfloat16 products).
         tiles: ``(rows, num_slots)`` pairs covering the group's ``n`` query rows in order: a slice of them, and
             the slots they attend, ``[0, num_slots)``: every slot their masks allow lies before it (so the
             slots after it are skipped, exactly). The decode group has one tile of every slot.
@@ -69,24 +73,32 @@ class TorchGroup:
     rows: torch.Tensor | slice
     slots: torch.Tensor
     table_slots: torch.Tensor
-    q_cos: torch.Tensor
-    q_sin: torch.Tensor
-    k_cos: torch.Tensor
-    k_sin: torch.Tensor
+    q_rot: torch.Tensor
+    k_rot: torch.Tensor
     masks: dict[int | None, torch.Tensor | None]
     tiles: tuple[tuple[slice, int], ...]
     causal: bool = False
     kept: tuple[KeptKV, ...] = ()
     context: tuple[torch.Tensor, list[ContextScaling | None]] | None = None
     gemm: dict[int | None, tuple[GemmTile, ...]] | None = None
+    sdpa_masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
 
     def queries(self, x: torch.Tensor) -> torch.Tensor:
         """The group's rows of a batch tensor ``[N, ...]`` as ``[b, n, ...]``."""
         return _take(x, self.rows)
 
+    @property
+    def whole(self) -> bool:
+        """Whether the group is the whole batch (``rows`` ``None``: every sequence decodes)."""
+        return self.rows is None
+
     def put(self, out: torch.Tensor, value: torch.Tensor) -> None:
         """Write ``value`` ``[b, n, ...]`` into the group's rows of ``out`` ``[N, ...]``."""
         out[self.rows] = value[:, 0] if isinstance(self.rows, torch.Tensor) else value[0]
+
+    def output(self, value: torch.Tensor) -> torch.Tensor:
+        """``value`` ``[b, n, ...]`` as the batch's ``[N, ...]``, for a group whose rows are the whole batch."""
+        return value[0] if isinstance(self.rows, slice) else value[:, 0]
 
 
 @dataclass(frozen=True)
@@ -97,11 +109,14 @@ class TorchPlan:
         decode: the decoding sequences' group, ``None`` when no sequence decodes.
         prefill: per recompute-pass sequence (``batch.prefill_seqs``), its group.
         decode_context: the decoding sequences with APE's context scaling, ``None`` when none has it.
+        whole: the group whose rows are every row of the batch, in order (``decode`` when every sequence decodes,
+            or a lone recompute pass), whose output ``attend`` returns as it is; ``None`` when the batch has several.
     """
 
     decode: TorchGroup | None
     prefill: dict[int, TorchGroup]
     decode_context: TorchGroup | None = None
+    whole: TorchGroup | None = None
 
     @property
     def groups(self) -> list[TorchGroup]:
@@ -109,12 +124,22 @@ class TorchPlan:
         return decodes + list(self.prefill.values())
 
 
-def _rotary(batch: AttentionBatch, rows: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and ``signed_sin`` ``[*rows.shape, D]`` in ``dtype`` at ``rows`` of the batch's rotary tables."""
+def _rotary(batch: AttentionBatch, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``rotary_pair`` ``[*rows.shape, 2 * D]`` in ``dtype`` at ``rows`` of the batch's rotary tables."""
     cos, sin = (
         t.index_select(0, rows.flatten()).view(*rows.shape, -1).to(dtype) for t in (batch.rope_cos, batch.rope_sin)
     )
-    return cos, signed_sin(sin)
+    return rotary_pair(cos, sin)
+
+
+def _additive(
+    masks: dict[int | None, torch.Tensor | None], dtype: torch.dtype
+) -> dict[int | None, torch.Tensor | None]:
+    """Bool masks (True: attend) as SDPA adds them: 0 where True, -inf where False, in ``dtype``."""
+    return {
+        window: None if mask is None else mask.new_zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))
+        for window, mask in masks.items()
+    }
 
 
 def _split_context(batch: AttentionBatch, seqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,13 +161,16 @@ def _kept_kvs(
         state = batch.scratch[seq].get(_KEPT_KV)
         if state is None or state.dtype != dtype:
             state = batch.scratch[seq][_KEPT_KV] = KeptKV(dtype)
-        state.advance(group.slots[i, :count], group.k_cos[i, :count], group.k_sin[i, :count])
+        state.advance(group.slots[i, :count], group.k_rot[i, :count])
         states.append(state)
     return tuple(states)
 
 
-def _take(x: torch.Tensor, rows: torch.Tensor | slice) -> torch.Tensor:
-    """Rows of ``x`` ``[N, ...]`` as ``[b, n, ...]``: ``b`` decode rows of one token, or one pass of ``n``."""
+def _take(x: torch.Tensor, rows: torch.Tensor | slice | None) -> torch.Tensor:
+    """Rows of ``x`` ``[N, ...]`` as ``[b, n, ...]``: ``b`` decode rows of one token (``None``: every row, a view),
+    or one pass of ``n``."""
+    if rows is None:
+        return x[:, None]
     return x[rows][:, None] if isinstance(rows, torch.Tensor) else x[rows][None]
 
 
@@ -165,29 +193,36 @@ class TorchBackend(AttentionBackend[TorchPlan]):
         device, dtype = batch.q_positions.device, self.shape.dtype
         seq_of_row = torch.repeat_interleave(torch.diff(batch.cu_seqlens_q)).to(device)
         q_rows = batch.rope_offsets[seq_of_row] + batch.q_positions  # [N] rows of the rotary tables
-        q_cos, q_sin = _rotary(batch, q_rows, dtype)  # [N, D] each
+        q_rot = _rotary(batch, q_rows, dtype)  # [N, 2D]
         for b in batch.prefill_seqs if batch.scratch else ():
             batch.scratch[b].pop(_KEPT_KV, None)  # a recompute pass may rewrite the sequence's KV in place
         decode = decode_context = None
         plain, scaled = _split_context(batch, batch.decode_seqs)
         if plain.numel():
             rows = batch.cu_seqlens_q[:-1].to(device)[plain]  # [b] the decode tokens' rows
-            decode = self._group(batch, rows, plain, q_cos, q_sin)
+            decode = self._group(batch, rows, plain, q_rot)
             if batch.scratch and (len(rows) == 1 or decode.slots.shape[1] >= _KEEP_MIN_SLOTS):
                 decode = replace(decode, kept=_kept_kvs(batch, decode, plain, self.decode_kv_dtype))
         if scaled.numel():
             rows = batch.cu_seqlens_q[:-1].to(device)[scaled]
-            decode_context = self._group(batch, rows, scaled, q_cos, q_sin)
+            decode_context = self._group(batch, rows, scaled, q_rot)
         prefill = {
-            b: self._group(batch, batch.query_rows(b), torch.tensor([b], device=device), q_cos, q_sin)
+            b: self._group(batch, batch.query_rows(b), torch.tensor([b], device=device), q_rot)
             for b in batch.prefill_seqs
         }
-        return TorchPlan(decode=decode, prefill=prefill, decode_context=decode_context)
+        whole = None  # the one group whose rows are the batch's, in order: its output is the layer's, no copy
+        if decode is not None and not prefill and decode_context is None:
+            decode = whole = replace(decode, rows=None)
+        elif len(prefill) == 1 and decode is None and decode_context is None:
+            (only,) = prefill.values()
+            if only.rows.start == 0 and only.rows.stop == batch.q_positions.shape[0]:
+                whole = only
+        return TorchPlan(decode=decode, prefill=prefill, decode_context=decode_context, whole=whole)
 
     def _group(
-        self, batch: AttentionBatch, rows: torch.Tensor | slice, seqs: torch.Tensor, q_cos: torch.Tensor, q_sin
+        self, batch: AttentionBatch, rows: torch.Tensor | slice, seqs: torch.Tensor, q_rot: torch.Tensor
     ) -> TorchGroup:
-        """A group's share of the batch; ``q_cos, q_sin`` ``[N, D]``: the batch's query rotary (``_rotary``)."""
+        """A group's share of the batch; ``q_rot`` ``[N, 2D]``: the batch's query rotary (``_rotary``)."""
         table_slots, kv = written_slots(batch.kv_positions[seqs])  # [b, S] each; kv: -1 past a sequence's own
         tables = batch.block_tables[seqs]  # [b, max_blocks]
         block_size = batch.kv_positions.shape[1] // batch.block_tables.shape[1]
@@ -201,7 +236,7 @@ class TorchBackend(AttentionBackend[TorchPlan]):
             tiles = query_tiles(kv[0], q[0], self.shape.num_q_heads)
         else:  # decode, or a causal run without windows: one call over every slot read
             tiles = ((slice(0, q.shape[1]), kv.shape[1]),)
-        k_cos, k_sin = _rotary(batch, batch.rope_offsets[seqs, None] + kv.clamp(min=0), self.shape.dtype)
+        k_rot = _rotary(batch, batch.rope_offsets[seqs, None] + kv.clamp(min=0), self.shape.dtype)
         context = None
         scalings = [batch.context_scaling[b] for b in seqs.tolist()] if batch.context_scaling else []
         if any(scaling is not None for scaling in scalings):  # APE: the chunk slots among those read
@@ -215,11 +250,10 @@ class TorchBackend(AttentionBackend[TorchPlan]):
             rows=rows,
             slots=slots,
             table_slots=table_slots,
-            q_cos=_take(q_cos, rows),
-            q_sin=_take(q_sin, rows),
-            k_cos=k_cos,
-            k_sin=k_sin,
+            q_rot=_take(q_rot, rows),
+            k_rot=k_rot,
             masks=masks,
+            sdpa_masks={} if gemm is not None or context is not None else _additive(masks, self.shape.dtype),
             tiles=tiles,
             causal=run and context is None,
             context=context,
@@ -236,6 +270,10 @@ class TorchBackend(AttentionBackend[TorchPlan]):
         scaling: float,
         sliding_window: int | None,
     ) -> torch.Tensor:
+        if plan.whole is not None:  # one group: its output is the layer's
+            group = plan.whole
+            value = _attend(group, group.queries(q), k_cache, v_cache, scaling=scaling, window=sliding_window)
+            return group.output(value)
         out = torch.empty_like(q)
         for group in plan.groups:
             group.put(out, _attend(group, group.queries(q), k_cache, v_cache, scaling=scaling, window=sliding_window))
@@ -288,9 +326,9 @@ def _operands(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Rotated ``q`` ``[b, Hq, n, D]`` (from the group's queries ``[b, n, Hq, D]``), the group's gathered and
     rotated K ``[b, Hkv, S, D]`` and V ``[b, Hkv, S, D]`` (``None`` without ``v_cache``)."""
-    q = rotate(q, group.q_cos, group.q_sin).transpose(1, 2)  # [b, Hq, n, D]
+    q = rotate(q, group.q_rot).transpose(1, 2)  # [b, Hq, n, D]
     k = _gather(k_cache, group.slots)  # [b, S, Hkv, D]: written slots only (see TorchGroup)
-    k = rotate(k, group.k_cos, group.k_sin).transpose(1, 2)  # [b, Hkv, S, D]
+    k = rotate(k, group.k_rot).transpose(1, 2)  # [b, Hkv, S, D]
     if v_cache is None:
         return q, k, None
     return q, k, _gather(v_cache, group.slots).transpose(1, 2)
@@ -315,7 +353,7 @@ def _attend(
     assert window in group.masks, f"sliding_window={window} was not planned for (the model's: {list(group.masks)})"
     if group.kept:  # without a window, every slot a sequence kept is at or before its query
         mask = None if window is None else group.masks[window]
-        return attend_kept(group.kept, rotate(q, group.q_cos, group.q_sin), k_cache, v_cache, mask, scaling=scaling)
+        return attend_kept(group.kept, rotate(q, group.q_rot), k_cache, v_cache, mask, scaling=scaling)
     q, k, v = _operands(group, q, k_cache, v_cache)
     mask = group.masks[window]  # [b, n, S]
     if group.context is not None:  # APE's context scaling: scores computed in full (a few query rows)
@@ -326,12 +364,17 @@ def _attend(
     if mask is None and group.causal:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=True)
         return out.transpose(1, 2)
+    mask = group.sdpa_masks[window]  # [b, n, S], added to the scores
     if q.shape[2] == 1:  # decode: each KV head's query heads as rows, one fused call without the GQA path
         b, num_q_heads, _, dim = q.shape
         grouped = q.reshape(b, k.shape[1], num_q_heads // k.shape[1], dim)  # [b, Hkv, Hq / Hkv, D]
         mask = None if mask is None else mask[:, None]  # [b, 1, 1, S]
         out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask, scale=scaling)
         return out.reshape(b, num_q_heads, 1, dim).transpose(1, 2)  # CUDA's SDPA lays out [b, G, Hkv, D]: no view
+    if len(group.tiles) == 1 and group.tiles[0][1] == k.shape[2]:  # one call over every slot: its output as it is
+        tile_mask = None if mask is None else mask[:, None]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=tile_mask, scale=scaling, enable_gqa=True)
+        return out.transpose(1, 2)
     out = torch.empty_like(q)
     for rows, end in group.tiles:
         tile_mask = None if mask is None else mask[:, None, rows, :end]

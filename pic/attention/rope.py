@@ -26,7 +26,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     Returns:
         ``x``'s shape and dtype.
     """
-    return rotate(x, cos, signed_sin(sin))
+    return rotate(x, rotary_pair(cos, sin))
 
 
 def signed_sin(sin: torch.Tensor) -> torch.Tensor:
@@ -37,12 +37,25 @@ def signed_sin(sin: torch.Tensor) -> torch.Tensor:
     return torch.cat((-s1, s2), dim=-1)
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """``apply_rope`` with a precomputed ``signed_sin``: bit for bit transformers' ``x * cos + rotate_half(x) * sin``
-    in three passes over ``x`` instead of five (a plan computes the signed sine once for every layer)."""
+def rotary_pair(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``[..., D]`` cos and sin -> ``[..., 2 * D]``, ``[cos, signed_sin(sin)]``: what ``rotate`` multiplies by (a plan
+    builds it once for every layer)."""
+    s1, s2 = sin.chunk(2, dim=-1)
+    return torch.cat((cos, -s1, s2), dim=-1)
+
+
+def rotate(x: torch.Tensor, pair: torch.Tensor) -> torch.Tensor:
+    """transformers' ``x * cos + rotate_half(x) * sin``, bit for bit, in three operations (one launch each on a GPU)
+    instead of five: ``[x, x2, x1] * [cos, signed_sin]`` (one product, each half rounded as transformers rounds its
+    two), then the halves summed (a sum of two is one rounded addition, as transformers' ``+``).
+
+    Args:
+        x: ``[..., num_heads, head_dim]``.
+        pair: ``[..., 2 * head_dim]`` (``rotary_pair``), broadcast over the heads.
+    """
     x1, x2 = x.chunk(2, dim=-1)
-    out = torch.cat((x2, x1), dim=-1).mul_(sin_signed.unsqueeze(-2))  # rotate_half(x) * sin
-    return out.add_(x * cos.unsqueeze(-2))
+    products = torch.cat((x, x2, x1), dim=-1) * pair.unsqueeze(-2)  # [..., H, 2D]
+    return products.unflatten(-1, (2, x.shape[-1])).sum(-2)
 
 
 class RopeTable:

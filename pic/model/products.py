@@ -26,6 +26,7 @@ from torch import nn
 
 from pic.config import DecodeWeights
 from pic.errors import InvalidInputError, UnsupportedModelError
+from pic.model.stacked import Stacked
 
 # Packed matrices with fewer weights keep their float products in int8 mode (576x192 alone: int8 was 0.66x float32).
 INT8_MIN_WEIGHTS = 1 << 18
@@ -36,19 +37,40 @@ INT8_MAX_ROWS = 4
 
 
 class FloatProducts:
-    """The model's own modules: what every forward but an int8 decode step runs."""
+    """The model's own weights: what every forward but an int8 decode step runs.
+
+    Args:
+        stacks: q/k/v (by ``id(self_attn)``) and gate/up (by ``id(mlp)``) stacked as one matrix each
+            (``pic.model.stacked``): one product each; a module without one runs its linears apart.
+    """
+
+    def __init__(self, stacks: dict[int, Stacked] | None = None) -> None:
+        self._stacks = stacks or {}
 
     def qkv(self, attn: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The attention's q, k and v projections of ``x`` ``[N, hidden_size]``: ``[N, out_features]`` each."""
-        return attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+        stacked = self._stacks.get(id(attn))
+        if stacked is None:
+            return attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+        q, k, v = stacked(x)
+        return q, k, v
 
-    def linear(self, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        """``x`` ``[N, in_features]`` -> ``[N, out_features]``."""
-        return module(x)
+    def linear(self, module: nn.Linear, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``x`` ``[N, in_features]`` -> ``[N, out_features]``, plus ``residual`` ``[N, out_features]`` if given
+        (added by the product itself, ``addmm``: one operation, not two)."""
+        if residual is None:
+            return module(x)
+        if module.bias is not None or x.dim() != 2:
+            return residual + module(x)
+        return torch.addmm(residual, x, module.weight.t())
 
-    def mlp(self, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """The layer's MLP over ``x`` ``[N, hidden_size]``."""
-        return mlp(x)
+    def mlp(self, mlp: nn.Module, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The layer's MLP over ``x`` ``[N, hidden_size]``, plus ``residual`` if given."""
+        stacked = self._stacks.get(id(mlp))
+        if stacked is None:
+            return mlp(x) if residual is None else residual + mlp(x)
+        gate, up = stacked(x)
+        return self.linear(mlp.down_proj, mlp.act_fn(gate) * up, residual)
 
 
 class Int8Products(FloatProducts):
@@ -68,7 +90,8 @@ class Int8Products(FloatProducts):
         UnsupportedModelError: an MLP of another form.
     """
 
-    def __init__(self, layers: nn.ModuleList, lm_head: nn.Linear) -> None:
+    def __init__(self, layers: nn.ModuleList, lm_head: nn.Linear, stacks: dict[int, Stacked] | None = None) -> None:
+        super().__init__(stacks)
         weight = lm_head.weight
         if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
             raise InvalidInputError(
@@ -96,14 +119,17 @@ class Int8Products(FloatProducts):
         q, k, v = self._run(attn, x)
         return q, k, v
 
-    def linear(self, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        return self._run(module, x)[0] if id(module) in self._packed else module(x)
+    def linear(self, module: nn.Linear, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if id(module) not in self._packed:
+            return super().linear(module, x, residual)
+        out = self._run(module, x)[0]
+        return out if residual is None else residual + out
 
-    def mlp(self, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def mlp(self, mlp: nn.Module, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         if id(mlp) not in self._packed:
-            return mlp(x)
+            return super().mlp(mlp, x, residual)
         gate, up = self._run(mlp, x)
-        return self.linear(mlp.down_proj, mlp.act_fn(gate) * up)
+        return self.linear(mlp.down_proj, mlp.act_fn(gate) * up, residual)
 
     def _add(self, owner: nn.Module, linears: list[nn.Linear]) -> None:
         """Pack ``linears`` (one input) as one int8 matrix under ``owner``, if it has ``INT8_MIN_WEIGHTS`` weights."""
@@ -134,39 +160,67 @@ class PackedProducts(FloatProducts):
         layers, lm_head: as ``Int8Products``; an MLP of another form than gated keeps its module.
     """
 
-    def __init__(self, layers: nn.ModuleList, lm_head: nn.Linear) -> None:
-        self._packed: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # id(linear) -> (packed, bias)
+    def __init__(self, layers: nn.ModuleList, lm_head: nn.Linear, stacks: dict[int, Stacked] | None = None) -> None:
+        super().__init__(stacks)
+        # id(linear), or id(owner) of a stack (``pic.model.stacked``) -> (packed weight, bias, output sizes)
+        self._packed: dict[int, tuple[torch.Tensor, torch.Tensor | None, tuple[int, ...]]] = {}
         self.num_bytes = 0
+        in_stacks = set()
+        for layer in layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            for owner, names in ((attn, ("q_proj", "k_proj", "v_proj")), (mlp, ("gate_proj", "up_proj"))):
+                stacked = self._stacks.get(id(owner))
+                if stacked is not None:
+                    self._pack(id(owner), stacked.weight, stacked.bias, stacked.sizes)
+                    in_stacks.update(id(getattr(owner, name)) for name in names)
         for linear in [lm_head, *(m for m in layers.modules() if isinstance(m, nn.Linear))]:
-            weight = linear.weight.detach()
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
-            bias = None if linear.bias is None else linear.bias.detach()
-            self._packed[id(linear)] = (packed, bias)
-            self.num_bytes += weight.numel() * weight.element_size()
+            if id(linear) not in in_stacks:
+                self._pack(id(linear), linear.weight, linear.bias, (linear.out_features,))
         self._gated = {id(layer.mlp) for layer in layers if _is_gated(layer.mlp)}
 
     def qkv(self, attn: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.linear(attn.q_proj, x), self.linear(attn.k_proj, x), self.linear(attn.v_proj, x)
+        if id(attn) not in self._packed:
+            return self.linear(attn.q_proj, x), self.linear(attn.k_proj, x), self.linear(attn.v_proj, x)
+        q, k, v = self._run(id(attn), x)
+        return q, k, v
 
-    def linear(self, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    def linear(self, module: nn.Linear, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         if id(module) not in self._packed:
-            return module(x)
-        packed, bias = self._packed[id(module)]
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+            return module(x) if residual is None else residual + module(x)
+        out = self._run(id(module), x)[0]
+        return out if residual is None else residual + out  # (oneDNN's fused add rounds once: not transformers')
 
-    def mlp(self, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def mlp(self, mlp: nn.Module, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         if id(mlp) not in self._gated:
-            return mlp(x)
-        return self.linear(mlp.down_proj, mlp.act_fn(self.linear(mlp.gate_proj, x)) * self.linear(mlp.up_proj, x))
+            return mlp(x) if residual is None else residual + mlp(x)
+        if id(mlp) in self._packed:
+            gate, up = self._run(id(mlp), x)
+        else:
+            gate, up = self.linear(mlp.gate_proj, x), self.linear(mlp.up_proj, x)
+        return self.linear(mlp.down_proj, mlp.act_fn(gate) * up, residual)
+
+    def _pack(self, key: int, weight: torch.Tensor, bias: torch.Tensor | None, sizes: tuple[int, ...]) -> None:
+        weight = weight.detach()
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+        self._packed[key] = (packed, None if bias is None else bias.detach(), sizes)
+        self.num_bytes += weight.numel() * weight.element_size()
+
+    def _run(self, key: int, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        packed, bias, sizes = self._packed[key]
+        out = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        return out.split(sizes, dim=-1) if len(sizes) > 1 else (out,)
 
 
-def model_products(layers: nn.ModuleList, lm_head: nn.Linear) -> FloatProducts:
+def model_products(
+    layers: nn.ModuleList, lm_head: nn.Linear, stacks: dict[int, Stacked] | None = None
+) -> FloatProducts:
     """The products of every forward but an int8 decode step: packed for a bfloat16 model on a CPU where oneDNN runs
-    bfloat16 (``_is_mkldnn_bf16_supported``: AVX512 or newer), the model's own modules otherwise."""
+    bfloat16 (``_is_mkldnn_bf16_supported``: AVX512 or newer), the model's own weights otherwise; ``stacks``: the
+    layers' stacked q/k/v and gate/up (``pic.model.stacked``)."""
     weight = lm_head.weight
     if weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and _mkldnn_bf16():
-        return PackedProducts(layers, lm_head)
-    return FloatProducts()
+        return PackedProducts(layers, lm_head, stacks)
+    return FloatProducts(stacks)
 
 
 def _mkldnn_bf16() -> bool:
@@ -176,8 +230,9 @@ def _mkldnn_bf16() -> bool:
 def products_for(
     mode: DecodeWeights, layers: nn.ModuleList, lm_head: nn.Linear, *, model: FloatProducts
 ) -> FloatProducts:
-    """The decode step's products for ``mode`` (``model``: the other forwards', which ``"model"`` shares)."""
-    return Int8Products(layers, lm_head) if mode == DecodeWeights.INT8 else model
+    """The decode step's products for ``mode`` (``model``: the other forwards', which ``"model"`` shares, and whose
+    stacks int8's unpacked linears run)."""
+    return Int8Products(layers, lm_head, model._stacks) if mode == DecodeWeights.INT8 else model
 
 
 def _is_gated(mlp: nn.Module) -> bool:

@@ -20,8 +20,10 @@ from torch import nn
 from pic.attention import AttentionBackend, AttentionBatch, AttentionShape, RopeTable, make_batch, select_backend
 from pic.config import DecodeWeights
 from pic.kv import KVCache, RequestKV
+from pic.model.norm import norm_eps, rms_norm
 from pic.model.products import INT8_MAX_ROWS, FloatProducts, model_products, products_for
 from pic.model.spec import ModelSpec, inspect_model
+from pic.model.stacked import stack_layers
 
 
 @dataclass(frozen=True)
@@ -121,7 +123,10 @@ class ModelRunner:
             decode_kv_dtype=torch.float16 if decode_weights == DecodeWeights.INT8 else None,
         )  # fmt: skip
         self._observer: AttentionObserver | None = None
-        self._float = model_products(self._layers, self._lm_head)
+        # q/k/v and gate/up as one product each; every Llama-form RMSNorm as one operation (``pic.model.norm``).
+        self._float = model_products(self._layers, self._lm_head, stack_layers(self._layers))
+        norms = [self._norm, *(m for m in self._layers.modules() if m is not self._layers and norm_eps(m) is not None)]
+        self._norm_eps = {id(m): norm_eps(m) for m in norms if norm_eps(m) is not None}
         self._decode = products_for(decode_weights, self._layers, self._lm_head, model=self._float)
 
     @contextlib.contextmanager
@@ -195,10 +200,15 @@ class ModelRunner:
             return hidden[:0]
         wanted = seq.output_rows + start
         if alive.shape[0] == alive_all:  # nothing was dropped: no search, no host sync
-            return self._norm(hidden[wanted])
+            return self._normed(self._norm, hidden[wanted])
         picked = torch.searchsorted(alive, wanted).clamp(max=alive.shape[0] - 1)
         assert torch.equal(alive[picked], wanted), "an output row was dropped from the pass"
-        return self._norm(hidden[picked])
+        return self._normed(self._norm, hidden[picked])
+
+    def _normed(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """``norm(x)``: one ``pic::rms_norm`` for a Llama-form RMSNorm (the same arithmetic), the module otherwise."""
+        eps = self._norm_eps.get(id(norm))
+        return norm(x) if eps is None else rms_norm(x, norm.weight, eps)
 
     def _keep(
         self, view: LayerView, seqs: Sequence[SeqInput], starts: list[int], lens: list[int]
@@ -252,18 +262,18 @@ class ModelRunner:
         layer's NoPE queries ``[N, num_q_heads, head_dim]``."""
         attn = layer.self_attn
         num_tokens, head_dim = hidden.shape[0], self.spec.head_dim
-        x = layer.input_layernorm(hidden)
+        x = self._normed(layer.input_layernorm, hidden)
         q, k, v = products.qkv(attn, x)
         q = q.view(num_tokens, -1, head_dim)  # [N, Hq, D]
         k = k.view(num_tokens, -1, head_dim)  # [N, Hkv, D]
         v = v.view(num_tokens, -1, head_dim)  # [N, Hkv, D]
         if self.spec.has_qk_norm:
-            q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k = self._normed(attn.q_norm, q), self._normed(attn.k_norm, k)
         backend = self.attention_backend
         backend.store(cache.k_rows[index], cache.v_rows[index], rows, k, v)
         window = self.spec.sliding_windows[index]
         if self._observer is not None:
             self._observer(index, q, cache.k[index], batch, attn.scaling, window)
         out = backend.attend(q, cache.k[index], cache.v[index], plan, scaling=attn.scaling, sliding_window=window)
-        hidden = hidden + products.linear(attn.o_proj, out.reshape(num_tokens, -1))
-        return hidden + products.mlp(layer.mlp, layer.post_attention_layernorm(hidden)), q
+        hidden = products.linear(attn.o_proj, out.reshape(num_tokens, -1), residual=hidden)
+        return products.mlp(layer.mlp, self._normed(layer.post_attention_layernorm, hidden), residual=hidden), q

@@ -1,0 +1,107 @@
+"""Count the operations a runner's forwards dispatch, per layer: on a GPU each is about one kernel launch.
+
+A link on an H100 was host-bound (issue 50: 1,343 launches for a naive 16K link, 36.9 ms of wall time for 10.6 ms of
+GPU work), so the operations a layer dispatches are a cost of their own, and a number a test can pin on the CPU.
+``count_ops`` wraps a ``ModelRunner``'s forward (in whatever thread runs it: the engine's core thread) and records,
+per forward, the operations each layer dispatched (views and metadata left out: they launch nothing).
+
+Two counts: ``ops``, what the layer dispatches (``pic::rms_norm`` one: one kernel on CUDA), and ``kernels``, with
+pic's own operators counted as the operations their CPU implementation runs (transformers' six for an RMSNorm).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from pic.model.norm import rms_norm_reference
+
+# Operations that only make a new view or read metadata: nothing runs on the device.
+VIEWS = frozenset({
+    "view", "_unsafe_view", "reshape", "_reshape_alias", "expand", "as_strided", "t", "transpose", "permute",
+    "unsqueeze", "squeeze", "select", "slice", "split", "split_with_sizes", "unbind", "chunk", "narrow", "detach",
+    "alias", "unflatten", "flatten", "view_as", "expand_as", "lift_fresh", "size", "stride", "sym_size", "sym_stride",
+    "is_contiguous", "_to_copy_noop", "dim", "numel",
+})  # fmt: skip
+
+
+@dataclass
+class ForwardOps:
+    """One forward's operations.
+
+    Attributes:
+        decode: every sequence decoded (a decode step); otherwise a pass.
+        num_rows: the tokens the forward ran.
+        layers: per layer, the operations it dispatched (by name), in ``ops``'s sense.
+        kernels: per layer, the same with pic's operators expanded into what their CPU implementation runs.
+    """
+
+    decode: bool
+    num_rows: int
+    layers: list[Counter] = field(default_factory=list)
+    kernels: list[Counter] = field(default_factory=list)
+
+    def per_layer(self, *, kernels: bool = False) -> int:
+        """The most operations any layer dispatched (layers differ only by a first step's allocations)."""
+        counts = self.kernels if kernels else self.layers
+        return max(sum(c.values()) for c in counts)
+
+
+class _Count(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter = Counter()
+        self.kernels: Counter = Counter()
+        self._inside_pic = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        kwargs = kwargs or {}
+        if name in VIEWS:
+            return func(*args, **kwargs)
+        if not self._inside_pic:
+            self.ops[name] += 1
+        if func.namespace == "pic" and name == "rms_norm":
+            self._inside_pic = True
+            try:
+                with self:  # count what its CPU implementation runs, as kernels
+                    return rms_norm_reference(*args, **kwargs)
+            finally:
+                self._inside_pic = False
+        out = func(*args, **kwargs)
+        if name != "to" or out is not args[0]:  # (``to`` the same dtype is the tensor itself: nothing runs)
+            self.kernels[name] += 1
+        return out
+
+
+@contextlib.contextmanager
+def count_ops(runner) -> Iterator[list[ForwardOps]]:
+    """Within the block, every forward of ``runner`` (a ``pic.model.ModelRunner``) appends its ``ForwardOps`` to the
+    list yielded. Not reentrant; the runner is restored on exit."""
+    forwards: list[ForwardOps] = []
+    modes: list[_Count] = []  # the running forward's, last
+    layer, forward = runner._layer, runner.forward
+
+    def counted_layer(*args, **kwargs):
+        mode = modes[-1]
+        before_ops, before_kernels = Counter(mode.ops), Counter(mode.kernels)
+        out = layer(*args, **kwargs)
+        forwards[-1].layers.append(mode.ops - before_ops)
+        forwards[-1].kernels.append(mode.kernels - before_kernels)
+        return out
+
+    def counted_forward(seqs):
+        forwards.append(ForwardOps(decode=all(s.decode for s in seqs), num_rows=sum(len(s.token_ids) for s in seqs)))
+        modes.append(_Count())
+        with modes[-1]:
+            return forward(seqs)
+
+    runner._layer, runner.forward = counted_layer, counted_forward
+    try:
+        yield forwards
+    finally:
+        del runner._layer, runner.forward  # the class's methods again

@@ -1,0 +1,87 @@
+"""Operations per layer (on a GPU, about one kernel launch each): pinned, so a change that adds some says so.
+
+Issue 56: a GPU link was host-bound (1,343 launches for a naive 16K link). Counted on the CPU path with
+``pic.model.op_count`` (views and metadata left out), the embedded model in float32, at a8ee9f6 / dc58430: 43
+operations a layer in a naive link's pass and 43 in a decode step. Now: q/k/v and gate/up one product each
+(``pic.model.stacked``), each RMSNorm one operator (``pic.model.norm``), the residual added by the products
+(``addmm``), a rotation in three operations (``pic.attention.rope.rotate``), masks made additive once per forward,
+and a lone group's attention returned without a copy.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import pic
+from pic.model.norm import rms_norm, rms_norm_cuda, rms_norm_reference
+from pic.model.op_count import count_ops
+from tests.models import DOCS, QUERY
+
+# The counts this code dispatches per layer (float32, the embedded model); the issue's bound is 24 each.
+PINNED = {("naive", "pass"): 19, ("naive", "decode"): 21, ("full", "pass"): 19, ("full", "decode"): 21}
+# What each of pic's two RMSNorm operators runs on the CPU (``kernels``): transformers' six (``pow``, ``mean``,
+# ``add``, ``rsqrt``, two ``mul``), one of which ``ops`` counts.
+KERNELS_PER_NORM = 6
+
+
+@pytest.fixture(scope="module")
+def counted():
+    engine = pic.load()
+    try:
+        ids = engine.compile(list(DOCS))
+        with engine.paused() as core:
+            runner = core.runner
+        counts = {}
+        for policy in ("naive", "full"):
+            engine.link(ids, QUERY, policy=policy).generate(max_new_tokens=2)  # first steps allocate kept K and V
+            with count_ops(runner) as forwards:
+                engine.link(ids, QUERY, policy=policy).generate(max_new_tokens=3)
+            counts[policy, "pass"] = next(f for f in forwards if not f.decode)
+            counts[policy, "decode"] = [f for f in forwards if f.decode][-1]
+        yield counts
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("key", list(PINNED))
+def test_operations_per_layer_are_pinned(counted, key):
+    forward = counted[key]
+    ops = forward.per_layer()
+    assert ops <= 24, f"{key}: {ops} operations a layer, over issue 56's 24: {forward.layers[-1]}"
+    assert ops == PINNED[key], (
+        f"{key}: {ops} operations a layer, pinned at {PINNED[key]} (fewer: lower the pin; more: each is a GPU launch):"
+        f" {dict(forward.layers[-1])}"
+    )
+    assert forward.per_layer(kernels=True) == ops + 2 * (KERNELS_PER_NORM - 1)  # only the norms hide kernels
+
+
+def test_every_layer_counts_the_same(counted):
+    for key, forward in counted.items():
+        totals = {sum(c.values()) for c in forward.layers}
+        assert len(totals) == 1, f"{key}: layers dispatch {totals} operations"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_operator_is_transformers_bit_for_bit(dtype):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    norm = LlamaRMSNorm(96, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(96))
+    x = torch.randn(7, 3, 96).to(dtype)
+    with torch.no_grad():
+        assert torch.equal(rms_norm(x, norm.weight, norm.variance_epsilon), norm(x))
+        assert torch.equal(rms_norm_reference(x, norm.weight, norm.variance_epsilon), norm(x))
+
+
+def test_rms_norm_kernel_under_the_interpreter():
+    """The CUDA operator's Triton kernel, run by Triton's interpreter on CPU tensors (``TRITON_INTERPRET=1``, set by
+    conftest), against transformers' arithmetic, within float32 rounding (the sum's order differs). bfloat16 is
+    checked on a GPU only: the interpreter mishandles bfloat16 loads (``tests/test_triton.py``)."""
+    pytest.importorskip("triton")
+    x = torch.randn(5, 2, 80)  # a width that is not a power of two: the masked tail
+    weight = torch.randn(80)
+    got, want = rms_norm_cuda(x, weight, 1e-6), rms_norm_reference(x, weight, 1e-6)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
