@@ -5,8 +5,8 @@ budgets of 5 to 30%, and the grid), what keeps the answers is where the tokens a
 
 - **The documents' order.** ``auto`` links the chunks by relevance (``order_for``: the least relevant first, the
   most relevant next to the query; the request's ``relevance`` scores, else BM25 over token ids), unless the link
-  asks for an order (``order="given"`` keeps the caller's). On needles it alone keeps every answer (Naive in
-  relevance order finds the single needle in every case of 2K tokens that Full Recompute finds).
+  asks for an order (``order="given"`` keeps the caller's). On needles it alone keeps the answers (what each
+  choice kept, per model and layout, and the results files it comes from: docs/policies.md, "The default").
 - **Whole chunks.** The chunks nearest the query, whole, from the last back, until they hold ``budget`` of the
   chunk tokens (``Suffix(whole=True)``: the vLLM connector's rule, so one rule serves both). A chunk recomputed in
   part reads worse than one left as compiled on Qwen2.5-Coder (its fresh tokens read its stale ones as their own
