@@ -971,6 +971,53 @@ def vllm_issue48_table() -> str:
     return "\n".join(lines)
 
 
+@figure
+def streams_during_compile() -> str:
+    """README's streams during a compile (engine_flood_after.json, engine_flood_before.json): the p99 gap between a
+    stream's tokens during the compile and alone, and before the scheduler took compiles."""
+    after, before = results("engine_flood_after.json"), results("engine_flood_before.json")
+    return (
+        f"the p99 gap between a stream's tokens is {after['itl_flood']['p99']:.0f} ms during the compile against "
+        f"{after['itl_alone']['p99']:.1f} ms alone; before the scheduler took compiles, every stream froze for the "
+        f"whole {before['compile_s']:.1f} s compile"
+    )
+
+
+@figure
+def requests_during_compile() -> str:
+    """README's requests that arrive during a compile (engine_priority.json): first token under each prefill
+    order, and over HTTP."""
+    report = results("engine_priority.json")
+    now, then, http = report["orders"]["interactive"], report["orders"]["arrival"], report["http"]
+    return (
+        f"first token in {now['ttft_during_compile_ms']['p50']:.1f} ms (p50 of {now['ttft_during_compile_ms']['n']}; "
+        f"{now['ttft_alone_ms']['p50']:.1f} ms alone); first come first served, as before, it waited for the rest of "
+        f"the compile: {then['ttft_during_compile_ms']['p50']:,.0f} ms. On `pic serve`, a completion sent 1 s into a "
+        f"`POST /v1/chunks` of {http['interactive']['num_docs']:,} documents: first token at "
+        f"{http['interactive']['during_s']:.3f} s, against {http['arrival']['during_s']:.2f} s before"
+    )
+
+
+@figure
+def random_llama_sentence() -> str:
+    """README's line on the random Llama's link speed (cpu.json): mepic against transformers' prefill at the
+    shortest and longest contexts."""
+    rows = results("cpu.json")["prefill"]
+    first, last = rows[0], rows[-1]
+    speed = [row["median_s"]["hf"] / row["median_s"]["mepic"] for row in (first, last)]
+    return (
+        f"a `mepic` link is {speed[0]:.1f}x faster than transformers' prefill at {first['context_tokens'] // 1024}K "
+        f"tokens and {speed[1]:.1f}x at {last['context_tokens'] // 1024}K in the last run"
+    )
+
+
+@figure
+def int8_startup() -> str:
+    """README's start-up cost of int8 decode weights (cpu_rag.json): the engine's build with and without them."""
+    build = results("cpu_rag.json")["engine_build_s"]
+    return f"adds {build['int8']:.1f} s to building the engine ({build['model']:.2f} s without)"
+
+
 # -- the command -------------------------------------------------------------------------------------------------
 
 
