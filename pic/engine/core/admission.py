@@ -26,7 +26,7 @@ from pic.engine.core.batch import PassPiece, ScheduledBatch
 from pic.engine.core.chunk_sources import ChunkSources
 from pic.engine.core.kv_manager import KVManager
 from pic.engine.core.queues import Queues
-from pic.engine.core.sequence import Sequence, Status, Transition, expect
+from pic.engine.core.sequence import Sequence, Status, Transition
 from pic.engine.generation import FinishReason
 from pic.errors import KVPoolExhaustedError, PicError
 from pic.link.linker import Linker
@@ -158,7 +158,7 @@ class Admission:
             return self._place(seq, batch, budget=budget)
         if self._full():
             return None
-        expect(seq, Status.WAITING)
+        seq.expect(Status.WAITING)
         return self._new_pass(seq, batch, budget=budget, busy=self.busy(batch) or compiles_wait)
 
     def _full(self) -> bool:

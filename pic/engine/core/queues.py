@@ -1,5 +1,5 @@
 """``Queues``: the scheduler's sequences by status, and ``move``, the one function that applies a transition of
-the state machine (``pic.engine.core.sequence.TRANSITIONS``). A move is checked against the table before anything
+the state machine (``pic.engine.core.status.TRANSITIONS``). A move is checked against the table before anything
 changes (one not allowed raises ``SequenceStateError`` for that request alone), then the sequence leaves its queue,
 takes its new status and joins the queue of that status, so a sequence is in the queue of its status, and only there:
 
@@ -11,10 +11,10 @@ takes its new status and joins the queue of that status, so a sequence is in the
 
 from __future__ import annotations
 
-import time
 from collections import deque
 
-from pic.engine.core.sequence import Sequence, Status, Transition, after
+from pic.engine.core.sequence import Sequence
+from pic.engine.core.status import Status, Transition, after
 
 
 class Queues:
@@ -47,10 +47,8 @@ class Queues:
         for queue in (self.running, self.prefilling, self.waiting):  # (where it is, even where it should not be)
             if seq in queue:
                 queue.remove(seq)
-        seq.status = target
-        seq.times.reach(target, time.perf_counter())
+        seq.enter(target, transition)
         if transition is Transition.PREEMPT:
-            seq.num_preemptions += 1
             self.waiting.appendleft(seq)
         elif target in (Status.WAITING, Status.RESUMING):
             self.waiting.append(seq)

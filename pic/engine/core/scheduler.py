@@ -26,7 +26,7 @@ from pic.engine.core.decoding import Decoder, Sampled
 from pic.engine.core.kv_manager import KVManager
 from pic.engine.core.outputs import finish_output, link_output, token_output
 from pic.engine.core.queues import Queues
-from pic.engine.core.sequence import Sequence, Status, Transition, expect
+from pic.engine.core.sequence import Sequence, Status, Transition
 from pic.engine.generation import FinishReason
 from pic.engine.request import OutputSink, RequestOutput
 from pic.engine.sampling import SamplingParams
@@ -79,8 +79,7 @@ class Scheduler:
         if seq is None or seq.status is not Status.PARKED:
             return False
         self.queues.move(seq, Transition.RESUME)
-        seq.generate(params, self.decoder.start(params))
-        seq.sink, seq.times.link_s = sink, link_s
+        seq.generate(params, self.decoder.start(params), sink=sink, link_s=link_s)
         return True
 
     def abort(self, request_id: int) -> None:
@@ -132,7 +131,7 @@ class Scheduler:
     def _schedule_decode(self, seq: Sequence, todo: list[Sequence], batch: ScheduledBatch) -> bool:
         """Reserve ``seq``'s next slot, preempting others (``todo``: the running ones not yet scheduled) or itself
         when the pool has no block for it; whether one was preempted."""
-        expect(seq, Status.RUNNING)
+        seq.expect(Status.RUNNING)
         preempted = False
         while not self.kv.can_append(seq):
             if todo:  # preempt the most recently admitted sequence not yet scheduled, and look again
@@ -237,7 +236,7 @@ class Scheduler:
         its first token sampled from the pass's last row."""
         if seq.sampling is None:
             self.queues.move(seq, Transition.PARK)
-            seq.query_hidden = hidden
+            seq.park(hidden)
             parked.append(seq)
             return []
         self.queues.move(seq, Transition.RUN)
@@ -286,10 +285,8 @@ class Scheduler:
         ``token``, this step's)."""
         self.queues.move(seq, Transition.FINISH)
         self.kv.free(seq)
-        if isinstance(why, Exception):
-            seq.error = why
-        else:
-            seq.finish_reason = why
+        seq.end(why)
+        if not isinstance(why, Exception):
             text += self.decoder.flush(seq)
         out = finish_output(seq, text=text, token=token)
         self._outputs.append(out)

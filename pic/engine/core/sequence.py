@@ -1,29 +1,14 @@
-"""A request's state inside the engine, from arrival to its last token: ``Sequence``, and its life as one state
-machine: its statuses and the transitions between them, written once in ``TRANSITIONS``::
-
-    WAITING --ADMIT--> PREFILLING --RUN--> RUNNING --PREEMPT--> WAITING
-                           |                  ^
-                          PARK              START
-                           v                  |
-                        PARKED --RESUME--> RESUMING --PREEMPT--> WAITING
-
-    any status but FINISHED --FINISH--> FINISHED
-
-A parked link whose generation starts is RESUMING until the scheduler gives it a place among the running (its
-first token comes from the hidden state its pass left: no blocks, no forward); from then on it runs, and is
-preempted, as any running sequence. A running sequence that finds no block for its next token may take a resuming
-one's blocks too (its generation has started: the engine owns it; it waits for a fresh pass, as any preempted one).
+"""A request's state inside the engine, from arrival to its last token: ``Sequence``.
 
 Its status changes only through ``Queues.move`` (``pic.engine.core.queues``), which applies one transition of the
-table to its status and its queue together. Its other parts each have one owner: ``fetch`` is ``ChunkSources``'s
-(``Fetch``), ``blocks`` the ``KVManager``'s (``SeqBlocks``), ``decoding`` the ``Decoder``'s (``Decoding``), all
-defined here, below their owners, which import this module (nothing imports back); ``link`` is the ``Linker``'s
-(``LinkState``, defined in ``pic.link.linker`` and imported here).
+state machine (``pic.engine.core.status``) to its status and its queue together. Its other parts each have one
+owner: ``fetch`` is ``ChunkSources``'s (``Fetch``), ``blocks`` the ``KVManager``'s (``SeqBlocks``), ``decoding``
+the ``Decoder``'s (``Decoding``), all defined here, below their owners, which import this module (nothing imports
+back); ``link`` is the ``Linker``'s (``LinkState``, defined in ``pic.link.linker`` and imported here).
 """
 
 from __future__ import annotations
 
-import enum
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -32,6 +17,7 @@ import torch
 
 from pic.compile import ChunkPrefill
 from pic.engine.core.detokenizer import Detokenizer
+from pic.engine.core.status import Status, Transition
 from pic.engine.generation import FinishReason
 from pic.engine.request import NewRequest, OutputSink
 from pic.engine.sampling import SamplingParams
@@ -39,66 +25,6 @@ from pic.errors import SequenceStateError
 from pic.kv import ChunkInfo, ChunkKV, RequestKV
 from pic.link.linker import LinkState
 from pic.link.policies import Policy
-
-
-class Status(enum.Enum):
-    """Where a sequence is in its life."""
-
-    WAITING = "waiting"  # queued for admission: new, or preempted (its blocks freed; planned again)
-    PREFILLING = "prefilling"  # admitted: its recompute pass runs (in pieces; a probe, then its second pass)
-    PARKED = "parked"  # linked (``PIC.link``): its pass ran; it holds its KV until ``Linked.generate`` or release
-    RESUMING = "resuming"  # parked, its generation started: waits for a place among the running
-    RUNNING = "running"  # decoding: one token per step
-    FINISHED = "finished"  # done, failed or aborted: its blocks are freed
-
-
-class Transition(enum.Enum):
-    """What happens to a sequence (its name in messages)."""
-
-    ADMIT = "admit"  # its blocks were taken; its pass runs from the next forward
-    RUN = "run"  # its pass ended and it generates: it decodes from now on
-    PARK = "park"  # its pass ended and it was only linked: it holds its KV
-    RESUME = "resume"  # ``Linked.generate``: its generation starts
-    START = "start"  # a resuming sequence got its place among the running (its first token is sampled now)
-    PREEMPT = "preempt"  # its blocks were freed for others: a fresh pass over its prompt and output later
-    FINISH = "finish"  # done, failed or aborted
-
-
-_LIVE = frozenset(Status) - {Status.FINISHED}
-
-# transition -> (the statuses it may start from, the status it ends in)
-TRANSITIONS: dict[Transition, tuple[frozenset[Status], Status]] = {
-    Transition.ADMIT: (frozenset({Status.WAITING}), Status.PREFILLING),
-    Transition.RUN: (frozenset({Status.PREFILLING}), Status.RUNNING),
-    Transition.PARK: (frozenset({Status.PREFILLING}), Status.PARKED),
-    Transition.RESUME: (frozenset({Status.PARKED}), Status.RESUMING),
-    Transition.START: (frozenset({Status.RESUMING}), Status.RUNNING),
-    Transition.PREEMPT: (frozenset({Status.RUNNING, Status.RESUMING}), Status.WAITING),
-    Transition.FINISH: (_LIVE, Status.FINISHED),
-}
-
-
-def after(request_id: int, status: Status, transition: Transition) -> Status:
-    """The status ``transition`` leads to from ``status``.
-
-    Raises:
-        SequenceStateError: ``transition`` may not start from ``status`` (naming the request, both and what it
-            may start from).
-    """
-    sources, target = TRANSITIONS[transition]
-    if status not in sources:
-        allowed = ", ".join(sorted(s.value for s in sources)) or "nothing"
-        raise SequenceStateError(
-            f"request {request_id} cannot {transition.value} while {status.value} (only from: {allowed})"
-        )
-    return target
-
-
-def expect(seq: Sequence, *statuses: Status) -> None:
-    """Raises: SequenceStateError: ``seq``'s status is none of ``statuses`` (a queue holds it where it cannot be)."""
-    if seq.status not in statuses:
-        wanted = " or ".join(s.value for s in statuses)
-        raise SequenceStateError(f"request {seq.request_id} is {seq.status.value} where only {wanted} can be")
 
 
 @dataclass
@@ -200,7 +126,7 @@ class Sequence:
         self.request, self.request_id = request, request.request_id
         self.sampling: SamplingParams | None = request.sampling  # (``Linked.generate`` sets it for a parked one)
         self.sink: OutputSink = request.sink
-        self.status = Status.WAITING  # (changed by ``Queues.move`` only)
+        self.status = Status.WAITING  # (changed by ``enter``, which ``Queues.move`` calls)
         self.times = Timings(arrival_s=time.perf_counter())
         self.fetch = Fetch()
         self.link = LinkState(request.policy, order=request.order)
@@ -212,11 +138,39 @@ class Sequence:
         self.finish_reason: FinishReason | None = None
         self.error: Exception | None = None
 
-    # -- its generation ---------------------------------------------------------------------------------------
+    # -- its life ---------------------------------------------------------------------------------------------
 
-    def generate(self, params: SamplingParams, decoding: Decoding) -> None:
-        """Generate with ``params`` (``decoding``: the ``Decoder``'s state for it)."""
-        self.sampling, self.decoding = params, decoding
+    def enter(self, status: Status, transition: Transition) -> None:
+        """Take ``status`` by ``transition`` (``Queues.move`` only: it checked the transition against the state
+        machine and moves the queues with it); the time it first reached that status is kept."""
+        self.status = status
+        self.times.reach(status, time.perf_counter())
+        self.num_preemptions += transition is Transition.PREEMPT
+
+    def expect(self, *statuses: Status) -> None:
+        """Raises: SequenceStateError: its status is none of ``statuses`` (a queue holds it where it cannot be)."""
+        if self.status not in statuses:
+            wanted = " or ".join(s.value for s in statuses)
+            raise SequenceStateError(f"request {self.request_id} is {self.status.value} where only {wanted} can be")
+
+    def generate(
+        self, params: SamplingParams, decoding: Decoding, *, sink: OutputSink | None = None, link_s: float | None = None
+    ) -> None:
+        """Generate with ``params`` (``decoding``: the ``Decoder``'s state for it); a parked one, resumed, puts its
+        outputs in ``sink`` from now on (``link_s``: its ``PIC.link`` call's wall time)."""
+        self.sampling, self.decoding, self.sink = params, decoding, sink or self.sink
+        self.times.link_s = link_s
+
+    def park(self, query_hidden: torch.Tensor) -> None:
+        """Linked: keep the query's final hidden states ``[num_query, hidden_size]`` (``Linked.logits``)."""
+        self.query_hidden = query_hidden
+
+    def end(self, why: FinishReason | Exception) -> None:
+        """It ended: ``why`` is the reason, or the error it failed with."""
+        if isinstance(why, Exception):
+            self.error = why
+        else:
+            self.finish_reason = why
 
     def append(self, token: int) -> None:
         """A token was sampled."""
