@@ -1018,6 +1018,67 @@ def int8_startup() -> str:
     return f"adds {build['int8']:.1f} s to building the engine ({build['model']:.2f} s without)"
 
 
+def _ms(value: float) -> str:
+    """A gap or a time in ms as docs/engine.md writes it: ``25.1``, ``167``, ``1,677``."""
+    return f"{value:.1f}" if value < 100 else f"{value:,.0f}"
+
+
+@figure
+def flood_table() -> str:
+    """docs/engine.md's gaps between a stream's tokens alone and during a compile, before and after the scheduler
+    took compiles (engine_flood_before.json, engine_flood_after.json)."""
+    lines = [
+        "| gap between a stream's tokens, ms | p50 | p99 | max | compile of 200 documents | stream tokens/s during "
+        "it |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for label in ("before", "after"):
+        report = results(f"engine_flood_{label}.json")
+        alone, flood = report["itl_alone"], report["itl_flood"]
+        rate = [r["flood_pieces_per_s"] for r in report["rounds"]]
+        lines.append(f"| {label}: alone | {_ms(alone['p50'])} | {_ms(alone['p99'])} | {_ms(alone['max'])} | | |")
+        lines.append(
+            f"| {label}: during a compile | {_ms(flood['p50'])} | **{_ms(flood['p99'])}** | {_ms(flood['max'])} | "
+            f"{report['compile_s']:.2f} s | {min(rate):.0f}-{max(rate):.0f} |"
+        )
+    return "\n".join(lines)
+
+
+@figure
+def flood_budgets_table() -> str:
+    """docs/engine.md's gaps during a compile per step budget (engine_flood_budgets.json)."""
+    lines = [
+        "| budget (tokens per step) | p50 during compile, ms | p99 | max | p99 alone | p99 ratio | compile |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for budget, run in results("engine_flood_budgets.json")["runs"].items():
+        flood = run["itl_flood"]
+        lines.append(
+            f"| {int(budget):,} | {flood['p50']:.1f} | {flood['p99']:.1f} | {flood['max']:.1f} | "
+            f"{run['itl_alone']['p99']:.1f} | {run['p99_ratio']:.1f}x | {run['compile_s']:.2f} s |"
+        )
+    return "\n".join(lines)
+
+
+@figure
+def priority_table() -> str:
+    """docs/engine.md's first tokens of requests that arrive during a compile, per prefill order
+    (engine_priority.json)."""
+    lines = [
+        "| order | TTFT alone p50, ms | during the compile p50 | p90 | max | requests | compile of 200 | stream's "
+        "longest gap |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for order, label in (("arrival", "arrival (before)"), ("interactive", "interactive (now)")):
+        row = results("engine_priority.json")["orders"][order]
+        during = row["ttft_during_compile_ms"]
+        lines.append(
+            f"| {label} | {row['ttft_alone_ms']['p50']:.1f} | **{_ms(during['p50'])}** | {_ms(during['p90'])} | "
+            f"{_ms(during['max'])} | {during['n']} | {row['compile_s']:.2f} s | {row['stream_longest_gap_ms']:.0f} ms |"
+        )
+    return "\n".join(lines)
+
+
 # -- the command -------------------------------------------------------------------------------------------------
 
 
@@ -1128,9 +1189,6 @@ def main(argv: list[str] | None = None) -> int:
     if broken:
         print("\n".join(broken))
         return 1
-    if new_by_hand():
-        print("\n".join(new_by_hand()))
-        return 1
     differ = [page for page in pages() if stale(page)]
     for page in differ:
         if args.write:
@@ -1138,6 +1196,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"rewrote {page.relative_to(ROOT)}")
         else:
             print("\n\n".join(stale(page)))
+    if new_by_hand():
+        print("\n".join(new_by_hand()))
+        return 1
     return 0 if args.write or not differ else 1
 
 
