@@ -61,7 +61,8 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     rows = []
     for dtype in args.dtypes.split(","):
-        engine = pic.load(args.model, dtype=dtype) if args.model else pic.load(dtype=dtype)
+        config = pic.PICConfig(eos_token_ids=())  # every step decodes: no end of generation before the count
+        engine = pic.load(args.model or pic.EMBEDDED_MODEL, dtype=dtype, config=config)
         for policy in ("naive", "full"):
             for kind, forward in layer_ops(engine, policy).items():
                 rows.append({"dtype": dtype, "policy": policy, "forward": kind, **summary(forward)})
