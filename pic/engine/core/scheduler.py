@@ -216,8 +216,8 @@ class Scheduler:
                 self.fail(seq, exc)
 
     def _pass_done(self, seq: Sequence, hidden: torch.Tensor, parked: list[Sequence]) -> list[Row]:
-        """A pass ended: after a probe, the policy chooses (its second pass runs next); else the link parks with its
-        query's hidden states (``Linked.logits``) or the generation decodes, its first token sampled from the pass's
+        """A pass ended: after a probe, the policy chooses (its second pass runs next); else a link parks with its
+        query's hidden states (``Linked.logits``) and a generation decodes, its first token sampled from the pass's
         last row. A policy's own error fails its request, not the batch."""
         try:
             if seq.link.pass_.is_probe:
@@ -226,21 +226,15 @@ class Scheduler:
                 return []
             self.linker.pass_done(seq.link)
             self.kv.pass_done(seq)
-            return self._pass_ended(seq, hidden, parked)
+            self.queues.move(seq, Transition.PARK if seq.sampling is None else Transition.RUN)
         except Exception as exc:
             self.fail(seq, exc)
             return []
-
-    def _pass_ended(self, seq: Sequence, hidden: torch.Tensor, parked: list[Sequence]) -> list[Row]:
-        """A pass ended: a link parks with its query's hidden states (``Linked.logits``); a generation decodes,
-        its first token sampled from the pass's last row."""
-        if seq.sampling is None:
-            self.queues.move(seq, Transition.PARK)
-            seq.park(hidden)
-            parked.append(seq)
-            return []
-        self.queues.move(seq, Transition.RUN)
-        return [(seq, hidden[-1])]
+        if seq.sampling is not None:
+            return [(seq, hidden[-1])]
+        seq.park(hidden)
+        parked.append(seq)
+        return []
 
     def _hold_for(self, cache_id: str, waiters: list[Sequence]) -> None:
         """A chunk compiled for ``waiters`` is resident: each one still waiting holds it until admitted."""
@@ -274,10 +268,9 @@ class Scheduler:
         if why is FinishReason.KV_POOL:
             num = len(seq.output_ids)
             log.warning("pic: request %d stopped after %d tokens: the KV pool is full", seq.request_id, num)
-        elif isinstance(why, PicError) and not quiet:
-            log.error("pic: request %d failed: %s", seq.request_id, why)
-        elif not quiet:  # a bug, or a policy's own: logged with its traceback
-            log.error("pic: request %d failed", seq.request_id, exc_info=why)
+        elif not quiet:  # (a bug, or a policy's own error: with its traceback)
+            trace = None if isinstance(why, PicError) else why
+            log.error("pic: request %d failed: %s", seq.request_id, why, exc_info=trace)
         self.finish(seq, why)
 
     def finish(self, seq: Sequence, why: FinishReason | Exception, *, text: str = "", token: int | None = None) -> None:
