@@ -1079,6 +1079,37 @@ def priority_table() -> str:
     return "\n".join(lines)
 
 
+def _sink_share(report: dict, policy: str) -> float:
+    """The attention later chunks' first tokens get, layers 10-29, averaged (a report's sink profile)."""
+    firsts = next(s for s in report["sinks"] if s["policy"] == policy)["chunk_firsts"]
+    return sum(firsts[10:30]) / len(firsts[10:30])
+
+
+@figure
+def bos_table() -> str:
+    """docs/policies.md's BOS study: each policy without and with a BOS per chunk (smollm2_accuracy_heads.json,
+    smollm2_accuracy_bos.json): accuracy, answer-token KL and the attention on later chunks' first tokens."""
+    plain, bos = results("smollm2_accuracy_heads.json"), results("smollm2_accuracy_bos.json")
+    with_bos = {s["policy"]: s for s in bos["scores"]}
+    lines = [
+        f"| policy | accuracy, no BOS (default; {plain['num_cases_evaluated']} cases) | accuracy, a BOS per chunk "
+        f"({bos['num_cases_evaluated']} cases) | answer-token KL: no BOS / BOS | attention on later chunks' first "
+        "tokens, layers 10–29: no BOS / BOS |",
+        "|---|---:|---:|---:|---:|",
+    ]
+
+    def accuracy(s: dict) -> str:
+        return f"{_share(s['accuracy'])} ({_share(s['accuracy_low'])}–{_share(s['accuracy_high'])})"
+
+    for s in plain["scores"]:
+        b = with_bos[s["policy"]]
+        lines.append(
+            f"| {s['policy']} | {accuracy(s)} | {accuracy(b)} | {s['answer_kl']:.3f} / {b['answer_kl']:.3f} | "
+            f"{_share(_sink_share(plain, s['policy']))} / {_share(_sink_share(bos, s['policy']))} |"
+        )
+    return "\n".join(lines)
+
+
 # -- the command -------------------------------------------------------------------------------------------------
 
 
