@@ -22,9 +22,8 @@ from pic.engine.core.admission import Admission
 from pic.engine.core.batch import ForwardOutput, PassPiece, ScheduledBatch, StepOutput
 from pic.engine.core.chunk_sources import ChunkSources
 from pic.engine.core.compile_calls import CompileCalls
-from pic.engine.core.decoding import Decoder, Sampled
+from pic.engine.core.decoding import Decoder, Sampled, finish_output, link_output, token_output
 from pic.engine.core.kv_manager import KVManager
-from pic.engine.core.outputs import finish_output, link_output, token_output
 from pic.engine.core.queues import Queues
 from pic.engine.core.sequence import Sequence, Status, Transition
 from pic.engine.generation import FinishReason
@@ -91,11 +90,6 @@ class Scheduler:
     def fail_all(self, error: Exception) -> None:
         for seq in list(self.queues.requests.values()):
             self.fail(seq, error, quiet=True)
-
-    @property
-    def is_busy(self) -> bool:
-        """Whether sequences run or prefill (they will free blocks)."""
-        return bool(self.queues.running or self.queues.prefilling)
 
     def has_work(self, *, paced: bool = True) -> bool:
         """Whether a step would do something now; ``paced=False``: not counting sequences that run only in
