@@ -123,7 +123,12 @@ def linked_too_long(num_tokens: int, context: int, model: str, segments) -> Cont
     if rest >= context:
         return ContextLengthError(f"{head}({num_tokens - context} over): the query and prefix alone have {rest} "
                                   "tokens; shorten them")  # fmt: skip
-    largest = ", ".join(f"{cache_id[:12]}... {n} tokens" for n, cache_id in chunks[:3])
+    sizes = {cache_id: n for n, cache_id in chunks}  # a chunk linked twice is named once, with its count
+    times = {cache_id: sum(c == cache_id for _, c in chunks) for cache_id in sizes}
+    largest = ", ".join(
+        f"{cache_id[:12]}... {sizes[cache_id]} tokens" + (f" (linked {times[cache_id]} times)" * (times[cache_id] > 1))
+        for cache_id in sorted(sizes, key=lambda cache_id: -sizes[cache_id])[:3]
+    )
     return ContextLengthError(
         f"{head}({num_tokens - context} over): link fewer or shorter chunks ({len(chunks)} chunk"
         f"{'s' * (len(chunks) != 1)}, {num_tokens - rest} tokens; the largest: {largest}) or a shorter query and "
