@@ -65,6 +65,9 @@ class Layout:
         num_slots: slots the prompt spans, padding included.
         num_generated: tokens at the end of the query that the request generated (a preempted request is
             laid out again with them); a policy reading the query's text leaves them out (``query_ids``).
+        lexical: each chunk's BM25 against the query (``pic.link.lexical``), in prompt order, when the link ranked
+            its chunks by it (the relevance order without the caller's scores): a policy that ranks the chunks
+            the same way (``regions``) reads it rather than rank them again.
     """
 
     block_size: int
@@ -75,6 +78,7 @@ class Layout:
     cached: torch.Tensor
     num_slots: int
     num_generated: int = 0
+    lexical: tuple[float, ...] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -109,10 +113,12 @@ def lay_out(
     parallel: bool = False,
     relevance: Sequence[float] | None = None,
     num_generated: int = 0,
+    lexical: Sequence[float] | None = None,
 ) -> Layout:
     """Place prefix, chunks and query in slots; see the module docstring for the rules. ``parallel``: every
     chunk at the positions right after the prefix, the query after the longest chunk (APE). ``relevance``:
-    one score per chunk, kept in its segment. ``num_generated``: the query's last tokens that were generated."""
+    one score per chunk, kept in its segment. ``num_generated``: the query's last tokens that were generated.
+    ``lexical``: the chunks' BM25 the link ranked them by (``Layout.lexical``)."""
     scores = list(relevance) if relevance is not None else [None] * len(chunks)
     parts: list[tuple[SegmentKind, Sequence[int], str | None, float | None]] = []
     if prefix:
@@ -142,6 +148,7 @@ def lay_out(
         cached=cached,
         num_slots=num_slots,
         num_generated=num_generated,
+        lexical=None if lexical is None else tuple(lexical),
     )
 
 

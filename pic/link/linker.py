@@ -11,6 +11,7 @@ keeps its chunks' order and its probe's choice.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -20,6 +21,7 @@ from pic.errors import ContextLengthError, PolicyError
 from pic.kv import ChunkInfo, ChunkKV, RequestKV
 from pic.link.assemble import AssemblyPlan, plan_assembly
 from pic.link.layout import Layout, lay_out
+from pic.link.lexical import bm25
 from pic.link.order import ChunkOrder, Order, chunk_order
 from pic.link.order import given as _given
 from pic.link.policies import Policy
@@ -43,6 +45,7 @@ class LinkState:
         probe_result: the probe pass's result, until the second pass is done.
         first_pass: what the first complete pass ran (the request's statistics).
         laid_out: the chunk list (by identity) and query length ``layout`` was made for.
+        lexical: the chunks' BM25 against the query (caller's order), when the relevance order ranked them by it.
     """
 
     policy: Policy
@@ -55,6 +58,7 @@ class LinkState:
     probe_result: PassResult | None = None
     first_pass: PassResult | None = None
     laid_out: tuple[object, int] | None = None
+    lexical: tuple[float, ...] | None = None
 
     @property
     def probes(self) -> bool:
@@ -193,10 +197,13 @@ class Linker:
             given = link.policy.order_for(layout)
             if given not in (Order.GIVEN, Order.RELEVANCE):
                 raise PolicyError(f"policy {link.policy.spec!r} chose the order {given!r}; expected given or relevance")
-        link.chunk_order = chunk_order(given, query, [c.token_ids.tolist() for c in chunks], relevance)
+        tokens = [c.token_ids.tolist() for c in chunks]
+        if given is Order.RELEVANCE and relevance is None:  # ranked once: the order and the policy read the same
+            link.lexical = tuple(bm25(query, tokens))
+        link.chunk_order = chunk_order(given, query, tokens, relevance if relevance is not None else link.lexical)
         if layout is None or link.chunk_order.moved:
-            layout = self._lay_out(link, prefix, chunks, query, relevance)
-        return layout
+            return self._lay_out(link, prefix, chunks, query, relevance)
+        return layout if link.lexical is None else dataclasses.replace(layout, lexical=link.lexical)  # (not moved)
 
     def _lay_out(
         self,
@@ -216,6 +223,7 @@ class Linker:
             prefix=prefix, chunks=order.apply(chunks), query=query, block_size=self.block_size,
             parallel=link.policy.parallel_positions, num_generated=num_generated,
             relevance=None if relevance is None else order.apply(relevance),
+            lexical=None if link.lexical is None or order is not link.chunk_order else order.apply(link.lexical),
         )  # fmt: skip
 
     def _specialise(self, link: LinkState) -> None:

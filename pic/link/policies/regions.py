@@ -100,7 +100,9 @@ class Regions(Policy):
         chosen = chunk_heads(layout, lambda seg: self.heads)
         if int(chosen.sum()) > limit:
             return torch.zeros_like(chosen)
-        if chunk_scores is None:
+        if chunk_scores is None and layout.lexical is not None:  # (the link ranked them so already)
+            chunk_scores = list(layout.lexical)
+        elif chunk_scores is None:
             units = [layout.token_ids[seg.tokens].tolist() for seg in chunks]
             chunk_scores = bm25(layout.query_ids, units)
         for index in sorted(range(len(chunks)), key=lambda i: -chunk_scores[i]):
