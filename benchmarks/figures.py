@@ -717,34 +717,25 @@ def _accuracy_table(name: str, columns: str) -> str:
     return "\n".join(lines)
 
 
-@figure
-def accuracy_profiles_before() -> str:
-    """docs/policies.md: SmolLM2 on paragraphs, the question before the documents (smollm2_profiles.json)."""
-    return _accuracy_table("smollm2_profiles.json", "position")
+# docs/policies.md's pic eval accuracy tables: block name -> (results file, columns, what it is).
+_ACCURACY_TABLES = {
+    "accuracy_profiles_before": ("smollm2_profiles.json", "position", "paragraphs, the question before them"),
+    "accuracy_profiles_after": ("smollm2_profiles_question_after.json", "position", "paragraphs, the question after"),
+    "accuracy_qa_before": ("smollm2_accuracy.json", "kinds", "short documents, the question before them"),
+    "accuracy_qa_after": ("smollm2_accuracy_question_after.json", "kinds", "short documents, the question after"),
+    "accuracy_heads": ("smollm2_accuracy_heads.json", "heads", "the first study: heads, CacheBlend and sinks"),
+}
 
 
-@figure
-def accuracy_profiles_after() -> str:
-    """docs/policies.md: SmolLM2 on paragraphs, the question after them (smollm2_profiles_question_after.json)."""
-    return _accuracy_table("smollm2_profiles_question_after.json", "position")
+def _table_figure(name: str, render: Callable[[], str], doc: str) -> None:
+    """Register ``render`` as the block ``name`` (for figures that differ only in the file they read)."""
+    render.__name__, render.__doc__ = name, doc
+    figure(render)
 
 
-@figure
-def accuracy_qa_before() -> str:
-    """docs/policies.md: SmolLM2 on short documents, the question before them (smollm2_accuracy.json)."""
-    return _accuracy_table("smollm2_accuracy.json", "kinds")
-
-
-@figure
-def accuracy_qa_after() -> str:
-    """docs/policies.md: SmolLM2 on short documents, the question after them (smollm2_accuracy_question_after.json)."""
-    return _accuracy_table("smollm2_accuracy_question_after.json", "kinds")
-
-
-@figure
-def accuracy_heads() -> str:
-    """docs/policies.md's first study: heads, CacheBlend and sinks on short documents (smollm2_accuracy_heads.json)."""
-    return _accuracy_table("smollm2_accuracy_heads.json", "heads")
+for _name, (_file, _columns, _what) in _ACCURACY_TABLES.items():
+    _doc = f"docs/policies.md: SmolLM2, {_what} ({_file})."
+    _table_figure(_name, lambda f=_file, c=_columns: _accuracy_table(f, c), _doc)
 
 
 @figure
@@ -913,22 +904,15 @@ def _paired_ci(diff: float, ci: list[float]) -> str:
     return _minus(f"{_points(diff)} ({_points(ci[0])} to {_points(ci[1])})")
 
 
-@figure
-def vllm_issue42_qa_table() -> str:
-    """docs/vllm.md's issue-42 answers on pic's QA workload (vllm_connector.json)."""
-    return _issue42_answers("vllm_connector.json", "documents", True)
-
-
-@figure
-def vllm_issue42_profiles_table() -> str:
-    """docs/vllm.md's issue-42 answers on paragraphs (vllm_connector_profiles.json)."""
-    return _issue42_answers("vllm_connector_profiles.json", "documents", False)
-
-
-@figure
-def vllm_issue42_niah_table() -> str:
-    """docs/vllm.md's issue-42 answers on RULER's needles (vllm_connector_niah.json)."""
-    return _issue42_answers("vllm_connector_niah.json", "chunks", False)
+# docs/vllm.md's issue-42 answers: block name -> (results file, what the reordered prefill reorders, first table).
+_ISSUE42_TABLES = {
+    "vllm_issue42_qa_table": ("vllm_connector.json", "documents", True),
+    "vllm_issue42_profiles_table": ("vllm_connector_profiles.json", "documents", False),
+    "vllm_issue42_niah_table": ("vllm_connector_niah.json", "chunks", False),
+}
+for _name, (_file, _what, _first) in _ISSUE42_TABLES.items():
+    _table_figure(_name, lambda f=_file, w=_what, t=_first: _issue42_answers(f, w, t),
+                  f"docs/vllm.md's issue-42 answers ({_file}).")  # fmt: skip
 
 
 @figure
