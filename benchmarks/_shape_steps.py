@@ -13,8 +13,11 @@ from the sources (``trees``: every ``.py`` under ``pic/`` by its path).
   writes into a list named ``failed`` (``failed.append(...)``, ``failed += ...``, ``x.failed.append(...)``); the
   functions they are in; and the movers: the functions named in ``FAIL_CALLS`` that take a sequence (their
   definitions: each takes a failing sequence out of its queue).
-- ``result_landing`` also counts, under ``pic/engine/core``, the functions that take a loader's answer in (they call
-  ``.done()`` or ``.result()`` on a future).
+- ``result_landing`` also counts (issue 57) the functions where the store's answers are taken in (those calling
+  ``self.<x>.m(...)`` for ``m`` in ``ANSWERS``: a compile call's poll, a load landed) beside the forward's results,
+  and of all those the entry points: the ones no other of them calls (``self.<name>(...)``); and, under
+  ``pic/engine/core``, the functions that read a loader's answer (they call ``.done()`` or ``.result()`` on a
+  future).
 - ``command_dispatch``: the ``isinstance(x, C)`` tests under ``pic/engine`` where ``C`` is a class of the module
   that defines ``class Submit`` (the commands).
 - ``import_cycles``: the import graph of ``pic/`` with every import (at any depth, under ``if TYPE_CHECKING``
@@ -31,6 +34,7 @@ import ast
 SEQ_NAMES = {"seq", "s", "waiter", "sequence"}
 LANDING = {"sample", "probe_done", "pass_done", "chunk_done"}
 FAIL_CALLS = {"drop", "guard", "fail"}
+ANSWERS = {"poll", "loaded"}
 MAX_FUNCTION_LINES, MAX_FILE_LINES = 50, 250
 CALLER, CORE = "pic.engine.caller", "pic.engine.core"
 
@@ -116,15 +120,20 @@ def status_changes(trees: dict[str, ast.Module]) -> dict:
 
 
 def result_landing(trees: dict[str, ast.Module]) -> dict:
-    landing, forward = [], []
+    landing, forward, every = [], [], {}
     for file, tree in _engine(trees).items():
         for fn in _functions(tree):
             calls = _calls(fn)
             found = sorted({m for r, m, _ in calls if m in LANDING and _is_self(r, "*")})
             if found:
                 landing.append(f"{file} {fn.name}: {', '.join(found)}")
+            answers = sorted({m for r, m, _ in calls if m in ANSWERS and _is_self(r, "*")})
+            if found or answers:
+                every[(file, fn.name)] = (fn, found + answers)
             if any(m == "forward" and _is_self(r, "runner") for r, m, _ in calls):
                 forward.append(f"{file} {fn.name}")
+    called = {m for fn, _ in every.values() for r, m, _ in _calls(fn) if _is_self(r)}
+    entries = sorted(f"{f} {name}" for (f, name) in every if name not in called)
     answers = sorted(
         f"{file} {fn.name}"
         for file, tree in _engine(trees).items()
@@ -133,6 +142,9 @@ def result_landing(trees: dict[str, ast.Module]) -> dict:
         if any(m in ("done", "result") and not _is_self(r) for r, m, _ in _calls(fn))
     )
     return {
+        "num_landing_entries": len(entries),
+        "landing_entries": entries,
+        "landing_with_answers": sorted(f"{f} {n}: {', '.join(ms)}" for (f, n), (_, ms) in every.items()),
         "num_answer_functions": len(answers),
         "answer_functions": answers,
         "num_landing_functions": len(landing),

@@ -384,6 +384,7 @@ def print_table(r: dict) -> None:
         ("pic.engine import levels", i["engine_levels"]),
         ("link(cache_ids, query) definitions", r["link_signatures"]["num_link"]),
     ]
+    entries = ", ".join(e.split()[-1] for e in r["result_landing"]["landing_entries"])
     keys = ("status_changes", "result_landing", "command_dispatch", "import_cycles", "sizes", "failure_sites")
     st, la, co, cy, sz, fa = (r[k] for k in keys)
     parts = ", ".join(f"{k} {v['num_files']} ({v['total_lines']})" for k, v in r["engine_parts"].items())
@@ -395,7 +396,8 @@ def print_table(r: dict) -> None:
             "functions where results land; calling forward",
             f"{la['num_landing_functions']}; {la['num_forward_functions']}",
         ),
-        ("  functions taking in loader answers", la["num_answer_functions"]),
+        ("  entry points of results and store answers", f"{la['num_landing_entries']}: {entries}"),
+        ("  functions reading loader futures", la["num_answer_functions"]),
         ("failure sites; in functions", f"{fa['num_sites']}; {fa['num_functions']}"),
         ("  functions moving a failing sequence", fa["num_movers"]),
         ("isinstance on commands: sites, functions", f"{co['num_isinstance_sites']}, {co['num_functions']}"),
