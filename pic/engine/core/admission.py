@@ -26,7 +26,8 @@ from pic.engine.core.batch import PassPiece, ScheduledBatch
 from pic.engine.core.chunk_sources import ChunkSources
 from pic.engine.core.kv_manager import KVManager
 from pic.engine.core.queues import Queues
-from pic.engine.core.sequence import Sequence, Status, Transition
+from pic.engine.core.sequence import Sequence
+from pic.engine.core.status import Status, Transition
 from pic.engine.generation import FinishReason
 from pic.errors import KVPoolExhaustedError, PicError
 from pic.link.linker import Linker

@@ -25,7 +25,8 @@ from pic.engine.core.compile_calls import CompileCalls
 from pic.engine.core.decoding import Decoder, Sampled, finish_output, link_output, token_output
 from pic.engine.core.kv_manager import KVManager
 from pic.engine.core.queues import Queues
-from pic.engine.core.sequence import Sequence, Status, Transition
+from pic.engine.core.sequence import Sequence
+from pic.engine.core.status import Status, Transition
 from pic.engine.generation import FinishReason
 from pic.engine.request import OutputSink, RequestOutput
 from pic.engine.sampling import SamplingParams
