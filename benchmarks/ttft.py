@@ -9,9 +9,12 @@ speed does not depend on the weights. Documents are random token ids, chunks of 
 timed; each gets its BOS: 513 tokens). A context of C tokens links the first C / 512 chunks, then a random 32-token
 query. One PIC (its default backend: the Triton kernel on CUDA) with a KV pool sized for every request here.
 
-TTFT, per context (2K ... 32K), variants in turn, --repeats rounds, medians (an untimed warm-up round at each context):
-``full``, ``mepic``, ``legolink:16``, ``naive`` (the query alone recomputed: the floor of a link, what attention
-over the context costs without recompute): ``engine.link(ids, query, policy=p).generate(max_new_tokens=1)``; TTFT is
+TTFT, per context (4K ... 32K), variants in turn, --repeats rounds, medians (an untimed warm-up round at each context):
+``full``, ``auto`` (pic's default: the chunks in relevance order, the most relevant recomputed whole; its prompt is
+the same tokens in another order), ``mepic``, ``legolink:16``, ``naive`` (the query alone recomputed: the floor of a
+link, what attention over the context costs without recompute); on CUDA with the Triton backend, ``auto`` and
+``naive`` again with CUDA graphs for the forwards of few rows (``"<policy> graphs"``, ``pic.model.graphs``):
+``engine.link(ids, query, policy=p).generate(max_new_tokens=1)``; TTFT is
 ``Generation.ttft_s`` (link wall time + the first token), link time ``Linked.link_s``. ``hf``: transformers' own
 forward (SDPA) over the same prompt token ids, last-token logits, argmax on the host. Reported: hf / link (the
 headline) and full / link per policy, and link time per 1K prompt tokens with a linear fit (is link time linear
@@ -21,7 +24,8 @@ rounds after a warm-up round: batch 1, ``link(...).generate()`` against ``model.
 prompt; batch --decode-batch, ``PIC.generate_many`` of that many requests (chunk sets in rotation, own queries, all
 prompts the same length, admitted in one step) against ``model.generate()`` on the batch (no padding needed).
 Decode tokens/s = batch x (new - 1) / (last token - first token): the first token is the prefill's. pic links
-with --decode-policy (``full``: its tokens can be compared with transformers'; the count that agree is recorded).
+with --decode-policy (``full``: its tokens can be compared with transformers'; the count that agree is recorded);
+on CUDA with Triton, each batch again with CUDA graphs (``"<batch> graphs"``).
 """
 
 from __future__ import annotations
@@ -41,14 +45,20 @@ sys.path.insert(0, str(Path(__file__).parent))
 import _gpu  # noqa: E402
 from _decode import HF, decode, prompt_ids  # noqa: E402
 
-POLICIES = ("full", "mepic", "legolink:16", "naive")
+POLICIES = ("full", "auto", "mepic", "legolink:16", "naive")
+# Policies timed again with CUDA graphs for the forwards of few rows (``PICConfig.cuda_graphs``; CUDA, Triton only).
+GRAPHED = ("auto", "naive")
 
 
 def pic_ttft(engine: pic.PIC, ids: list[str], query: list[int], policy: str, prompt: list[int]) -> dict:
     """``link`` and the first token under ``policy``; checks that the linked prompt is ``prompt`` (what HF runs)."""
     linked = engine.link(ids, query, policy=policy)
     gen = linked.generate(max_new_tokens=1)
-    assert linked.input_ids.tolist() == prompt, "the linked prompt is not the one transformers runs"
+    got = linked.input_ids.tolist()
+    if policy == "auto":  # the relevance order: the same chunks in another order, as many tokens as transformers runs
+        assert sorted(got) == sorted(prompt), "the linked prompt does not hold the tokens transformers runs"
+    else:
+        assert got == prompt, "the linked prompt is not the one transformers runs"
     return {"ttft_s": gen.ttft_s, "link_s": linked.link_s, "recomputed": linked.num_recomputed, "token": gen.token_ids}
 
 
@@ -64,8 +74,23 @@ def hf_ttft(model: torch.nn.Module, prompt: torch.Tensor) -> dict:
     return {"ttft_s": seconds, "token": token}
 
 
-def ttft_context(engine, model, ids, docs, context: int, args, *, rounds: int) -> dict:
-    """Every variant at one context, in turn, ``rounds`` times."""
+def graphs_on(engine: pic.PIC, graphed) -> None:
+    """Serve the engine's forwards of few rows from ``graphed`` (its ``GraphedForwards``), or eagerly (``None``)."""
+    with engine.paused() as core:
+        core.runner.graphed = graphed
+
+
+def with_graphs(engine: pic.PIC, graphed, run):
+    graphs_on(engine, graphed)
+    try:
+        return run()
+    finally:
+        graphs_on(engine, None)
+
+
+def ttft_context(engine, model, ids, docs, context: int, args, *, rounds: int, graphed=None) -> dict:
+    """Every variant at one context, in turn, ``rounds`` times; with ``graphed``, ``GRAPHED``'s policies again
+    through CUDA graphs (``"<policy> graphs"``)."""
     rng = random.Random(args.seed + context)
     query = [rng.randrange(3, args.vocab) for _ in range(args.query_tokens)]
     chunks = list(range(context // args.chunk_tokens))
@@ -73,6 +98,8 @@ def ttft_context(engine, model, ids, docs, context: int, args, *, rounds: int) -
     tensor = torch.tensor([prompt], device=args.device)  # [1, T]
     runs = {HF: lambda: hf_ttft(model, tensor)}
     runs |= {p: lambda p=p: pic_ttft(engine, [ids[c] for c in chunks], query, p, prompt) for p in POLICIES}
+    if graphed is not None:
+        runs |= {f"{p} graphs": lambda p=p: with_graphs(engine, graphed, runs[p]) for p in GRAPHED}
     raw = {name: [] for name in runs}
     for _ in range(rounds):
         for name, run in runs.items():
@@ -89,6 +116,15 @@ def ttft_context(engine, model, ids, docs, context: int, args, *, rounds: int) -
         "full_over_link": {p: ttft["full"] / ttft[p] for p in POLICIES[1:]},
         "hf_over_link": {p: ttft[HF] / ttft[p] for p in POLICIES},
         "full_first_token_equals_hf": all(r["token"] == raw[HF][0]["token"] for r in raw["full"]),
+        "graphs": {
+            p: {
+                "ttft_s": ttft[f"{p} graphs"],
+                "eager_over_graphs": ttft[p] / ttft[f"{p} graphs"],
+                "hf_over_link": ttft[HF] / ttft[f"{p} graphs"],
+            }
+            for p in GRAPHED
+            if f"{p} graphs" in ttft
+        },
     }
 
 
@@ -146,7 +182,7 @@ def plot(rows: list[dict], scaling: dict, title: str, path: Path) -> None:
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096, 8192, 16384, 32768])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
     parser.add_argument("--chunk-tokens", type=int, default=512)
     parser.add_argument("--query-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3, help="TTFT rounds (after one warm-up round)")
@@ -214,10 +250,15 @@ def main() -> None:
     backend = engine.attention_backend
     print(f"model and {len(docs)} chunks ready in {time.perf_counter() - start:.0f} s, {backend} attention")
     rows, decodes, errors = [], {}, []
+    graphed = None
+    if args.device.type == "cuda" and backend == "triton":  # captured per bucket in the warm-up rounds
+        with engine.paused() as core:
+            graphed = core.runner.use_graphs(capture=True)
+            core.runner.graphed = None
     for context in args.contexts:  # a failure (out of memory, say) is recorded; the other results still get written
         try:  # a warm-up round at each context: kernels specialize and tune per shape, allocators grow per size
-            ttft_context(engine, model, ids, docs, context, args, rounds=1)
-            rows.append(ttft_context(engine, model, ids, docs, context, args, rounds=args.repeats))
+            ttft_context(engine, model, ids, docs, context, args, rounds=1, graphed=graphed)
+            rows.append(ttft_context(engine, model, ids, docs, context, args, rounds=args.repeats, graphed=graphed))
         except Exception as exc:  # noqa: BLE001
             errors.append(f"TTFT at {context}: {type(exc).__name__}: {exc}")
             print(errors[-1])
@@ -227,10 +268,19 @@ def main() -> None:
             result = decodes[str(batch)] = decode(engine, model, ids, docs, batch, args)
             rates = [f"{n} {result[n]['decode_tokens_per_s']:.1f} tokens/s" for n in ("pic", HF)]
             print(f"decode batch {batch}: " + ", ".join(rates))
+            if graphed is not None:
+                result = decodes[f"{batch} graphs"] = with_graphs(
+                    engine, graphed, lambda b=batch: decode(engine, model, ids, docs, b, args)
+                )
+                print(f"decode batch {batch}, graphs: pic {result['pic']['decode_tokens_per_s']:.1f} tokens/s")
         except Exception as exc:  # noqa: BLE001
             errors.append(f"decode batch {batch}: {type(exc).__name__}: {exc}")
             print(errors[-1])
+    if graphed is not None:
+        print(f"graphs: {graphed.num_replays} forwards replayed, {graphed.num_eager} eager (plan differed)")
     report = make_report(args, rows, decodes, errors, engine) | {"wall_s": time.perf_counter() - start}
+    if graphed is not None:
+        report["graphs"] = {"replayed": graphed.num_replays, "eager": graphed.num_eager}
     out = Path(args.out)
     _gpu.write_json(out / "ttft.json", report)
     model_name = f"{args.shape['num_hidden_layers']}-layer Mistral, random {report['model']['dtype']} weights"

@@ -262,7 +262,7 @@ def store_kv_kernel(
     v_ptr,  # [N, Hkv * D]
     k_rows_ptr,  # [num_blocks * block_size, Hkv * D] one layer's K rows
     v_rows_ptr,
-    rows_ptr,  # [N] int64 cache rows
+    rows_ptr,  # [N] int64 cache rows; -1: none (a padded row of a graph's bucket: pic.model.graphs)
     stride_k,
     stride_v,
     stride_kr,
@@ -273,8 +273,9 @@ def store_kv_kernel(
     """Write token ``i``'s K and V into cache row ``rows[i]``: one launch for both."""
     token = tl.program_id(0).to(tl.int64)
     row = tl.load(rows_ptr + token)
-    for start in range(0, WIDTH, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        ok = cols < WIDTH
-        tl.store(k_rows_ptr + row * stride_kr + cols, tl.load(k_ptr + token * stride_k + cols, mask=ok), mask=ok)
-        tl.store(v_rows_ptr + row * stride_vr + cols, tl.load(v_ptr + token * stride_v + cols, mask=ok), mask=ok)
+    if row >= 0:
+        for start in range(0, WIDTH, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            ok = cols < WIDTH
+            tl.store(k_rows_ptr + row * stride_kr + cols, tl.load(k_ptr + token * stride_k + cols, mask=ok), mask=ok)
+            tl.store(v_rows_ptr + row * stride_vr + cols, tl.load(v_ptr + token * stride_v + cols, mask=ok), mask=ok)

@@ -19,7 +19,9 @@ from torch import nn
 
 from pic.attention import AttentionBackend, AttentionBatch, AttentionShape, RopeTable, make_batch, select_backend
 from pic.config import DecodeWeights
+from pic.errors import InvalidInputError
 from pic.kv import KVCache, RequestKV
+from pic.model.graphs import GraphedForwards
 from pic.model.norm import norm_eps, rms_norm
 from pic.model.products import INT8_MAX_ROWS, FloatProducts, model_products, products_for
 from pic.model.spec import ModelSpec, inspect_model
@@ -128,6 +130,20 @@ class ModelRunner:
         norms = [self._norm, *(m for m in self._layers.modules() if m is not self._layers and norm_eps(m) is not None)]
         self._norm_eps = {id(m): norm_eps(m) for m in norms if norm_eps(m) is not None}
         self._decode = products_for(decode_weights, self._layers, self._lm_head, model=self._float)
+        self.graphed: GraphedForwards | None = None
+
+    def use_graphs(self, *, capture: bool) -> GraphedForwards:
+        """Serve the forwards of few rows through per-bucket graphs from now on (``pic.model.graphs``): captured
+        CUDA graphs (``capture``, a CUDA runner), or their eager body on the same buffers (the CPU's check)."""
+        if capture and self.spec.device.type != "cuda":
+            raise InvalidInputError(f"CUDA graphs need a CUDA model; this one is on {self.spec.device}")
+        if self.attention_backend.name != "triton":
+            raise InvalidInputError(
+                f"graphs replay the Triton backend's launches; this engine attends with {self.attention_backend.name!r}"
+                " (attention_backend='triton')"
+            )
+        self.graphed = GraphedForwards(self, capture=capture)
+        return self.graphed
 
     @contextlib.contextmanager
     def observe_attention(self, observer: AttentionObserver) -> Iterator[None]:
@@ -149,6 +165,8 @@ class ModelRunner:
             per sequence, ``[m, hidden_size]``: the final (normed) hidden states of its ``output_rows``
             (``m = 0`` without). ``logits`` turns the rows to sample into logits.
         """
+        if self.graphed is not None and self.graphed.accepts(seqs):
+            return self.graphed.forward(seqs)
         for seq in seqs:
             seq.kv.kv_positions[seq.slots] = seq.positions
         lens = [s.token_ids.shape[0] for s in seqs]

@@ -110,6 +110,8 @@ def build_core(
         StoreUnavailableError: an unreachable Redis (``on_redis_error="raise"``).
     """
     runner = ModelRunner(model, attention_backend=config.attention_backend, decode_weights=config.decode_weights)
+    if config.cuda_graphs:
+        runner.use_graphs(capture=True)
     spec = runner.spec
     expected = Expected(
         fingerprint=fingerprint, num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,

@@ -1,0 +1,216 @@
+"""CUDA graphs for the forwards of few rows: decode steps and a link's query pass, one graph per bucket.
+
+A forward of few rows is bound by the host: issue 50's H100 run took 36.9 ms of wall time for a naive 16K link whose
+GPU work was 10.6 ms, in 1,343 launches. A CUDA graph replays a forward's launches in one call. As vLLM captures its
+decode batches, each graph here serves one *bucket*: a number of rows (decode sequences, or a pass's query tokens)
+and of slots, each padded up to the next bucket. Everything a graph reads lives in its static buffers, rewritten
+before each replay: the token ids, positions and cache rows of the padded rows; the block tables and slot positions;
+and the attention plan, which is built eagerly for every forward (``AttentionBackend.plan``: a few small operations,
+some on the host) and copied into the plan the graph was captured with (``copy_into``: same shapes by construction
+of the bucket; a plan that differs anyway runs eagerly, counted in ``num_eager``).
+
+Padding: a padded decode row is a sequence of its own with no slot written (it attends nothing, writes nothing);
+a padded pass row belongs to the pass at position 0 and writes nothing (cache row ``-1``: the Triton store kernel
+skips it), so real rows never see a padded one. Only the Triton backend takes part (the reference backend's plan is
+not of fixed shape), and only forwards without layer hooks, attention observers, APE's context scaling or a dynamic
+rope type (whose tables change with the length).
+
+With ``capture=False`` (the CPU, where there are no graphs) the same buckets, buffers, padding and plan copies run,
+and the body runs eagerly on them: what a graph would replay, checked against the runner's own forward
+(``tests/test_graphs.py``, under Triton's interpreter).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pic.attention import make_batch
+
+# Rows per bucket (decode sequences, or a pass's query tokens): vLLM's capture sizes' start.
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+# Slots per sequence are padded to a multiple of this many blocks' worth, at least (a graph per 256-slot step).
+SLOT_STEP = 256
+
+
+class PlanMismatch(Exception):
+    """A plan whose shape differs from the captured one's (it runs eagerly)."""
+
+
+def copy_into(dst, src) -> None:
+    """Copy the plan ``src`` into ``dst`` (dataclasses, dicts, tuples, lists of tensors and scalars): every tensor
+    ``copy_``-ed in place, every other value equal. Raises ``PlanMismatch`` on a shape, dtype or value that differs."""
+    if isinstance(dst, torch.Tensor):
+        if not isinstance(src, torch.Tensor) or src.shape != dst.shape or src.dtype != dst.dtype:
+            raise PlanMismatch(f"{getattr(src, 'shape', src)} into {tuple(dst.shape)}")
+        if src.data_ptr() != dst.data_ptr():
+            dst.copy_(src, non_blocking=True)
+    elif dataclasses.is_dataclass(dst):
+        for f in dataclasses.fields(dst):
+            copy_into(getattr(dst, f.name), getattr(src, f.name))
+    elif isinstance(dst, dict):
+        if dst.keys() != src.keys():
+            raise PlanMismatch(f"keys {list(src)} into {list(dst)}")
+        for key in dst:
+            copy_into(dst[key], src[key])
+    elif isinstance(dst, (tuple, list)):
+        if len(dst) != len(src):
+            raise PlanMismatch(f"{len(src)} items into {len(dst)}")
+        for a, b in zip(dst, src, strict=True):
+            copy_into(a, b)
+    elif dst != src:
+        raise PlanMismatch(f"{src!r} into {dst!r}")
+
+
+def bucket_rows(num_rows: int) -> int | None:
+    """The bucket of ``num_rows`` rows, ``None`` past the largest."""
+    return next((b for b in ROW_BUCKETS if b >= num_rows), None)
+
+
+@dataclass
+class _Graph:
+    """One bucket's static buffers (``[R]`` rows, ``[B]`` sequences, ``[B, S]`` slots) and its graph."""
+
+    decode: bool
+    token_ids: torch.Tensor  # [R] int64
+    positions: torch.Tensor  # [R] int64
+    rows: torch.Tensor  # [R] int64 cache rows written; -1: none (a padded row)
+    tables: torch.Tensor  # [B, S // block_size] int64
+    kv_positions: torch.Tensor  # [B, S] int64
+    out: torch.Tensor  # [R, hidden_size] final normed hidden states
+    cache: object  # the engine's KVCache
+    plan: object = None  # the attention plan the body reads (the graph's: rewritten by copy_into)
+    batch: object = None  # the AttentionBatch of the last plan
+    graph: object = None  # torch.cuda.CUDAGraph once captured
+
+
+class GraphedForwards:
+    """The runner's forwards of few rows through per-bucket graphs (``capture``) or their eager body on the same
+    buffers (``capture=False``).
+
+    Args:
+        runner: the ``ModelRunner`` whose forward this serves.
+        capture: capture CUDA graphs (a CUDA runner only).
+    """
+
+    def __init__(self, runner, *, capture: bool) -> None:
+        self.runner, self.capture = runner, capture
+        self._graphs: dict[tuple[bool, int, int], _Graph] = {}
+        self._pool = None
+        self.num_replays = 0  # forwards served by a bucket
+        self.num_eager = 0  # forwards it accepted whose plan differed from the bucket's (run eagerly instead)
+
+    def accepts(self, seqs: Sequence) -> bool:
+        """Whether a bucket serves ``seqs``: every sequence decoding, or one pass, of ``ROW_BUCKETS`` rows at most,
+        without hooks, APE's context or a dynamic rope type, on the Triton backend, no observer installed."""
+        runner = self.runner
+        if runner.attention_backend.name != "triton" or runner._observer is not None or runner.rope.is_dynamic:
+            return False
+        if any(s.after_layer is not None or s.kv.context is not None for s in seqs):
+            return False
+        decode = all(s.decode for s in seqs)
+        num_rows = sum(s.token_ids.shape[0] for s in seqs)
+        return (decode or len(seqs) == 1) and bucket_rows(num_rows) is not None
+
+    def forward(self, seqs: Sequence) -> list[torch.Tensor]:
+        """``ModelRunner.forward`` of ``seqs`` (``accepts``) through its bucket."""
+        decode = all(s.decode for s in seqs)
+        num_rows = sum(s.token_ids.shape[0] for s in seqs)
+        block_size = seqs[0].kv.cache.block_size
+        slots = max(s.kv.kv_positions.shape[0] for s in seqs)
+        num_slots = -(-slots // SLOT_STEP) * SLOT_STEP
+        num_slots = -(-num_slots // block_size) * block_size
+        key = (decode, bucket_rows(num_rows), num_slots)
+        for seq in seqs:
+            seq.kv.kv_positions[seq.slots] = seq.positions
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = self._graphs[key] = self._new(seqs, key, block_size)
+        self._fill(graph, seqs)
+        plan = self._plan(graph, num_seqs=len(seqs) if not decode else key[1])
+        try:
+            copy_into(graph.plan, plan)
+        except PlanMismatch:
+            self.num_eager += 1
+            self._body(graph, plan)
+        else:
+            self.num_replays += 1
+            graph.graph.replay() if graph.graph is not None else self._body(graph, graph.plan)
+        return self._outputs(graph, seqs)
+
+    def _new(self, seqs: Sequence, key: tuple[bool, int, int], block_size: int) -> _Graph:
+        """A bucket's buffers, filled from ``seqs``, its plan, and (``capture``) its graph."""
+        decode, num_rows, num_slots = key
+        num_seqs = num_rows if decode else 1
+        device = seqs[0].token_ids.device
+        spec = self.runner.spec
+        graph = _Graph(
+            decode=decode,
+            token_ids=torch.zeros(num_rows, dtype=torch.long, device=device),
+            positions=torch.zeros(num_rows, dtype=torch.long, device=device),
+            rows=torch.full((num_rows,), -1, dtype=torch.long, device=device),
+            tables=torch.zeros(num_seqs, num_slots // block_size, dtype=torch.long, device=device),
+            kv_positions=torch.full((num_seqs, num_slots), -1, dtype=torch.long, device=device),
+            out=torch.empty(num_rows, self.runner._embed.embedding_dim, dtype=spec.dtype, device=device),
+            cache=seqs[0].kv.cache,
+        )
+        self._fill(graph, seqs)
+        graph.plan = self._plan(graph, num_seqs=num_seqs)
+        if self.capture:
+            self._body(graph, graph.plan)  # warm: every kernel compiled before the capture
+            torch.cuda.synchronize(device)
+            graph.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph.graph, pool=self._pool):
+                self._body(graph, graph.plan)
+            self._pool = graph.graph.pool()
+        return graph
+
+    def _fill(self, graph: _Graph, seqs: Sequence) -> None:
+        """Write ``seqs``' rows and KV into the bucket's buffers; padded rows and sequences as the module says."""
+        ids = torch.cat([s.token_ids for s in seqs])
+        n = ids.shape[0]
+        graph.token_ids[:n] = ids
+        graph.token_ids[n:] = 0
+        graph.positions[:n] = torch.cat([s.positions for s in seqs])
+        graph.positions[n:] = 0
+        graph.rows[:n] = torch.cat([s.kv.physical(s.slots) for s in seqs])
+        graph.rows[n:] = -1
+        graph.kv_positions.fill_(-1)
+        graph.tables.zero_()
+        for b, seq in enumerate(seqs):
+            graph.kv_positions[b, : seq.kv.kv_positions.shape[0]] = seq.kv.kv_positions
+            graph.tables[b, : seq.kv.block_table.shape[0]] = seq.kv.block_table
+
+    def _plan(self, graph: _Graph, *, num_seqs: int) -> object:
+        """The attention plan of the bucket's buffers as they are now."""
+        runner = self.runner
+        num_rows = graph.token_ids.shape[0]
+        lens = [1] * num_seqs if graph.decode else [num_rows]
+        batch = make_batch(
+            block_tables=list(graph.tables), kv_positions=list(graph.kv_positions), q_positions=graph.positions,
+            seq_lens=lens, rope=runner.rope, decoding=[graph.decode] * num_seqs,
+        )  # fmt: skip
+        graph.batch = batch
+        return runner.attention_backend.plan(batch)
+
+    def _body(self, graph: _Graph, plan: object) -> None:
+        """What a graph replays: every layer over the bucket's rows, the final norm into ``graph.out``."""
+        runner = self.runner
+        hidden = runner._embed(graph.token_ids)
+        cache = graph.cache
+        products = runner._decode_products(graph.token_ids.shape[0]) if graph.decode else runner._float
+        for index, layer in enumerate(runner._layers):
+            hidden, _ = runner._layer(index, layer, hidden, cache, graph.batch, plan, graph.rows, products)
+        graph.out.copy_(runner._normed(runner._norm, hidden))
+
+    def _outputs(self, graph: _Graph, seqs: Sequence) -> list[torch.Tensor]:
+        outputs, start = [], 0
+        for seq in seqs:
+            n = seq.token_ids.shape[0]
+            rows = seq.output_rows
+            outputs.append(graph.out[:0] if rows is None or not rows.numel() else graph.out[start + rows].clone())
+            start += n
+        return outputs
