@@ -77,6 +77,7 @@ def compile_launches(*, arch: int, dtype: str, num_q_heads: int, num_kv_heads: i
 def jit_cache_sizes() -> dict[str, int]:
     """Compiled variants each of pic's kernels holds in the JIT's cache, over all devices."""
     kernels = (triton_kernels.paged_attention_kernel, triton_kernels.combine_splits_kernel)
+    kernels += (triton_kernels.rotate_k_kernel,)
     return {k.__name__: sum(len(cache[0]) for cache in k.device_caches.values()) for k in kernels}
 
 

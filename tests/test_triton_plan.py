@@ -165,10 +165,15 @@ def test_launches_and_rotary_halves():
     cpu = torch.device("cpu")
     hopper = triton_backend.TritonBackend(shape, capability=(9, 0)).launches(cpu)
     ampere = triton_backend.TritonBackend(shape, capability=(8, 0)).launches(cpu)
-    assert list(hopper) == ["decode", "prefill 64", "prefill 128", "decode split", "prefill 64 split",
-                            "prefill 128 split"]  # fmt: skip
-    assert list(ampere) == ["decode", "prefill 64", "decode split", "prefill 64 split"]
+    assert list(hopper) == ["decode", "prefill 64", "prefill 128", "prefill 64 once", "prefill 128 once",
+                            "decode split", "prefill 64 split", "prefill 128 split", "prefill 64 once split",
+                            "prefill 128 once split"]  # fmt: skip
+    assert list(ampere) == ["decode", "prefill 64", "prefill 64 once", "decode split", "prefill 64 split",
+                            "prefill 64 once split"]  # fmt: skip
     assert all(launch.split == name.endswith("split") for name, launch in hopper.items())
+    assert all(launch.rotated_once == (" once" in name) != launch.rotate_k for name, launch in hopper.items())
+    in_loop = triton_backend.TritonBackend(shape, capability=(9, 0), rotate_once=False).launches(cpu)
+    assert not any("once" in name for name in in_loop)
     assert (hopper["prefill 128"].num_warps, hopper["prefill 128"].block_n) == (8, 64)
     assert (hopper["decode"].block_m, hopper["decode"].num_warps) == (16, 4)
     case = make_case(seqs=[(30, "all"), (12, "decode")], num_q_heads=4, num_kv_heads=2, head_dim=16, page=4)
@@ -183,6 +188,8 @@ def test_launches_and_rotary_halves():
     assert first.cos.dtype == torch.float16 and first.cos.shape == (c.batch.rope_cos.shape[0], 8)
     assert torch.equal(first.sin.float(), c.batch.rope_sin[:, :8].half().float())
     assert second.cos is first.cos and second.sin is first.sin
+    once = triton_backend.TritonBackend(c.shape(), rotate_once=True).plan(c.batch).prefill.rotated  # float32 halves
+    assert once.cos.dtype == torch.float32 and torch.equal(once.sin, c.batch.rope_sin[:, :8])
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="compiles for the GPU under test")
@@ -199,3 +206,32 @@ def test_precompiled_variants_are_the_ones_launched():
     plan = kernel.plan(c.batch)
     out = _attend(c, kernel, plan, None)
     assert plan.decode.launch.split and jit_cache_sizes() == before and out.isfinite().all()
+
+
+def test_launch_configs_come_from_one_table_per_head_dim():
+    """``triton_config.LAUNCH_CONFIGS`` sets every launch's KV tile, warps and stages per head dim (a head dim not
+    in it takes the next larger row), the ``once`` launches their own row where the table has one, and plans pad
+    their slots to a multiple of every KV tile of the row."""
+    from pic.attention import triton_config
+
+    cpu = torch.device("cpu")
+    assert triton_config.launch_config(100, "decode") == triton_config.LAUNCH_CONFIGS[128]["decode"]
+    assert triton_config.launch_config(512, "prefill 64") == triton_config.LAUNCH_CONFIGS[256]["prefill 64"]
+    assert triton_config.launch_config(128, "prefill 128 once") == triton_config.LAUNCH_CONFIGS[128]["prefill 128"]
+    for head_dim, table in triton_config.LAUNCH_CONFIGS.items():
+        launches = triton_backend.TritonBackend(
+            AttentionShape(32, 8, head_dim, torch.bfloat16), capability=(9, 0)
+        ).launches(cpu)
+        assert ("prefill 128" in launches) == (table["prefill 128"] is not None)
+        for name, launch in launches.items():
+            config = triton_config.launch_config(head_dim, name.removesuffix(" split"))
+            assert (launch.block_n, launch.num_warps, launch.num_stages) == (
+                config.block_n, config.num_warps, config.num_stages
+            ), (head_dim, name)  # fmt: skip
+            assert triton_config.slot_step(head_dim) % launch.block_n == 0
+    wide = triton_backend.TritonBackend(AttentionShape(32, 8, 64, torch.bfloat16), capability=(9, 0)).launches(cpu)
+    assert (wide["prefill 128"].block_n, wide["prefill 128 once"].block_n) == (64, 128)
+    c = make_case(seqs=[(300, "all")], num_q_heads=8, num_kv_heads=2, head_dim=64, page=16).cast(torch.float32)
+    plan = triton_backend.TritonBackend(c.shape(), capability=(9, 0)).plan(c.batch)  # 10 query tiles of 128 rows
+    assert plan.prefill.launch.rotated_once and plan.prefill.launch.block_n == 128
+    assert plan.kv_pos.shape[1] % 128 == 0 and plan.prefill.rotated.block == 64

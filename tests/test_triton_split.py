@@ -73,16 +73,20 @@ def test_a_long_link_pass_splits_and_equals_the_reference(window):
     assert plan.prefill.launch.split and plan.decode.launch.split
 
 
+@pytest.mark.parametrize("rotate_once", [False, True] if DEVICE.type == "cpu" else [False])
 @pytest.mark.parametrize("window", [None, 6])
-def test_forced_prefill_splits_with_shuffled_positions(window):
+def test_forced_prefill_splits_with_shuffled_positions(window, rotate_once):
     """``prefill_splits`` asked for: splits of one KV tile over shuffled positions (some splits see no allowed
-    slot, some tiles fewer splits than the launch has); their partials start as NaN, never read."""
+    slot, some tiles fewer splits than the launch has); their partials start as NaN, never read. K rotated in the
+    loop or once per layer (each split reads the same rotated rows)."""
     seqs = [(23, "all"), (19, "subset"), (30, "decode"), (90, 7)]
     case = make_case(seqs=seqs, num_q_heads=8, num_kv_heads=2, head_dim=16, page=4, shuffled=True, device=DEVICE)
     c = case.cast(torch.float32)
-    kernel = triton_backend.TritonBackend(c.shape(window), block_n=16, prefill_block_m=16, prefill_splits=5)
+    kernel = triton_backend.TritonBackend(c.shape(window), block_n=16, prefill_block_m=16, prefill_splits=5,
+                                          rotate_once=rotate_once)  # fmt: skip
     plan = kernel.plan(c.batch)
     assert plan.prefill.launch.split and not plan.decode.launch.split
+    assert plan.prefill.launch.rotated_once == rotate_once and not plan.decode.launch.rotated_once
     plan.prefill.scratch.acc.fill_(float("nan"))
     plan.prefill.scratch.ml.fill_(float("nan"))
     reference = TorchBackend(case.shape(window))
@@ -93,7 +97,7 @@ def test_forced_prefill_splits_with_shuffled_positions(window):
     assert rel_error(out, expected) <= TOLERANCE[torch.float32]
 
 
-def _mistral_plan(keys: int, rows: int) -> triton_backend.TritonPlan:
+def _mistral_plan(keys: int, rows: int, **options) -> triton_backend.TritonPlan:
     """The plan of one recompute pass of ``rows`` query rows (the last positions) over ``keys`` slots, for
     Mistral-7B's attention (32 query heads, 8 KV heads, head_dim 128, bfloat16) on an H100 (132 SMs, sm_90)."""
     page = 16
@@ -105,7 +109,7 @@ def _mistral_plan(keys: int, rows: int) -> triton_backend.TritonPlan:
         seq_lens=[rows],
         rope=rope,
     )
-    return triton_backend.TritonBackend(AttentionShape(32, 8, 128, torch.bfloat16), **H100).plan(batch)
+    return triton_backend.TritonBackend(AttentionShape(32, 8, 128, torch.bfloat16), **H100, **options).plan(batch)
 
 
 def test_the_plan_splits_a_link_and_not_a_prefill():
@@ -140,3 +144,22 @@ def test_split_limits_by_waves_for_passes_and_by_one_wave_for_decodes():
     assert limit(num_programs=2, num_kv_tiles=256, resident=132, balance_waves=True) == triton_split.MAX_SPLITS
     assert limit(num_programs=2, num_kv_tiles=20, resident=132, balance_waves=True) == 5  # 4 tiles per split
     assert limit(num_programs=8, num_kv_tiles=256, resident=0, balance_waves=True) == 1  # no GPU to fill
+
+
+def test_the_plan_rotates_k_once_for_passes_of_many_query_tiles():
+    """On an H100 with Mistral-7B's heads (a 128-row tile is 32 query tokens x 4 heads): a pass of 4 query tiles or
+    more per sequence reads its K rotated once per layer (each of its tiles would rotate every KV tile it visits
+    again in the loop): 128, 512 and 544 rows over 16K keys (the 544 split as before); 32 and 96 rows rotate in the
+    loop (one and three tiles), decodes always. ``rotate_once`` forces either way; the rows are one layer's K of the
+    pass (16K slots x 8 heads x 128, bfloat16: 32 MiB)."""
+    for rows, once in ((32, False), (96, False), (128, True), (512, True), (544, True)):
+        plan = _mistral_plan(16384, rows)
+        assert plan.prefill.launch.rotated_once == once and (plan.prefill.rotated is not None) == once, rows
+        assert plan.prefill.launch.rotate_k != once and not plan.decode.launch.rotated_once
+    rotated = _mistral_plan(16384, 512).prefill.rotated
+    assert rotated.rows.shape == (16384, 8, 128) and rotated.rows.dtype == torch.bfloat16
+    assert rotated.cos.dtype == torch.float32 and rotated.block == 64
+    heads = _mistral_plan(16384, 544).prefill
+    assert heads.launch.split and heads.work[None].max_splits == 6
+    assert not _mistral_plan(16384, 512, rotate_once=False).prefill.launch.rotated_once
+    assert _mistral_plan(16384, 32, rotate_once=True).prefill.launch.rotated_once

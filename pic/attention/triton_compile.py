@@ -8,6 +8,7 @@ one on a machine without it (``tests/compile_kernels.py``).
 
 from __future__ import annotations
 
+import math
 import re
 import subprocess
 import tempfile
@@ -20,8 +21,9 @@ import triton
 
 from pic.attention.backend import AttentionShape
 from pic.attention.batch import AttentionBatch
+from pic.attention.triton_config import launch_config
 from pic.attention.triton_launch import launch_attention, launch_store, pow2
-from pic.attention.triton_plan import Launch, TritonPlan, warmup_batch
+from pic.attention.triton_plan import Launch, RotatedK, TritonPlan, warmup_batch
 from pic.attention.triton_split import SplitScratch
 
 # Per SM, sm_80 and sm_90: 64K 32-bit registers, allocated per warp in units of 256; at most 64 warps
@@ -50,9 +52,11 @@ class CompiledLaunch:
     """A kernel variant ``TritonBackend.precompile`` compiled.
 
     Attributes:
-        name: which launch (``"decode"``, ``"decode split"``, ``"prefill 64"``, ``"prefill 128"``, ``"store"``).
+        name: which launch (``"decode"``, ``"decode split"``, ``"prefill 64"``, ``"prefill 128 once split"``, ...,
+            ``"store"``).
         window: compiled for a sliding window.
-        kernels: the ``triton.compiler.CompiledKernel`` of each kernel the launch runs, in order.
+        kernels: the ``triton.compiler.CompiledKernel`` of each kernel the launch runs: the attention kernel first,
+            then ``combine_splits_kernel`` (split launches), then ``rotate_k_kernel`` (``once`` launches).
     """
 
     name: str
@@ -74,7 +78,16 @@ def compile_launches(backend: Launches, k_cache: torch.Tensor, v_cache: torch.Te
             num_programs=plan.decode.num_tiles * num_kv_heads * 2, block_m=launch.block_m, d_pad=pow2(head_dim),
             device=device,
         )  # fmt: skip
-        tiles = replace(plan.decode, launch=launch, scratch=scratch if launch.split else None)
+        rotated = None
+        if launch.rotated_once:  # rows for the warm-up batch's first sequence, as a plan makes them
+            config = launch_config(head_dim, "rotate")
+            num_slots = plan.kv_pos.shape[1]
+            rotated = RotatedK.empty(
+                [0], plan.cos.float(), plan.sin.float(), num_seqs=plan.kv_pos.shape[0], num_slots=num_slots,
+                num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=shape.dtype, device=device,
+                block=math.gcd(config.block_n, num_slots), num_warps=config.num_warps,
+            )  # fmt: skip
+        tiles = replace(plan.decode, launch=launch, scratch=scratch if launch.split else None, rotated=rotated)
         for window in sorted(set(shape.sliding_windows), key=lambda w: w is not None):
             out = torch.empty_like(q)
             kernels = launch_attention(q, k_cache, v_cache, out, plan, tiles, scaling=1.0, window=window, warmup=True)

@@ -25,6 +25,15 @@ unnormalized accumulator, running max and sum, and ``combine_splits_kernel`` mer
 empty. Split counts are run-time values: a decode whose split count changes as its context grows compiles
 nothing new.
 
+K rotated once (``rotate_k_kernel``, ``K_SEQ_ROWS``): a recompute passes' launch of many query tiles per sequence
+would rotate each KV tile once per query tile visiting it (16 times for a 512-row pass at 128 rows a tile). Instead
+``rotate_k_kernel`` rotates the launch's sequences' K once per layer into rows laid out per sequence in slot order
+(one per-forward buffer, rewritten by each layer), with the float32 half-table, and the attention kernel reads
+them with ``ROTATE_K=False`` and ``K_SEQ_ROWS``: no rotation and no block-table lookup for K in its loop (V is still
+paged). The table is read once per slot there, so it is not rounded to the model's dtype: the rotated rows are
+what SDPA is given in ``benchmarks/attention.py`` (bit for bit in the interpreter), and the kernel's error against
+float64 is flash attention's (the in-loop table in the model's dtype made it 1.17x SDPA's on the H100 run).
+
 Every kernel is the one the CUDA path runs; the CPU tests run the same source in Triton's interpreter.
 Offsets that scale with the pool or the batch (cache rows, query rows, partials) are int64.
 """
@@ -49,15 +58,17 @@ def _rotate(x1, x2, table_row, cos_ptr, sin_ptr, cols, col_ok, HALF: tl.constexp
 @triton.jit
 def _kv_tiles(
     m_i, l_i, acc, q1, q2, q_pos, row_ok, work, kv_pos, table, k_ptr, v_ptr, stride_kr, stride_vr,
-    rope_off, cos_ptr, sin_ptr, window, first, last, cols, col_ok, d, d_ok,
+    rope_off, cos_ptr, sin_ptr, window, first, last, cols, col_ok, d, d_ok, k_first,
     HALF: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, MASKED: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, ROTATE_K: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, ROTATE_K: tl.constexpr, K_SEQ_ROWS: tl.constexpr,
 ):  # fmt: skip
     """The online softmax over work-list entries ``first .. last - 1`` of one (query tile, KV head): the running
     max ``m_i`` and sum ``l_i`` ``[BLOCK_M]`` and unnormalized output ``acc`` ``[BLOCK_M, D_PAD]`` (float32), updated.
     ``k_ptr, v_ptr``: this head's K and V in row 0; ``rope_off``: the sequence's row of the rotary halves.
     ``MASKED``: mask each score by position (exact causality, window) and load only written slots; without it
-    (whole tiles) every slot is written and attended by every row. Branch-free: the loads pipeline."""
+    (whole tiles) every slot is written and attended by every row. ``K_SEQ_ROWS``: slot ``s``'s K is row
+    ``k_first + s`` (``rotate_k_kernel``'s rows, already rotated), not the block table's. Branch-free: the loads
+    pipeline."""
     dot_dtype = q1.dtype
     offs_n = tl.arange(0, BLOCK_N)
     for i in range(first, last):
@@ -65,7 +76,10 @@ def _kv_tiles(
         k_pos = tl.load(kv_pos + slots)
         written = k_pos >= 0
         row = tl.load(table + slots // PAGE).to(tl.int64) * PAGE + slots % PAGE
-        k_at = k_ptr + row[:, None] * stride_kr + cols[None, :]
+        if K_SEQ_ROWS:
+            k_at = k_ptr + (k_first + slots)[:, None] * stride_kr + cols[None, :]
+        else:
+            k_at = k_ptr + row[:, None] * stride_kr + cols[None, :]
         v_at = v_ptr + row[:, None] * stride_vr + d[None, :]
         if MASKED:
             k_ok, v_ok = written[:, None] & col_ok[None, :], written[:, None] & d_ok[None, :]
@@ -107,6 +121,7 @@ def paged_attention_kernel(
     cos_ptr,  # [R, D // 2] model dtype: one half of the rotate-half table
     sin_ptr,  # [R, D // 2]
     rope_off_ptr,  # [B] int32 table row of position 0 per sequence
+    k_first_ptr,  # [B] int64 first K row of each sequence (K_SEQ_ROWS: slot s of sequence b is row k_first[b] + s)
     tile_seq_ptr,  # [T] int32 sequence of each tile
     tile_row_ptr,  # [T] int32 first query row of each tile
     cu_q_ptr,  # [B + 1] int32 query rows per sequence
@@ -141,7 +156,8 @@ def paged_attention_kernel(
     HAS_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs (no TF32), else None (the default)
     WHOLE_TILES: tl.constexpr,  # run the list's whole tiles in an unmasked loop (else every tile masked)
-    ROTATE_K: tl.constexpr = True,  # False: the cache holds K already rotated (benchmarks: paging without rotation)
+    ROTATE_K: tl.constexpr = True,  # False: K is read already rotated (rotate_k_kernel's rows, or benchmarks' cache)
+    K_SEQ_ROWS: tl.constexpr = False,  # K of each sequence in slot order from k_first (rotate_k_kernel's), no table
 ):
     tile, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -179,19 +195,20 @@ def paged_attention_kernel(
     kv_pos = kv_pos_ptr + seq.to(tl.int64) * stride_kv_pos
     table = tables_ptr + seq.to(tl.int64) * stride_table
     k_head, v_head = k_ptr + kv_head * stride_kh, v_ptr + kv_head * stride_vh
+    k_first = tl.load(k_first_ptr + seq).to(tl.int64) if K_SEQ_ROWS else 0
     masked_from = start
     if WHOLE_TILES:  # the list's whole tiles in this program's share, unmasked
         n_whole = tl.load(work_whole_ptr + tile)
         m_i, l_i, acc = _kv_tiles(
             m_i, l_i, acc, q1, q2, q_pos, row_ok, work, kv_pos, table, k_head, v_head, stride_kr, stride_vr,
-            rope_off, cos_ptr, sin_ptr, window, start, tl.minimum(end, n_whole), cols, col_ok, d, d_ok,
-            HALF, BLOCK_N, PAGE, False, HAS_WINDOW, DOT_PRECISION, ROTATE_K,
+            rope_off, cos_ptr, sin_ptr, window, start, tl.minimum(end, n_whole), cols, col_ok, d, d_ok, k_first,
+            HALF, BLOCK_N, PAGE, False, HAS_WINDOW, DOT_PRECISION, ROTATE_K, K_SEQ_ROWS,
         )  # fmt: skip
         masked_from = tl.maximum(start, n_whole)
     m_i, l_i, acc = _kv_tiles(
         m_i, l_i, acc, q1, q2, q_pos, row_ok, work, kv_pos, table, k_head, v_head, stride_kr, stride_vr,
-        rope_off, cos_ptr, sin_ptr, window, masked_from, end, cols, col_ok, d, d_ok,
-        HALF, BLOCK_N, PAGE, True, HAS_WINDOW, DOT_PRECISION, ROTATE_K,
+        rope_off, cos_ptr, sin_ptr, window, masked_from, end, cols, col_ok, d, d_ok, k_first,
+        HALF, BLOCK_N, PAGE, True, HAS_WINDOW, DOT_PRECISION, ROTATE_K, K_SEQ_ROWS,
     )  # fmt: skip
 
     if not SPLIT_KV:
@@ -279,3 +296,52 @@ def store_kv_kernel(
             ok = cols < WIDTH
             tl.store(k_rows_ptr + row * stride_kr + cols, tl.load(k_ptr + token * stride_k + cols, mask=ok), mask=ok)
             tl.store(v_rows_ptr + row * stride_vr + cols, tl.load(v_ptr + token * stride_v + cols, mask=ok), mask=ok)
+
+
+@triton.jit(do_not_specialize=["stride_table", "stride_kv_pos"])
+def rotate_k_kernel(
+    k_ptr,  # [num_blocks * block_size, Hkv, D] NoPE K rows of one layer
+    out_ptr,  # [P * S, Hkv, D] K rotated: sequence seqs[p]'s slot s at row p * S + s
+    cos_ptr,  # [R, D // 2] as paged_attention_kernel's
+    sin_ptr,
+    rope_off_ptr,  # [B] int32
+    seqs_ptr,  # [P] int32 the sequences rotated
+    tables_ptr,  # [B, S // PAGE] int32
+    kv_pos_ptr,  # [B, S] int32, -1 = never attended
+    stride_kr,
+    stride_kh,
+    stride_or,
+    stride_oh,
+    stride_table,
+    stride_kv_pos,
+    num_slots,  # S, a multiple of BLOCK (and of 16: specialized, always the same variant)
+    HEAD_DIM: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    BLOCK: tl.constexpr,  # slots per program
+    PAGE: tl.constexpr,
+):
+    """Rotate ``BLOCK`` slots of one KV head of one sequence at their positions, once per layer and forward, for a
+    recompute pass's launch to read with ``K_SEQ_ROWS`` (no rotation, no block table for K) instead of rotating them
+    again in every query tile that visits them. The arithmetic is the attention kernel's ``_rotate`` (float32
+    products of the model-dtype K and half-table, rounded once to the model's dtype), so the attention kernel's dot
+    reads the values it would have rotated itself. Unwritten slots are never loaded (their rows get zeros)."""
+    block, p, kv_head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    HALF: tl.constexpr = HEAD_DIM // 2
+    seq = tl.load(seqs_ptr + p).to(tl.int64)
+    slots = block * BLOCK + tl.arange(0, BLOCK)
+    k_pos = tl.load(kv_pos_ptr + seq * stride_kv_pos + slots)
+    written = k_pos >= 0
+    row = tl.load(tables_ptr + seq * stride_table + slots // PAGE).to(tl.int64) * PAGE + slots % PAGE
+    cols = tl.arange(0, HALF_PAD)
+    col_ok = cols < HALF
+    k_at = k_ptr + kv_head * stride_kh + row[:, None] * stride_kr + cols[None, :]
+    ok = written[:, None] & col_ok[None, :]
+    k1 = tl.load(k_at, mask=ok, other=0.0)
+    k2 = tl.load(k_at + HALF, mask=ok, other=0.0)
+    rope_off = tl.load(rope_off_ptr + seq)
+    k1, k2 = _rotate(k1, k2, rope_off + tl.maximum(k_pos, 0), cos_ptr, sin_ptr, cols, col_ok, HALF)
+    out_row = p.to(tl.int64) * num_slots + slots
+    o_at = out_ptr + kv_head * stride_oh + out_row[:, None] * stride_or + cols[None, :]
+    dtype = out_ptr.dtype.element_ty
+    tl.store(o_at, k1.to(dtype), mask=col_ok[None, :])
+    tl.store(o_at + HALF, k2.to(dtype), mask=col_ok[None, :])

@@ -57,7 +57,10 @@ class Launch:
         num_stages: KV tiles in flight in the software pipeline (async copies issued ahead).
         max_registers: per thread (PTX ``.maxnreg``; ``None``: ptxas chooses).
         whole_tiles: run each work list's whole tiles in a loop without the mask (a second loop: more registers).
-        rotate_k: rotate K as it is read (``False``: the cache holds it rotated; benchmarks only).
+        rotate_k: rotate K as it is read (``False``: K is read already rotated, from ``rotated_once``'s rows or,
+            in benchmarks, from a cache holding it rotated).
+        rotated_once: read each sequence's K from ``RotatedK.rows``, which ``rotate_k_kernel`` fills once per layer
+            before the launch (in slot order: no block table for K), instead of rotating it in the KV loop.
     """
 
     block_m: int
@@ -68,6 +71,51 @@ class Launch:
     max_registers: int | None = None
     whole_tiles: bool = True
     rotate_k: bool = True
+    rotated_once: bool = False
+
+
+@dataclass(frozen=True)
+class RotatedK:
+    """A recompute passes' launch's K rotated once per layer (``Launch.rotated_once``): ``rotate_k_kernel`` rewrites
+    ``rows`` at each layer, and the attention kernel reads them instead of the pool's NoPE K.
+
+    Attributes:
+        seqs: ``[P]`` int32, the sequences whose K is rotated (the launch's), in batch order.
+        first: ``[B]`` int64, the row of ``rows`` holding each sequence's slot 0 (``p * S`` for ``seqs[p]``; 0 for
+            the others, never read).
+        rows: ``[P * S, Hkv, D]`` in the model's dtype, shared by every layer of the forward.
+        cos, sin: ``[R, head_dim // 2]`` float32, one half of the rotary table: what ``rotate_k_kernel`` rotates K
+            with and the launch rotates its queries with (read once per row, so unrounded to the model's dtype).
+        block: slots per program of ``rotate_k_kernel`` (divides ``S``).
+        num_warps: of ``rotate_k_kernel``.
+    """
+
+    seqs: torch.Tensor
+    first: torch.Tensor
+    rows: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    block: int
+    num_warps: int
+
+    @classmethod
+    def empty(
+        cls, seqs: list[int], cos: torch.Tensor, sin: torch.Tensor, *, num_seqs: int, num_slots: int,
+        num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, block: int, num_warps: int,
+    ) -> RotatedK:  # fmt: skip
+        """Rows for ``seqs`` (host list) of a batch of ``num_seqs`` sequences of ``num_slots`` slots each."""
+        first = [0] * num_seqs
+        for p, b in enumerate(seqs):
+            first[b] = p * num_slots
+        return cls(
+            seqs=torch.tensor(seqs, dtype=torch.int32).to(device, non_blocking=True),
+            first=torch.tensor(first, dtype=torch.int64).to(device, non_blocking=True),
+            rows=torch.empty(len(seqs) * num_slots, num_kv_heads, head_dim, dtype=dtype, device=device),
+            cos=cos,
+            sin=sin,
+            block=block,
+            num_warps=num_warps,
+        )
 
 
 @dataclass(frozen=True)
@@ -80,6 +128,7 @@ class TritonTiles:
         launch: how the tiles are launched.
         work: per sliding window of the model (``None``: none), the tiles' work lists.
         scratch: a split launch's partial results (``None`` unsplit), shared by every layer and window.
+        rotated: the rows of K rotated once per layer that a ``Launch.rotated_once`` launch reads (else ``None``).
     """
 
     seq: torch.Tensor
@@ -87,6 +136,7 @@ class TritonTiles:
     launch: Launch
     work: dict[int | None, TritonWork]
     scratch: SplitScratch | None = None
+    rotated: RotatedK | None = None
 
     @property
     def num_tiles(self) -> int:
