@@ -139,10 +139,12 @@ def medians(raw: dict[str, list[float]]) -> dict[str, float]:
     return {name: statistics.median(values) for name, values in raw.items()}
 
 
-def write_json(path: Path, report: dict) -> None:
+def write_json(path: Path, report: dict, *, quiet: bool = False) -> None:
+    """Write ``report`` to ``path`` (``quiet``: without saying so, for the partial writes a long run makes)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {path}")
+    if not quiet:
+        print(f"wrote {path}")
 
 
 def pyplot(path: Path) -> Any:

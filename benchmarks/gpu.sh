@@ -12,6 +12,10 @@
 # sm_80 is left to the CPU's CI: it needs no GPU, and sm_90's runs here); "attention", "ttft", "profile" and
 # "memory" run benchmarks/attention.py, benchmarks/ttft.py, benchmarks/profile_link.py and benchmarks/memory.py
 # --model mistral-7b-random, which write benchmarks/results/{attention,ttft,memory_gpu}.{json,png} and profile.txt.
+# "attention" times the prefill kernel both ways beside SDPA-flash (512 rows over 4K-32K keys, and the 544-row link
+# pass): K rotated once per layer by rotate_k_kernel (`pic`, the plan's choice there) and rotated in the KV loop
+# (`pic_k_in_loop`), with the rotation launch alone (`pic_rotate_k_only`); it runs those passes before the decodes
+# and rewrites its JSON after every case, so a step cut short by its limit still returns them.
 # Each step has its own time limit in seconds (TESTS_S, ATTENTION_S, TTFT_S, PROFILE_S, MEMORY_S), and all of them
 # share one budget, TOTAL_S (570: a device call may run 600 s): a step gets at most what is left of it (less 20 s
 # for its kill and copies), and a step with under 30 s left is skipped. A step that fails, runs out of time or is
