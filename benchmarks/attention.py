@@ -55,6 +55,7 @@ from transformers.models.mistral.modeling_mistral import MistralRotaryEmbedding 
 
 from pic.attention import AttentionBatch, AttentionShape, RopeTable, TorchBackend, apply_rope, make_batch  # noqa: E402
 from pic.attention.triton_backend import TritonBackend  # noqa: E402
+from pic.attention.triton_config import LAUNCH_CONFIGS, TileConfig, overridden  # noqa: E402
 from pic.attention.triton_launch import launch_rotate  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -308,6 +309,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="CPU, interpreter, tiny float16 shapes, 1 round")
     parser.add_argument("--out", default="benchmarks/results/attention.json", help="the PNG goes beside it")
+    parser.add_argument("--tune", action="store_true", help="instead: sweep the prefill launch's configurations")
+    parser.add_argument("--tune-contexts", type=int, nargs="+", default=[16384])
+    parser.add_argument("--tune-block-n", type=int, nargs="+", default=[32, 64, 128])
+    parser.add_argument("--tune-stages", type=int, nargs="+", default=[2, 3, 4])
+    parser.add_argument("--tune-warps", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--tune-out", default="benchmarks/results/attention_tune.json")
     args = parser.parse_args()
     if not args.quick and not torch.cuda.is_available():
         parser.error("this benchmark needs a CUDA GPU (--quick runs a smoke test on the CPU)")
@@ -316,6 +323,7 @@ def parse_args() -> argparse.Namespace:
         args.contexts, args.decode_batches, args.prefill_queries, args.heads = [64, 128], [1, 2], 16, [4, 2, 32]
         args.link_context, args.link_queries = 256, [4, 20]
         args.rounds, args.dtype, args.device, args.back_to_back = 1, torch.float16, torch.device("cpu"), 2
+        args.tune_contexts, args.tune_block_n, args.tune_stages, args.tune_warps = [128], [16, 32], [1], [4]
     assert all(c % args.page == 0 and c >= args.prefill_queries for c in args.contexts), "whole pages, >= the prefill"
     assert not args.link_context or (args.link_context % args.page == 0 and args.link_context >= max(args.link_queries))
     return args
@@ -347,6 +355,89 @@ def make_report(rows: list[dict], args: argparse.Namespace, config: MistralConfi
     }
 
 
+def tune(args: argparse.Namespace, rope: RopeTable) -> None:
+    """``--tune``: the recompute passes' launch at ``--prefill-queries`` rows over each of ``--tune-contexts`` keys,
+    once per configuration of its ``LAUNCH_CONFIGS`` row (KV tile x stages x warps), reading K rotated once and
+    rotating it in the loop, and ``rotate_k_kernel``'s own row (slots per program x warps); each output checked
+    against float64, each timed as the cases are. Writes ``--tune-out``: every configuration's time and error, and
+    the fastest per kind and context, the rows to put in ``pic/attention/triton_config.py``."""
+    results, notes = [], []
+    for context in args.tune_contexts:
+        tune_context(Case("prefill", context, 1, args.prefill_queries), args, rope, results, notes)
+    best = {}
+    for row in results:
+        if row["kind"] != "sdpa" and row.get("rel_error", 0.0) <= ERROR_TARGET:
+            key = f"L={row['context']} {row['kind']}"
+            if key not in best or row["median_ms"] < best[key]["median_ms"]:
+                best[key] = row
+    dim = args.heads[2]
+    current = {k: asdict(v) if v else None for k, v in LAUNCH_CONFIGS[next_table_dim(dim)].items()}
+    settings = {k: getattr(args, k) for k in ("heads", "page", "prefill_queries", "rounds", "seed")}
+    report = {
+        "environment": _gpu.environment(args.device),
+        "command": _gpu.command(),
+        "settings": settings | {"dtype": str(args.dtype).removeprefix("torch.")},
+        "current_configs": current,
+        "results": results,
+        "fastest": best,
+        "notes": notes,
+    }
+    _gpu.write_json(Path(args.tune_out), report)
+    for key, row in best.items():
+        print(f"fastest {key}: {row}")
+
+
+def next_table_dim(head_dim: int) -> int:
+    """The ``LAUNCH_CONFIGS`` row a head dim reads."""
+    return min((d for d in LAUNCH_CONFIGS if d >= head_dim), default=max(LAUNCH_CONFIGS))
+
+
+def median_ms(fn: Callable[[], object], args: argparse.Namespace) -> float:
+    """``time_ms`` of ``fn``, the median over ``--rounds``."""
+    return _gpu.medians(_gpu.interleaved({"fn": lambda: time_ms(fn, args)}, rounds=args.rounds))["fn"]
+
+
+def tune_context(case: Case, args: argparse.Namespace, rope: RopeTable, results: list, notes: list) -> None:
+    """``tune`` at one context: rows appended to ``results`` (failures to ``notes``)."""
+    heads_q, heads_kv, dim = args.heads
+    shape, scaling = AttentionShape(heads_q, heads_kv, dim, args.dtype), dim**-0.5
+    inp = make_inputs(case, args, rope, args.device)
+    expected = exact(inp, case, rope, scaling)
+    kind = f"prefill {TritonBackend(shape).plan(inp.batch).prefill.launch.block_m}"
+    grid = [(b, s, w) for b in args.tune_block_n for s in args.tune_stages for w in args.tune_warps]
+    for once in (True, False):
+        name = f"{kind} once" if once else kind
+        for block_n, stages, warps in grid:
+            with overridden(dim, name, TileConfig(block_n=block_n, num_warps=warps, num_stages=stages)):
+                backend = TritonBackend(shape, rotate_once=once)
+                plan = backend.plan(inp.batch)  # the launch reads its configuration here
+
+            def fn(backend: TritonBackend = backend, plan=plan) -> torch.Tensor:
+                return backend.attend(inp.q, inp.k_cache, inp.v_cache, plan, scaling=scaling, sliding_window=None)
+
+            row = {"context": case.context, "kind": name, "block_n": block_n, "num_stages": stages, "num_warps": warps}
+            try:
+                out = fn()
+            except Exception as exc:  # e.g. more shared memory than the GPU has: recorded, the sweep goes on
+                notes.append(f"{row}: {type(exc).__name__}: {str(exc)[:200]}")
+                continue
+            row["rel_error"] = float((out.double() - expected).norm() / expected.norm())
+            row["median_ms"] = median_ms(fn, args)
+            results.append(row)
+            print(f"L={case.context} {name}: {block_n=} {stages=} {warps=}: {row['median_ms']:.3f} ms, "
+                  f"err {row['rel_error']:.1e}")  # fmt: skip
+    for block, warps in [(b, w) for b in args.tune_block_n for w in args.tune_warps]:
+        with overridden(dim, "rotate", TileConfig(block_n=block, num_warps=warps, num_stages=1)):
+            plan = TritonBackend(shape, rotate_once=True).plan(inp.batch)
+        ms = median_ms(lambda plan=plan: launch_rotate(inp.k_cache, plan, plan.prefill.rotated), args)
+        results.append(
+            {"context": case.context, "kind": "rotate", "block_n": block, "num_warps": warps, "median_ms": ms}
+        )
+        print(f"L={case.context} rotate: {block=} {warps=}: {ms:.3f} ms")
+    sdpa = alternatives(inp, case, args)["sdpa_flash" if args.device.type == "cuda" else "sdpa"]
+    results.append({"context": case.context, "kind": "sdpa", "median_ms": median_ms(sdpa, args)})
+
+
 def main() -> None:
     args = parse_args()
     heads_q, heads_kv, dim = args.heads
@@ -355,7 +446,9 @@ def main() -> None:
     )  # its rotary module: transformers' default for Mistral (rope theta 10,000, as Mistral-7B v0.1)
     rotary = MistralRotaryEmbedding(config).to(args.device)
     longest = max(args.contexts + [args.link_context])
-    rope = RopeTable(rotary, max_positions=longest, dtype=args.dtype, device=args.device)
+    rope = RopeTable(rotary, max_positions=max(longest, *args.tune_contexts), dtype=args.dtype, device=args.device)
+    if args.tune:
+        return tune(args, rope)
     cases = [Case("prefill", c, 1, args.prefill_queries) for c in args.contexts]
     cases += [Case("link", args.link_context, 1, n) for n in args.link_queries if args.link_context]
     cases += [Case("decode", c, b, 1) for c in args.contexts for b in args.decode_batches]

@@ -235,3 +235,14 @@ def test_launch_configs_come_from_one_table_per_head_dim():
     plan = triton_backend.TritonBackend(c.shape(), capability=(9, 0)).plan(c.batch)  # 10 query tiles of 128 rows
     assert plan.prefill.launch.rotated_once and plan.prefill.launch.block_n == 128
     assert plan.kv_pos.shape[1] % 128 == 0 and plan.prefill.rotated.block == 64
+    swept = triton_config.TileConfig(block_n=32, num_warps=4, num_stages=2)  # benchmarks/attention.py --tune
+    before = {dim: dict(row) for dim, row in triton_config.LAUNCH_CONFIGS.items()}
+    with triton_config.overridden(128, "prefill 128 once", swept), triton_config.overridden(128, "rotate", swept):
+        assert (
+            triton_backend.TritonBackend(AttentionShape(32, 8, 128, torch.bfloat16))
+            .launches(cpu)["prefill 64 once"]
+            .block_n
+            == triton_config.LAUNCH_CONFIGS[128]["prefill 64"].block_n
+        )
+        assert triton_config.launch_config(128, "prefill 128 once") == swept
+    assert triton_config.LAUNCH_CONFIGS == before

@@ -18,6 +18,8 @@ are noted beside each.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 
@@ -89,3 +91,19 @@ def _row(head_dim: int) -> dict[str, TileConfig | None]:
 def slot_step(head_dim: int) -> int:
     """A multiple of every ``block_n`` the table holds for ``head_dim``: plans pad their slots to it."""
     return max(c.block_n for c in _row(head_dim).values() if c is not None)
+
+
+@contextmanager
+def overridden(head_dim: int, kind: str, config: TileConfig | None) -> Iterator[None]:
+    """``kind``'s configuration for ``head_dim``'s row set to ``config`` inside the block (backends built and plans
+    made inside it read it), restored after: ``benchmarks/attention.py --tune`` sweeps the table this way."""
+    row = _row(head_dim)
+    had, old = kind in row, row.get(kind)
+    row[kind] = config
+    try:
+        yield
+    finally:
+        if had:
+            row[kind] = old
+        else:
+            del row[kind]
