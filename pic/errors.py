@@ -106,9 +106,9 @@ def unknown_policy_hint(spec: str, known: Iterable[str] = ()) -> str:
 
 
 def cache_id_hint(cache_id: object) -> str:
-    """`` (8 characters: a cache id is 32 hex digits, ...)`` for a value that cannot be a whole cache id (a prefix of
-    one, as pages print them cut short); ``""`` for one that can."""
-    if not isinstance(cache_id, str) or re.fullmatch(r"[0-9a-f]{32}", cache_id):
+    """`` (8 characters: a cache id is 32 hex digits, ...)`` for hex digits that cannot be a whole cache id (a prefix
+    of one, as pages print them cut short); ``""`` for anything else."""
+    if not isinstance(cache_id, str) or not re.fullmatch(r"[0-9a-f]+", cache_id) or len(cache_id) == 32:
         return ""
     return f" ({len(cache_id)} characters: a cache id is 32 hex digits, the whole id compile returned)"
 
