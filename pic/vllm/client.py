@@ -111,7 +111,7 @@ def chat_link_prompt(
     """``link_prompt`` with the prefix and query cut from the model's chat template around the documents
     (where a message says ``{documents}``, else at the start of the first user message: ``PIC.link_chat``)."""
     prefix, query = split_chat(tokenizer, messages, strip_bos=False)
-    encode = lambda text: list(tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
+    encode = lambda text: list(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])  # noqa: E731
     ids = encode(query)
     return link_prompt(chunks, ids, prefix_ids=encode(prefix), policy=policy, order=order, relevance=relevance)
 
