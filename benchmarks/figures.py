@@ -1094,6 +1094,47 @@ def bos_table() -> str:
     return "\n".join(lines)
 
 
+@figure
+def cpu_decode_rates() -> str:
+    """docs/cpu.md's decode rates after the random Llama's long prompt, batched and in int8 (cpu.json)."""
+    rates = results("cpu.json")["decode_rates"]
+    rate, hf = rates["tokens_per_s"], rates["tokens_per_s"]["hf"]
+    return (
+        f"at {rates['prompt_tokens']:,} prompt tokens, after {rates['policy']} links for pic, transformers' forward "
+        f"per token {hf:.1f} tokens/s; pic float32 {rate['pic x1']:.1f} ({rate['pic x1'] / hf:.2f}x), with int8 "
+        f"decode weights {rate['pic int8 x1']:.1f} ({rate['pic int8 x1'] / hf:.2f}x); 8 requests together "
+        f"{rate['pic x8']:.1f} (int8: {rate['pic int8 x8']:.1f}), 16 together {rate['pic x16']:.1f} (int8: "
+        f"{rate['pic int8 x16']:.1f})"
+    )
+
+
+@figure
+def cpu_memory_peaks() -> str:
+    """docs/cpu.md's peak resident memory of each arm at the longest context (cpu.json)."""
+    peak = results("cpu.json")["memory"]["peak_kib"]
+    return (
+        f"transformers' prefill {peak['hf']:,} KiB, pic's Full Recompute link {peak['full']:,} KiB, a mepic link "
+        f"{peak['mepic']:,} KiB ({peak['hf'] / peak['mepic']:.1f}x less than the prefill)"
+    )
+
+
+@figure
+def full_recompute_qa() -> str:
+    """docs/policies.md: Full Recompute's accuracy on short documents asked first (smollm2_accuracy_heads.json)."""
+    full = results("smollm2_accuracy_heads.json")["scores"][0]
+    return f"{_share(full['accuracy'])} ({_share(full['accuracy_low'])[:-1]}–{_share(full['accuracy_high'])})"
+
+
+@figure
+def full_recompute_qa_kinds() -> str:
+    """docs/policies.md: Full Recompute's accuracy by kind of question there (smollm2_accuracy_heads.json)."""
+    kinds = results("smollm2_accuracy_heads.json")["scores"][0]["accuracy_by_kind"]
+    return (
+        f"pass keys {_share(kinds['passkey'])}, facts {_share(kinds['fact'])}, two-document questions "
+        f"{_share(kinds['two-docs'])}"
+    )
+
+
 # -- the command -------------------------------------------------------------------------------------------------
 
 
