@@ -165,15 +165,16 @@ def test_launches_and_rotary_halves():
     cpu = torch.device("cpu")
     hopper = triton_backend.TritonBackend(shape, capability=(9, 0)).launches(cpu)
     ampere = triton_backend.TritonBackend(shape, capability=(8, 0)).launches(cpu)
-    assert list(hopper) == ["decode", "prefill 64", "prefill 128", "prefill 64 once", "prefill 128 once",
-                            "decode split", "prefill 64 split", "prefill 128 split", "prefill 64 once split",
-                            "prefill 128 once split"]  # fmt: skip
+    assert list(hopper) == ["decode", "prefill 64", "prefill 128", "prefill 128 once", "decode split",
+                            "prefill 64 split", "prefill 128 split", "prefill 128 once split"]  # fmt: skip
     assert list(ampere) == ["decode", "prefill 64", "prefill 64 once", "decode split", "prefill 64 split",
                             "prefill 64 once split"]  # fmt: skip
     assert all(launch.split == name.endswith("split") for name, launch in hopper.items())
     assert all(launch.rotated_once == (" once" in name) != launch.rotate_k for name, launch in hopper.items())
     in_loop = triton_backend.TritonBackend(shape, capability=(9, 0), rotate_once=False).launches(cpu)
     assert not any("once" in name for name in in_loop)
+    forced = triton_backend.TritonBackend(shape, capability=(9, 0), rotate_once=True).launches(cpu)
+    assert {"prefill 64 once", "prefill 64 once split", "prefill 128 once"} <= set(forced)
     assert (hopper["prefill 128"].num_warps, hopper["prefill 128"].block_n) == (8, 64)
     assert (hopper["decode"].block_m, hopper["decode"].num_warps) == (16, 4)
     case = make_case(seqs=[(30, "all"), (12, "decode")], num_q_heads=4, num_kv_heads=2, head_dim=16, page=4)
@@ -239,7 +240,7 @@ def test_launch_configs_come_from_one_table_per_head_dim():
     before = {dim: dict(row) for dim, row in triton_config.LAUNCH_CONFIGS.items()}
     with triton_config.overridden(128, "prefill 128 once", swept), triton_config.overridden(128, "rotate", swept):
         assert (
-            triton_backend.TritonBackend(AttentionShape(32, 8, 128, torch.bfloat16))
+            triton_backend.TritonBackend(AttentionShape(32, 8, 128, torch.bfloat16), capability=(8, 0))
             .launches(cpu)["prefill 64 once"]
             .block_n
             == triton_config.LAUNCH_CONFIGS[128]["prefill 64"].block_n

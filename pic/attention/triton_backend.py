@@ -32,6 +32,9 @@ from pic.attention.triton_plan import (
 )  # fmt: skip
 from pic.attention.triton_split import MIN_TILES_PER_SPLIT, split_limit
 
+# A launch of passes of 64 rows or fewer has one query tile per sequence: never rotated once by default, so not
+# precompiled that way (``launches``).
+assert ROTATE_ONCE_MIN_TILES >= 2, ROTATE_ONCE_MIN_TILES
 # Programs an SM holds at once, until ``precompile`` reads it from each compiled kernel: a decode program (4 warps,
 # about 140 registers) and a recompute pass's (the 128-row tile: 8 warps, about 250 registers).
 ASSUMED_BLOCKS_PER_SM = {True: 2, False: 1}  # by decode
@@ -102,15 +105,20 @@ class TritonBackend(AttentionBackend[TritonPlan]):
 
     def launches(self, device: torch.device) -> dict[str, Launch]:
         """Every launch configuration this backend may use on ``device``, by name (each compiles once per
-        window kind): ``"decode"``, ``"prefill 64"`` and, on sm_90 and newer, ``"prefill 128"``, each prefill also
-        reading K rotated once (``"prefill 64 once"``, ...) unless ``rotate_once=False`` or ``k_is_rotated``, and
-        each launch also split (``"decode split"``, ...)."""
+        window kind): ``"decode"``, ``"prefill 64"`` and, on sm_90 and newer, ``"prefill 128"``; the long passes'
+        one (``"prefill 128"`` on sm_90, else ``"prefill 64"``) also reading K rotated once (``"prefill 128 once"``;
+        every prefill launch with ``rotate_once=True``, none with ``False`` or ``k_is_rotated``: the shorter passes'
+        launch has one query tile per sequence, never ``ROTATE_ONCE_MIN_TILES``), and each launch also split
+        (``"decode split"``, ...)."""
         launches = {"decode": self._decode_launch(False)}
         for rows in (1, 1 << 30):
             launch = self._prefill_launch(device, rows=rows)
             launches[f"prefill {launch.block_m}"] = launch
-        if self.rotate_k and self.rotate_once is not False:
-            prefills = [(name, launch) for name, launch in launches.items() if name != "decode"]
+        if self.rotate_k and self.rotate_once is not False:  # by default only the long passes' launch rotates once
+            long = self._prefill_launch(device, rows=1 << 30)
+            prefills = [
+                (n, launch) for n, launch in launches.items() if n != "decode" and (self.rotate_once or launch == long)
+            ]
             launches |= {f"{name} once": self._once(launch) for name, launch in prefills}
         return launches | {f"{name} split": replace(launch, split=True) for name, launch in launches.items()}
 
