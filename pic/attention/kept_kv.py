@@ -69,8 +69,13 @@ class KeptKV:
             v_buf = _grown(v_buf, filled, total, v_cache, self.dtype)
         new = self.slots[filled:]
         k_new = k_cache.flatten(0, 1).index_select(0, new)  # [new, Hkv, D] NoPE
-        k_buf[:, filled:total] = rotate(k_new, self._rot[filled:]).transpose(0, 1)
-        v_buf[:, filled:total] = v_cache.flatten(0, 1).index_select(0, new).transpose(0, 1)
+        k_rows, v_rows = k_buf[:, filled:total].transpose(0, 1), v_buf[:, filled:total].transpose(0, 1)
+        if k_buf.dtype == k_cache.dtype:  # into the buffers, no copy after
+            rotate(k_new, self._rot[filled:], out=k_rows)
+            torch.index_select(v_cache.flatten(0, 1), 0, new, out=v_rows)
+        else:  # kept in another dtype (int8 decode weights keep float16): cast as copied
+            k_rows.copy_(rotate(k_new, self._rot[filled:]))
+            v_rows.copy_(v_cache.flatten(0, 1).index_select(0, new))
         self._layers[k_cache.data_ptr()] = (k_buf, v_buf, total)
         return k_buf[:, :total], v_buf[:, :total]
 

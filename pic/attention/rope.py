@@ -44,18 +44,24 @@ def rotary_pair(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return torch.cat((cos, -s1, s2), dim=-1)
 
 
-def rotate(x: torch.Tensor, pair: torch.Tensor) -> torch.Tensor:
-    """transformers' ``x * cos + rotate_half(x) * sin``, bit for bit, in three operations (one launch each on a GPU)
-    instead of five: ``[x, x2, x1] * [cos, signed_sin]`` (one product, each half rounded as transformers rounds its
-    two), then the halves summed (a sum of two is one rounded addition, as transformers' ``+``).
+def rotate(x: torch.Tensor, pair: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """transformers' ``x * cos + rotate_half(x) * sin``, bit for bit, in four operations instead of five:
+    ``[x2, x1] * signed_sin`` in place of ``rotate_half``'s negation, then ``+ x * cos`` in place.
+
+    Three would do (``[x, x2, x1] * [cos, signed_sin]``, then the two halves summed: also bit for bit), but on the
+    CPU the sum over a dimension of two ran 1.8x (float32) and 3-4x (bfloat16) slower than these four over 1,800 slots
+    (one thread); ``torch.addcmul`` fuses a multiply-add and so rounds once where transformers rounds twice.
 
     Args:
         x: ``[..., num_heads, head_dim]``.
-        pair: ``[..., 2 * head_dim]`` (``rotary_pair``), broadcast over the heads.
+        pair: ``[..., 2 * head_dim]`` (``rotary_pair``: ``[cos, signed_sin]``), broadcast over the heads.
+        out: ``x``'s shape, any strides: written in place (a kept buffer's rows; no copy after), and returned.
     """
+    dim = x.shape[-1]
+    cos, sin_signed = pair[..., :dim].unsqueeze(-2), pair[..., dim:].unsqueeze(-2)
     x1, x2 = x.chunk(2, dim=-1)
-    products = torch.cat((x, x2, x1), dim=-1) * pair.unsqueeze(-2)  # [..., H, 2D]
-    return products.unflatten(-1, (2, x.shape[-1])).sum(-2)
+    out = torch.cat((x2, x1), dim=-1, out=out).mul_(sin_signed)  # rotate_half(x) * sin
+    return out.add_(x * cos)
 
 
 class RopeTable:
