@@ -16,6 +16,10 @@
 # pass): K rotated once per layer by rotate_k_kernel (`pic`, the plan's choice there) and rotated in the KV loop
 # (`pic_k_in_loop`), with the rotation launch alone (`pic_rotate_k_only`); it runs those passes before the decodes
 # and rewrites its JSON after every case, so a step cut short by its limit still returns them.
+# "ttft" times the default (auto) beside full, mepic, legolink and naive at 4K-32K, auto and naive again with CUDA
+# graphs (issue 56), and decode at batch 1 and 16 with and without graphs: two rounds (--repeats 2, one decode round)
+# keep its 8 variants within the limit that 5 variants and 3 rounds took (101-108 s). "tests" includes the graphs'
+# equality with eager (tests/test_graphs.py, real graphs on CUDA) and the operations per layer (tests/test_launches.py).
 # Each step has its own time limit in seconds (TESTS_S, ATTENTION_S, TTFT_S, PROFILE_S, MEMORY_S), and all of them
 # share one budget, TOTAL_S (570: a device call may run 600 s): a step gets at most what is left of it (less 20 s
 # for its kill and copies), and a step with under 30 s left is skipped. A step that fails, runs out of time or is
@@ -97,7 +101,7 @@ step() {  # name, seconds, files to copy to $OUT (space-separated), command ...
 
 R=benchmarks/results
 TESTS=(tests/test_triton.py tests/test_triton_plan.py tests/test_triton_split.py tests/test_oracle.py
-    tests/test_engine.py tests/test_cuda_paths.py tests/test_strides.py
+    tests/test_engine.py tests/test_cuda_paths.py tests/test_strides.py tests/test_graphs.py tests/test_launches.py
     --deselect "tests/test_triton.py::test_kernels_compile_as_launched_pipelined_without_spills[80]")
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(tests attention ttft profile memory)
@@ -105,7 +109,7 @@ for s in "${steps[@]}"; do
     case $s in
         tests) step tests "${TESTS_S:-230}" "" env PIC_TEST_DEVICE=cuda $PY -m pytest -q -p no:cacheprovider "${TESTS[@]}" ;;
         attention) step attention "${ATTENTION_S:-60}" "$R/attention.json $R/attention.png" $PY benchmarks/attention.py ;;
-        ttft) step ttft "${TTFT_S:-115}" "$R/ttft.json $R/ttft.png" $PY benchmarks/ttft.py ;;
+        ttft) step ttft "${TTFT_S:-115}" "$R/ttft.json $R/ttft.png" $PY benchmarks/ttft.py --repeats 2 --decode-repeats 1 ;;
         profile) step profile "${PROFILE_S:-30}" "$R/profile.txt" $PY benchmarks/profile_link.py ;;
         memory) step memory "${MEMORY_S:-55}" "$R/memory_gpu.json $R/memory_gpu.png" \
             $PY benchmarks/memory.py --model mistral-7b-random ;;
