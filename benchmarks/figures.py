@@ -1231,6 +1231,23 @@ def dtype_answers_table() -> str:
 _MODEL_NAMES = {"smollm2": "SmolLM2-135M", "qwen0.5b": "Qwen2.5-Coder-0.5B", "qwen1.5b": "Qwen2.5-Coder-1.5B"}
 
 
+@figure
+def launches_table() -> str:
+    """docs/gpu.md: operations per layer of a link's pass and a decode step, before and now (launches.json)."""
+    data = results("launches.json")
+    before = {(r["dtype"], r["policy"], r["forward"]): r["ops_per_layer"] for r in data["before"]["rows"]}
+    lines = [
+        f"| dtype | forward | {data['before']['commit']} | now: operations | now: pic's operators expanded |",
+        "|---|---|---:|---:|---:|",
+    ]
+    for r in data["rows"]:
+        passes = r["forward"] == "pass"
+        name = f"{r['policy']} link's pass ({r['rows']} rows)" if passes else f"{r['policy']}, decode step"
+        was = before[r["dtype"], r["policy"], r["forward"]]
+        lines.append(f"| {r['dtype']} | {name} | {was} | {r['ops_per_layer']} | {r['kernels_per_layer']} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Check (or --write) the docs' figure blocks against the results.")
     parser.add_argument("--write", action="store_true", help="rewrite the blocks that differ, in place")

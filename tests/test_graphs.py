@@ -66,6 +66,8 @@ def test_full_recompute_passes_stay_eager():
 
 
 def test_buckets_and_plan_copies():
+    from pic.attention.triton_split import SplitScratch
+
     assert [bucket_rows(n) for n in (1, 3, 5, 64)] == [1, 4, 8, 64] and bucket_rows(65) is None
     dst = {"a": torch.zeros(3), "n": 2, "t": (torch.zeros(2, dtype=torch.int32),)}
     copy_into(dst, {"a": torch.ones(3), "n": 2, "t": (torch.full((2,), 7, dtype=torch.int32),)})
@@ -74,6 +76,9 @@ def test_buckets_and_plan_copies():
         copy_into(dst, {"a": torch.ones(4), "n": 2, "t": (torch.zeros(2, dtype=torch.int32),)})
     with pytest.raises(PlanMismatch):
         copy_into(dst, {"a": torch.ones(3), "n": 3, "t": (torch.zeros(2, dtype=torch.int32),)})
+    scratch, fresh = SplitScratch(torch.zeros(4), torch.zeros(2)), SplitScratch(torch.ones(4), torch.ones(2))
+    copy_into(scratch, fresh)  # scratch the kernels write first: not copied
+    assert scratch.acc.sum() == 0 and scratch.ml.sum() == 0
 
 
 def test_graphs_need_a_cuda_model_on_the_triton_backend():

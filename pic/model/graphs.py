@@ -40,9 +40,15 @@ class PlanMismatch(Exception):
     """A plan whose shape differs from the captured one's (it runs eagerly)."""
 
 
+# Plan fields that are scratch the kernels write before they read (split partials, K rotated once): the captured
+# plan's own serve, nothing to copy.
+SCRATCH = {("SplitScratch", "acc"), ("SplitScratch", "ml"), ("RotatedK", "rows")}
+
+
 def copy_into(dst, src) -> None:
     """Copy the plan ``src`` into ``dst`` (dataclasses, dicts, tuples, lists of tensors and scalars): every tensor
-    ``copy_``-ed in place, every other value equal. Raises ``PlanMismatch`` on a shape, dtype or value that differs."""
+    ``copy_``-ed in place (but ``SCRATCH``), every other value equal. Raises ``PlanMismatch`` on a shape, dtype or
+    value that differs."""
     if isinstance(dst, torch.Tensor):
         if not isinstance(src, torch.Tensor) or src.shape != dst.shape or src.dtype != dst.dtype:
             raise PlanMismatch(f"{getattr(src, 'shape', src)} into {tuple(dst.shape)}")
@@ -50,7 +56,8 @@ def copy_into(dst, src) -> None:
             dst.copy_(src, non_blocking=True)
     elif dataclasses.is_dataclass(dst):
         for f in dataclasses.fields(dst):
-            copy_into(getattr(dst, f.name), getattr(src, f.name))
+            if (type(dst).__name__, f.name) not in SCRATCH:
+                copy_into(getattr(dst, f.name), getattr(src, f.name))
     elif isinstance(dst, dict):
         if dst.keys() != src.keys():
             raise PlanMismatch(f"keys {list(src)} into {list(dst)}")
