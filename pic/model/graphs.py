@@ -32,8 +32,10 @@ from pic.attention import make_batch
 
 # Rows per bucket (decode sequences, or a pass's query tokens): vLLM's capture sizes' start.
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-# Slots per sequence are padded to a multiple of this many blocks' worth, at least (a graph per 256-slot step).
-SLOT_STEP = 256
+# Slots per sequence are padded to a power of two of at least this many: a decode growing from 4K to 32K slots
+# captures 4 graphs per row bucket, not one per step. Padded slots cost the plan only: they are never written, so
+# no work list visits them.
+MIN_SLOTS = 256
 
 
 class PlanMismatch(Exception):
@@ -128,7 +130,7 @@ class GraphedForwards:
         num_rows = sum(s.token_ids.shape[0] for s in seqs)
         block_size = seqs[0].kv.cache.block_size
         slots = max(s.kv.kv_positions.shape[0] for s in seqs)
-        num_slots = -(-slots // SLOT_STEP) * SLOT_STEP
+        num_slots = max(MIN_SLOTS, 1 << (slots - 1).bit_length())
         num_slots = -(-num_slots // block_size) * block_size
         key = (decode, bucket_rows(num_rows), num_slots)
         for seq in seqs:
