@@ -124,7 +124,7 @@ def build_core(
     )  # fmt: skip
     runner.attention_backend.precompile(cache.k[0], cache.v[0])  # every kernel variant, before any request
     tiers = TieredStore.from_config(store, device=DeviceTier(pool, cache), expected=expected)
-    kv = KVManager(pool, cache, tiers, block_size=config.block_size)
+    kv = KVManager(pool, cache, tiers, block_size=config.block_size, kv_bytes_per_token=spec.kv_bytes_per_token)
     linker = Linker(
         spec, is_resident=kv.is_resident, block_size=config.block_size, share_chunk_blocks=config.share_chunk_blocks,
         attention_backend=runner.attention_backend.name,

@@ -14,8 +14,9 @@ from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from pic.compile import ChunkPrefill, lead_tokens, prefill_blocks
+from pic.compile import ChunkPrefill
 from pic.engine.core.chunk_sources import ChunkSources
+from pic.engine.core.kv_manager import KVManager
 from pic.engine.core.loader import Loader
 from pic.engine.core.sequence import Sequence
 from pic.engine.request import CompileJob, Stored
@@ -107,7 +108,7 @@ class CompileCalls:
         sources: queues the chunk prefills (one per chunk, shared with requests that need it compiled again).
         loader: the lower tiers' I/O.
         pool: the KV pool the chunks are held in.
-        kv_bytes_per_token: K and V bytes of one token (what a chunk takes in a lower tier).
+        kv: the pool's owner (a call's new chunks must fit: ``KVManager.check_compile``).
         busy: whether requests run or prefill (they will free their blocks): a call is then not refused for the
             room they take now; its prefills wait for it (``Admission``), and fail only if they still do not fit
             once nothing runs.
@@ -119,11 +120,11 @@ class CompileCalls:
         loader: Loader,
         pool: BlockPool,
         *,
-        kv_bytes_per_token: int,
+        kv: KVManager,
         busy: Callable[[], bool] = lambda: False,
     ) -> None:
         self.sources, self.loader, self.store, self.pool = sources, loader, sources.store, pool
-        self.kv_bytes_per_token, self.busy = kv_bytes_per_token, busy
+        self.kv, self.busy = kv, busy
         self.open: list[CompileCall] = []
 
     def add(self, job: CompileJob, reply: Future) -> None:
@@ -131,8 +132,8 @@ class CompileCalls:
         ones are written back to them, ``_checked``), queue the prefills of those no tier holds.
 
         Raises:
-            KVPoolExhaustedError: the new chunks cannot fit in the pool (``_check_room``; nothing is started), and
-                no request runs that will free blocks.
+            KVPoolExhaustedError: the new chunks cannot fit in the pool (``KVManager.check_compile``; nothing is
+                started), and no request runs that will free blocks.
         """
         call = CompileCall(job, reply)
         for cid, content in job.tokens.items():  # also those a lower tier holds: its copy may prove bad
@@ -155,31 +156,13 @@ class CompileCalls:
         free blocks), queue their prefills."""
         try:
             if not self.busy():
-                self._check_room(call.job, call.new)
+                self.kv.check_compile(call.job, call.new, bos_token_id=self.sources.bos_token_id)
         except Exception:
             call.release(self.pool)  # not answered: the caller raises
             raise
         for cid in call.new:
             self.sources.compile(cid, call.job.tokens[cid], call.job.options).calls.append(call)
             call.prefilling.add(cid)
-
-    def _check_room(self, job: CompileJob, new: list[str]) -> None:
-        """Refuse, before any work, a call whose new chunks cannot fit in the pool beside the chunks in use
-        (the call's resident ones are held already): one at a time (plus its lead blocks) when a lower tier can
-        take them, else all together.
-
-        Raises:
-            KVPoolExhaustedError: with the blocks needed and available.
-        """
-        if not new:
-            return
-        num_lead = len(lead_tokens(job.options, self.sources.bos_token_id))
-        dropped, bs = job.options.num_dropped, self.pool.block_size
-        sizes = [prefill_blocks(num_lead + len(job.tokens[cid]), num_dropped=dropped, block_size=bs) for cid in new]
-        num_bytes = sum(len(job.tokens[cid]) + job.options.add_bos for cid in new) * self.kv_bytes_per_token
-        hold_all = not self.store.lower_can_fit(num_bytes, keep=list(job.tokens))  # the pool keeps the only copy
-        num_needed = (sum(c for c, _ in sizes) if hold_all else max(c for c, _ in sizes)) + max(n for _, n in sizes)
-        self.pool.check_available(num_needed, what=f"the {len(new)} new chunks of this compile call")
 
     def poll(self) -> None:
         """Take in the loader's answers (``Scheduler.update_from_output``) and end the calls that are done."""

@@ -72,8 +72,7 @@ class EngineCore:
         self.loader = Loader(store, wake=lambda: self.wake())
         self.sources = ChunkSources(store, self.loader, bos_token_id=bos_token_id, next_order=time.perf_counter)
         self.compiles = CompileCalls(
-            self.sources, self.loader, pool, kv_bytes_per_token=runner.spec.kv_bytes_per_token,
-            busy=lambda: self.scheduler.queues.num_active > 0,
+            self.sources, self.loader, pool, kv=kv, busy=lambda: self.scheduler.queues.num_active > 0,
         )  # fmt: skip
         self.decoder = Decoder(runner, tokenizer, eos_token_ids=eos_token_ids)
         self.scheduler = Scheduler(

@@ -1,7 +1,8 @@
 """``KVManager``: the one owner of the KV pool's blocks for the scheduler (vLLM's KVCacheManager), for linked
 requests and chunk compiles alike: ``can_allocate`` / ``allocate``, ``can_append`` / ``append``, ``preempt``,
-``free``; and for chunk prefills ``can_start`` / ``start``. Nothing else touches the pool for a request: the
-``Linker`` (``pic.link``) asks ``is_resident`` when it counts what a request takes.
+``free``; and for compiles ``check_compile`` (a call's new chunks fit) and each chunk prefill's ``can_start`` /
+``start``. Nothing else touches the pool for a request: the ``Linker`` (``pic.link``) asks ``is_resident`` when it
+counts what a request takes.
 
 The scheduler decides *who* runs; the KV manager does the pool work its decisions need, and writes each
 sequence's ``SeqBlocks`` (nothing else does). What a request needs is planned by the ``Linker``
@@ -10,8 +11,9 @@ sequence's ``SeqBlocks`` (nothing else does). What a request needs is planned by
 
 from __future__ import annotations
 
-from pic.compile import ChunkPrefill
+from pic.compile import ChunkPrefill, lead_tokens, prefill_blocks
 from pic.engine.core.sequence import SeqBlocks, Sequence
+from pic.engine.request import CompileJob
 from pic.kv import BlockPool, KVCache, RequestKV, blocks_for
 from pic.link.assemble import Assembly, AssemblyPlan, block_table, source_rows
 from pic.link.linker import LinkPlan
@@ -25,10 +27,14 @@ class KVManager:
         pool, cache: the KV pool's allocator and tensors.
         store: the chunk store (promotes chunks from the lower tiers into ``pool``).
         block_size: tokens per block.
+        kv_bytes_per_token: K and V bytes of one token (what a chunk takes in a lower tier).
     """
 
-    def __init__(self, pool: BlockPool, cache: KVCache, store: TieredStore, *, block_size: int) -> None:
+    def __init__(
+        self, pool: BlockPool, cache: KVCache, store: TieredStore, *, block_size: int, kv_bytes_per_token: int
+    ) -> None:
         self.store, self.pool, self.cache, self._block_size = store, pool, cache, block_size
+        self._kv_bytes_per_token = kv_bytes_per_token
 
     # -- requests ------------------------------------------------------------------------------------------
 
@@ -155,6 +161,23 @@ class KVManager:
     def can_start(self, prefill: ChunkPrefill) -> bool:
         """Whether the pool has the blocks of a chunk prefill."""
         return self.pool.num_available() >= prefill.num_blocks(self._block_size)
+
+    def check_compile(self, job: CompileJob, new: list[str], *, bos_token_id: int | None) -> None:
+        """Refuse, before any work, a compile call whose ``new`` chunks cannot fit in the pool beside the chunks in
+        use (the call's resident ones are held already): one at a time (plus its lead blocks) when a lower tier can
+        take them, else all together.
+
+        Raises:
+            KVPoolExhaustedError: with the blocks needed and available.
+        """
+        if not new:
+            return
+        num_lead, dropped, bs = len(lead_tokens(job.options, bos_token_id)), job.options.num_dropped, self._block_size
+        sizes = [prefill_blocks(num_lead + len(job.tokens[cid]), num_dropped=dropped, block_size=bs) for cid in new]
+        num_bytes = sum(len(job.tokens[cid]) + job.options.add_bos for cid in new) * self._kv_bytes_per_token
+        hold_all = not self.store.lower_can_fit(num_bytes, keep=list(job.tokens))  # the pool keeps the only copy
+        num_needed = (sum(c for c, _ in sizes) if hold_all else max(c for c, _ in sizes)) + max(n for _, n in sizes)
+        self.pool.check_available(num_needed, what=f"the {len(new)} new chunks of this compile call")
 
     def start(self, prefill: ChunkPrefill) -> None:
         """Take a chunk prefill's blocks.
