@@ -52,7 +52,7 @@ class RecomputePass:
     """Builds a request's part of a batched forward, and tells what it ran once the forward is done.
 
     Args:
-        assembly: the request's KV (``assemble``).
+        assembly: the request's KV (``KVManager.allocate``).
         layout: its linked prompt.
         selected: ``[T]`` bool (CPU), ``policy.recompute_mask(layout)``.
         policy: a dynamic policy drops tokens after each layer (``keep_mask``).
