@@ -189,3 +189,40 @@ def test_a_probes_second_pass_runs_in_its_probes_step_before_an_earlier_request(
         finished |= {out.request_id: out for out in stepper.step() if out.finished}
     assert set(finished) == {probe, big} and all(out.error is None for out in finished.values())
     assert [len(out.generation.token_ids) for out in finished.values()] == [4, 4]
+
+
+@pytest.mark.parametrize("where", ["running", "waiting", "parked"])
+def test_fail_moves_status_queue_and_blocks_together(where):
+    """``Scheduler.fail`` (issue 57), the one way a sequence fails: status, queue and blocks go at once, its last
+    output carries the error, and a second failure of the same sequence changes nothing."""
+    engine = make_engine("stories260K", eos_token_ids=())
+    ids = engine.compile(list(DOCS))
+    stepper = engine.stepper()
+    linked = engine.link(ids, QUERY) if where == "parked" else None
+    rid = stepper.add_request(pic.Request(ids, QUERY, policy="naive", max_new_tokens=50))
+    if where == "running":
+        assert [len(out.token_ids) for out in stepper.step()] == [1]  # its pass ran: it decodes
+    with engine.paused() as core:
+        scheduler = core.scheduler
+        seq = scheduler.queues.requests[linked._request_id if linked else rid]
+        queue = {"running": scheduler.queues.running, "waiting": scheduler.queues.waiting, "parked": []}[where]
+        assert seq.status.value == where and (seq in queue or where == "parked")
+        assert (seq.blocks.kv is not None) == (where != "waiting")
+        scheduler.fail(seq, pic.PicError("broken on purpose"))
+        assert seq.status is Status.FINISHED and seq.request_id not in scheduler.queues.requests
+        queues = scheduler.queues
+        assert all(seq not in q for q in (queues.running, queues.prefilling, queues.waiting))
+        assert seq.blocks.kv is None and not seq.blocks.held and not seq.blocks.reserved
+        scheduler.fail(seq, pic.PicError("again"))  # (ended already: left as it is)
+        assert str(seq.error) == "broken on purpose"
+    if linked is not None:  # (its link's output was put already: its generation finds it gone)
+        with pytest.raises(pic.LinkedReleasedError):
+            linked.generate(4)
+        stepper.abort(rid)
+    else:
+        (last,) = [out for out in stepper.step() if out.finished] or [None]
+        assert last is not None and str(last.error) == "broken on purpose"
+    while stepper.has_unfinished():
+        stepper.step()
+    assert engine.kv_stats().num_used_blocks == 0
+    check_engine_pool(engine, {})
