@@ -1135,6 +1135,42 @@ def full_recompute_qa_kinds() -> str:
     )
 
 
+def _row_phrase(name: str, policy: str, words: str) -> str:
+    """``words`` filled from one policy's row of a ``pic eval accuracy`` report: ``{acc}``, ``{full}`` (Full
+    Recompute's), ``{diff}``, ``{low}``, ``{high}`` (signed points, minus signs as the pages write them),
+    ``{gained}``, ``{lost}``, ``{chunk}`` (percent of the chunk token-layers), ``{speed}`` (link speedup)."""
+    scores = {s["policy"]: s for s in results(name)["scores"]}
+    row = scores[policy]
+    return words.format(
+        acc=_share(row["accuracy"]), full=_share(scores["full"]["accuracy"]), diff=_minus(_diff(row["diff_vs_full"])),
+        low=_minus(_diff(row["diff_low"])), high=_minus(_diff(row["diff_high"])), gained=row["num_gained"],
+        lost=row["num_lost"], chunk=f"{100 * row['chunk_recompute_fraction']:.0f}",
+        speed=f"{row['median_speedup_vs_full']:.2f}",
+    )
+
+
+# docs/policies.md's sentences on single rows of the SmolLM2 reports: block name -> (results file, policy, words).
+_ROW_PHRASES = {
+    "profiles_regions_diff": ("smollm2_profiles.json", "regions:0.2@context",
+                              "{acc} against {full}, a paired difference of {diff} points ({low} to {high})"),
+    "profiles_regions_cost": ("smollm2_profiles.json", "regions:0.2@context",
+                              "{gained} cases gained and {lost} lost, recomputing {chunk}% of the chunk token-layers, "
+                              "linking {speed}x faster"),
+    "profiles_regions_200_diff": ("smollm2_profiles_default.json", "regions:0.2@context", "{diff} ({low} to {high})"),
+    "profiles_regions_200_rest": ("smollm2_profiles_default.json", "regions:0.2@context",
+                                  "{acc} against {full}, {gained} gained and {lost} lost, {speed}x"),
+    "profiles_regions_quarter": ("smollm2_profiles.json", "regions:0.25@context", "scores {diff} ({low} to {high})"),
+    "profiles_after_prophetkv": ("smollm2_profiles_question_after.json", "prophetkv:0.2", "{diff} ({low} to {high})"),
+    "profiles_after_prophetkv_cost": ("smollm2_profiles_question_after.json", "prophetkv:0.2",
+                                      "{chunk}% of the chunk token-layers with its probe, {speed}x"),
+    "profiles_after_prophetkv_200": ("smollm2_profiles_default_question_after.json", "prophetkv:0.2",
+                                     "{diff} ({low} to {high}), {acc} against {full}"),
+}  # fmt: skip
+for _name, (_file, _policy, _words) in _ROW_PHRASES.items():
+    _table_figure(_name, lambda f=_file, p=_policy, w=_words: _row_phrase(f, p, w),
+                  f"docs/policies.md: {_policy}'s row of {_file}, in words.")  # fmt: skip
+
+
 # -- the command -------------------------------------------------------------------------------------------------
 
 
