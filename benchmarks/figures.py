@@ -1165,6 +1165,18 @@ _ROW_PHRASES = {
                                       "{chunk}% of the chunk token-layers with its probe, {speed}x"),
     "profiles_after_prophetkv_200": ("smollm2_profiles_default_question_after.json", "prophetkv:0.2",
                                      "{diff} ({low} to {high}), {acc} against {full}"),
+    "qa_regions_accuracy": ("smollm2_accuracy.json", "regions:0.2@context",
+                            "answer {acc} against Full Recompute's {full}"),
+    "qa_regions_diff": ("smollm2_accuracy.json", "regions:0.2@context", "{diff} points ({low} to {high})"),
+    "qa_prophetkv": ("smollm2_accuracy.json", "prophetkv:0.2", "`prophetkv:0.2` {acc} ({diff})"),
+    "qa_prophetkv_context": ("smollm2_accuracy.json", "prophetkv:0.2@context", "{acc} over chunks compiled in context"),
+    "qa_a3": ("smollm2_accuracy.json", "a3:0.15", "`a3:0.15` {acc}"),
+    "qa_ape": ("smollm2_accuracy.json", "ape:0.9", "`ape` {acc}"),
+    "qa_after_full": ("smollm2_accuracy_question_after.json", "full", "Full Recompute itself answers {acc}"),
+    "qa_after_regions": ("smollm2_accuracy_question_after.json", "regions:0.25",
+                         "answers {acc}, **{diff} ({low} to {high})**"),
+    "qa_after_legolink0": ("smollm2_accuracy_question_after.json", "legolink0:3",
+                           "`legolink0` {acc} ({diff}, {low} to {high})"),
 }  # fmt: skip
 for _name, (_file, _policy, _words) in _ROW_PHRASES.items():
     _table_figure(_name, lambda f=_file, p=_policy, w=_words: _row_phrase(f, p, w),
