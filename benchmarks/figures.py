@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+import math
 import re
 import sys
 from collections import Counter
@@ -1138,14 +1139,21 @@ def full_recompute_qa_kinds() -> str:
 def _row_phrase(name: str, policy: str, words: str) -> str:
     """``words`` filled from one policy's row of a ``pic eval accuracy`` report: ``{acc}``, ``{full}`` (Full
     Recompute's), ``{diff}``, ``{low}``, ``{high}`` (signed points, minus signs as the pages write them),
-    ``{gained}``, ``{lost}``, ``{chunk}`` (percent of the chunk token-layers), ``{speed}`` (link speedup)."""
-    scores = {s["policy"]: s for s in results(name)["scores"]}
+    ``{gained}``, ``{lost}``, ``{chunk}`` / ``{layers}`` (percent of the chunk's / the prompt's token-layers),
+    ``{speed}`` (link speedup), ``{kl}``, ``{top1}``, ``{akl}``, ``{atop1}`` (over the query / at the answer token),
+    ``{passkey}`` (the pass keys' accuracy) and ``{right}`` (the cases Full Recompute answers)."""
+    report = results(name)
+    scores = {s["policy"]: s for s in report["scores"]}
     row = scores[policy]
     return words.format(
-        acc=_share(row["accuracy"]), full=_share(scores["full"]["accuracy"]), diff=_minus(_diff(row["diff_vs_full"])),
-        low=_minus(_diff(row["diff_low"])), high=_minus(_diff(row["diff_high"])), gained=row["num_gained"],
-        lost=row["num_lost"], chunk=f"{100 * row['chunk_recompute_fraction']:.0f}",
-        speed=f"{row['median_speedup_vs_full']:.2f}",
+        acc=_share(row["accuracy"]), full=_share(scores["full"]["accuracy"]),
+        diff=_minus(_diff(row.get("diff_vs_full"))), low=_minus(_diff(row.get("diff_low"))),
+        high=_minus(_diff(row.get("diff_high"))), gained=row["num_gained"],
+        lost=row["num_lost"], chunk=f"{100 * row.get('chunk_recompute_fraction', math.nan):.0f}",
+        layers=f"{100 * row['recompute_fraction']:.0f}", speed=f"{row['median_speedup_vs_full']:.2f}",
+        kl=f"{row['mean_kl']:.3f}", top1=_share(row["top1_agreement"]), akl=f"{row['answer_kl']:.3f}",
+        atop1=_share(row["answer_top1"]), passkey=_share(row["accuracy_by_kind"].get("passkey")),
+        right=round(scores["full"]["accuracy"] * report["num_cases_evaluated"]),
     )
 
 
@@ -1177,6 +1185,17 @@ _ROW_PHRASES = {
                          "answers {acc}, **{diff} ({low} to {high})**"),
     "qa_after_legolink0": ("smollm2_accuracy_question_after.json", "legolink0:3",
                            "`legolink0` {acc} ({diff}, {low} to {high})"),
+    "heads_naive": ("smollm2_accuracy_heads.json", "naive", "Naive reuse collapses: {acc}"),
+    "heads_naive_lost": ("smollm2_accuracy_heads.json", "naive",
+                         "with {passkey} of the pass keys. It loses {lost} of the {right} cases Full Recompute gets "
+                         "right and gains {gained}"),
+    "heads_legolink32": ("smollm2_accuracy_heads.json", "legolink:32", "most of each) {acc}"),
+    "heads_legolink48": ("smollm2_accuracy_heads.json", "legolink:48",
+                         "`legolink:48` ({layers}%) {acc}, still {lost} cases lost against {gained} gained"),
+    "heads_legolink16_kl": ("smollm2_accuracy_heads.json", "legolink:16",
+                            "`legolink:16` has a query-mean KL of {kl} nats and {top1} top-1 agreement, which reads as "
+                            "faithful, but at the answer token its KL is {akl} and it agrees with Full Recompute's "
+                            "first answer token {atop1} of the time"),
 }  # fmt: skip
 for _name, (_file, _policy, _words) in _ROW_PHRASES.items():
     _table_figure(_name, lambda f=_file, p=_policy, w=_words: _row_phrase(f, p, w),
