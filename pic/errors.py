@@ -115,8 +115,8 @@ def cache_id_hint(cache_id: object) -> str:
 
 def linked_too_long(num_tokens: int, context: int, model: str, segments) -> ContextLengthError:
     """The error for a linked prompt longer than the model's context, naming the fix: fewer or shorter chunks,
-    starting with the largest (``segments``: the layout's, each with ``num_tokens`` and, for a chunk, its
-    ``cache_id``), or a shorter query and prefix."""
+    starting with the largest, named by their whole ids (``segments``: the layout's, each with ``num_tokens`` and, for
+    a chunk, its ``cache_id``), or a shorter query and prefix."""
     chunks = sorted(((s.num_tokens, s.cache_id) for s in segments if getattr(s, "cache_id", None)), reverse=True)
     rest = num_tokens - sum(n for n, _ in chunks)
     head = f"linked prompt has {num_tokens} tokens, more than the {context}-token context of {model} "
@@ -126,7 +126,7 @@ def linked_too_long(num_tokens: int, context: int, model: str, segments) -> Cont
     sizes = {cache_id: n for n, cache_id in chunks}  # a chunk linked twice is named once, with its count
     times = {cache_id: sum(c == cache_id for _, c in chunks) for cache_id in sizes}
     largest = ", ".join(
-        f"{cache_id[:12]}... {sizes[cache_id]} tokens" + (f" (linked {times[cache_id]} times)" * (times[cache_id] > 1))
+        f"{cache_id} {sizes[cache_id]} tokens" + (f" (linked {times[cache_id]} times)" * (times[cache_id] > 1))
         for cache_id in sorted(sizes, key=lambda cache_id: -sizes[cache_id])[:3]
     )
     return ContextLengthError(

@@ -262,7 +262,7 @@ MISTAKES = [
             r"less than or equal to 2"),
     Mistake("a linked prompt over the context",
             _python(lambda c: c["engine"].link(c["engine"].compile(["Lily sang. " * 60] * 2 + DOCS), "Tom")),
-            r"link fewer or shorter chunks .*the largest: [0-9a-f]{12}"),
+            r"link fewer or shorter chunks .*the largest: [0-9a-f]{32}"),
     Mistake("a document over the context", _python(lambda c: c["engine"].compile(["Tom had a big red ball. " * 120])),
             r"split it into smaller chunks"),
     Mistake("generating twice from one link", _python(_used_twice), r"link it again"),
