@@ -163,12 +163,14 @@ def test_ttft_benchmark_writes_json(tmp_path):
     assert [r["context_tokens"] for r in report["ttft"]] == [64, 96, 128]
     for row in report["ttft"]:
         ttft = row["ttft_s"]
-        assert list(ttft) == ["hf", "full", "mepic", "legolink:16", "naive"]
+        assert list(ttft) == ["hf", "full", "auto", "mepic", "legolink:16", "naive"]  # graphs: CUDA and Triton only
         assert row["prompt_tokens"] == row["chunks"] * 33 + 8  # chunks of 32 tokens after their BOS, the query
         recomputed = row["recomputed_tokens"]
         assert recomputed["full"] == row["prompt_tokens"] and recomputed["naive"] == 8  # the query alone
         assert recomputed["naive"] < recomputed["mepic"] < recomputed["legolink:16"] < row["prompt_tokens"]
-        assert row["full_over_link"] == {p: ttft["full"] / ttft[p] for p in ("mepic", "legolink:16", "naive")}
+        assert row["full_over_link"] == {p: ttft["full"] / ttft[p] for p in ("auto", "mepic", "legolink:16", "naive")}
+        assert recomputed["naive"] < recomputed["auto"] < row["prompt_tokens"]  # its most relevant chunk, whole
+        assert row["graphs"] == {}
         assert row["full_first_token_equals_hf"]  # float32: pic's full recompute is transformers' forward
     for p, fit in report["link_scaling"].items():
         assert len(fit["ms_per_1k_tokens"]) == 3 and 0 <= fit["fit_r2"] <= 1, p
