@@ -92,3 +92,31 @@ def test_graphs_need_a_cuda_model_on_the_triton_backend():
             core.runner.use_graphs(capture=False)
     finally:
         engine.close()
+
+
+def test_what_a_graph_replays_reads_no_host_value():
+    """A CUDA graph cannot capture a host sync: the graph's body (every layer over the bucket's buffers) must move
+    no value between host and device, nor should the work before each replay (the buffers filled, the plan copied;
+    the plan itself is built as the runner's own forward builds it, checked on CUDA by tests/test_cuda_paths.py).
+    Checked on the CPU with ``HostValues``, which records the operations that would (a Python number made a tensor,
+    a tensor read by the host, ``nonzero``), in this thread, which steps the engine's core while its own waits."""
+    from pic.model.graphs import GraphedForwards, copy_into
+    from tests.test_cuda_paths import HostValues
+
+    engine = _engine()
+    ids = engine.compile(list(DOCS))
+    core = engine.stepper()
+    core.add_request(pic.Request(ids, QUERY, policy="naive", max_new_tokens=4))
+    recorder = HostValues(GraphedForwards._body.__code__, GraphedForwards._fill.__code__, copy_into.__code__)
+    try:
+        with engine.paused() as owned:
+            forwards = owned.runner.use_graphs(capture=False)
+            with recorder:
+                for _ in range(20):
+                    owned.step()
+                    if forwards.num_replays >= 4:
+                        break
+    finally:
+        engine.close()
+    assert forwards.num_replays >= 4  # the query pass and decode steps went through their buckets
+    assert recorder.sites == [], recorder.sites  # nor does the work around it (buffers filled, plan copied)

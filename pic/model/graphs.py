@@ -179,19 +179,20 @@ class GraphedForwards:
 
     def _fill(self, graph: _Graph, seqs: Sequence) -> None:
         """Write ``seqs``' rows and KV into the bucket's buffers; padded rows and sequences as the module says."""
+        # Device copies and fills only (``fill_`` takes the number as a scalar: no host tensor copied, no sync).
         ids = torch.cat([s.token_ids for s in seqs])
         n = ids.shape[0]
-        graph.token_ids[:n] = ids
-        graph.token_ids[n:] = 0
-        graph.positions[:n] = torch.cat([s.positions for s in seqs])
-        graph.positions[n:] = 0
-        graph.rows[:n] = torch.cat([s.kv.physical(s.slots) for s in seqs])
-        graph.rows[n:] = -1
+        graph.token_ids[:n].copy_(ids)
+        graph.token_ids[n:].fill_(0)
+        graph.positions[:n].copy_(torch.cat([s.positions for s in seqs]))
+        graph.positions[n:].fill_(0)
+        graph.rows[:n].copy_(torch.cat([s.kv.physical(s.slots) for s in seqs]))
+        graph.rows[n:].fill_(-1)
         graph.kv_positions.fill_(-1)
         graph.tables.zero_()
         for b, seq in enumerate(seqs):
-            graph.kv_positions[b, : seq.kv.kv_positions.shape[0]] = seq.kv.kv_positions
-            graph.tables[b, : seq.kv.block_table.shape[0]] = seq.kv.block_table
+            graph.kv_positions[b, : seq.kv.kv_positions.shape[0]].copy_(seq.kv.kv_positions)
+            graph.tables[b, : seq.kv.block_table.shape[0]].copy_(seq.kv.block_table)
 
     def _plan(self, graph: _Graph, *, num_seqs: int) -> object:
         """The attention plan of the bucket's buffers as they are now."""
