@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pic.errors import ContextLengthError, PolicyError
+from pic.errors import PolicyError, linked_too_long
 from pic.kv import ChunkInfo, ChunkKV, RequestKV
 from pic.link.assemble import AssemblyPlan, plan_assembly
 from pic.link.layout import Layout, lay_out
@@ -248,10 +248,7 @@ class Linker:
         """Raises: ContextLengthError: the layout is longer than the model's context."""
         num_tokens, context = layout.num_tokens, self.spec.max_context
         if num_tokens > context:
-            raise ContextLengthError(
-                f"linked prompt has {num_tokens} tokens, more than the {context}-token context of "
-                f"{self.spec.architecture}"
-            )
+            raise linked_too_long(num_tokens, context, self.spec.architecture, layout.segments)
 
     @staticmethod
     def _selection(link: LinkState) -> torch.Tensor:

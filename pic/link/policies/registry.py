@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from pic.errors import PolicyError
+from pic.errors import PolicyError, unknown_policy_hint
+from pic.link.policies.a3 import A3
 from pic.link.policies.ape import APE
 from pic.link.policies.auto import Auto
 from pic.link.policies.base import Policy
 from pic.link.policies.builtin import FullRecompute, Naive, Suffix
 from pic.link.policies.cacheblend import CacheBlend
 from pic.link.policies.heads import MEPIC, LegoLink, LegoLinkZero
-from pic.link.policies.a3 import A3
 from pic.link.policies.query import FusionRAG, InfoFlow, ProphetKV
 from pic.link.policies.regions import Regions
 
@@ -66,6 +66,7 @@ def resolve(policy: str | Policy) -> Policy:
         raise PolicyError(f"policy must be a spec string or a pic.policies.Policy, got {policy!r}")
     name, sep, arg = policy.partition(":")
     cls = _POLICIES.get(name.strip().lower())
-    if cls is None:
-        raise PolicyError(f"unknown policy {policy!r}; registered: {', '.join(available())}")
+    if cls is None or "@" in policy or "/" in policy:
+        hint = unknown_policy_hint(policy, available())
+        raise PolicyError(f"unknown policy {policy!r}{hint}; registered: {', '.join(available())}")
     return cls.from_spec(arg.strip() if sep else None)
