@@ -173,6 +173,23 @@ def test_item_10_progress_to_a_file_is_whole_lines(engine, capsys):
     assert "\r" not in err and 2 <= len(lines) <= 6 and "12/12" in lines[-1], repr(err)
 
 
+def test_item_10_a_conversion_to_a_file_is_whole_lines():
+    """The bar a GGUF conversion shows (``Stages``: its clock redrawn every ``tick_s``) on a file is a line per step,
+    not a carriage-return redraw per tick."""
+    import io
+    import time
+
+    from pic.model.stages import Stages
+
+    log = io.StringIO()
+    with Stages("converting x", total=2, tick_s=0.02, file=log) as stages:
+        stages.begin("reading")
+        time.sleep(0.1)  # five ticks
+        stages.begin("saving")
+    text = log.getvalue()
+    assert "\r" not in text and text.count("\n") == 3 and "step 2/2 done" in text, repr(text)
+
+
 def test_item_10_a_wrong_route_names_the_nearest(client):
     message = _refused(client.post("/v1/chat/completion", json=CHAT), 404)
     assert "did you mean POST /v1/chat/completions" in message, message

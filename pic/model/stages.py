@@ -11,7 +11,7 @@ import sys
 import threading
 from types import TracebackType
 
-from tqdm import tqdm
+from pic.progress import tqdm
 
 
 class Stages:
