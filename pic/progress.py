@@ -30,7 +30,7 @@ class tqdm(_tqdm):  # noqa: N801 (tqdm's name, so it replaces tqdm's import)
     def __init__(self, *args, **kwargs) -> None:
         file = kwargs.get("file") or sys.stderr
         self._as_lines = "notebook" not in type(self).__mro__[1].__module__ and not _is_terminal(file)
-        self._shown: tuple[int, int] | None = None  # (step, n) of the last line written
+        self._shown: tuple[int, int, str | None] | None = None  # (step, n, postfix) of the last line written
         super().__init__(*args, **kwargs)
 
     def _step(self) -> int:
@@ -39,12 +39,12 @@ class tqdm(_tqdm):  # noqa: N801 (tqdm's name, so it replaces tqdm's import)
     def display(self, msg: str | None = None, pos: int | None = None) -> bool:
         if not self._as_lines:
             return super().display(msg, pos)
-        if msg is None and (self._shown is None or self._step() > self._shown[0]):
-            self._write_line()
+        if msg is None and (self._shown is None or self._step() > self._shown[0] or self.postfix != self._shown[2]):
+            self._write_line()  # a quarter further, or a new label (``set_postfix_str``: a long job's next step)
         return True
 
     def _write_line(self) -> None:
-        self._shown = (self._step(), self.n)
+        self._shown = (self._step(), self.n, self.postfix)
         self.fp.write(self.__str__() + "\n")
         self.fp.flush()
 

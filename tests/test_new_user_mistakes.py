@@ -187,7 +187,8 @@ def test_item_10_a_conversion_to_a_file_is_whole_lines():
         time.sleep(0.1)  # five ticks
         stages.begin("saving")
     text = log.getvalue()
-    assert "\r" not in text and text.count("\n") == 3 and "step 2/2 done" in text, repr(text)
+    # the start, each step with its name, the end: not a line per tick
+    assert "\r" not in text and text.count("\n") == 4 and "step 1/2 done [00:00], saving" in text, repr(text)
 
 
 def test_item_10_a_wrong_route_names_the_nearest(client):

@@ -39,10 +39,11 @@ class Stages:
     def begin(self, name: str) -> None:
         """Start step ``name`` (the one before it is done)."""
         assert self._bar is not None, "begin() outside the with block"
-        if self._started:
-            self._bar.update(1)
         self._started += 1
-        self._bar.set_postfix_str(f"{name} (step {self._started})")
+        self._bar.set_postfix_str(f"{name} (step {self._started})", refresh=self._started == 1)
+        if self._started > 1:
+            self._bar.update(1)
+            self._bar.refresh()  # now, whatever tqdm's rate limit: the step done, the next one's name (a file: a line)
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None):
         self._stop.set()
