@@ -17,6 +17,7 @@ import torch
 import pic
 from pic.model.norm import rms_norm, rms_norm_cuda, rms_norm_reference
 from pic.model.op_count import count_ops
+from tests.device import target
 from tests.models import DOCS, QUERY
 
 # The counts this code dispatches per layer (float32, the embedded model); the issue's bound is 24 each.
@@ -28,7 +29,8 @@ KERNELS_PER_NORM = 6
 
 @pytest.fixture(scope="module")
 def counted():
-    engine = pic.load()
+    # The CPU path's counts, on any machine (a CUDA run defaults to the Triton backend, rotation inside its kernel).
+    engine = pic.PIC.from_pretrained(pic.EMBEDDED_MODEL, device="cpu", config=pic.PICConfig(attention_backend="torch"))
     try:
         ids = engine.compile(list(DOCS))
         with engine.paused() as core:
@@ -76,13 +78,19 @@ def test_rms_norm_operator_is_transformers_bit_for_bit(dtype):
         assert torch.equal(rms_norm_reference(x, norm.weight, norm.variance_epsilon), norm(x))
 
 
-def test_rms_norm_kernel_under_the_interpreter():
-    """The CUDA operator's Triton kernel, run by Triton's interpreter on CPU tensors (``TRITON_INTERPRET=1``, set by
-    conftest), against transformers' arithmetic, within float32 rounding (the sum's order differs). bfloat16 is
-    checked on a GPU only: the interpreter mishandles bfloat16 loads (``tests/test_triton.py``)."""
+def test_rms_norm_kernel():
+    """The CUDA operator's Triton kernel against transformers' arithmetic, within float32 rounding (the sum's order
+    differs): on the test device (on the CPU, Triton's interpreter: ``TRITON_INTERPRET=1``, set by conftest); and on
+    CUDA through the operator itself, in bfloat16 too (the interpreter mishandles bfloat16 loads:
+    ``tests/test_triton.py``), within one bfloat16 step."""
     pytest.importorskip("triton")
-    x = torch.randn(5, 2, 80)  # a width that is not a power of two: the masked tail
-    weight = torch.randn(80)
+    device = target().device
+    x = torch.randn(5, 2, 80, device=device)  # a width that is not a power of two: the masked tail
+    weight = torch.randn(80, device=device)
     got, want = rms_norm_cuda(x, weight, 1e-6), rms_norm_reference(x, weight, 1e-6)
     assert got.shape == want.shape and got.dtype == want.dtype
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+    if device.type == "cuda":
+        x, weight = x.bfloat16(), weight.bfloat16()
+        got, want = rms_norm(x, weight, 1e-6), rms_norm_reference(x, weight, 1e-6)
+        assert torch.allclose(got.float(), want.float(), rtol=2**-7, atol=2**-7)
