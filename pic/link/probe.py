@@ -22,7 +22,7 @@ import torch
 from pic.attention.scores import query_scores
 from pic.kv import RequestKV
 from pic.link.layout import Layout
-from pic.model.runner import LayerView
+from pic.model.inputs import LayerView
 
 # Scores a probe holds at once (heads x query rows x prompt tokens): longer queries are taken in row tiles.
 _MAX_SCORES = 1 << 24

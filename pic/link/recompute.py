@@ -15,7 +15,7 @@ from pic.link.policies import Policy
 from pic.link.probe import Probe, ProbeRecorder
 from pic.link.step import LayerStep
 from pic.model import SeqInput
-from pic.model.runner import LayerView
+from pic.model.inputs import LayerView
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ import torch
 from pic.attention.scores import query_scores
 from pic.kv import KVCache
 from pic.link.layout import Layout
-from pic.model.runner import LayerView
+from pic.model.inputs import LayerView
 
 
 class LayerStep:

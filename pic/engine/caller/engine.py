@@ -35,8 +35,8 @@ from pic.link import policies
 from pic.link.order import Order
 from pic.model import ModelSpec
 from pic.model.dtypes import DtypeChoice, choose_dtype
+from pic.model.inputs import AttentionObserver
 from pic.model.loading import EMBEDDED_MODEL, load_pretrained, model_name, resolve_device
-from pic.model.runner import AttentionObserver
 
 
 class PIC(CompileMethods, ChatMethods):

@@ -19,7 +19,7 @@ from typing import TypeVar
 from pic.engine.commands import Ask, Close, Command, Pause, Wake, wait
 from pic.engine.core.core import EngineCore
 from pic.errors import EngineClosedError
-from pic.model.runner import AttentionObserver
+from pic.model.inputs import AttentionObserver
 
 log = logging.getLogger("pic")
 _T = TypeVar("_T")
