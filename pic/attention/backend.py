@@ -24,6 +24,11 @@ from pic.attention.batch import AttentionBatch
 
 PlanT = TypeVar("PlanT")
 
+# A plan dataclass field's metadata (``field(metadata=SCRATCH_FIELD)``): scratch the kernels write before they read
+# it, so a copy of the plan need not copy it (``pic.model.graphs.copy_into``).
+SCRATCH = "pic.scratch"
+SCRATCH_FIELD = {SCRATCH: True}
+
 
 @dataclass(frozen=True)
 class AttentionShape:

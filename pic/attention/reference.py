@@ -87,11 +87,6 @@ class TorchGroup:
         """The group's rows of a batch tensor ``[N, ...]`` as ``[b, n, ...]``."""
         return _take(x, self.rows)
 
-    @property
-    def whole(self) -> bool:
-        """Whether the group is the whole batch (``rows`` ``None``: every sequence decodes)."""
-        return self.rows is None
-
     def put(self, out: torch.Tensor, value: torch.Tensor) -> None:
         """Write ``value`` ``[b, n, ...]`` into the group's rows of ``out`` ``[N, ...]``."""
         out[self.rows] = value[:, 0] if isinstance(self.rows, torch.Tensor) else value[0]

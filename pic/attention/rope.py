@@ -40,8 +40,7 @@ def signed_sin(sin: torch.Tensor) -> torch.Tensor:
 def rotary_pair(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """``[..., D]`` cos and sin -> ``[..., 2 * D]``, ``[cos, signed_sin(sin)]``: what ``rotate`` multiplies by (a plan
     builds it once for every layer)."""
-    s1, s2 = sin.chunk(2, dim=-1)
-    return torch.cat((cos, -s1, s2), dim=-1)
+    return torch.cat((cos, signed_sin(sin)), dim=-1)
 
 
 def rotate(x: torch.Tensor, pair: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:

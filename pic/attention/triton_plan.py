@@ -14,11 +14,12 @@ linked request's are not sorted).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import triton
 
+from pic.attention.backend import SCRATCH_FIELD
 from pic.attention.batch import AttentionBatch
 from pic.attention.triton_split import MIN_TILES_PER_SPLIT, SplitScratch
 
@@ -92,7 +93,7 @@ class RotatedK:
 
     seqs: torch.Tensor
     first: torch.Tensor
-    rows: torch.Tensor
+    rows: torch.Tensor = field(metadata=SCRATCH_FIELD)
     cos: torch.Tensor
     sin: torch.Tensor
     block: int

@@ -11,9 +11,11 @@ slots, SMs): no device sync.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from pic.attention.backend import SCRATCH_FIELD
 
 # A split takes at least this many KV tiles (fewer would cost more to combine than to run).
 MIN_TILES_PER_SPLIT = 4
@@ -33,8 +35,8 @@ class SplitScratch:
         ml: ``[T * Hkv * max_splits * 2 * block_m]`` float32, running maxima (log2 units) and sums.
     """
 
-    acc: torch.Tensor
-    ml: torch.Tensor
+    acc: torch.Tensor = field(metadata=SCRATCH_FIELD)
+    ml: torch.Tensor = field(metadata=SCRATCH_FIELD)
 
     @classmethod
     def empty(cls, *, num_programs: int, block_m: int, d_pad: int, device: torch.device) -> SplitScratch:

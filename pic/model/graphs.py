@@ -28,7 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pic.attention import make_batch
+from pic.attention import AttentionBatch, make_batch
+from pic.attention.backend import SCRATCH
 
 # Rows per bucket (decode sequences, or a pass's query tokens): vLLM's capture sizes' start.
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -42,15 +43,11 @@ class PlanMismatch(Exception):
     """A plan whose shape differs from the captured one's (it runs eagerly)."""
 
 
-# Plan fields that are scratch the kernels write before they read (split partials, K rotated once): the captured
-# plan's own serve, nothing to copy.
-SCRATCH = {("SplitScratch", "acc"), ("SplitScratch", "ml"), ("RotatedK", "rows")}
-
-
 def copy_into(dst, src) -> None:
     """Copy the plan ``src`` into ``dst`` (dataclasses, dicts, tuples, lists of tensors and scalars): every tensor
-    ``copy_``-ed in place (but ``SCRATCH``), every other value equal. Raises ``PlanMismatch`` on a shape, dtype or
-    value that differs."""
+    ``copy_``-ed in place (but a dataclass field marked ``SCRATCH`` in its metadata: scratch the kernels write before
+    they read, which the captured plan's own serve), every other value equal. Raises ``PlanMismatch`` on a shape,
+    dtype or value that differs."""
     if isinstance(dst, torch.Tensor):
         if not isinstance(src, torch.Tensor) or src.shape != dst.shape or src.dtype != dst.dtype:
             raise PlanMismatch(f"{getattr(src, 'shape', src)} into {tuple(dst.shape)}")
@@ -58,7 +55,7 @@ def copy_into(dst, src) -> None:
             dst.copy_(src, non_blocking=True)
     elif dataclasses.is_dataclass(dst):
         for f in dataclasses.fields(dst):
-            if (type(dst).__name__, f.name) not in SCRATCH:
+            if not f.metadata.get(SCRATCH):
                 copy_into(getattr(dst, f.name), getattr(src, f.name))
     elif isinstance(dst, dict):
         if dst.keys() != src.keys():
@@ -89,11 +86,14 @@ class _Graph:
     rows: torch.Tensor  # [R] int64 cache rows written; -1: none (a padded row)
     tables: torch.Tensor  # [B, S // block_size] int64
     kv_positions: torch.Tensor  # [B, S] int64
-    out: torch.Tensor  # [R, hidden_size] final normed hidden states
     cache: object  # the engine's KVCache
-    plan: object = None  # the attention plan the body reads (the graph's: rewritten by copy_into)
-    batch: object = None  # the AttentionBatch of the last plan
+    plan: object = None  # the attention plan the graph reads (rewritten by copy_into before each replay)
     graph: object = None  # torch.cuda.CUDAGraph once captured
+    out: torch.Tensor | None = None  # [R, hidden_size] the captured output (the graph rewrites it at each replay)
+
+
+# A bucket: (every sequence decodes, rows, slots per sequence).
+Bucket = tuple[bool, int, int]
 
 
 class GraphedForwards:
@@ -101,79 +101,76 @@ class GraphedForwards:
     buffers (``capture=False``).
 
     Args:
-        runner: the ``ModelRunner`` whose forward this serves.
+        runner: the ``ModelRunner`` whose forward this serves (its ``forward_rows`` is what a graph replays).
         capture: capture CUDA graphs (a CUDA runner only).
     """
 
     def __init__(self, runner, *, capture: bool) -> None:
         self.runner, self.capture = runner, capture
-        self._graphs: dict[tuple[bool, int, int], _Graph] = {}
+        self._graphs: dict[Bucket, _Graph] = {}
         self._pool = None
         self.num_replays = 0  # forwards served by a bucket
         self.num_eager = 0  # forwards it accepted whose plan differed from the bucket's (run eagerly instead)
 
-    def accepts(self, seqs: Sequence) -> bool:
-        """Whether a bucket serves ``seqs``: every sequence decoding, or one pass, of ``ROW_BUCKETS`` rows at most,
-        without hooks, APE's context or a dynamic rope type, on the Triton backend, no observer installed."""
-        runner = self.runner
-        if runner.attention_backend.name != "triton" or runner._observer is not None or runner.rope.is_dynamic:
-            return False
+    def bucket(self, seqs: Sequence) -> Bucket | None:
+        """The bucket serving ``seqs``, or ``None``: a bucket serves every sequence decoding, or one pass, of
+        ``ROW_BUCKETS`` rows at most, without hooks, APE's context or a dynamic rope type, on the Triton backend."""
+        if self.runner.attention_backend.name != "triton" or self.runner.rope.is_dynamic:
+            return None
         if any(s.after_layer is not None or s.kv.context is not None for s in seqs):
-            return False
+            return None
         decode = all(s.decode for s in seqs)
-        num_rows = sum(s.token_ids.shape[0] for s in seqs)
-        return (decode or len(seqs) == 1) and bucket_rows(num_rows) is not None
-
-    def forward(self, seqs: Sequence) -> list[torch.Tensor]:
-        """``ModelRunner.forward`` of ``seqs`` (``accepts``) through its bucket."""
-        decode = all(s.decode for s in seqs)
-        num_rows = sum(s.token_ids.shape[0] for s in seqs)
+        num_rows = bucket_rows(sum(s.token_ids.shape[0] for s in seqs))
+        if num_rows is None or not (decode or len(seqs) == 1):
+            return None
         block_size = seqs[0].kv.cache.block_size
         slots = max(s.kv.kv_positions.shape[0] for s in seqs)
         num_slots = max(MIN_SLOTS, 1 << (slots - 1).bit_length())
-        num_slots = -(-num_slots // block_size) * block_size
-        key = (decode, bucket_rows(num_rows), num_slots)
+        return decode, num_rows, -(-num_slots // block_size) * block_size
+
+    def forward(self, seqs: Sequence, bucket: Bucket) -> list[torch.Tensor]:
+        """``ModelRunner.forward`` of ``seqs`` through ``bucket`` (``self.bucket(seqs)``)."""
         for seq in seqs:
             seq.kv.kv_positions[seq.slots] = seq.positions
-        graph = self._graphs.get(key)
+        graph = self._graphs.get(bucket)
         if graph is None:
-            graph = self._graphs[key] = self._new(seqs, key, block_size)
+            graph = self._graphs[bucket] = self._new(seqs, bucket)
         self._fill(graph, seqs)
-        plan = self._plan(graph, num_seqs=len(seqs) if not decode else key[1])
+        batch, plan = self._plan(graph)
         try:
             copy_into(graph.plan, plan)
         except PlanMismatch:
             self.num_eager += 1
-            self._body(graph, plan)
-        else:
-            self.num_replays += 1
-            graph.graph.replay() if graph.graph is not None else self._body(graph, graph.plan)
-        return self._outputs(graph, seqs)
+            return self._outputs(self._body(graph, batch, plan), seqs)
+        self.num_replays += 1
+        if graph.graph is None:
+            return self._outputs(self._body(graph, batch, graph.plan), seqs)
+        graph.graph.replay()
+        return self._outputs(graph.out, seqs)
 
-    def _new(self, seqs: Sequence, key: tuple[bool, int, int], block_size: int) -> _Graph:
+    def _new(self, seqs: Sequence, bucket: Bucket) -> _Graph:
         """A bucket's buffers, filled from ``seqs``, its plan, and (``capture``) its graph."""
-        decode, num_rows, num_slots = key
+        decode, num_rows, num_slots = bucket
         num_seqs = num_rows if decode else 1
+        cache = seqs[0].kv.cache
         device = seqs[0].token_ids.device
-        spec = self.runner.spec
         graph = _Graph(
             decode=decode,
             token_ids=torch.zeros(num_rows, dtype=torch.long, device=device),
             positions=torch.zeros(num_rows, dtype=torch.long, device=device),
             rows=torch.full((num_rows,), -1, dtype=torch.long, device=device),
-            tables=torch.zeros(num_seqs, num_slots // block_size, dtype=torch.long, device=device),
+            tables=torch.zeros(num_seqs, num_slots // cache.block_size, dtype=torch.long, device=device),
             kv_positions=torch.full((num_seqs, num_slots), -1, dtype=torch.long, device=device),
-            out=torch.empty(num_rows, self.runner._embed.embedding_dim, dtype=spec.dtype, device=device),
-            cache=seqs[0].kv.cache,
+            cache=cache,
         )
         self._fill(graph, seqs)
-        graph.plan = self._plan(graph, num_seqs=num_seqs)
+        batch, graph.plan = self._plan(graph)
         if self.capture:
-            self._body(graph, graph.plan)  # warm: every kernel compiled before the capture
+            self._body(graph, batch, graph.plan)  # warm: every kernel compiled before the capture
             torch.cuda.synchronize(device)
             graph.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph.graph, pool=self._pool):
-                self._body(graph, graph.plan)
+                graph.out = self._body(graph, batch, graph.plan)  # in the graph's memory, rewritten by each replay
             self._pool = graph.graph.pool()
         return graph
 
@@ -194,33 +191,26 @@ class GraphedForwards:
             graph.kv_positions[b, : seq.kv.kv_positions.shape[0]].copy_(seq.kv.kv_positions)
             graph.tables[b, : seq.kv.block_table.shape[0]].copy_(seq.kv.block_table)
 
-    def _plan(self, graph: _Graph, *, num_seqs: int) -> object:
-        """The attention plan of the bucket's buffers as they are now."""
-        runner = self.runner
-        num_rows = graph.token_ids.shape[0]
-        lens = [1] * num_seqs if graph.decode else [num_rows]
+    def _plan(self, graph: _Graph) -> tuple[AttentionBatch, object]:
+        """The attention batch of the bucket's buffers as they are now, and its plan."""
+        num_seqs, num_rows = graph.tables.shape[0], graph.token_ids.shape[0]
         batch = make_batch(
             block_tables=list(graph.tables), kv_positions=list(graph.kv_positions), q_positions=graph.positions,
-            seq_lens=lens, rope=runner.rope, decoding=[graph.decode] * num_seqs,
+            seq_lens=[1] * num_seqs if graph.decode else [num_rows], rope=self.runner.rope,
+            decoding=[graph.decode] * num_seqs,
         )  # fmt: skip
-        graph.batch = batch
-        return runner.attention_backend.plan(batch)
+        return batch, self.runner.attention_backend.plan(batch)
 
-    def _body(self, graph: _Graph, plan: object) -> None:
-        """What a graph replays: every layer over the bucket's rows, the final norm into ``graph.out``."""
-        runner = self.runner
-        hidden = runner._embed(graph.token_ids)
-        cache = graph.cache
-        products = runner._decode_products(graph.token_ids.shape[0]) if graph.decode else runner._float
-        for index, layer in enumerate(runner._layers):
-            hidden, _ = runner._layer(index, layer, hidden, cache, graph.batch, plan, graph.rows, products)
-        graph.out.copy_(runner._normed(runner._norm, hidden))
+    def _body(self, graph: _Graph, batch: AttentionBatch, plan: object) -> torch.Tensor:
+        """What a graph replays: ``ModelRunner.forward_rows`` over the bucket's buffers."""
+        return self.runner.forward_rows(graph.token_ids, graph.rows, graph.cache, batch, plan, decode=graph.decode)
 
-    def _outputs(self, graph: _Graph, seqs: Sequence) -> list[torch.Tensor]:
+    @staticmethod
+    def _outputs(out: torch.Tensor, seqs: Sequence) -> list[torch.Tensor]:
+        """Each sequence's ``output_rows`` of ``out`` ``[R, hidden_size]`` (copies: a replay rewrites ``out``)."""
         outputs, start = [], 0
         for seq in seqs:
-            n = seq.token_ids.shape[0]
             rows = seq.output_rows
-            outputs.append(graph.out[:0] if rows is None or not rows.numel() else graph.out[start + rows].clone())
-            start += n
+            outputs.append(out[:0] if rows is None or not rows.numel() else out[start + rows].clone())
+            start += seq.token_ids.shape[0]
         return outputs

@@ -13,6 +13,7 @@ The operator is registered on first use (``rms_norm``), not at import.
 from __future__ import annotations
 
 import functools
+import importlib.util
 
 import torch
 from torch import nn
@@ -31,7 +32,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     Returns:
         ``x``'s shape and dtype.
     """
-    return _operator()(x, weight, eps)
+    return _registered()[1](x, weight, eps)
 
 
 def norm_eps(module: nn.Module) -> float | None:
@@ -63,20 +64,12 @@ def rms_norm_cuda(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
 
 
 @functools.cache
-def _operator():
-    """``torch.ops.pic.rms_norm``, defined once per process (the library must outlive every call: cached here)."""
+def _registered() -> tuple[torch.library.Library, object]:
+    """The library defining ``pic::rms_norm`` (kept alive with it: the cache holds both) and the operator. On CUDA
+    the kernel, or transformers' operations where Triton is not installed (decided here, once, not per call)."""
     library = torch.library.Library("pic", "FRAGMENT")
     library.define(_SCHEMA)
     library.impl("rms_norm", rms_norm_reference, "CPU")
-    library.impl("rms_norm", _cuda_or_reference, "CUDA")
+    library.impl("rms_norm", rms_norm_cuda if importlib.util.find_spec("triton") else rms_norm_reference, "CUDA")
     library.impl("rms_norm", rms_norm_reference, "Meta")
-    _operator.library = library  # keep it alive with the cache
-    return torch.ops.pic.rms_norm.default
-
-
-def _cuda_or_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    try:
-        import triton  # noqa: F401
-    except ImportError:  # the [triton] extra not installed: transformers' operations
-        return rms_norm_reference(x, weight, eps)
-    return rms_norm_cuda(x, weight, eps)
+    return library, torch.ops.pic.rms_norm.default

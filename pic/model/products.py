@@ -26,7 +26,7 @@ from torch import nn
 
 from pic.config import DecodeWeights
 from pic.errors import InvalidInputError, UnsupportedModelError
-from pic.model.stacked import Stacked
+from pic.model.stacked import Stacked, is_gated
 
 # Packed matrices with fewer weights keep their float products in int8 mode (576x192 alone: int8 was 0.66x float32).
 INT8_MIN_WEIGHTS = 1 << 18
@@ -49,28 +49,38 @@ class FloatProducts:
 
     def qkv(self, attn: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The attention's q, k and v projections of ``x`` ``[N, hidden_size]``: ``[N, out_features]`` each."""
-        stacked = self._stacks.get(id(attn))
-        if stacked is None:
-            return attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
-        q, k, v = stacked(x)
+        parts = self._stacked(attn, x)
+        if parts is None:
+            return self.linear(attn.q_proj, x), self.linear(attn.k_proj, x), self.linear(attn.v_proj, x)
+        q, k, v = parts
         return q, k, v
 
     def linear(self, module: nn.Linear, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """``x`` ``[N, in_features]`` -> ``[N, out_features]``, plus ``residual`` ``[N, out_features]`` if given
         (added by the product itself, ``addmm``: one operation, not two)."""
         if residual is None:
-            return module(x)
+            return self._one(module, x)
         if module.bias is not None or x.dim() != 2:
-            return residual + module(x)
+            return residual + self._one(module, x)
         return torch.addmm(residual, x, module.weight.t())
 
     def mlp(self, mlp: nn.Module, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """The layer's MLP over ``x`` ``[N, hidden_size]``, plus ``residual`` if given."""
-        stacked = self._stacks.get(id(mlp))
-        if stacked is None:
+        """The layer's MLP over ``x`` ``[N, hidden_size]``, plus ``residual`` if given. A gated MLP whose gate and up
+        are stacked runs them as one product; any other runs its module."""
+        parts = self._stacked(mlp, x)
+        if parts is None:
             return mlp(x) if residual is None else residual + mlp(x)
-        gate, up = stacked(x)
+        gate, up = parts
         return self.linear(mlp.down_proj, mlp.act_fn(gate) * up, residual)
+
+    def _stacked(self, owner: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+        """``owner``'s stacked linears over ``x`` (``[N, out_i]`` each), or ``None`` when they are not stacked."""
+        stacked = self._stacks.get(id(owner))
+        return None if stacked is None else stacked(x)
+
+    def _one(self, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        """One linear over ``x``."""
+        return module(x)
 
 
 class Int8Products(FloatProducts):
@@ -113,23 +123,14 @@ class Int8Products(FloatProducts):
             self._add(mlp, [mlp.gate_proj, mlp.up_proj])
             self._add(mlp.down_proj, [mlp.down_proj])
 
-    def qkv(self, attn: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if id(attn) not in self._packed:
-            return super().qkv(attn, x)
-        q, k, v = self._run(attn, x)
-        return q, k, v
-
     def linear(self, module: nn.Linear, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         if id(module) not in self._packed:
             return super().linear(module, x, residual)
         out = self._run(module, x)[0]
         return out if residual is None else residual + out
 
-    def mlp(self, mlp: nn.Module, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        if id(mlp) not in self._packed:
-            return super().mlp(mlp, x, residual)
-        gate, up = self._run(mlp, x)
-        return self.linear(mlp.down_proj, mlp.act_fn(gate) * up, residual)
+    def _stacked(self, owner: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+        return tuple(self._run(owner, x)) if id(owner) in self._packed else super()._stacked(owner, x)
 
     def _add(self, owner: nn.Module, linears: list[nn.Linear]) -> None:
         """Pack ``linears`` (one input) as one int8 matrix under ``owner``, if it has ``INT8_MIN_WEIGHTS`` weights."""
@@ -166,38 +167,22 @@ class PackedProducts(FloatProducts):
         self._packed: dict[int, tuple[torch.Tensor, torch.Tensor | None, tuple[int, ...]]] = {}
         self.num_bytes = 0
         in_stacks = set()
-        for layer in layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            for owner, names in ((attn, ("q_proj", "k_proj", "v_proj")), (mlp, ("gate_proj", "up_proj"))):
-                stacked = self._stacks.get(id(owner))
-                if stacked is not None:
-                    self._pack(id(owner), stacked.weight, stacked.bias, stacked.sizes)
-                    in_stacks.update(id(getattr(owner, name)) for name in names)
+        for key, stacked in self._stacks.items():
+            self._pack(key, stacked.weight, stacked.bias, stacked.sizes)
+            in_stacks.update(stacked.members)
         for linear in [lm_head, *(m for m in layers.modules() if isinstance(m, nn.Linear))]:
             if id(linear) not in in_stacks:
                 self._pack(id(linear), linear.weight, linear.bias, (linear.out_features,))
-        self._gated = {id(layer.mlp) for layer in layers if _is_gated(layer.mlp)}
-
-    def qkv(self, attn: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if id(attn) not in self._packed:
-            return self.linear(attn.q_proj, x), self.linear(attn.k_proj, x), self.linear(attn.v_proj, x)
-        q, k, v = self._run(id(attn), x)
-        return q, k, v
 
     def linear(self, module: nn.Linear, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        if id(module) not in self._packed:
-            return module(x) if residual is None else residual + module(x)
-        out = self._run(id(module), x)[0]
+        out = self._one(module, x)
         return out if residual is None else residual + out  # (oneDNN's fused add rounds once: not transformers')
 
-    def mlp(self, mlp: nn.Module, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        if id(mlp) not in self._gated:
-            return mlp(x) if residual is None else residual + mlp(x)
-        if id(mlp) in self._packed:
-            gate, up = self._run(id(mlp), x)
-        else:
-            gate, up = self.linear(mlp.gate_proj, x), self.linear(mlp.up_proj, x)
-        return self.linear(mlp.down_proj, mlp.act_fn(gate) * up, residual)
+    def _stacked(self, owner: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+        return self._run(id(owner), x) if id(owner) in self._packed else None
+
+    def _one(self, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        return self._run(id(module), x)[0] if id(module) in self._packed else module(x)
 
     def _pack(self, key: int, weight: torch.Tensor, bias: torch.Tensor | None, sizes: tuple[int, ...]) -> None:
         weight = weight.detach()
@@ -235,12 +220,8 @@ def products_for(
     return Int8Products(layers, lm_head, model._stacks) if mode == DecodeWeights.INT8 else model
 
 
-def _is_gated(mlp: nn.Module) -> bool:
-    return all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj", "act_fn"))
-
-
 def _check_gated(mlp: nn.Module) -> None:
-    if not _is_gated(mlp):
+    if not is_gated(mlp):
         raise UnsupportedModelError(
             f"decode_weights='int8' runs gated MLPs (gate_proj, up_proj, down_proj, act_fn), not {type(mlp).__name__}"
         )

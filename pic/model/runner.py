@@ -70,8 +70,8 @@ class ModelRunner:
         self._observer: AttentionObserver | None = None
         # q/k/v and gate/up as one product each; every Llama-form RMSNorm as one operation (``pic.model.norm``).
         self._float = model_products(self._layers, self._lm_head, stack_layers(self._layers))
-        norms = [self._norm, *(m for m in self._layers.modules() if m is not self._layers and norm_eps(m) is not None)]
-        self._norm_eps = {id(m): norm_eps(m) for m in norms if norm_eps(m) is not None}
+        modules = [self._norm, *self._layers.modules()]
+        self._norm_eps = {id(m): eps for m in modules if (eps := norm_eps(m)) is not None}
         self._decode = products_for(decode_weights, self._layers, self._lm_head, model=self._float)
         self.graphed: GraphedForwards | None = None
 
@@ -108,8 +108,9 @@ class ModelRunner:
             per sequence, ``[m, hidden_size]``: the final (normed) hidden states of its ``output_rows``
             (``m = 0`` without). ``logits`` turns the rows to sample into logits.
         """
-        if self.graphed is not None and self.graphed.accepts(seqs):
-            return self.graphed.forward(seqs)
+        bucket = self.graphed.bucket(seqs) if self.graphed is not None and self._observer is None else None
+        if bucket is not None:
+            return self.graphed.forward(seqs, bucket)
         for seq in seqs:
             seq.kv.kv_positions[seq.slots] = seq.positions
         lens = [s.token_ids.shape[0] for s in seqs]
@@ -142,6 +143,27 @@ class ModelRunner:
                 plan = self.attention_backend.plan(batch)
         num_tokens = sum(s.token_ids.shape[0] for s in seqs)
         return [self._outputs(seq, start, hidden, alive, num_tokens) for seq, start in zip(seqs, starts, strict=True)]
+
+    @torch.no_grad()
+    def forward_rows(
+        self,
+        token_ids: torch.Tensor,
+        rows: torch.Tensor,
+        cache: KVCache,
+        batch: AttentionBatch,
+        plan: object,
+        *,
+        decode: bool,
+    ) -> torch.Tensor:
+        """Every layer over ``token_ids`` ``[R]`` int64, their K and V written to cache ``rows`` ``[R]`` int64 (``-1``:
+        none, on the Triton backend), attending by ``plan`` (the backend's plan of ``batch``): no hook, no observer,
+        every row kept; ``decode``: a decode step's products. Returns the final normed hidden states
+        ``[R, hidden_size]``. What a CUDA graph replays (``pic.model.graphs``): tensors in, tensors out."""
+        hidden = self._embed(token_ids)
+        products = self._decode_products(token_ids.shape[0]) if decode else self._float
+        for index, layer in enumerate(self._layers):
+            hidden, _ = self._layer(index, layer, hidden, cache, batch, plan, rows, products)
+        return self._normed(self._norm, hidden)
 
     def logits(self, hidden: torch.Tensor, *, decode: bool = False) -> torch.Tensor:
         """``[m, hidden_size]`` final hidden states -> ``[m, vocab_size]`` float32 logits; ``decode``: every row

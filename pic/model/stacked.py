@@ -26,11 +26,13 @@ class Stacked:
         weight: ``[sum(out_i), in_features]``; each linear's weight is a view of its rows.
         bias: ``[sum(out_i)]`` or ``None`` (no linear has one); a linear without one reads zeros there.
         sizes: each linear's ``out_features``, in order.
+        members: ``id`` of each linear (its weight is a view of ``weight``).
     """
 
     weight: torch.Tensor
     bias: torch.Tensor | None
     sizes: tuple[int, ...]
+    members: tuple[int, ...]
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """``x`` ``[N, in_features]`` -> per linear ``[N, out_i]`` (views of one product's output)."""
@@ -60,7 +62,13 @@ def stack_linears(linears: list[nn.Linear]) -> Stacked | None:
         if linear.bias is not None:
             linear.bias.data = bias[start:end]
         start = end
-    return Stacked(weight=weight, bias=bias, sizes=tuple(linear.out_features for linear in linears))
+    sizes = tuple(linear.out_features for linear in linears)
+    return Stacked(weight=weight, bias=bias, sizes=sizes, members=tuple(id(linear) for linear in linears))
+
+
+def is_gated(mlp: nn.Module) -> bool:
+    """Whether ``mlp`` is gated, ``down(act(gate(x)) * up(x))`` (Llama's form)."""
+    return all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj", "act_fn"))
 
 
 def stack_layers(layers: nn.ModuleList) -> dict[int, Stacked]:
@@ -69,7 +77,7 @@ def stack_layers(layers: nn.ModuleList) -> dict[int, Stacked]:
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
         groups = [(attn, [attn.q_proj, attn.k_proj, attn.v_proj])]
-        if all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+        if is_gated(mlp):
             groups.append((mlp, [mlp.gate_proj, mlp.up_proj]))
         for owner, linears in groups:
             if all(isinstance(linear, nn.Linear) for linear in linears):
