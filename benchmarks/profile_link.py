@@ -2,6 +2,7 @@
 
 python benchmarks/profile_link.py                          # GPU: benchmarks/results/profile.txt
 python benchmarks/profile_link.py --quick --out /tmp/p.txt # CPU smoke run: the tiny Mistral of ttft.py --quick
+python benchmarks/profile_link.py --graphs                 # GPU: each policy again with CUDA graphs (issue 56)
 
 The model, chunks and engine of ``benchmarks/ttft.py`` (Mistral-7B's shapes, random bfloat16 weights, chunks of 512
 tokens): one link of --context tokens (the first context / 512 chunks, then a random 32-token query) and its first
@@ -39,8 +40,9 @@ def link_once(engine, ids: list[str], query: list[int], policy: str):
     return engine.link(ids, query, policy=policy).generate(max_new_tokens=1)
 
 
-def profile_policy(engine, ids, query, policy: str, args, log) -> None:
-    """Wall time, the profiler's tables and counts, and the sync sites of one policy's link."""
+def profile_policy(engine, ids, query, policy: str, args, log, *, label: str = "") -> None:
+    """Wall time, the profiler's tables and counts, and the sync sites of one policy's link (logged as ``label``)."""
+    name = label or policy
     for _ in range(2):
         link_once(engine, ids, query, policy)
     _gpu.sync(args.device)
@@ -49,20 +51,20 @@ def profile_policy(engine, ids, query, policy: str, args, log) -> None:
         gen = link_once(engine, ids, query, policy)
     _gpu.sync(args.device)
     wall_ms = 1000 * (time.perf_counter() - start) / args.repeats
-    log(f"{policy}: wall per link + first token {wall_ms:.1f} ms, ttft_s {1000 * gen.ttft_s:.1f} ms")
+    log(f"{name}: wall per link + first token {wall_ms:.1f} ms, ttft_s {1000 * gen.ttft_s:.1f} ms")
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         link_once(engine, ids, query, policy)
         _gpu.sync(args.device)
     ops = prof.key_averages()
     sort = "cuda_time_total" if args.device.type == "cuda" else "cpu_time_total"
-    log(f"--- {policy}: top ops by {sort}")
+    log(f"--- {name}: top ops by {sort}")
     log(ops.table(sort_by=sort, row_limit=args.rows, max_name_column_width=60))
     launches = sum(e.count for e in ops if "LaunchKernel" in e.key)
     syncs = sum(e.count for e in ops if e.key.startswith(SYNCS) or e.key == "cudaMemcpy")
     run = lambda: link_once(engine, ids, query, policy)  # noqa: E731
     sites = collections.Counter(f"{f}:{n}" for f, n in (sync_sites(run) if args.device.type == "cuda" else []))
-    log(f"{policy}: kernel launches {launches}, host syncs {syncs} (profiler); sync debug mode: {sum(sites.values())}")
+    log(f"{name}: kernel launches {launches}, host syncs {syncs} (profiler); sync debug mode: {sum(sites.values())}")
     for site, count in sites.most_common(8):
         log(f"    {count} x {site}")
 
@@ -74,6 +76,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rows", type=int, default=15, help="ops listed per table")
     parser.add_argument("--quick", action="store_true", help="CPU: tiny Mistral, chunks of 32, torch backend")
+    parser.add_argument("--graphs", action="store_true", help="each policy again with CUDA graphs (CUDA, Triton)")
     parser.add_argument("--out", default="benchmarks/results/profile.txt")
     args = parser.parse_args()
     if not args.quick and not torch.cuda.is_available():
@@ -110,6 +113,12 @@ def main() -> None:
             f"{time.perf_counter() - start:.0f} s")  # fmt: skip
         for policy in args.policies:
             profile_policy(engine, chunks, query, policy, args, log)
+        if args.graphs and args.device.type == "cuda" and engine.attention_backend == "triton":
+            with engine.paused() as core:  # captured per bucket in profile_policy's untimed links
+                graphed = core.runner.use_graphs(capture=True)
+            for policy in args.policies:
+                profile_policy(engine, chunks, query, policy, args, log, label=f"{policy} graphs")
+            log(f"graphs: {graphed.num_replays} forwards replayed, {graphed.num_eager} eager (plan differed)")
     print(f"wrote {out}")
 
 
