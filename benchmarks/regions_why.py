@@ -31,7 +31,7 @@ from pic.evaluation.answers import score_answer
 from pic.evaluation.profiles import profile_workload
 from pic.evaluation.qa import QACase, QAWorkload, qa_workload
 from pic.evaluation.report import json_number
-from pic.link.lexical import bm25
+from pic.link.order import bm25
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 import pic
-from pic.link.lexical import bm25
-from pic.link.order import ChunkOrder, Order, by_relevance, parse_order
+from pic.link.order import ChunkOrder, Order, bm25, by_relevance, parse_order
 
 DOCS = ["Tom had a big red ball.", "Lily loved to sing songs.", "The cat sat on the warm mat."]
 QUERY = " Tom and the red ball"

@@ -11,7 +11,7 @@ import torch
 import pic
 from pic.kv import ChunkKV
 from pic.link import lay_out
-from pic.link.lexical import bm25
+from pic.link.order import bm25
 from pic.policies import Regions
 from tests.models import DOCS, PREFIX, QUERY
 

@@ -11,7 +11,6 @@ keeps its chunks' order and its probe's choice.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -21,9 +20,7 @@ from pic.errors import PolicyError, linked_too_long
 from pic.kv import ChunkInfo, ChunkKV, RequestKV
 from pic.link.assemble import AssemblyPlan, plan_assembly
 from pic.link.layout import Layout, lay_out
-from pic.link.lexical import bm25
-from pic.link.order import ChunkOrder, Order, chunk_order
-from pic.link.order import given as _given
+from pic.link.order import ChunkOrder, Order, bm25, chunk_order
 from pic.link.policies import Policy
 from pic.link.recompute import PassResult, RecomputePass
 from pic.model import ModelSpec
@@ -34,8 +31,9 @@ class LinkState:
     """One request's link (written by ``Linker`` only).
 
     Attributes:
-        policy: the policy asked for, then the one it chose for the layout (``Policy.for_layout``).
-        order: the chunk order asked for (``Order.POLICY``: the policy's choice).
+        policy: the policy asked for, then (from the first plan on) the one it chose for the layout
+            (``Policy.for_layout``).
+        order: the chunk order asked for (``Order.POLICY``: the policy's, ``Policy.order``).
         chunk_order: the order the chunks run in, fixed at the first plan (a preempted request keeps it).
         layout: the prompt (and the tokens generated before a preemption) laid out; ``None`` until planned.
         selected: ``[T]`` bool, the tokens the next pass runs.
@@ -118,26 +116,31 @@ class Linker:
     ) -> LinkPlan:
         """Lay the request out (``query`` ends with the ``num_generated`` tokens it generated before a
         preemption) unless it is already, and count what admitting it takes from the pool. ``chunks`` and
-        ``relevance`` come in the caller's order; the first plan fixes the order they run in (``link.order``).
+        ``relevance`` come in the caller's order; the first plan fixes the order they run in and the policy.
 
         Raises:
             ContextLengthError, PolicyError: the request cannot run (nothing was taken).
         """
-        if link.chunk_order is None:  # the first plan (nothing generated yet)
-            link.layout = self._first_layout(link, prefix, chunks, query, relevance)
-            self._specialise(link)
-        elif link.laid_out[0] is not chunks or link.laid_out[1] != len(query):  # resolved again; new tokens
-            link.layout = self._lay_out(link, prefix, chunks, query, relevance, num_generated=num_generated)
         if link.laid_out is None or link.laid_out[0] is not chunks or link.laid_out[1] != len(query):
+            first = link.chunk_order is None
+            if first:
+                self._fix_order(link, chunks, query, relevance)
+            order = link.chunk_order
+            link.layout = lay_out(
+                prefix=prefix, chunks=order.apply(chunks), query=query, block_size=self.block_size,
+                parallel=link.policy.parallel_positions, num_generated=num_generated,
+                relevance=None if relevance is None else order.apply(relevance),
+                lexical=None if link.lexical is None else order.apply(link.lexical),
+            )  # fmt: skip
+            if first:
+                self._specialise(link)
             link.laid_out = (chunks, len(query))
             self._check_context(link.layout)
             link.selected = self._selection(link)
-        ordered = link.chunk_order.apply(chunks)
         dirty = link.selected if self._share and not link.policy.is_dynamic else torch.ones_like(link.selected)
-        assembly = plan_assembly(link.layout, ordered, dirty, is_resident=self.is_resident)
-        num_tokens = int(link.selected.sum())
+        assembly = plan_assembly(link.layout, link.chunk_order.apply(chunks), dirty, is_resident=self.is_resident)
         reserved = len(assembly.shared) if link.probes else 0
-        return LinkPlan(assembly, num_tokens, reserved, self._chunkable(link))
+        return LinkPlan(assembly, int(link.selected.sum()), reserved, self._chunkable(link))
 
     def start(self, link: LinkState, plan: LinkPlan, kv: RequestKV, *, assembly, num_output_rows: int) -> None:
         """Set up the pass over the blocks the KV manager took (``assembly``); a policy that scales the query's
@@ -185,46 +188,17 @@ class Linker:
         """A preempted request's pass is gone with its blocks (it is planned again at its next admission)."""
         link.pass_ = None
 
-    def _first_layout(
-        self, link: LinkState, prefix: list[int], chunks: Sequence[ChunkInfo | ChunkKV], query: list[int], relevance
-    ) -> Layout:
-        """Fix the order the chunks run in (``link.order``, or with ``Order.POLICY`` the one the policy reads from
-        the prompt in the caller's order) and lay the prompt out in it: once, unless the order moves a chunk."""
-        given = Order.GIVEN if link.order is Order.POLICY and not _chooses_order(link.policy) else link.order
-        layout = None
-        if given is Order.POLICY:
-            layout = self._lay_out(link, prefix, chunks, query, relevance, order=_given(len(chunks)))
-            given = link.policy.order_for(layout)
-            if given not in (Order.GIVEN, Order.RELEVANCE):
-                raise PolicyError(f"policy {link.policy.spec!r} chose the order {given!r}; expected given or relevance")
+    @staticmethod
+    def _fix_order(
+        link: LinkState, chunks: Sequence[ChunkInfo | ChunkKV], query: list[int], relevance: Sequence[float] | None
+    ) -> None:
+        """The order the chunks run in (``link.order``, or the policy's): ranked once, the order and a policy that
+        ranks the chunks too (``regions``) read the same scores, the caller's or BM25 (``Layout.lexical``)."""
+        order = link.policy.order if link.order is Order.POLICY else link.order
         tokens = [c.token_ids.tolist() for c in chunks]
-        if given is Order.RELEVANCE and relevance is None:  # ranked once: the order and the policy read the same
+        if order is Order.RELEVANCE and relevance is None:
             link.lexical = tuple(bm25(query, tokens))
-        link.chunk_order = chunk_order(given, query, tokens, relevance if relevance is not None else link.lexical)
-        if layout is None or link.chunk_order.moved:
-            return self._lay_out(link, prefix, chunks, query, relevance)
-        return layout if link.lexical is None else dataclasses.replace(layout, lexical=link.lexical)  # (not moved)
-
-    def _lay_out(
-        self,
-        link: LinkState,
-        prefix: list[int],
-        chunks: Sequence[ChunkInfo | ChunkKV],
-        query: list[int],
-        relevance: Sequence[float] | None,
-        *,
-        num_generated: int = 0,
-        order: ChunkOrder | None = None,
-    ) -> Layout:
-        """The prompt laid out with its chunks (and ``relevance``, given in the caller's order) in ``order`` (default:
-        the request's)."""
-        order = order or link.chunk_order
-        return lay_out(
-            prefix=prefix, chunks=order.apply(chunks), query=query, block_size=self.block_size,
-            parallel=link.policy.parallel_positions, num_generated=num_generated,
-            relevance=None if relevance is None else order.apply(relevance),
-            lexical=None if link.lexical is None or order is not link.chunk_order else order.apply(link.lexical),
-        )  # fmt: skip
+        link.chunk_order = chunk_order(order, query, tokens, relevance if relevance is not None else link.lexical)
 
     def _specialise(self, link: LinkState) -> None:
         """Let the policy choose for the request's first layout (``Policy.for_layout``), once, before anything is
@@ -270,9 +244,3 @@ class Linker:
             return False
         positions = link.layout.positions[link.selected]
         return bool((positions[1:] > positions[:-1]).all())
-
-
-def _chooses_order(policy: Policy) -> bool:
-    """Whether the policy reads the layout to choose the chunks' order (it overrides ``Policy.order_for``; the base
-    keeps the caller's order without looking)."""
-    return type(policy).order_for is not Policy.order_for

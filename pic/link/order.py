@@ -8,14 +8,18 @@ model reads, so a link that reorders is no longer the caller's prompt; the link 
 (``ChunkOrder``), and ``Order.GIVEN`` keeps the caller's order token for token.
 
 Relevance comes from the caller's scores when the request has them (``link(..., relevance=[...])``: a
-retriever's), else from BM25 over token ids between each chunk and the query (``pic.link.lexical``):
-no model, no text. Ties keep the caller's order, so chunks the query shares nothing with stay where they were.
+retriever's), else from BM25 over token ids between each chunk and the query (``bm25``): no model, no text.
+A retriever found the chunks because they share words with the question; the same overlap, counted on the
+tokenizer's ids, ranks the document holding the answer first in every case of both QA workloads on SmolLM2
+(docs/policies.md), where the query's attention over the cached chunks (a probe) does no better than chance.
+Ties keep the caller's order, so chunks the query shares nothing with stay where they were.
 """
 
 from __future__ import annotations
 
 import enum
 import math
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -23,10 +27,12 @@ from typing import TypeVar
 import torch
 
 from pic.errors import InvalidInputError
-from pic.link.lexical import bm25
 from pic.text import refuse_text_for_list
 
 T = TypeVar("T")
+
+# BM25's usual constants: term-frequency saturation and length normalisation.
+_K1, _B = 1.2, 0.75
 
 
 class Order(str, enum.Enum):
@@ -35,8 +41,8 @@ class Order(str, enum.Enum):
     - ``GIVEN``: the caller's order, token for token.
     - ``RELEVANCE``: the least relevant first, the most relevant last, next to the query (where a model
       reading the question after the documents looks most; and where a recomputed suffix would fall).
-    - ``POLICY``: what the link's policy chooses for the layout (``Policy.order_for``): ``auto`` orders by
-      relevance; every other built-in policy keeps the caller's order.
+    - ``POLICY``: the link's policy's (``Policy.order``): ``auto`` orders by relevance; every other built-in
+      policy keeps the caller's order.
     """
 
     GIVEN = "given"
@@ -85,20 +91,13 @@ class ChunkOrder:
         return [items[i] for i in self.indices]
 
 
-def given(num_chunks: int) -> ChunkOrder:
-    """The caller's order of ``num_chunks`` chunks."""
-    return ChunkOrder(Order.GIVEN, tuple(range(num_chunks)))
-
-
 def by_relevance(
     query: Sequence[int], chunks: Sequence[Sequence[int]], relevance: Sequence[float] | None = None
 ) -> ChunkOrder:
     """The chunks least relevant first, most relevant last: by ``relevance`` (one score per chunk, higher: more
-    relevant) when given, else by BM25 of each chunk's token ids against ``query``'s. Ties keep the caller's
-    order (a stable sort), so a query that shares no token with any chunk leaves them as they were."""
+    relevant) when given, else by BM25 of each chunk's token ids against ``query``'s (a stable sort)."""
     scores = list(relevance) if relevance is not None else bm25(list(query), [list(c) for c in chunks])
-    indices = sorted(range(len(chunks)), key=lambda i: scores[i])
-    return ChunkOrder(Order.RELEVANCE, tuple(indices))
+    return ChunkOrder(Order.RELEVANCE, tuple(sorted(range(len(chunks)), key=lambda i: scores[i])))
 
 
 def chunk_order(
@@ -108,8 +107,24 @@ def chunk_order(
     if order is Order.RELEVANCE:
         return by_relevance(query, chunks, relevance)
     if order is Order.GIVEN:
-        return given(len(chunks))
+        return ChunkOrder(Order.GIVEN, tuple(range(len(chunks))))
     raise InvalidInputError(f"order {order.value!r} must be resolved by the link's policy first")
+
+
+def bm25(query: Sequence[int], units: Sequence[Sequence[int]], *, corpus: Sequence[Sequence[int]] | None = None):
+    """BM25 of each unit (a chunk, or a window of one) against the query's distinct tokens: ``list[float]``, 0 for a
+    unit sharing no token with it. The terms' rarity (IDF) is counted over ``corpus`` (default: ``units``): windows
+    of chunks are scored with the chunks' IDF, so a word every chunk has counts for little in any window."""
+    corpus = units if corpus is None else corpus
+    terms = set(query)
+    df = Counter(t for doc in corpus for t in set(doc) if t in terms)
+    idf = {t: math.log(1 + (len(corpus) - n + 0.5) / (n + 0.5)) for t, n in df.items()}
+    mean_len = sum(len(u) for u in units) / max(len(units), 1)
+    scores = []
+    for unit in units:
+        counts, norm = Counter(unit), _K1 * (1 - _B + _B * len(unit) / max(mean_len, 1e-9))
+        scores.append(sum(w * counts[t] * (_K1 + 1) / (counts[t] + norm) for t, w in idf.items() if counts[t]))
+    return scores
 
 
 def relevance_scores(relevance: object, num_chunks: int) -> tuple[float, ...] | None:

@@ -8,9 +8,8 @@ it with ``register``.
 
 from pic.link.policies.a3 import A3
 from pic.link.policies.ape import APE
-from pic.link.policies.auto import Auto
 from pic.link.policies.base import Policy
-from pic.link.policies.builtin import FullRecompute, Naive, Suffix
+from pic.link.policies.builtin import Auto, FullRecompute, Naive, Suffix
 from pic.link.policies.cacheblend import CacheBlend
 from pic.link.policies.heads import MEPIC, LegoLink, LegoLinkZero, chunk_heads
 from pic.link.policies.query import FusionRAG, InfoFlow, ProbePicks, ProphetKV

@@ -38,23 +38,18 @@ if TYPE_CHECKING:
 
 class Policy(BaseModel, ABC):
     """Subclass, implement ``select`` (and ``after_layer`` for a dynamic policy), declare parameters
-    as pydantic fields, and ``pic.policies.register`` it under a name.
-
-    Attributes:
-        name: the registered name, used in spec strings (``"name"`` or ``"name:arg"``).
-    """
+    as pydantic fields, and ``pic.policies.register`` it under ``name`` (used in spec strings)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True, allow_inf_nan=False)
     name: ClassVar[str] = ""
     # Links only chunks compiled in context (``compile(docs, context=...)``); others are refused at link time.
     needs_context: ClassVar[bool] = False
+    # The chunk order of a link that leaves it to its policy (``order="policy"``, the default): every built-in
+    # policy but ``auto`` keeps the caller's, so Full Recompute stays the model's own prefill of the caller's prompt.
+    order: ClassVar[Order] = Order.GIVEN
 
     def __init__(self, **data: Any) -> None:
-        """Fields are validated strictly (``LegoLink(k="16")`` is refused; spec strings are parsed).
-
-        Raises:
-            PolicyError: a value a field rejects, or a field the policy does not have.
-        """
+        """Raises: PolicyError: a value a field rejects (strictly: ``LegoLink(k="16")`` too), or an unknown field."""
         try:
             super().__init__(**data)
         except ValidationError as exc:
@@ -64,63 +59,41 @@ class Policy(BaseModel, ABC):
 
     @abstractmethod
     def select(self, layout: Layout) -> torch.Tensor:
-        """Tokens to recompute from the first layer on: ``[layout.num_tokens]`` bool (True =
-        recompute). Entries of prefix and query tokens are ignored: those are always recomputed."""
+        """Tokens to recompute from the first layer on: ``[layout.num_tokens]`` bool (True = recompute).
+        Entries of prefix and query tokens are ignored: those are always recomputed."""
 
     def for_layout(self, layout: Layout) -> Policy:
         """The policy that runs this layout: ``self``, or one a policy that reads the layout chooses (``auto``).
-        The engine calls it once the request is laid out; the chosen policy must lay chunks out as this one
-        does (``parallel_positions``), and ``Linked.policy`` reports it."""
+        The linker asks once, before planning; the choice must lay chunks out as this one does
+        (``parallel_positions``), and ``Linked.policy`` reports it."""
         return self
 
-    def order_for(self, layout: Layout) -> Order:
-        """The chunk order a link that leaves the order to its policy (``order="policy"``, the default) runs:
-        ``Order.GIVEN`` or ``Order.RELEVANCE``, read from ``layout`` (the prompt in the caller's order). Every
-        built-in policy but ``auto`` keeps the caller's order: Full Recompute stays the model's own prefill of the
-        prompt the caller wrote."""
-        return Order.GIVEN
-
     def after_layer(self, step: LayerStep) -> torch.Tensor | None:
-        """Dynamic policies: which of the tokens that just ran ``step.layer`` keep running.
-
-        Returns:
-            ``[step.num_tokens]`` bool (True = keep recomputing), or ``None`` to keep them all.
-            Dropped chunk tokens use their cached KV from the next layer on; prefix and query
-            tokens are never dropped.
-        """
+        """Dynamic policies: which of the tokens that just ran ``step.layer`` keep running: ``[step.num_tokens]``
+        bool, or ``None`` for all. Dropped chunk tokens use their cached KV from the next layer on."""
         return None
 
     def after_probe(self, probe: Probe) -> torch.Tensor:
-        """Query-aware policies: the chunk tokens to recompute, chosen from what the query saw.
-
-        Args:
-            probe: the probe pass over ``select``'s tokens: ``probe.mass`` / ``probe.attention`` ``[num_layers, T]``,
-                the attention each token received from the query at each layer.
-
-        Returns:
-            ``[T]`` bool (True = recompute). Only chunk tokens count: the query is always recomputed, and
-            the prefix keeps the exact KV the probe gave it.
-        """
+        """Query-aware policies: ``[T]`` bool, the chunk tokens to recompute, chosen from what the query saw
+        (``probe.mass`` / ``probe.attention``: ``[num_layers, T]``). The query is always recomputed, and the
+        prefix keeps the exact KV the probe gave it."""
         raise NotImplementedError
 
     def probe_layers(self, num_layers: int) -> range:
-        """Query-aware policies: the layers whose attention ``after_probe`` reads (``Probe.layers``). The probe
-        scores only those, and the query leaves it after the last (default: every layer)."""
+        """Query-aware policies: the layers ``after_probe`` reads (``Probe.layers``). The probe scores only
+        those, and the query leaves it after the last."""
         return range(num_layers)
 
     @property
     def is_dynamic(self) -> bool:
-        """Whether the policy overrides ``after_layer``."""
         return type(self).after_layer is not Policy.after_layer
 
     @property
     def is_query_aware(self) -> bool:
-        """Whether the policy overrides ``after_probe`` (its link runs a probe pass first)."""
         return type(self).after_probe is not Policy.after_probe
 
     def context_scaling(self) -> ContextScaling | None:
-        """APE-style attention for the request's query and generated tokens over its chunks
-        (``pic.attention.ape``); ``None``: plain attention."""
+        """APE-style attention for the query and generated tokens over the chunks (``pic.attention.ape``)."""
         return None
 
     @property
@@ -136,19 +109,11 @@ class Policy(BaseModel, ABC):
         """Raise ``PolicyError`` if the policy cannot run on a model with ``num_layers`` layers."""
 
     def recompute_mask(self, layout: Layout) -> torch.Tensor:
-        """``select``, checked, with every uncached token added: ``[layout.num_tokens]`` bool on CPU.
-
-        Raises:
-            PolicyError: ``select`` returned something else than a bool tensor of that shape.
-        """
+        """``select``, checked, with every uncached token added: ``[layout.num_tokens]`` bool on CPU."""
         return self._checked(self.select(layout), layout.num_tokens, "select()").cpu() | ~layout.cached
 
     def probe_mask(self, probe: Probe) -> torch.Tensor:
-        """``after_probe``, checked: ``[T]`` bool on CPU, its chunk tokens and every query token.
-
-        Raises:
-            PolicyError: ``after_probe`` returned something else than a bool tensor of that shape.
-        """
+        """``after_probe``, checked: ``[T]`` bool on CPU, its chunk tokens and every query token."""
         layout = probe.layout
         chosen = self._checked(self.after_probe(probe), layout.num_tokens, "after_probe()").cpu()
         query = torch.zeros_like(chosen)
@@ -156,14 +121,14 @@ class Policy(BaseModel, ABC):
         return (chosen & layout.cached) | query
 
     def keep_mask(self, step: LayerStep) -> torch.Tensor | None:
-        """``after_layer``, checked, with the step's uncached tokens kept: ``[step.num_tokens]`` bool
-        on the step's device, or ``None`` when every token keeps running."""
+        """``after_layer``, checked, with the step's uncached tokens kept (on the step's device)."""
         chosen = self.after_layer(step)
         if chosen is None:
             return None
         return self._checked(chosen, step.num_tokens, "after_layer()").to(step.tokens.device) | ~step.cached
 
     def _checked(self, chosen: object, num_tokens: int, method: str) -> torch.Tensor:
+        """Raises: PolicyError: ``chosen`` is not a bool tensor of shape ``(num_tokens,)``."""
         if isinstance(chosen, torch.Tensor) and chosen.dtype == torch.bool and chosen.shape == (num_tokens,):
             return chosen
         got = (

@@ -1,12 +1,37 @@
-"""The two reference policies, recompute nothing cached or everything, and the suffix a vLLM connector can run."""
+"""The reference policies (recompute nothing cached, or everything), the suffix a vLLM connector can run, and
+``auto``, the default: the most relevant chunks next to the query, recomputed whole, and nothing else.
+
+Measured on SmolLM2-135M and Qwen2.5-Coder-0.5B / 1.5B (docs/policies.md: the frontier of every selection at
+budgets of 5 to 30%, and the grid), what keeps ``auto``'s answers is where the tokens are, not how many:
+
+- **The documents' order.** ``auto`` links the chunks by relevance (``Policy.order``: the least relevant first,
+  the most relevant next to the query; the request's ``relevance`` scores, else BM25 over token ids), unless the
+  link asks for an order (``order="given"`` keeps the caller's). On needles it alone keeps the answers (what each
+  choice kept, per model and layout, and the results files it comes from: docs/policies.md, "The default").
+- **Whole chunks.** The chunks nearest the query, whole, from the last back, until they hold ``budget`` of the
+  chunk tokens (``Suffix(whole=True)``: the vLLM connector's rule, so one rule serves both). A chunk recomputed in
+  part reads worse than one left as compiled on Qwen2.5-Coder (its fresh tokens read its stale ones as their own
+  context): scattered picks (ProphetKV, InfoFlow, FusionRAG) and cut suffixes lose answers there that whole chunks
+  keep, and with the question before the documents only the question's document recomputed whole reads it.
+- **No probe.** The selection is static, so the link is one pass of its recomputed rows, which can run in pieces
+  beside other work; a probe's extra pass over the query bought no answers in relevance order.
+- **A ceiling.** When the whole chunks would be more than ``max_share`` of the chunk tokens (a few long documents,
+  the most relevant the longest), the most relevant regions within that share are taken instead (``Regions``), so
+  the link recomputes at most about ``max_share`` of the documents whatever their sizes. The prefix and query are
+  not counted: they are recomputed under every policy, and a short prompt whose query is half of it still needs
+  its document read (a ceiling on the whole prompt left such links with no document token recomputed).
+"""
 
 from __future__ import annotations
 
 import torch
 from pydantic import Field
 
+from pic.errors import PolicyError
 from pic.link.layout import Layout
+from pic.link.order import Order
 from pic.link.policies.base import Policy
+from pic.link.policies.regions import Regions
 
 
 class Naive(Policy):
@@ -55,3 +80,24 @@ class Suffix(Policy):
             start = next(seg.token_start for seg in layout.chunks if seg.token_start + seg.num_tokens > start)
         chosen[start:] = True
         return chosen & layout.cached
+
+
+class Auto(Policy):
+    """The last (most relevant) chunks whole, at least ``budget`` and at most ``max_share`` of the chunk tokens (else
+    the best regions within ``max_share``); the chunks in relevance order (the module docstring). ``Linked.policy``
+    reports the policy it chose for the layout."""
+
+    name = "auto"
+    order = Order.RELEVANCE
+    budget: float = Field(default=0.05, ge=0.0, le=1.0)
+    max_share: float = Field(default=0.5, gt=0.0, le=1.0)
+
+    def for_layout(self, layout: Layout) -> Policy:
+        whole = Suffix(ratio=self.budget, whole=True)
+        num_chunk = int(layout.cached.sum())
+        if int(whole.select(layout).sum()) <= self.max_share * num_chunk or not num_chunk:
+            return whole
+        return Regions(budget=self.max_share)
+
+    def select(self, layout: Layout) -> torch.Tensor:
+        raise PolicyError(f"policy {self.spec!r} chooses per layout: run for_layout(layout)'s policy (the engine does)")

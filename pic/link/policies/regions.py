@@ -6,7 +6,7 @@ workload), while recomputing that document's text does most of what Full Recompu
 So this policy ranks first and recomputes contiguous text second:
 
 1. Rank the chunks: by the relevance the request gives (``link(..., relevance=[...])``: a retriever's
-   scores), else by their lexical overlap with the query (BM25 over token ids, ``pic.link.lexical``),
+   scores), else by their lexical overlap with the query (BM25 over token ids, ``pic.link.order.bm25``),
    or, with ``rank="probe"``, by the query's attention over them (a probe pass first, ProphetKV's).
 2. Cut each chunk into windows of ``window`` tokens, aligned to its end as its blocks are (a window of 16
    with blocks of 16 is one block: the blocks left alone stay shared). In the best chunk, take the window
@@ -30,7 +30,7 @@ import torch
 from pydantic import Field
 
 from pic.link.layout import Layout, Segment
-from pic.link.lexical import bm25
+from pic.link.order import bm25
 from pic.link.policies.base import Policy
 from pic.link.policies.heads import chunk_heads
 from pic.link.policies.scoring import top_chunk_tokens

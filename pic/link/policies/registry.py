@@ -5,9 +5,8 @@ from __future__ import annotations
 from pic.errors import PolicyError, unknown_policy_hint
 from pic.link.policies.a3 import A3
 from pic.link.policies.ape import APE
-from pic.link.policies.auto import Auto
 from pic.link.policies.base import Policy
-from pic.link.policies.builtin import FullRecompute, Naive, Suffix
+from pic.link.policies.builtin import Auto, FullRecompute, Naive, Suffix
 from pic.link.policies.cacheblend import CacheBlend
 from pic.link.policies.heads import MEPIC, LegoLink, LegoLinkZero
 from pic.link.policies.query import FusionRAG, InfoFlow, ProphetKV
