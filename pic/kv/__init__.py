@@ -2,8 +2,6 @@
 and compiled chunks."""
 
 from pic.kv.block_pool import BlockPool, KVStats
-from pic.kv.cache import KVCache, blocks_for
-from pic.kv.chunk import ChunkInfo, ChunkKV
-from pic.kv.request import RequestKV
+from pic.kv.cache import ChunkInfo, ChunkKV, KVCache, RequestKV, blocks_for
 
 __all__ = ["BlockPool", "ChunkInfo", "ChunkKV", "KVCache", "KVStats", "RequestKV", "blocks_for"]

@@ -1,9 +1,17 @@
-"""The KV tensors the block pool's block ids index: one preallocated K and V for every layer."""
+"""KV tensors: the pool's paged K and V (``KVCache``), one request's view of them (``RequestKV``), and a compiled
+chunk's own (``ChunkKV``; ``ChunkInfo`` without the tensors). The block ids they use are the ``BlockPool``'s."""
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 
+from pic.attention.ape import ContextScaling
+from pic.config import CompileOptions
+from pic.kv.block_pool import BlockPool
 from pic.kv.transfer import long_tensor, to_device
 
 
@@ -57,19 +65,16 @@ class KVCache:
         return long_tensor(block_ids, self.device)[slots // bs] * bs + slots % bs
 
     def write(self, block_ids: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
-        """Put a chunk's KV (``[num_layers, L, num_kv_heads, head_dim]`` each) into its canonical blocks,
-        front-padded: the tokens fill the last ``L`` slots.
-
-        From the CPU the copy is asynchronous (``to_device``): the caller must not write into ``k`` and ``v``
-        until the stream has run it (the store's chunks are never written; freeing them is safe). The
-        blocks are written by the same stream as every later kernel that reads them."""
+        """Put a chunk's KV (``[num_layers, L, num_kv_heads, head_dim]`` each) into its canonical blocks'
+        last ``L`` slots. From the CPU the copy is asynchronous (``to_device``): ``k`` and ``v`` must not be
+        written until the stream has run it (the store's chunks never are; freeing them is safe)."""
         rows = self.rows(block_ids, k.shape[1])
         self.k_rows[:, rows] = to_device(k, self.device)
         self.v_rows[:, rows] = to_device(v, self.device)
 
     def read(self, block_ids: list[int], num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A chunk's KV out of its canonical blocks: ``[num_layers, num_tokens, num_kv_heads, head_dim]``
-        each, copies on the cache's device (queued on the stream: a later write to the blocks cannot change them)."""
+        each, copies (queued on the stream: a later write to the blocks cannot change them)."""
         rows = self.rows(block_ids, num_tokens)
         return self.k_rows[:, rows], self.v_rows[:, rows]
 
@@ -79,3 +84,155 @@ class KVCache:
             s, d = long_tensor(src, self.device), long_tensor(dst, self.device)
             self.k[:, d] = self.k[:, s]
             self.v[:, d] = self.v[:, s]
+
+
+class RequestKV:
+    """The blocks a request maps, in slot order, and what each slot holds.
+
+    Slots are numbered ``0 .. num_blocks * block_size - 1`` within the request; ``physical(slots)``
+    maps them to rows of the cache's flattened K/V. ``kv_positions[s]`` is the logical position of
+    the token in slot ``s``, or ``-1`` for padding and slots not yet written (masked in attention).
+
+    The request owns one reference to every block of its table (``block_ids``, taken for it) and, while it is
+    being linked, ``held`` references to the canonical blocks of its chunks, which a dynamic policy reads during
+    the recompute pass; ``release_held`` drops those after it. ``num_slots``: slots in use (written or padding);
+    decoding appends after them.
+    """
+
+    def __init__(
+        self, pool: BlockPool, cache: KVCache, block_ids: list[int], *, num_slots: int, held: Sequence[int] = ()
+    ) -> None:
+        assert len(block_ids) * cache.block_size >= num_slots, (len(block_ids), num_slots)
+        self.pool, self.cache = pool, cache
+        self.blocks: list[int] = list(block_ids)
+        device = cache.device
+        self.block_table = long_tensor(self.blocks, device)  # [num_blocks], no host sync
+        self.kv_positions = torch.full((len(self.blocks) * cache.block_size,), -1, dtype=torch.long, device=device)
+        self.num_slots = num_slots
+        self._held = list(held)
+        self._released = False
+        # What an attention backend derives from this KV and keeps between forwards (AttentionBatch.scratch).
+        self.scratch: dict = {}
+        # APE (pic.attention.ape): the request's context scaling and its chunk slots, [num_blocks * block_size] bool.
+        self.context: tuple[ContextScaling, torch.Tensor] | None = None
+
+    def physical(self, slots: torch.Tensor) -> torch.Tensor:
+        """Request slots ``[n]`` int64 -> rows of the cache's ``[num_blocks * block_size, ...]`` views."""
+        bs = self.cache.block_size
+        return self.block_table[slots // bs] * bs + slots % bs
+
+    def append_slot(self) -> int:
+        """Reserve the next slot (one more private block when the last is full); returns its index.
+
+        Raises:
+            KVPoolExhaustedError: no block is free or evictable.
+        """
+        bs = self.cache.block_size
+        if self.num_slots == len(self.blocks) * bs:
+            (block,) = self.pool.allocate(1)
+            self.blocks.append(block)
+            device = self.block_table.device
+            self.block_table = torch.cat((self.block_table, long_tensor([block], device)))
+            self.kv_positions = torch.cat((self.kv_positions, torch.full((bs,), -1, dtype=torch.long, device=device)))
+            if self.context is not None:
+                grown = torch.cat((self.context[1], torch.zeros(bs, dtype=torch.bool, device=device)))
+                self.context = (self.context[0], grown)
+        self.num_slots += 1
+        return self.num_slots - 1
+
+    def copy_on_write(self, indices: Sequence[int], fresh: Sequence[int]) -> None:
+        """Give the request private copies of the blocks at table ``indices``: each block's KV is copied into
+        the matching ``fresh`` block (taken for this request), which takes its place in the table; the
+        request's reference to the old block is dropped."""
+        if not indices:
+            return
+        old = [self.blocks[i] for i in indices]
+        self.cache.copy_blocks(old, list(fresh))
+        for i, block in zip(indices, fresh, strict=True):
+            self.blocks[i] = block
+        self.block_table = long_tensor(self.blocks, self.block_table.device)
+        self.scratch.clear()  # whatever a backend derived from the old blocks
+        self.pool.free(old)
+
+    def release_held(self) -> None:
+        """Drop the references to chunk blocks the request does not map (after the recompute pass)."""
+        held, self._held = self._held, []
+        self.pool.free(held)
+
+    def release(self) -> None:
+        """Drop every reference the request owns (idempotent): private blocks become free, shared
+        chunk blocks lose one reference and stay resident."""
+        if not self._released:
+            self._released = True
+            self.scratch.clear()
+            self.release_held()
+            self.pool.free(self.blocks)
+
+
+@dataclass(frozen=True)
+class ChunkInfo:
+    """A compiled chunk without its KV: what the KV pool keeps beside a resident chunk's blocks.
+
+    Attributes:
+        cache_id: content address (model fingerprint, token ids, compile options).
+        token_ids: ``[L]`` int64 on CPU, the tokens the chunk contributes to a linked prompt (its own BOS
+            included when compiled with one; LegoLink-0's dropped extra BOS tokens not).
+        options: the compile options it was prefilled with.
+    """
+
+    cache_id: str
+    token_ids: torch.Tensor
+    options: CompileOptions
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_ids.shape[0]
+
+
+@dataclass(frozen=True)
+class ChunkKV:
+    """What ``compile`` produces and ``link`` consumes, independent of blocks and positions: ``ChunkInfo``'s
+    fields and ``k`` (before RoPE), ``v``: ``[num_layers, L, num_kv_heads, head_dim]`` in the model dtype."""
+
+    cache_id: str
+    token_ids: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    options: CompileOptions
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_ids.shape[0]
+
+    @property
+    def info(self) -> ChunkInfo:
+        return ChunkInfo(cache_id=self.cache_id, token_ids=self.token_ids, options=self.options)
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes of K and V together (what a store tier's capacity counts)."""
+        return 2 * self.k.numel() * self.k.element_size()
+
+    def to(self, device: torch.device | str, *, pin: bool = False, non_blocking: bool = False) -> ChunkKV:
+        """This chunk with K and V on ``device`` (itself when already there).
+
+        Args:
+            pin: on the CPU, use page-locked memory, so later copies to a GPU can be asynchronous
+                (ignored without CUDA, where there is no page-locked memory to ask for).
+            non_blocking: asynchronous copy to a GPU. From page-locked memory the copy may still be
+                running when this returns: this chunk's K and V must not be written until the stream has
+                run it (store chunks never are; freeing them is safe, see ``pic.kv.transfer``).
+
+        A copy to the CPU is always synchronous (``copy_`` without ``non_blocking`` waits for the stream):
+        the data can be read, and the GPU source freed or overwritten, as soon as this returns.
+        """
+        device = torch.device(device)
+        pin = pin and torch.cuda.is_available()
+        here = self.k.device
+        if here.type == device.type and device.index in (None, here.index) and (not pin or self.k.is_pinned()):
+            return self
+        if device.type == "cpu":
+            k, v = (torch.empty(t.shape, dtype=t.dtype, pin_memory=pin).copy_(t) for t in (self.k, self.v))
+        else:
+            k, v = (t.to(device, non_blocking=non_blocking) for t in (self.k, self.v))
+        return dataclasses.replace(self, k=k, v=v)
