@@ -22,27 +22,13 @@ from pic.kv.blocks import Block, FreeBlockQueue, ResidentChunk
 
 @dataclass(frozen=True)
 class KVStats:
-    """A snapshot of the pool (``PIC.kv_stats()``).
-
-    Every block is in exactly one of four states, and the four counts sum to ``num_blocks``:
-
-    - ``num_empty_blocks``: hold nothing (never used, or freed).
-    - ``num_evictable_blocks``: hold a resident chunk that no request references and nobody pinned.
-      They keep its KV for the next link, but a request takes them (least recently used chunk first)
-      once no empty block is left.
-    - ``num_held_chunk_blocks``: hold a resident chunk that a live request references or that is pinned.
-    - ``num_private_blocks``: owned by live requests (prefix, query, decode, copy-on-write blocks).
-
-    The other views are sums of those (properties, so they cannot disagree): ``num_available_blocks``
-    (empty + evictable: what a request can take now), ``num_used_blocks`` (held chunk + private: what it
-    cannot) and ``num_resident_chunk_blocks`` (evictable + held chunk).
-
-    Attributes:
-        num_blocks: blocks in the pool.
-        num_shared_block_refs: references of request block tables to chunk blocks.
-        num_resident_chunks: chunks whose blocks are in the pool.
-        num_evicted_chunks: chunks evicted to make room, since the pool was built.
-        peak_used_blocks: the most ``num_used_blocks`` since the pool was built or ``reset_peak()``.
+    """A snapshot of the pool (``PIC.kv_stats()``). Every block is in exactly one of four states, whose counts
+    sum to ``num_blocks``: empty (never used, or freed); evictable (a resident chunk no request references and
+    nobody pinned: its KV kept for the next link, taken, least recently used chunk first, once no empty block is
+    left); held chunk (a resident chunk a live request references, or pinned); private (owned by live requests:
+    prefix, query, decode, copy-on-write blocks). The other views are sums of those (properties, so they cannot
+    disagree). ``num_shared_block_refs``: references of request block tables to chunk blocks;
+    ``peak_used_blocks``: the most ``num_used_blocks`` since the pool was built or ``reset_peak()``.
     """
 
     num_blocks: int
@@ -61,27 +47,21 @@ class KVStats:
 
     @property
     def num_available_blocks(self) -> int:
-        """Blocks a request can take now: empty, or evictable chunk blocks."""
+        """What a request can take now."""
         return self.num_empty_blocks + self.num_evictable_blocks
 
     @property
     def num_used_blocks(self) -> int:
-        """Blocks no request can take now: held chunk blocks and private blocks."""
         return self.num_held_chunk_blocks + self.num_private_blocks
 
     @property
     def num_resident_chunk_blocks(self) -> int:
-        """Blocks holding resident chunks: evictable or held."""
         return self.num_evictable_blocks + self.num_held_chunk_blocks
 
 
 class BlockPool:
-    """Hands out blocks, counts references, keeps chunks resident until their blocks are needed.
-
-    Args:
-        num_blocks: blocks in the pool.
-        block_size: tokens per block (for messages only: the allocator never looks at tokens).
-    """
+    """Hands out ``num_blocks`` blocks, counts references, keeps chunks resident until their blocks are needed
+    (``block_size``: for messages only, the allocator never looks at tokens)."""
 
     def __init__(self, num_blocks: int, *, block_size: int) -> None:
         assert num_blocks > 0, num_blocks
@@ -94,7 +74,7 @@ class BlockPool:
 
     @property
     def num_available_blocks(self) -> int:
-        """Blocks an ``allocate`` can take now: empty ones and evictable chunk blocks (the free queue)."""
+        """Empty and evictable chunk blocks (the free queue)."""
         return len(self.free_queue)
 
     @property
@@ -102,7 +82,6 @@ class BlockPool:
         return self._num_evicted
 
     def is_resident(self, key: str) -> bool:
-        """Whether chunk ``key``'s canonical blocks are in the pool (in use, pinned or evictable)."""
         return key in self.chunks
 
     def num_available(self, *, holding: Iterable[str] = ()) -> int:
@@ -112,11 +91,8 @@ class BlockPool:
         return len(self.free_queue) - sum(len(c.blocks) for c in held.values() if c.is_evictable)
 
     def check_available(self, num_blocks: int, *, holding: Iterable[str] = (), what: str) -> None:
-        """Raise unless ``num_blocks`` more can be allocated once ``holding`` is held.
-
-        Raises:
-            KVPoolExhaustedError: naming ``what``, the blocks it needs and those available.
-        """
+        """Raises: KVPoolExhaustedError: ``num_blocks`` more cannot be allocated once ``holding`` is held (naming
+        ``what``, the blocks it needs and those available)."""
         available = self.num_available(holding=holding)
         if num_blocks > self.num_blocks:
             raise KVPoolExhaustedError(

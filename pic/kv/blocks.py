@@ -14,14 +14,9 @@ from collections.abc import Iterator
 
 
 class Block:
-    """One physical KV block's bookkeeping (the KV itself lives in ``KVCache``).
-
-    Attributes:
-        block_id: index into the KV tensors' block dimension.
-        ref_cnt: block tables that map it (a private block: 1; a shared chunk block: the number of
-            requests aliasing it, plus holds taken while a request is being assembled).
-        chunk: the resident chunk it belongs to, ``None`` for a private or free block.
-        prev, next: the free queue's links; both ``None`` when the block is not in the queue.
+    """One physical KV block's bookkeeping (the KV itself lives in ``KVCache``). ``ref_cnt``: block tables that
+    map it (a shared chunk block: the requests aliasing it, plus holds taken while a request is assembled);
+    ``chunk``: the resident chunk it belongs to; ``prev``, ``next``: the free queue's links (``None``: not in it).
     """
 
     __slots__ = ("block_id", "ref_cnt", "chunk", "prev", "next")
@@ -64,12 +59,9 @@ class ResidentChunk:
 
 
 class FreeBlockQueue:
-    """Blocks no request references, in the order they are handed out: ``popleft`` takes the front.
-
-    The pool keeps plain free blocks at the front and the blocks of evictable chunks behind them,
-    least recently used chunk first, so a chunk is evicted only when no plain free block is left.
-    Every operation is O(1).
-    """
+    """Blocks no request references, in the order they are handed out (``popleft``). The pool keeps plain free
+    blocks at the front and the blocks of evictable chunks behind them, least recently used chunk first, so a
+    chunk is evicted only when no plain free block is left. Every operation is O(1)."""
 
     def __init__(self, blocks: list[Block]) -> None:
         self._head = Block(-1)  # sentinels: the list is never empty, so no operation special-cases an end
@@ -83,25 +75,22 @@ class FreeBlockQueue:
         return self._len
 
     def popleft(self) -> Block:
-        """Take the front block. The caller checks ``len`` first (an empty queue is a bug)."""
+        """The front block, taken (the caller checks ``len`` first)."""
         block = self._head.next
         assert block is not self._tail and block is not None, "popleft from an empty free queue"
         self.remove(block)
         return block
 
     def remove(self, block: Block) -> None:
-        """Unlink ``block`` from wherever it is."""
         assert block.prev is not None and block.next is not None, f"{block} is not in the free queue"
         block.prev.next, block.next.prev = block.next, block.prev
         block.prev = block.next = None
         self._len -= 1
 
     def append(self, block: Block) -> None:
-        """Put ``block`` at the back (handed out last)."""
         self._insert(block, after=self._tail.prev)
 
     def appendleft(self, block: Block) -> None:
-        """Put ``block`` at the front (handed out next)."""
         self._insert(block, after=self._head)
 
     def _insert(self, block: Block, *, after: Block | None) -> None:

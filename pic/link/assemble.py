@@ -28,15 +28,9 @@ from pic.link.layout import Layout
 
 @dataclass(frozen=True)
 class Assembly:
-    """A linked request's KV, ready for the recompute pass.
-
-    Attributes:
-        req: the request (block table, references; the caller releases it).
-        source_rows: ``[T]`` int64 on the cache's device: for each prompt token, the cache row of its
-            cached KV in the chunk's canonical blocks; ``-1`` for prefix and query tokens.
-        num_shared_blocks: table entries mapping a chunk's block without a copy.
-        num_private_blocks: table entries the request owns (copies included).
-    """
+    """A linked request's KV, ready for the recompute pass: ``req`` (the caller releases it), and ``source_rows``,
+    ``[T]`` int64 on the cache's device: each prompt token's cache row in its chunk's canonical blocks (-1: prefix
+    and query tokens). ``num_shared_blocks`` map a chunk's block without a copy; the request owns the others."""
 
     req: RequestKV
     source_rows: torch.Tensor
@@ -49,13 +43,12 @@ class AssemblyPlan:
     """What a linked request needs from the pool, counted before anything is taken (no tensors touched).
 
     Attributes:
-        layout, chunks: the request's layout and what ``ChunkSources.resolve`` found for its chunks.
+        chunks: what ``ChunkSources.resolve`` found for the layout's chunks.
         chunk_blocks: request block -> (chunk segment index, block within the chunk), every chunk block.
         shared: the chunk blocks mapped as they are (no recomputed token in them).
         to_promote: chunks to load from a lower tier into fresh canonical blocks.
         resident: resident chunks the request holds while it links, in prompt order.
         num_private: blocks the request owns (prefix, query, copy-on-write chunk blocks).
-        num_promoted_blocks: canonical blocks the promoted chunks take.
     """
 
     layout: Layout
@@ -69,7 +62,7 @@ class AssemblyPlan:
 
     @property
     def num_blocks_needed(self) -> int:
-        """Free or evictable blocks admission takes (besides the resident chunks it holds)."""
+        """Free or evictable blocks admission takes (besides the resident chunks it holds): private, promoted."""
         return self.num_private + self.num_promoted_blocks
 
     def describe(self) -> str:
@@ -81,15 +74,10 @@ class AssemblyPlan:
 def plan_assembly(
     layout: Layout, chunks: Sequence[ChunkInfo | ChunkKV], dirty: torch.Tensor, *, is_resident: Callable[[str], bool]
 ) -> AssemblyPlan:
-    """Count what the KV manager will take (see the module docstring).
-
-    Args:
-        chunks: what ``ChunkSources.resolve`` found for each chunk segment of ``layout``, in order
-            (a resident one must still be resident: resolve it again after an eviction).
-        dirty: ``[T]`` bool (CPU), tokens whose KV the request writes: the blocks holding a dirty
-            chunk token are private copies. All True gives every request its own copy of everything.
-        is_resident: whether the pool holds a chunk (``KVManager.is_resident``: the pool has one owner).
-    """
+    """Count what the KV manager will take (the module docstring). ``chunks``: what ``ChunkSources.resolve``
+    found for each chunk segment of ``layout``, in order (a resident one must still be resident). ``dirty``:
+    ``[T]`` bool (CPU), tokens whose KV the request writes: the blocks holding a dirty chunk token are private
+    copies (all True: every request its own copy of everything)."""
     num_blocks = blocks_for(layout.num_slots, layout.block_size)
     chunk_blocks = _chunk_blocks(layout)
     dirty_blocks = set((layout.slots[dirty & layout.cached] // layout.block_size).tolist())
@@ -130,7 +118,6 @@ def block_table(
 
 
 def _chunk_blocks(layout: Layout) -> dict[int, tuple[int, int]]:
-    """Request block -> (chunk segment index, block index within the chunk), for every chunk block."""
     bs = layout.block_size
     blocks = {}
     for index, seg in enumerate(layout.chunks):

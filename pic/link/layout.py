@@ -28,16 +28,9 @@ class SegmentKind(enum.Enum):
 
 @dataclass(frozen=True)
 class Segment:
-    """A contiguous run of the linked prompt.
-
-    Attributes:
-        token_start: index of its first token in the linked prompt (= its first logical position).
-        num_tokens: real tokens in it.
-        slot_start: request slot of its first token (after its front padding).
-        num_padding: padding slots in front of it.
-        cache_id: the chunk's cache id (chunks only).
-        relevance: the chunk's relevance to the query, when the request gave one (``link(..., relevance=...)``).
-    """
+    """A contiguous run of the linked prompt: its tokens' indices (``tokens``), the request slot of its first token
+    (``slot_start``, after ``num_padding`` front padding slots), a chunk's cache id and the relevance to the query
+    the request gave it (``link(..., relevance=...)``)."""
 
     kind: SegmentKind
     token_start: int
@@ -49,7 +42,6 @@ class Segment:
 
     @property
     def tokens(self) -> slice:
-        """Its tokens' indices in the linked prompt."""
         return slice(self.token_start, self.token_start + self.num_tokens)
 
 
@@ -65,9 +57,8 @@ class Layout:
         num_slots: slots the prompt spans, padding included.
         num_generated: tokens at the end of the query that the request generated (a preempted request is
             laid out again with them); a policy reading the query's text leaves them out (``query_ids``).
-        lexical: each chunk's BM25 against the query (``pic.link.lexical``), in prompt order, when the link ranked
-            its chunks by it (the relevance order without the caller's scores): a policy that ranks the chunks
-            the same way (``regions``) reads it rather than rank them again.
+        lexical: each chunk's BM25 against the query (``pic.link.order.bm25``), in prompt order, when the link
+            ranked its chunks by it: a policy that ranks them the same way (``regions``) reads it, not ranks again.
     """
 
     block_size: int
@@ -115,37 +106,29 @@ def lay_out(
     num_generated: int = 0,
     lexical: Sequence[float] | None = None,
 ) -> Layout:
-    """Place prefix, chunks and query in slots; see the module docstring for the rules. ``parallel``: every
-    chunk at the positions right after the prefix, the query after the longest chunk (APE). ``relevance``:
-    one score per chunk, kept in its segment. ``num_generated``: the query's last tokens that were generated.
-    ``lexical``: the chunks' BM25 the link ranked them by (``Layout.lexical``)."""
+    """Place prefix, chunks and query in slots (the module docstring); ``relevance``, one score per chunk, is
+    kept in its segment."""
     scores = list(relevance) if relevance is not None else [None] * len(chunks)
-    parts: list[tuple[SegmentKind, Sequence[int], str | None, float | None]] = []
-    if prefix:
-        parts.append((SegmentKind.PREFIX, prefix, None, None))
+    parts = [(SegmentKind.PREFIX, list(prefix), None, None)] if prefix else []
     parts += [(SegmentKind.CHUNK, c.token_ids.tolist(), c.cache_id, r) for c, r in zip(chunks, scores, strict=True)]
-    parts.append((SegmentKind.QUERY, query, None, None))
-
-    segments, token_ids, slots = [], [], []
-    num_tokens = num_slots = 0
+    parts.append((SegmentKind.QUERY, list(query), None, None))
+    segments, token_ids, slots, cached = [], [], [], []
+    num_slots = 0
     for kind, ids, cache_id, score in parts:
         padding = 0 if kind is SegmentKind.QUERY else -len(ids) % block_size
         slot_start = num_slots + padding
-        segments.append(Segment(kind, num_tokens, len(ids), slot_start, padding, cache_id, score))
+        segments.append(Segment(kind, len(token_ids), len(ids), slot_start, padding, cache_id, score))
         token_ids += ids
-        slots += range(slot_start, slot_start + len(ids))
-        num_tokens += len(ids)
+        cached += [kind is SegmentKind.CHUNK] * len(ids)
         num_slots = slot_start + len(ids)
-    cached = torch.zeros(num_tokens, dtype=torch.bool)
-    for seg in segments:
-        cached[seg.tokens] = seg.kind is SegmentKind.CHUNK
+        slots += range(slot_start, num_slots)
     return Layout(
         block_size=block_size,
         segments=tuple(segments),
         token_ids=torch.tensor(token_ids, dtype=torch.long),
-        positions=_parallel_positions(segments) if parallel else torch.arange(num_tokens),
+        positions=_parallel_positions(segments) if parallel else torch.arange(len(token_ids)),
         slots=torch.tensor(slots, dtype=torch.long),
-        cached=cached,
+        cached=torch.tensor(cached, dtype=torch.bool),
         num_slots=num_slots,
         num_generated=num_generated,
         lexical=None if lexical is None else tuple(lexical),
@@ -153,7 +136,6 @@ def lay_out(
 
 
 def _parallel_positions(segments: list[Segment]) -> torch.Tensor:
-    """Positions with every chunk starting right after the prefix and the query after the longest chunk."""
     start = sum(seg.num_tokens for seg in segments if seg.kind is SegmentKind.PREFIX)
     longest = max((seg.num_tokens for seg in segments if seg.kind is SegmentKind.CHUNK), default=0)
     parts = []

@@ -66,15 +66,9 @@ class LinkState:
 
 @dataclass(frozen=True)
 class LinkPlan:
-    """What admitting a request takes now.
-
-    Attributes:
-        assembly: the blocks it needs (``plan_assembly``).
-        num_tokens: tokens its pass runs (a probe's: the probe; its second pass is planned once the policy chose).
-        num_reserved: blocks a probe's second pass may take (copies of the shared chunk blocks it writes): the KV
-            manager sets them aside at admission.
-        chunkable: the pass may run in pieces (``RecomputePass.chunkable``).
-    """
+    """What admitting a request takes now: the blocks (``assembly``), the tokens its pass runs (a probe's: the
+    probe), the blocks a probe's second pass may take (``num_reserved``: copies of the shared chunk blocks it
+    writes, set aside at admission), whether the pass may run in pieces (``RecomputePass.chunkable``)."""
 
     assembly: AssemblyPlan
     num_tokens: int
@@ -83,14 +77,9 @@ class LinkPlan:
 
 
 class Linker:
-    """Args:
-    spec: the model's shapes (layers, context).
-    is_resident: whether the pool holds a chunk (``KVManager.is_resident``, to count what a request takes:
-        ``plan_assembly``; the KV manager, the pool's one owner, takes it).
-    block_size: tokens per block.
-    share_chunk_blocks: map clean chunk blocks without copying (``PICConfig.share_chunk_blocks``).
-    attention_backend: the runner's backend's name (a policy may need ``"torch"``).
-    """
+    """Plans and follows the links of ``spec``'s model. ``is_resident``: whether the pool holds a chunk
+    (``KVManager.is_resident``: the pool's one owner); ``share_chunk_blocks``: map clean chunk blocks without
+    copying; ``attention_backend``: the runner's backend's name (a policy may need ``"torch"``)."""
 
     def __init__(
         self,
@@ -202,7 +191,7 @@ class Linker:
 
     def _specialise(self, link: LinkState) -> None:
         """Let the policy choose for the request's first layout (``Policy.for_layout``), once, before anything is
-        planned with it, and check its choice against the model and the backend.
+        planned with it.
 
         Raises:
             PolicyError: a choice that lays chunks out otherwise, or that this model or backend cannot run.

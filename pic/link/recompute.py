@@ -7,7 +7,6 @@ from dataclasses import dataclass
 
 import torch
 
-from pic.kv import KVCache, RequestKV
 from pic.kv.transfer import to_device
 from pic.link.assemble import Assembly
 from pic.link.layout import Layout
@@ -23,11 +22,10 @@ class PassResult:
     """What a recompute pass ran (for a query-aware policy: its probe and its second pass together).
 
     Attributes:
-        recomputed: ``[T]`` bool (CPU), the tokens that ran the last layer fresh (for a static
-            policy: every layer).
+        recomputed: ``[T]`` bool (CPU), the tokens that ran the last layer fresh.
         recomputed_by_layer: tokens run fresh in each layer, first layer first (a probe's included).
-        probe: what the query saw in the probe pass (query-aware policies), else ``None``.
-        num_probe_tokens: tokens the probe pass ran through every layer (0 without a probe).
+        probe: what the query saw in the probe pass (query-aware policies).
+        num_probe_tokens: tokens the probe pass ran through every layer.
     """
 
     recomputed: torch.Tensor
@@ -36,8 +34,7 @@ class PassResult:
     num_probe_tokens: int = 0
 
     def after(self, second: PassResult) -> PassResult:
-        """This probe pass's result followed by the ``second`` pass: the tokens either ran, their layer counts
-        added."""
+        """This probe pass's result followed by the ``second`` pass's."""
         return PassResult(
             recomputed=self.recomputed | second.recomputed,
             recomputed_by_layer=tuple(
@@ -96,7 +93,6 @@ class RecomputePass:
 
     @property
     def num_left(self) -> int:
-        """Tokens the pass has still to run."""
         return self.num_tokens - self.num_done
 
     @property
@@ -126,9 +122,7 @@ class RecomputePass:
                 layers = self.policy.probe_layers(self.num_layers)
                 self._recorder = ProbeRecorder(layout, req, num_layers=self.num_layers, layers=layers)
             elif self.policy.is_dynamic:
-                self._tracker = _PassTracker(
-                    req.cache, self.num_layers, layout, self.assembly.source_rows, self.policy, index, req
-                )
+                self._tracker = _PassTracker(self, index)
             self._inputs = (to_device(layout.token_ids, device)[index], positions[index], slots[index])
             if self.chunkable:  # each piece writes its own (``ModelRunner.forward``): a device op, the -1 its argument
                 req.kv_positions.index_fill_(0, self._inputs[2], -1)  # (``[slots] = -1``: a blocking copy of the -1)
@@ -164,40 +158,24 @@ class RecomputePass:
 
 
 class _PassTracker:
-    """The ``after_layer`` hook of a dynamic policy's sequence: counts the tokens run per layer, asks the
-    policy which keep running, and remembers the tokens that ran the last layer."""
+    """The ``after_layer`` hook of a dynamic policy's pass: counts the tokens run per layer, asks the policy
+    which keep running, and remembers the tokens that ran the last layer."""
 
-    def __init__(
-        self,
-        cache: KVCache,
-        num_layers: int,
-        layout: Layout,
-        source_rows: torch.Tensor,
-        policy: Policy,
-        index: torch.Tensor,
-        req: RequestKV,
-    ) -> None:
-        self._cache, self._num_layers, self._layout = cache, num_layers, layout
-        self._source_rows, self._policy = source_rows, policy
-        self._index = index  # [n] prompt indices of the tokens the pass started with
+    def __init__(self, pass_: RecomputePass, index: torch.Tensor) -> None:
+        self._pass, self._index = pass_, index  # [n] prompt indices of the tokens the pass started with
+        layout, req = pass_.layout, pass_.assembly.req
         self._cached = to_device(layout.cached, index.device)  # [T], moved to the device once per pass
         self._prompt_rows = req.physical(to_device(layout.slots, index.device))  # [T] every prompt token's row
         self.tokens = index  # prompt indices of the tokens that ran the latest layer
         self.counts: list[int] = []
 
     def __call__(self, view: LayerView) -> torch.Tensor | None:
-        self.tokens = self._index[view.alive]
-        self.counts.append(self.tokens.shape[0])
+        pass_, tokens = self._pass, self._index[view.alive]
+        self.tokens = tokens
+        self.counts.append(tokens.shape[0])
         step = LayerStep(
-            layer=view.layer,
-            num_layers=self._num_layers,
-            layout=self._layout,
-            tokens=self.tokens,
-            cached=self._cached[self.tokens],
-            rows=view.rows,
-            source_rows=self._source_rows[self.tokens],
-            cache=self._cache,
-            view=view,
-            prompt_rows=self._prompt_rows,
-        )
-        return self._policy.keep_mask(step)
+            layer=view.layer, num_layers=pass_.num_layers, layout=pass_.layout, tokens=tokens,
+            cached=self._cached[tokens], rows=view.rows, source_rows=pass_.assembly.source_rows[tokens],
+            cache=pass_.assembly.req.cache, view=view, prompt_rows=self._prompt_rows,
+        )  # fmt: skip
+        return pass_.policy.keep_mask(step)
