@@ -22,9 +22,9 @@ from fastapi import FastAPI
 import pic
 from pic.cli import main as pic_main
 from pic.engine import RequestOutput
-from pic.engine.caller.streams import AsyncRequestStream
 from pic.serve import main as serve_main
 from pic.serve.app import build_app
+from pic.serve.loop import AsyncRequestStream
 from pic.serve.protocol import TimedH11Protocol
 from pic.store.tier import TierStats
 from tests.models import QUERY, model

@@ -5,20 +5,21 @@ each other.
 Every change to engine state arrives as one of these commands, in the order sent, and runs between two steps on
 the core thread: ``command.run(core)``, each command doing its own part (the core thread does not look at its
 type). A command that answers carries a ``Future`` (``reply``) that it completes, with the result or (``refuse``)
-the exception; outputs of requests go to their sinks instead (``pic.engine.caller.streams``). ``Core`` is what the
-commands ask of the core; ``Channel`` is what a caller holds of the thread that runs it.
+the exception; outputs of requests go to their sinks instead (``RequestStream``). ``Core`` is what the commands ask
+of the core; ``Channel`` is what a caller holds of the thread that runs it.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, TypeVar
 
-from pic.engine.request import CompileJob, NewRequest, OutputSink, RequestOutput
+from pic.engine.request import CompileJob, LinkOutput, NewRequest, OutputSink, RequestOutput
 from pic.engine.sampling import SamplingParams
 from pic.errors import EngineClosedError, LinkedReleasedError
 
@@ -205,6 +206,31 @@ class Channel(Protocol):
 
     def close(self) -> None:
         """Close the engine (idempotent)."""
+
+
+class RequestStream:
+    """One request's outputs, for a thread that waits on them (``link``, ``generate``, ``stream``): an ``OutputSink``.
+
+    ``last_only`` keeps only what ends a wait (a ``LinkOutput``, a finished output): a caller that wants
+    the generation, not its pieces, is then woken once, not once per token.
+    """
+
+    def __init__(self, alive: Callable[[], bool], *, last_only: bool = False) -> None:
+        self._queue: queue.SimpleQueue[RequestOutput | LinkOutput] = queue.SimpleQueue()
+        self._alive, self._last_only = alive, last_only
+
+    def put(self, item: RequestOutput | LinkOutput) -> None:
+        if not (self._last_only and isinstance(item, RequestOutput) and not item.finished):
+            self._queue.put(item)
+
+    def get(self) -> RequestOutput | LinkOutput:
+        """The next output, waiting for it (``EngineClosedError``: the engine's thread ended without sending it)."""
+        while True:
+            try:
+                return self._queue.get(timeout=LIVENESS_S)
+            except queue.Empty:
+                if not self._alive():
+                    raise EngineClosedError("the engine's thread ended before the request did") from None
 
 
 def wait(future: Future[_T], alive: Callable[[], bool]) -> _T:

@@ -1,9 +1,10 @@
-"""The messages of the command channel (``pic.engine.commands``): what a user hands the engine (``Request``, a
-``CompileJob``), what the caller's side makes of a request (``NewRequest``) and what the engine hands back
-(``RequestOutput``, ``LinkOutput``, a compile's ``Stored``)."""
+"""A request and the messages of the command channel (``pic.engine.commands``): what a user hands the engine
+(``Request``, a ``CompileJob``), what the caller's thread makes of a request (``Preparer``: a ``NewRequest``) and what
+the engine hands back (``RequestOutput``, ``LinkOutput``, a compile's ``Stored``)."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -11,16 +12,17 @@ from typing import Protocol
 import torch
 from typing_extensions import Unpack
 
-from pic.compile import TextOrTokens
-from pic.config import CompileOptions
+from pic.compile import TextOrTokens, encode, max_token_chars
+from pic.config import CompileOptions, PICConfig
 from pic.engine.generation import Generation
 from pic.engine.sampling import SamplingOptions, SamplingParams, sampling_params
-from pic.errors import InvalidInputError
+from pic.errors import InvalidInputError, PolicyError
 from pic.ids import cache_id_list
 from pic.link import Layout, policies
 from pic.link.order import ChunkOrder, Order, parse_order, relevance_scores
 from pic.link.policies import Policy
 from pic.link.probe import Probe
+from pic.model import ModelSpec
 
 
 class Request:
@@ -34,7 +36,7 @@ class Request:
     ``relevance`` gives a score per chunk (higher: more relevant to the query), as a retriever ranks them;
     policies that rank chunks (``regions``) and the relevance order use it instead of their own ranking.
     ``order``: the chunks' order in the prompt, ``"given"`` (the caller's), ``"relevance"`` (most relevant
-    last), or ``"policy"`` / ``None`` (the default: the policy's choice, ``Policy.order_for``).
+    last), or ``"policy"`` / ``None`` (the default: the policy's choice, ``Policy.order``).
 
     Raises:
         InvalidInputError: cache ids that are not strings, an empty query, a bad or unknown sampling option,
@@ -71,6 +73,55 @@ class Request:
     def __repr__(self) -> str:
         shown = f"num_chunks={self.num_chunks}, query={self.query!r}, policy={self.policy}"
         return f"Request({shown}, sampling={self.sampling!r})"
+
+
+class Preparer:
+    """Turns a ``Request`` into the ``NewRequest`` the core runs, in the caller's thread, so a bad input fails there
+    before any command reaches the engine. One per engine (``PIC`` and its ``Stepper``); ``compile`` takes its chunks'
+    options from here too. ``bos_token_id``: the tokenizer's BOS (``None``: none)."""
+
+    def __init__(self, tokenizer: object, spec: ModelSpec, *, config: PICConfig, bos_token_id: int | None) -> None:
+        self.tokenizer, self.spec, self.config, self.bos_token_id = tokenizer, spec, config, bos_token_id
+        self.default_policy = policies.resolve(config.default_policy)
+        # Longer text cannot fit the context, so it is refused untokenized (twice the bound: a normalizer may
+        # compose characters, "e" + U+0301 -> "é", before the tokens are counted).
+        self.max_chars = 2 * spec.max_context * max_token_chars(tokenizer)
+        self._ids = itertools.count()
+
+    def encode(self, value: TextOrTokens, what: str) -> list[int]:
+        """``value``'s token ids (text tokenized without special tokens); ``what`` names it in errors."""
+        return encode(self.tokenizer, value, what=what, vocab_size=self.spec.vocab_size, max_chars=self.max_chars)
+
+    def compile_options(self, policy: Policy, context: Sequence[int] = ()) -> CompileOptions:
+        """The options chunks are compiled with for ``policy`` (part of their cache ids), after ``context``; raises
+        ``PolicyError`` for a policy that needs extra BOS tokens with a tokenizer that has none."""
+        options = policy.compile_options(CompileOptions(add_bos=self.config.add_bos, context=tuple(context)))
+        if self.bos_token_id is None:  # no BOS to add: normalise so ids do not depend on the flag
+            if options.num_extra_bos:
+                raise PolicyError(f"policy {policy.spec!r} needs extra BOS tokens but the tokenizer has no BOS token")
+            options = options.model_copy(update={"add_bos": False})
+        return options
+
+    def new_request(
+        self, request: Request, *, sink: OutputSink, sampling: SamplingParams | None, paced: bool = False
+    ) -> NewRequest:
+        """``request`` as the core runs it, its outputs going to ``sink``: tokenized, the BOS (when the engine writes
+        one) first, on the prefix, or on the query when there is neither a prefix nor a chunk (a chunk brings its own).
+
+        Raises:
+            InvalidInputError: a bad token id or text, a query of no tokens. PolicyError: as ``compile_options``.
+        """
+        query_ids, prefix_ids = self.encode(request.query, "query"), self.encode(request.prefix, "prefix")
+        if not query_ids:  # text that tokenizes to nothing (``Request`` refused the empty query itself)
+            raise InvalidInputError(f"query {request.query!r} has no tokens; link needs at least one query token")
+        if self.config.add_bos and self.bos_token_id is not None and (prefix_ids or not request.cache_ids):
+            (prefix_ids or query_ids).insert(0, self.bos_token_id)
+        policy = self.default_policy if request.policy is None else request.policy
+        return NewRequest(
+            request_id=next(self._ids), cache_ids=list(request.cache_ids), prefix_ids=prefix_ids, query_ids=query_ids,
+            policy=policy, order=request.order, relevance=request.relevance,
+            compile_options=self.compile_options(policy), sampling=sampling, sink=sink, paced=paced,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -168,13 +219,6 @@ class NewRequest:
     paced: bool = False
 
 
-def check_request_id(request_id: object) -> int:
-    """Raises: InvalidInputError: ``request_id`` is not an int (an id ``submit`` / ``add_request`` returned)."""
-    if not isinstance(request_id, int) or isinstance(request_id, bool):
-        raise InvalidInputError(f"request id {request_id!r:.80} is not an int (an id that submit/add_request returned)")
-    return request_id
-
-
 @dataclass(frozen=True)
 class CompileJob:
     """Chunks to compile (``PIC.compile``), tokenized and addressed by the caller.
@@ -200,30 +244,8 @@ class CompileJob:
 
 @dataclass(frozen=True)
 class Stored:
-    """A compile call's answer (the ``Compile`` command's reply).
-
-    Attributes:
-        compiled: the ids it prefilled, in order.
-        tiers: every id of the call -> the names of the tiers holding its chunk when the call ended, fastest first.
-    """
+    """A compile call's answer (the ``Compile`` command's reply): ``compiled``, the ids it prefilled, in order;
+    ``tiers``, every id of the call -> the names of the tiers holding its chunk when the call ended, fastest first."""
 
     compiled: list[str]
     tiers: dict[str, tuple[str, ...]]
-
-
-@dataclass(frozen=True)
-class CompileReport:
-    """What a ``compile`` call stored, and where (``PIC.compile_report``).
-
-    Attributes:
-        ids: one cache id per document, in order.
-        tiers: per id, the tiers that held its chunk when the call returned, fastest first (``"device"`` is the
-            KV pool; then ``"cpu"``, ``"disk"``, ``"redis"``). A tier configured with ``on_*_error="miss"`` that
-            failed is absent: the chunk is written to it once it works again (``StoreConfig.tier_retry_s``), if
-            still resident then. A tier that had no room for the chunk is absent too.
-        num_compiled: chunks prefilled by this call (the others were held by a tier already).
-    """
-
-    ids: list[str]
-    tiers: list[tuple[str, ...]]
-    num_compiled: int

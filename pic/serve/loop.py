@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 from pic.engine import Engine, Request, RequestOutput
-from pic.engine.caller.streams import AsyncRequestStream
+from pic.engine.request import LinkOutput
 
 _T = TypeVar("_T")
 
@@ -27,6 +27,26 @@ _T = TypeVar("_T")
 # wait on I/O instead: each stuck one holds a thread for its timeout, so there are many (their breakers then
 # refuse at once until a probe succeeds, and the pool drains).
 NUM_CPU_THREADS, NUM_STORE_THREADS = 4, 64
+
+
+class AsyncRequestStream:
+    """One request's outputs, for a coroutine on ``loop``: ``put`` (an ``OutputSink``'s, called on the engine's
+    thread) hands each over thread-safely; ``last_only`` keeps only the finished output."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, *, last_only: bool = False) -> None:
+        self._loop, self._last_only = loop, last_only
+        self._queue: asyncio.Queue[RequestOutput | LinkOutput] = asyncio.Queue()
+
+    def put(self, item: RequestOutput | LinkOutput) -> None:
+        if self._last_only and isinstance(item, RequestOutput) and not item.finished:
+            return
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed: nobody waits any more
+            pass
+
+    async def get(self) -> RequestOutput | LinkOutput:
+        return await self._queue.get()
 
 
 class AsyncEngine:

@@ -1,16 +1,18 @@
 """``PIC`` (``Engine`` is its older name): the engine, continuous batching of linked requests on a thread of its own.
 
 The caller's side of the engine: it starts the core (``pic.engine.core.build.start_core``), which runs on a thread of
-its own, and keeps only the command channel to it. Every method here runs in the caller's thread: it validates and
-tokenizes, then sends a typed command and waits (``pic.engine.caller.calls``), so any number of threads may call it
+its own, and keeps only the command channel to it. Its methods run in the caller's thread: it validates and
+tokenizes (``pic.engine.request.Preparer``), then sends a typed command and waits, so any number of threads may call it
 at once and their requests share forwards. ``close()`` (or dropping the engine) stops the thread. ``pic.compile`` /
-``pic.link`` are these methods called on the default engine; chat prompts are cut in ``pic.engine.caller.chat``.
+``pic.link`` are these methods called on the default engine. ``PIC`` inherits its compile methods
+(``pic.engine.caller.compiling``), its chat methods (``chat``) and its other ways to run requests (``stepper``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import time
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -19,17 +21,15 @@ import torch
 
 from pic.compile import TextOrTokens
 from pic.config import PICConfig, StoreConfig
-from pic.engine.caller.calls import generate_requests, link_requests
 from pic.engine.caller.chat import ChatMethods
 from pic.engine.caller.compiling import CompileMethods
 from pic.engine.caller.linked import Linked
-from pic.engine.caller.prepare import Preparer
-from pic.engine.caller.stepper import Stepper
+from pic.engine.caller.stepper import RunMethods, Stepper
 from pic.engine.caller.store_view import StoreView
-from pic.engine.commands import Abort, Submit
+from pic.engine.commands import Abort, RequestStream, Submit
 from pic.engine.core.build import start_core
-from pic.engine.generation import Generation
-from pic.engine.request import LinkOutput, OutputSink, Request, check_request_id
+from pic.engine.request import LinkOutput, NewRequest, Preparer, Request, RequestOutput
+from pic.errors import InvalidInputError
 from pic.kv import KVStats
 from pic.link import policies
 from pic.link.order import Order
@@ -37,9 +37,10 @@ from pic.model import ModelSpec
 from pic.model.dtypes import DtypeChoice, choose_dtype
 from pic.model.inputs import AttentionObserver
 from pic.model.loading import EMBEDDED_MODEL, load_pretrained, model_name, resolve_device
+from pic.text import refuse_text_for_list
 
 
-class PIC(CompileMethods, ChatMethods):
+class PIC(CompileMethods, ChatMethods, RunMethods):
     """A position-independent KV cache over one Hugging Face RoPE decoder: ``compile`` prefills documents once
     into NoPE KV keyed by content; ``link`` joins any cached chunks, in any order, with a query, recomputing the
     tokens its policy picks; then generate. Many requests per forward, from any thread.
@@ -162,46 +163,46 @@ class PIC(CompileMethods, ChatMethods):
         """``link`` for several requests at once: their recompute passes share forwards. Their sampling
         options are not used (``Linked.generate`` takes its own). If one fails, the others are released
         and its error is raised."""
+        start = time.perf_counter()
+        news = self._submit(requests, link_only=True)
+        try:
+            firsts = [new.sink.get() for new in news]
+        except BaseException:  # interrupted: nobody will hold these requests, so free them
+            for new in news:
+                self._channel.send(Abort(new.request_id))
+            raise
+        link_s = time.perf_counter() - start
+        linked = [
+            Linked(f, channel=self._channel, engine=self, link_s=link_s) for f in firsts if isinstance(f, LinkOutput)
+        ]
+        failed = next((f.error for f in firsts if isinstance(f, RequestOutput)), None)
+        if failed is not None:
+            for item in linked:
+                item.release()
+            raise failed
+        return linked
 
-        def make(first: LinkOutput, policy: policies.Policy, link_s: float) -> Linked:
-            return Linked(first, channel=self._channel, engine=self, policy=policy, link_s=link_s)
-
-        return link_requests(self._channel, self._prepare, requests, make=make)
-
-    def generate_many(self, requests: Sequence[Request], *, progress: bool | None = None) -> list[Generation]:
-        """Run many requests together (continuous batching) and return their generations, in order.
-
-        Args:
-            requests: ``pic.Request`` objects (chunks, query, policy and sampling options each).
-            progress: show a progress bar (``None``, the default: for 8 or more requests).
-
-        A request's generation is what it gets alone, whatever it is batched with. Every request is
-        validated before any runs (a bad one raises ``InvalidInputError`` and none runs); every request
-        runs to its end; then the first failure, if any, is raised (see ``link`` for the errors).
-        """
-        return generate_requests(self._channel, self._prepare, requests, progress=progress)
-
-    # -- other clients (the server) ---------------------------------------------------------------------
-
-    def submit(self, request: Request, *, sink: OutputSink) -> int:
-        """Queue a request whose outputs go to ``sink`` (``put`` is called from the engine's thread and must
-        not block: a queue; ``pic.engine.caller.streams`` has one for threads and one for asyncio); returns its id.
+    def _submit(self, requests: Sequence[Request], *, link_only: bool) -> list[NewRequest]:
+        """Validate, tokenize and queue ``requests`` together (they can share their first forward); each one's
+        last output (``link_only``: its ``LinkOutput``) goes to its own ``RequestStream`` (``new.sink``).
 
         Raises:
-            InvalidInputError: an empty query, a bad token id.
+            InvalidInputError: a bad request, or not a sequence of ``pic.Request`` (none is queued then).
         """
-        new = self._prepare.new_request(request, sink=sink, sampling=request.sampling)
-        self._channel.send(Submit((new,)))
-        return new.request_id
-
-    def abort(self, request_id: int) -> None:
-        """Stop a request of ``submit`` and free its blocks (a final output with ``FinishReason.ABORT``);
-        an id that already finished is ignored.
-
-        Raises:
-            InvalidInputError: ``request_id`` is not a request id (an int).
-        """
-        self._channel.send(Abort(check_request_id(request_id)))
+        refuse_text_for_list(requests, "requests", "pic.Request objects")
+        if not isinstance(requests, Sequence):
+            raise InvalidInputError(f"requests is {requests!r:.80}; expected a list of pic.Request")
+        bad = next((i for i, r in enumerate(requests) if not isinstance(r, Request)), None)
+        if bad is not None:
+            raise InvalidInputError(f"requests[{bad}] is {requests[bad]!r:.80}; expected a pic.Request")
+        news = [
+            self._prepare.new_request(
+                r, sink=RequestStream(self._channel.alive, last_only=True), sampling=None if link_only else r.sampling
+            )
+            for r in requests
+        ]
+        self._channel.send(Submit(tuple(news)))
+        return news
 
     # -- inspection and lifetime ---------------------------------------------------------------------
 
@@ -224,11 +225,6 @@ class PIC(CompileMethods, ChatMethods):
         its attention's inputs: ``ModelRunner.observe_attention``, for analysis such as
         ``pic.evaluation.sinks``. Not reentrant."""
         return self._channel.observing(observer)
-
-    def stepper(self) -> Stepper:
-        """The iterative interface (vLLM's ``LLMEngine`` loop): ``add_request``, ``step``, ``abort``,
-        ``has_unfinished``, and the engine's step counters (one object per engine)."""
-        return self._stepper
 
     def close(self) -> None:
         """Stop the engine's thread and free its requests (open ones fail with ``EngineClosedError``);

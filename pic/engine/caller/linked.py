@@ -8,13 +8,11 @@ from collections.abc import Generator, Iterator, Sequence
 import torch
 from typing_extensions import Unpack
 
-from pic.engine.caller.streams import RequestStream
-from pic.engine.commands import Abort, Channel, Resume
+from pic.engine.commands import Abort, Channel, RequestStream, Resume
 from pic.engine.generation import Generation
 from pic.engine.request import LinkOutput, RequestOutput
 from pic.engine.sampling import SamplingOptions, SamplingParams, sampling_params
 from pic.errors import EngineClosedError, InvalidInputError, LinkedReleasedError
-from pic.link.policies import Policy
 
 
 class Linked:
@@ -45,21 +43,13 @@ class Linked:
     called, the ``with`` block exits, or the object is garbage-collected. Any thread may use it.
     """
 
-    def __init__(
-        self,
-        link: LinkOutput,
-        *,
-        channel: Channel,
-        engine: object,
-        policy: Policy,
-        link_s: float,
-    ) -> None:
+    def __init__(self, link: LinkOutput, *, channel: Channel, engine: object, link_s: float) -> None:
         self.layout = link.layout
         self.input_ids = link.layout.token_ids
         self.recomputed = link.recomputed
         self.num_recomputed = int(link.recomputed.sum())
         self.recomputed_by_layer = link.recomputed_by_layer
-        self.policy = policy
+        self.policy = link.policy
         self.order = link.order
         self.cache_ids = [seg.cache_id for seg in link.layout.chunks]
         self.link_s = link_s

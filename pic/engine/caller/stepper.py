@@ -1,13 +1,19 @@
-"""``Stepper``: the engine's iterative interface (``add_request``, ``step``, ``abort``), for one driving thread."""
+"""The engine's ways to run requests other than ``link``: ``generate_many`` (a batch to its end), ``submit`` (outputs
+to a sink: the server), ``stepper`` (``Stepper``, the iterative interface for one driving thread), and ``abort``;
+``PIC`` inherits them (``RunMethods``)."""
 
 from __future__ import annotations
 
 import contextlib
 import queue
+from collections.abc import Callable, Sequence
 
-from pic.engine.caller.prepare import Preparer
+from pic.engine.caller.compiling import PROGRESS_MIN
 from pic.engine.commands import Abort, Channel, Step, Submit
-from pic.engine.request import Request, RequestOutput, check_request_id
+from pic.engine.generation import Generation
+from pic.engine.request import NewRequest, OutputSink, Preparer, Request, RequestOutput
+from pic.errors import InvalidInputError
+from pic.progress import tqdm
 
 
 class Stepper:
@@ -71,3 +77,73 @@ class Stepper:
     def num_batched_seqs(self) -> int:
         """Sequences those forwards carried (``num_batched_seqs / num_steps``: the mean batch)."""
         return self._channel.ask(lambda core: core.num_batched_seqs)
+
+
+class RunMethods:
+    """The run methods of ``PIC``, over its channel, preparer, stepper and ``_submit``."""
+
+    _channel: Channel
+    _prepare: Preparer
+    _stepper: Stepper
+
+    _submit: Callable[..., list[NewRequest]]  # (``PIC._submit``: validate, tokenize and queue requests)
+
+    def generate_many(self, requests: Sequence[Request], *, progress: bool | None = None) -> list[Generation]:
+        """Run many requests together (continuous batching) and return their generations, in order.
+
+        Args:
+            requests: ``pic.Request`` objects (chunks, query, policy and sampling options each).
+            progress: show a progress bar (``None``, the default: for 8 or more requests).
+
+        A request's generation is what it gets alone, whatever it is batched with. Every request is
+        validated before any runs (a bad one raises ``InvalidInputError`` and none runs); every request
+        runs to its end; then the first failure, if any, is raised (see ``link`` for the errors).
+        """
+        news = self._submit(requests, link_only=False)
+        show = len(news) >= PROGRESS_MIN if progress is None else progress
+        lasts: list[RequestOutput] = []
+        try:
+            with tqdm(total=len(news), desc="pic generate", unit="request", disable=not show) as bar:
+                for new in news:
+                    lasts.append(new.sink.get())  # (a ``last_only`` stream: the finished output)
+                    bar.update(1)
+        finally:
+            for new in news[len(lasts) :]:  # interrupted: stop the rest
+                self._channel.send(Abort(new.request_id))
+        failed = next((out.error for out in lasts if out.error is not None), None)
+        if failed is not None:
+            raise failed
+        return [out.generation for out in lasts]
+
+    def submit(self, request: Request, *, sink: OutputSink) -> int:
+        """Queue a request whose outputs go to ``sink`` (``put`` is called from the engine's thread and must
+        not block: a queue; ``pic.engine.commands.RequestStream`` for a thread, ``pic.serve.loop.AsyncRequestStream``
+        for an event loop); returns its id.
+
+        Raises:
+            InvalidInputError: an empty query, a bad token id.
+        """
+        new = self._prepare.new_request(request, sink=sink, sampling=request.sampling)
+        self._channel.send(Submit((new,)))
+        return new.request_id
+
+    def abort(self, request_id: int) -> None:
+        """Stop a request of ``submit`` and free its blocks (a final output with ``FinishReason.ABORT``);
+        an id that already finished is ignored.
+
+        Raises:
+            InvalidInputError: ``request_id`` is not a request id (an int).
+        """
+        self._channel.send(Abort(check_request_id(request_id)))
+
+    def stepper(self) -> Stepper:
+        """The iterative interface (vLLM's ``LLMEngine`` loop): ``add_request``, ``step``, ``abort``,
+        ``has_unfinished``, and the engine's step counters (one object per engine)."""
+        return self._stepper
+
+
+def check_request_id(request_id: object) -> int:
+    """Raises: InvalidInputError: ``request_id`` is not an int (an id ``submit`` / ``add_request`` returned)."""
+    if not isinstance(request_id, int) or isinstance(request_id, bool):
+        raise InvalidInputError(f"request id {request_id!r:.80} is not an int (an id that submit/add_request returned)")
+    return request_id
