@@ -21,14 +21,9 @@ def blocks_for(num_slots: int, block_size: int) -> int:
 
 
 class KVCache:
-    """Paged NoPE K and V of every layer.
-
-    Attributes:
-        k, v: ``[num_layers, num_blocks, block_size, num_kv_heads, head_dim]`` in the model dtype;
-            K is stored before RoPE.
-        k_rows, v_rows: the same memory as ``[num_layers, num_blocks * block_size, num_kv_heads,
-            head_dim]``: row ``block * block_size + offset`` is one slot.
-    """
+    """Paged NoPE K and V of every layer: ``k``, ``v``: ``[num_layers, num_blocks, block_size, num_kv_heads,
+    head_dim]`` in the model dtype (K before RoPE); ``k_rows``, ``v_rows``: the same memory with one row per slot,
+    ``[num_layers, num_blocks * block_size, num_kv_heads, head_dim]`` (row ``block * block_size + offset``)."""
 
     def __init__(
         self,
@@ -214,18 +209,11 @@ class ChunkKV:
         return 2 * self.k.numel() * self.k.element_size()
 
     def to(self, device: torch.device | str, *, pin: bool = False, non_blocking: bool = False) -> ChunkKV:
-        """This chunk with K and V on ``device`` (itself when already there).
-
-        Args:
-            pin: on the CPU, use page-locked memory, so later copies to a GPU can be asynchronous
-                (ignored without CUDA, where there is no page-locked memory to ask for).
-            non_blocking: asynchronous copy to a GPU. From page-locked memory the copy may still be
-                running when this returns: this chunk's K and V must not be written until the stream has
-                run it (store chunks never are; freeing them is safe, see ``pic.kv.transfer``).
-
-        A copy to the CPU is always synchronous (``copy_`` without ``non_blocking`` waits for the stream):
-        the data can be read, and the GPU source freed or overwritten, as soon as this returns.
-        """
+        """This chunk with K and V on ``device`` (itself when already there). ``pin``: on the CPU, in page-locked
+        memory (with CUDA only), so later copies to a GPU can be asynchronous. ``non_blocking``: an asynchronous
+        copy to a GPU; from page-locked memory it may still run when this returns, so K and V must not be written
+        until the stream has run it (store chunks never are; freeing them is safe, see ``pic.kv.transfer``).
+        A copy to the CPU is synchronous: the data can be read, and the GPU source reused, at once."""
         device = torch.device(device)
         pin = pin and torch.cuda.is_available()
         here = self.k.device

@@ -8,11 +8,10 @@ model reads, so a link that reorders is no longer the caller's prompt; the link 
 (``ChunkOrder``), and ``Order.GIVEN`` keeps the caller's order token for token.
 
 Relevance comes from the caller's scores when the request has them (``link(..., relevance=[...])``: a
-retriever's), else from BM25 over token ids between each chunk and the query (``bm25``): no model, no text.
-A retriever found the chunks because they share words with the question; the same overlap, counted on the
-tokenizer's ids, ranks the document holding the answer first in every case of both QA workloads on SmolLM2
-(docs/policies.md), where the query's attention over the cached chunks (a probe) does no better than chance.
-Ties keep the caller's order, so chunks the query shares nothing with stay where they were.
+retriever's), else from BM25 over token ids between each chunk and the query (``bm25``): no model, no text. The
+words a retriever matched, counted on the tokenizer's ids, rank the document holding the answer first in every
+case of both QA workloads on SmolLM2 (docs/policies.md), where the query's attention over the cached chunks (a
+probe) does no better than chance. Ties keep the caller's order.
 """
 
 from __future__ import annotations
@@ -94,8 +93,7 @@ class ChunkOrder:
 def by_relevance(
     query: Sequence[int], chunks: Sequence[Sequence[int]], relevance: Sequence[float] | None = None
 ) -> ChunkOrder:
-    """The chunks least relevant first, most relevant last: by ``relevance`` (one score per chunk, higher: more
-    relevant) when given, else by BM25 of each chunk's token ids against ``query``'s (a stable sort)."""
+    """The chunks least relevant first (a stable sort): by ``relevance`` (higher: more relevant), else by BM25."""
     scores = list(relevance) if relevance is not None else bm25(list(query), [list(c) for c in chunks])
     return ChunkOrder(Order.RELEVANCE, tuple(sorted(range(len(chunks)), key=lambda i: scores[i])))
 

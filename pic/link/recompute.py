@@ -80,7 +80,7 @@ class RecomputePass:
         self.num_output_rows_asked = num_output_rows  # the second pass's, after a probe
         self.num_output_rows = 0 if probe else num_output_rows
         self.index = selected.nonzero().squeeze(1)  # [n] prompt indices of the tokens run (CPU)
-        self.chunkable = chunkable and not probe and not policy.is_dynamic
+        self.chunkable = chunkable  # (``Linker._chunkable``)
         self.num_done = 0  # tokens run by the pieces so far
         self._tracker: _PassTracker | None = None
         self._recorder: ProbeRecorder | None = None
