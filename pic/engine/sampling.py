@@ -88,12 +88,14 @@ class SamplingOptions(TypedDict, total=False):
     stop: str | Sequence[str] | None
 
 
-def sampling_params(params: SamplingParams | None, options: dict) -> SamplingParams:
-    """``params``, or one built from keyword ``options`` (not both).
+def sampling_params(params: SamplingParams | None, options: dict, max_new_tokens: int | None = None) -> SamplingParams:
+    """``params``, or one built from keyword ``options`` and ``max_new_tokens`` (not both).
 
     Raises:
         InvalidInputError: a bad or unknown option, or both ``params`` and options.
     """
+    if max_new_tokens is not None:
+        options = {"max_new_tokens": max_new_tokens, **options}
     if params is None:
         return SamplingParams(**options)
     if options:

@@ -66,11 +66,8 @@ class PIC(CompileMethods, ChatMethods, RunMethods):
     ) -> None:
         started = start_core(model, tokenizer, config=config or PICConfig(), store=store or StoreConfig())
         self.config, self.model, self.tokenizer = started.config, model, started.tokenizer
-        self.fingerprint, self.bos_token_id, self.eos_token_ids = (
-            started.fingerprint,
-            started.bos_token_id,
-            started.eos_token_ids,
-        )
+        self.fingerprint, self.bos_token_id = started.fingerprint, started.bos_token_id
+        self.eos_token_ids = started.eos_token_ids
         self.spec: ModelSpec = started.spec
         self.attention_backend: str = started.attention_backend  # "torch" or "triton"
         self._channel = started.channel

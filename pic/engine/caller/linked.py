@@ -91,7 +91,7 @@ class Linked:
             InvalidInputError: a bad sampling option (the request stays usable).
             LinkedReleasedError: the request was already generated from or released.
         """
-        self._start(_params(max_new_tokens, sampling, options), pieces=False)
+        self._start(sampling_params(sampling, options, max_new_tokens), pieces=False)
         return self._result()
 
     def stream(
@@ -105,7 +105,7 @@ class Linked:
 
         The stream ends cleanly whatever stops it (``Generation.stats.finish_reason`` of ``generate``
         says why); closing it early aborts the generation and releases the request."""
-        self._start(_params(max_new_tokens, sampling, options), pieces=True)
+        self._start(sampling_params(sampling, options, max_new_tokens), pieces=True)
         return self._pieces()
 
     def _start(self, params: SamplingParams, *, pieces: bool) -> None:
@@ -200,18 +200,12 @@ def generate_together(
     num_engines = len({id(item._channel) for item in linked})
     if num_engines > 1:
         raise InvalidInputError(f"generate_together takes requests of one engine, got requests of {num_engines}")
-    params = _params(max_new_tokens, sampling, options)
+    params = sampling_params(sampling, options, max_new_tokens)
     if any(item._started or not item._finalizer.alive for item in linked):
         raise LinkedReleasedError("a Linked request was already generated from or released; link it again")
     for item in linked:
         item._start(params, pieces=False)
     return [item._result() for item in linked]
-
-
-def _params(max_new_tokens: int | None, sampling: SamplingParams | None, options: dict) -> SamplingParams:
-    if max_new_tokens is not None:
-        options = {"max_new_tokens": max_new_tokens, **options}
-    return sampling_params(sampling, options)
 
 
 def _abort_quietly(channel: Channel, request_id: int) -> None:
