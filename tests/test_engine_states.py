@@ -13,9 +13,7 @@ import threading
 import pytest
 
 import pic
-from pic.engine.core.queues import Queues
-from pic.engine.core.sequence import Sequence
-from pic.engine.core.status import TRANSITIONS, Status, Transition
+from pic.engine.core.sequence import TRANSITIONS, Queues, Sequence, Status, Transition
 from pic.engine.request import NewRequest
 from pic.errors import SequenceStateError
 from pic.link import policies

@@ -4,12 +4,12 @@ pass: they hold their blocks and take no new ones, and a waiting request may be 
 pass runs in its probe's step, ``Scheduler.second_passes``). Then new work: waiting sequences' recompute passes and
 chunk prefills (``PrefillOrder.INTERACTIVE``: a request's work first, in arrival order, then bulk compiles' chunk
 prefills, with the whole budget in steps with no request's pass and ``compile_share`` of it in steps with one;
-``PrefillOrder.ARRIVAL``: all of it in arrival order). A sequence whose admission raises fails (``Scheduler.fail``).
+``PrefillOrder.ARRIVAL``: all of it in arrival order).
 
 A chunk prefill takes what budget is left and goes on in the next step (chunked prefill), so a compile of many
 documents never stalls the running streams for more than a step; so does a static policy's recompute pass larger
-than the budget. One that cannot be split (dynamic, probing) runs with no other prefill work beside it. A
-sequence whose chunks are being fetched (``ChunkSources``) waits alone and is passed over.
+than the budget. One that cannot be split (dynamic, probing) runs with no other prefill work beside it. A sequence
+whose chunks are being fetched (``ChunkSources``) waits alone and is passed over.
 
 No deadlock: when nothing runs, nothing will free a block, so work that still does not fit fails
 (``KVPoolExhaustedError``, or ``FinishReason.KV_POOL`` with its tokens so far).
@@ -18,36 +18,29 @@ No deadlock: when nothing runs, nothing will free a block, so work that still do
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import Future
 
 from pic.compile import ChunkPrefill
 from pic.config import PrefillOrder
 from pic.engine.core.batch import PassPiece, ScheduledBatch
 from pic.engine.core.chunk_sources import ChunkSources
 from pic.engine.core.kv_manager import KVManager
-from pic.engine.core.queues import Queues
-from pic.engine.core.sequence import Sequence
-from pic.engine.core.status import Status, Transition
+from pic.engine.core.sequence import Queues, Sequence, Status, Transition
 from pic.engine.generation import FinishReason
 from pic.errors import KVPoolExhaustedError, PicError
 from pic.link.linker import Linker
 
 Work = Sequence | ChunkPrefill
-Fail = Callable[[Sequence, "Exception | FinishReason"], None]
 
 
 def _arrival(work: Work) -> float:
-    """Its place in the arrival order of prefill work."""
-    return work.order if isinstance(work, ChunkPrefill) else work.arrival
+    return work.order if isinstance(work, ChunkPrefill) else work.times.arrival_s
 
 
 class Admission:
     """Args:
-    queues: the sequences by status (admission moves them).
-    kv, linker, sources: the blocks, the link plans, the chunks and the chunk prefills' queue.
+    queues, kv, linker, sources: the scheduler's (admission moves the sequences).
     fail: ``Scheduler.fail``, the one way a sequence fails.
-    max_num_seqs: most sequences running or prefilling at once (parked ones do not count).
-    prefill_order, compile_share: which prefill work goes first (``PICConfig.prefill_order``, ``compile_share``).
+    max_num_seqs, prefill_order, compile_share: ``PICConfig``'s.
     frees_soon: whether store I/O under way will free blocks (a compile's hold on a chunk being written
         through): work that does not fit waits for it rather than fail.
     """
@@ -59,7 +52,7 @@ class Admission:
         linker: Linker,
         sources: ChunkSources,
         *,
-        fail: Fail,
+        fail: Callable[[Sequence, Exception | FinishReason], None],
         max_num_seqs: int,
         prefill_order: PrefillOrder,
         compile_share: float,
@@ -70,16 +63,16 @@ class Admission:
         self.max_num_seqs, self.prefill_order, self.compile_share = max_num_seqs, prefill_order, compile_share
 
     def prefetch(self) -> None:
-        """Start fetching every waiting sequence's missing chunks (a prefetch), failing those that cannot run."""
+        """Start fetching every waiting sequence's missing chunks, failing those that cannot run."""
         for seq in self.queues.of(Status.WAITING):  # (a resuming one has its KV)
-            error = self.sources.resolve(seq).error
-            if error is not None:
-                self.fail(seq, error)
+            try:
+                self.sources.resolve(seq)
+            except PicError as exc:
+                self.fail(seq, exc)
 
     def schedule(self, batch: ScheduledBatch, *, budget: int) -> None:
-        """Give ``budget`` tokens to prefill work: the work under way first (resumed links, passes that go on: they
-        hold their blocks and take no new ones, and the waiting ones may wait for them), then new work in the
-        order of ``prefill_order``."""
+        """Give ``budget`` tokens to prefill work: the work under way first, then new work in the order of
+        ``prefill_order``."""
         self.sources.drop_abandoned()
         self._start_resumed(batch)
         under_way = list(self.queues.prefilling)
@@ -121,18 +114,12 @@ class Admission:
             budget -= num_tokens
         return budget
 
-    def has_work(self, seqs: list[Sequence]) -> bool:
-        """Whether a step has work for ``seqs`` or the chunk prefills: a sequence past waiting, a waiting one whose
-        chunks are at hand (or a load for it answered), a chunk prefill that can run (or, blocked with no store
-        I/O to wait for, must fail)."""
-        if any(s.status is not Status.WAITING or _fetched(s) for s in seqs):
-            return True
-        writing = self.frees_soon()
-        return any(p.is_started or not writing or self.kv.can_start(p) for p in self.sources.prefills.values())
-
     def busy(self, batch: ScheduledBatch) -> bool:
         """Whether something runs this step (and will free blocks or take budget)."""
         return self.queues.num_active > 0 or batch.has_prefill_work
+
+    def _full(self) -> bool:
+        return self.queues.num_active >= self.max_num_seqs
 
     def _piece(self, prefill: ChunkPrefill, batch: ScheduledBatch, *, budget: int) -> bool:
         """Add the next piece of ``prefill`` (starting it when the pool has its blocks); whether it ran. One that
@@ -159,12 +146,7 @@ class Admission:
             return self._place(seq, batch, budget=budget)
         if self._full():
             return None
-        seq.expect(Status.WAITING)
         return self._new_pass(seq, batch, budget=budget, busy=self.busy(batch) or compiles_wait)
-
-    def _full(self) -> bool:
-        """Whether ``max_num_seqs`` sequences run or prefill."""
-        return self.queues.num_active >= self.max_num_seqs
 
     def _start_resumed(self, batch: ScheduledBatch) -> None:
         """Give the resuming links their place among the running while the cap allows: no blocks, no forward (their
@@ -181,15 +163,12 @@ class Admission:
 
     def _new_pass(self, seq: Sequence, batch: ScheduledBatch, *, budget: int, busy: bool) -> int | None:
         """Admit a waiting sequence: plan its link, take its blocks, set up its pass, place its first piece."""
-        chunks = self.sources.resolve(seq)  # (again: this step's admissions may have evicted a chunk)
-        if not chunks.is_ready:
-            if chunks.error is not None:
-                self.fail(seq, chunks.error)
-            return 0
         try:
+            if not self.sources.resolve(seq):  # (again: this step's admissions may have evicted a chunk)
+                return 0
             request, generated = seq.request, seq.output_ids
             plan = self.linker.plan(
-                seq.link, prefix=request.prefix_ids, chunks=seq.chunks, query=request.query_ids + generated,
+                seq.link, prefix=request.prefix_ids, chunks=seq.fetch.chunks, query=request.query_ids + generated,
                 num_generated=len(generated), relevance=request.relevance,
             )  # fmt: skip
             # a larger pass runs in pieces, or (not splittable) with no other prefill work beside it
@@ -225,9 +204,3 @@ class Admission:
             if seq is not keep:
                 dropped |= self.kv.drop_holds(seq)
         return dropped
-
-
-def _fetched(seq: Sequence) -> bool:
-    """Whether a waiting sequence's chunks are at hand, or a load for it has answered."""
-    pending = seq.fetch.pending
-    return not pending or any(f.done() for f in pending.values() if isinstance(f, Future))

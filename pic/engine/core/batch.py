@@ -16,13 +16,8 @@ from pic.model import SeqInput
 
 @dataclass(frozen=True, eq=False)
 class PassPiece:
-    """A recompute pass's part of a step.
-
-    Attributes:
-        seq: the admitted sequence (its ``link.pass_`` is set).
-        num_tokens: tokens of its pass this step runs.
-        ends: its pass ends this step (else it goes on in the next: chunked prefill of a long static pass).
-    """
+    """``num_tokens`` of an admitted sequence's recompute pass in this step; ``ends``: its pass ends with them
+    (else it goes on in the next: chunked prefill of a long static pass)."""
 
     seq: Sequence
     num_tokens: int
@@ -34,12 +29,12 @@ class ScheduledBatch:
     """One step's work, in the order its forward runs it.
 
     Attributes:
-        passes: recompute passes (or pieces of them) of admitted sequences; a probe's second pass is one too,
-            in a batch of its own run right after its probe's (``Scheduler.second_passes``).
+        passes: recompute passes (or pieces of them); a probe's second pass is one too, in a batch of its own run
+            right after its probe's (``Scheduler.second_passes``).
         pieces: chunk prefills and their part of this step's forward.
         decodes: running: their last token runs (``SeqBlocks.next_slot`` is reserved).
-        resumed: parked sequences whose generation starts: their first token is sampled from the
-            hidden state their pass left (no forward).
+        resumed: parked sequences whose generation starts: their first token is sampled from the hidden state
+            their pass left (no forward).
         failed_prefills: chunk prefills that cannot run, with the error.
     """
 
@@ -51,17 +46,11 @@ class ScheduledBatch:
 
     @property
     def has_prefill_work(self) -> bool:
-        """Whether a recompute pass or a chunk prefill runs in this step."""
         return bool(self.passes or self.pieces)
 
     @property
     def has_forward(self) -> bool:
         return bool(self.decodes) or self.has_prefill_work
-
-    @property
-    def num_seqs(self) -> int:
-        """The sequences of the forward (passes, chunk prefills, decodes)."""
-        return len(self.passes) + len(self.pieces) + len(self.decodes)
 
     def inputs(self, device: torch.device) -> list[SeqInput]:
         """The forward's sequences: the passes' pieces, the chunk prefills' pieces, the decode steps, in this order
@@ -70,16 +59,13 @@ class ScheduledBatch:
         return passes + [piece for _, piece in self.pieces] + decode_inputs(self.decodes, device)
 
     def outputs(self, hidden: list[torch.Tensor]) -> StepOutput:
-        """The forward's results (one per sequence of ``inputs``, in order) by work item."""
-        rows = iter(hidden)
-        passes = [(p, next(rows)) for p in self.passes]
-        pieces = []
-        for prefill, _ in self.pieces:
-            next(rows)  # (a chunk prefill's piece asks for no rows)
-            pieces.append(prefill)
-        decodes = [(seq, next(rows)) for seq in self.decodes]
-        assert next(rows, None) is None, "a forward returned more results than it had sequences"
-        return StepOutput(passes, pieces, decodes)
+        """The forward's results (one per sequence of ``inputs``, in order) by work item; a chunk prefill's piece
+        asks for no rows."""
+        assert len(hidden) == len(self.passes) + len(self.pieces) + len(self.decodes), "results do not match"
+        num_passes, num_pieces = len(self.passes), len(self.pieces)
+        passes = list(zip(self.passes, hidden[:num_passes], strict=True))
+        decodes = list(zip(self.decodes, hidden[num_passes + num_pieces :], strict=True))
+        return StepOutput(passes, [prefill for prefill, _ in self.pieces], decodes)
 
     def sequences(self) -> list[Sequence]:
         """The sequences whose work runs in the forward (passes and decodes)."""
@@ -97,14 +83,9 @@ class ForwardOutput:
 
 @dataclass
 class StepOutput:
-    """A forward's results by work item.
-
-    Attributes:
-        passes: each pass piece and its final hidden states ``[num_output_rows, hidden_size]`` (no rows for a
-            piece that goes on, or for a probe).
-        pieces: the chunk prefills that ran a piece.
-        decodes: each decoding sequence and its final hidden state ``[1, hidden_size]``.
-    """
+    """A forward's results by work item: each pass piece and its final hidden states ``[num_output_rows,
+    hidden_size]`` (no rows for a piece that goes on, or for a probe), the chunk prefills that ran a piece, each
+    decoding sequence and its final hidden state ``[1, hidden_size]``."""
 
     passes: list[tuple[PassPiece, torch.Tensor]] = field(default_factory=list)
     pieces: list[ChunkPrefill] = field(default_factory=list)
@@ -112,11 +93,9 @@ class StepOutput:
 
 
 def decode_inputs(seqs: list[Sequence], device: torch.device) -> list[SeqInput]:
-    """The sequences' parts of a decode step: each one's last token, at the slot the scheduler reserved.
-
-    Tokens, positions and slots of the whole step go to the device in one copy without a host sync
-    (``pic.kv.transfer``); each sequence gets views of it.
-    """
+    """The sequences' parts of a decode step: each one's last token, at the slot the scheduler reserved. Tokens,
+    positions and slots of the whole step go to the device in one copy without a host sync (``pic.kv.transfer``);
+    each sequence gets views of it."""
     if not seqs:
         return []
     host = [[s.output_ids[-1] for s in seqs], [s.decode_position() for s in seqs], [s.blocks.next_slot for s in seqs]]
@@ -130,6 +109,6 @@ def decode_inputs(seqs: list[Sequence], device: torch.device) -> list[SeqInput]:
             slots=slots[i : i + 1],
             output_rows=first_row,
             decode=True,
-        )
+        )  # fmt: skip
         for i, s in enumerate(seqs)
     ]

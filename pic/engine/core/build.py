@@ -53,28 +53,19 @@ class Started:
     eos_token_ids: frozenset[int]
 
 
-def default_step_tokens(model: torch.nn.Module) -> int:
-    """``PICConfig.max_num_batched_tokens`` when it is ``None``: by the device the model is on."""
-    device = next(model.parameters()).device
-    return _STEP_TOKENS_CUDA if device.type == "cuda" else _STEP_TOKENS_CPU
-
-
 def resolve_config(config: PICConfig, model: torch.nn.Module, tokenizer: object) -> PICConfig:
     """``config`` with its model-dependent ``None`` defaults resolved: a BOS exactly when the tokenizer writes one,
     the step budget of the model's device."""
     if config.add_bos is None:
         config = config.model_copy(update={"add_bos": tokenizer_adds_bos(tokenizer)})
     if config.max_num_batched_tokens is None:
-        config = config.model_copy(update={"max_num_batched_tokens": default_step_tokens(model)})
+        cuda = next(model.parameters()).device.type == "cuda"
+        config = config.model_copy(update={"max_num_batched_tokens": _STEP_TOKENS_CUDA if cuda else _STEP_TOKENS_CPU})
     return config
 
 
 def start_core(model: torch.nn.Module, tokenizer: object, *, config: PICConfig, store: StoreConfig) -> Started:
-    """Build the core over ``model`` and start its thread.
-
-    Raises:
-        as ``build_core``.
-    """
+    """Build the core over ``model`` (raising as ``build_core``) and start its thread."""
     if not isinstance(tokenizer, SharedTokenizer):  # used by callers' threads and the engine's at once
         tokenizer = SharedTokenizer(tokenizer)
     config = resolve_config(config, model, tokenizer)
@@ -110,7 +101,7 @@ def build_core(
         StoreUnavailableError: an unreachable Redis (``on_redis_error="raise"``).
     """
     runner = ModelRunner(model, attention_backend=config.attention_backend, decode_weights=config.decode_weights)
-    if config.cuda_graphs:
+    if config.cuda_graphs or (config.cuda_graphs is None and runner.graphs_refused() is None):
         runner.use_graphs(capture=True)
     spec = runner.spec
     expected = Expected(

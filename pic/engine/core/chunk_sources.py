@@ -1,19 +1,18 @@
 """``ChunkSources``: where a waiting request's chunks come from, without the engine thread waiting on any.
 
-A chunk resident in the pool is used as it is. One that is not is fetched while the request waits alone
-and the others step: loaded from a lower tier on the loader (``pic.engine.core.loader``), or, when no tier holds
-it, compiled again from its tokens, which the engine remembers for every chunk it compiled or linked (a
-request always has its documents' tokens). So an eviction, a preemption or a restarted Redis costs a
-request time, never its chunks. The same queue holds the chunk prefills of ``compile`` calls: one prefill
-per chunk, however many wait for it.
+A chunk resident in the pool is used as it is. One that is not is fetched while the request waits alone and the
+others step: loaded from a lower tier on the loader (``pic.engine.core.loader``), or, when no tier holds it,
+compiled again from its tokens, which the engine remembers for every chunk it compiled or linked (a request always
+has its documents' tokens). So an eviction, a preemption or a restarted Redis costs a request time, never its
+chunks. The same queue holds the chunk prefills of ``compile`` calls: one prefill per chunk, however many wait for
+it.
 """
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
-from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
 
 import torch
 
@@ -22,34 +21,13 @@ from pic.compile.prefill import lead_tokens
 from pic.config import CompileOptions
 from pic.engine.core.loader import Loader
 from pic.engine.core.sequence import Fetch, Sequence
-from pic.errors import CompileOptionsMismatchError, PicError
+from pic.errors import CompileOptionsMismatchError
 from pic.kv import ChunkInfo, ChunkKV
 from pic.store import TieredStore
 
-# Tokens of the chunks the engine remembers how to compile again (the least recently used are forgotten
-# beyond it): 4M tokens, 32 MB of int64 at most, shared with the pool's resident chunks' infos.
+# Tokens of the chunks the engine remembers how to compile again (the least recently used are forgotten beyond
+# it): 4M tokens, 32 MB of int64 at most, shared with the pool's resident chunks' infos.
 _MAX_RECIPE_TOKENS = 1 << 22
-
-
-@dataclass(frozen=True)
-class Availability:
-    """Whether a request's chunks are at hand (``ChunkSources.resolve``).
-
-    Attributes:
-        pending: the ids being loaded from a lower tier or compiled again from their tokens (it waits for them).
-        error: why a chunk cannot be had (``UnknownCacheIdError``, ``StoreUnavailableError``,
-            ``CompileOptionsMismatchError``): the request fails with it.
-    """
-
-    pending: tuple[str, ...] = ()
-    error: PicError | None = None
-
-    @property
-    def is_ready(self) -> bool:
-        return not self.pending and self.error is None
-
-
-READY = Availability()
 
 
 class ChunkSources:
@@ -59,23 +37,19 @@ class ChunkSources:
         store: the chunk store (its device tier, on this thread).
         loader: runs the lower tiers' I/O.
         bos_token_id: the model's BOS token, prefilled before a chunk per its options.
-        next_order: the clock of the engine's first-come-first-served order (its requests' arrival times).
 
     Attributes:
         prefills: cache id -> its prefill, in arrival order: the compile work the scheduler runs.
     """
 
-    def __init__(
-        self, store: TieredStore, loader: Loader, *, bos_token_id: int | None, next_order: Callable[[], float]
-    ) -> None:
-        self.store, self.loader, self.bos_token_id, self._next_order = store, loader, bos_token_id, next_order
+    def __init__(self, store: TieredStore, loader: Loader, *, bos_token_id: int | None) -> None:
+        self.store, self.loader, self.bos_token_id = store, loader, bos_token_id
         self.prefills: dict[str, ChunkPrefill] = {}
         self._recipes: OrderedDict[str, ChunkInfo] = OrderedDict()
         self._num_recipe_tokens = 0
 
     def drop_abandoned(self) -> None:
-        """Stop the prefills whose waiters all ended (a request that failed meanwhile: its other chunk did not
-        fit, say), freeing their blocks: no work runs for nobody."""
+        """Stop the prefills whose waiters all ended (a request that failed meanwhile), freeing their blocks."""
         for cid, prefill in list(self.prefills.items()):
             if all(w.is_finished for w in prefill.waiters):
                 prefill.abort()
@@ -84,11 +58,10 @@ class ChunkSources:
     def compile(self, cache_id: str, content: list[int], options: CompileOptions) -> ChunkPrefill:
         """The prefill of ``cache_id``: a new one, queued, unless one is under way (whoever waits for it joins its
         ``calls`` or ``requests``)."""
-        prefill = self.prefills.get(cache_id)
-        if prefill is None:
-            prefill = ChunkPrefill(cache_id, content, options, bos_token_id=self.bos_token_id, order=self._next_order())
-            self.prefills[cache_id] = prefill
-        return prefill
+        if cache_id not in self.prefills:
+            bos, order = self.bos_token_id, time.perf_counter()
+            self.prefills[cache_id] = ChunkPrefill(cache_id, content, options, bos_token_id=bos, order=order)
+        return self.prefills[cache_id]
 
     def remember(self, info: ChunkInfo) -> None:
         """Keep what compiling chunk ``info`` again takes (its tokens and options)."""
@@ -102,9 +75,8 @@ class ChunkSources:
             self._num_recipe_tokens -= old.num_tokens
 
     def remember_content(self, cache_id: str, content: list[int], options: CompileOptions) -> None:
-        """Keep the tokens of a ``compile`` call's chunk that is not prefilled here (a lower tier holds it), so
-        that a link whose load finds that copy damaged or gone (a corrupt file, a flushed Redis) compiles it
-        again instead of failing."""
+        """Keep the tokens of a ``compile`` call's chunk that is not prefilled here (a lower tier holds it), so that
+        a link whose load finds that copy damaged or gone compiles it again instead of failing."""
         if cache_id in self._recipes:  # the common case (a server compiles inline documents on every request)
             self._recipes.move_to_end(cache_id)
             return
@@ -117,17 +89,9 @@ class ChunkSources:
         if info is not None:
             self._num_recipe_tokens -= info.num_tokens
 
-    def resolve(self, seq: Sequence) -> Availability:
+    def resolve(self, seq: Sequence) -> bool:
         """Whether every chunk of ``seq`` is at hand (then ``seq.fetch.chunks`` holds them: resident ``ChunkInfo``
-        or loaded ``ChunkKV``), being fetched, or cannot be had; starts fetching those that are not at hand (a
-        prefetch: it runs while others step)."""
-        try:
-            return READY if self._ready(seq) else Availability(pending=tuple(seq.fetch.pending))
-        except PicError as exc:
-            return Availability(error=exc)
-
-    def _ready(self, seq: Sequence) -> bool:
-        """``resolve``'s work: whether every chunk is at hand.
+        or loaded ``ChunkKV``); else starts fetching those that are not (a prefetch: it runs while others step).
 
         Raises:
             UnknownCacheIdError: a chunk no tier holds and the engine never saw.
@@ -146,14 +110,11 @@ class ChunkSources:
         recipes = {cid: self._recipe(fetch, cid) for cid in lost}  # every one known before any compile starts
         for cid, recipe in recipes.items():
             kept = recipe.token_ids.tolist()
-            content = kept[1:] if recipe.options.add_bos else kept
-            fetch.pending[cid] = self.compile(cid, content, recipe.options)
+            fetch.pending[cid] = self.compile(cid, kept[1:] if recipe.options.add_bos else kept, recipe.options)
             fetch.pending[cid].requests.append(seq)
         if fetch.pending:
             return False
-        fetch.chunks = [
-            self._checked(seq, chunks[cid]) for cid in seq.request.cache_ids
-        ]  # (a new list: laid out again)
+        fetch.chunks = [_checked(seq, chunks[cid]) for cid in seq.request.cache_ids]  # (a new list: laid out again)
         fetch.found, fetch.lost = {}, set()
         return True
 
@@ -175,7 +136,8 @@ class ChunkSources:
                     fetch.found[cid] = chunk
                     self.remember(chunk.info)
 
-    def compiled(self, seq: Sequence, cache_id: str) -> None:
+    @staticmethod
+    def compiled(seq: Sequence, cache_id: str) -> None:
         """A chunk compiled for ``seq`` is resident (and held for it): it is no longer pending."""
         seq.fetch.pending.pop(cache_id, None)
 
@@ -208,18 +170,18 @@ class ChunkSources:
             raise self.store.unknown(cid)
         return recipe
 
-    @staticmethod
-    def _checked(seq: Sequence, chunk: ChunkInfo | ChunkKV) -> ChunkInfo | ChunkKV:
-        """Raises: CompileOptionsMismatchError: ``chunk`` was compiled with other options than the policy needs."""
-        options, policy, cid = seq.request.compile_options.without_context(), seq.policy, chunk.cache_id
-        if chunk.options.without_context() != options:
-            raise CompileOptionsMismatchError(
-                f"chunk {cid} was compiled with {chunk.options.without_context()!r} but policy "
-                f"{policy.spec!r} needs {options!r}; compile it with compile(docs, policy={policy.spec!r})"
-            )
-        if policy.needs_context and not chunk.options.context:
-            raise CompileOptionsMismatchError(
-                f"chunk {cid} was compiled without a context but policy {policy.spec!r} needs chunks "
-                f"compiled in context; compile it with compile(docs, context=...) (PIC.chat_context for a chat)"
-            )
-        return chunk
+
+def _checked(seq: Sequence, chunk: ChunkInfo | ChunkKV) -> ChunkInfo | ChunkKV:
+    """Raises: CompileOptionsMismatchError: ``chunk`` was compiled with other options than the policy needs."""
+    options, policy, cid = seq.request.compile_options.without_context(), seq.link.policy, chunk.cache_id
+    if chunk.options.without_context() != options:
+        raise CompileOptionsMismatchError(
+            f"chunk {cid} was compiled with {chunk.options.without_context()!r} but policy "
+            f"{policy.spec!r} needs {options!r}; compile it with compile(docs, policy={policy.spec!r})"
+        )
+    if policy.needs_context and not chunk.options.context:
+        raise CompileOptionsMismatchError(
+            f"chunk {cid} was compiled without a context but policy {policy.spec!r} needs chunks "
+            f"compiled in context; compile it with compile(docs, context=...) (PIC.chat_context for a chat)"
+        )
+    return chunk

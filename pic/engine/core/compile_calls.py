@@ -17,7 +17,6 @@ from concurrent.futures import Future
 from pic.compile import ChunkPrefill
 from pic.engine.core.chunk_sources import ChunkSources
 from pic.engine.core.kv_manager import KVManager
-from pic.engine.core.loader import Loader
 from pic.engine.core.sequence import Sequence
 from pic.engine.request import CompileJob, Stored
 from pic.kv import BlockPool
@@ -25,11 +24,11 @@ from pic.store import TieredStore
 
 
 class CompileCall:
-    """A compile call's progress (engine thread). ``reply`` gets its ``Stored`` answer, or the error that
-    stopped it; ``done`` says when.
+    """A compile call's progress. ``reply`` gets its ``Stored`` answer, or the error that stopped it.
 
     Attributes:
-        checks: cache id -> the loader's answer to "which lower tiers lack it?" (for every id of ``todo``).
+        keep: its chunks' ids, which the lower tiers must not evict for it.
+        checks: cache id -> the loader's answer to "which lower tiers lack it?".
         new: the ids no tier holds, to prefill (known once every check is answered).
         prefilling: ids whose prefill is queued or under way.
         writes: cache id -> the loader's write of it to the lower tiers.
@@ -40,9 +39,9 @@ class CompileCall:
 
     def __init__(self, job: CompileJob, reply: Future) -> None:
         self.job, self.reply = job, reply
-        self.keep = list(job.tokens)  # what the lower tiers must not evict for the call's chunks
+        self.keep = list(job.tokens)
         self.checks: dict[str, Future] = {}
-        self.new: list[str] = []  # the ids no tier holds: to prefill
+        self.new: list[str] = []
         self.prefilling: set[str] = set()
         self.writes: dict[str, Future] = {}
         self.held: dict[str, list[int]] = {}
@@ -52,7 +51,7 @@ class CompileCall:
 
     @property
     def interactive(self) -> bool:
-        """A request waits for the call (``CompileJob.interactive``): its prefills go before bulk compiles."""
+        """A request waits for the call: its prefills go before bulk compiles (``ChunkPrefill.is_interactive``)."""
         return self.job.interactive
 
     @property
@@ -91,7 +90,6 @@ class CompileCall:
         self.release(pool)
 
     def release(self, pool: BlockPool) -> None:
-        """Free the call's holds on its chunks."""
         for blocks in self.held.values():
             pool.free(blocks)
         self.held = {}
@@ -102,38 +100,28 @@ class CompileCall:
 
 
 class CompileCalls:
-    """The engine's open compile calls and the chunk prefills they wait for (engine thread).
+    """The engine's open compile calls and the chunk prefills they wait for.
 
     Args:
         sources: queues the chunk prefills (one per chunk, shared with requests that need it compiled again).
-        loader: the lower tiers' I/O.
-        pool: the KV pool the chunks are held in.
         kv: the pool's owner (a call's new chunks must fit: ``KVManager.check_compile``).
         busy: whether requests run or prefill (they will free their blocks): a call is then not refused for the
             room they take now; its prefills wait for it (``Admission``), and fail only if they still do not fit
             once nothing runs.
     """
 
-    def __init__(
-        self,
-        sources: ChunkSources,
-        loader: Loader,
-        pool: BlockPool,
-        *,
-        kv: KVManager,
-        busy: Callable[[], bool] = lambda: False,
-    ) -> None:
-        self.sources, self.loader, self.store, self.pool = sources, loader, sources.store, pool
+    def __init__(self, sources: ChunkSources, pool: BlockPool, *, kv: KVManager, busy: Callable[[], bool]) -> None:
+        self.sources, self.loader, self.store, self.pool = sources, sources.loader, sources.store, pool
         self.kv, self.busy = kv, busy
         self.open: list[CompileCall] = []
 
     def add(self, job: CompileJob, reply: Future) -> None:
-        """Start a call: hold its resident chunks, ask the lower tiers which of its chunks they lack (resident
-        ones are written back to them, ``_checked``), queue the prefills of those no tier holds.
+        """Start a call: hold its resident chunks, ask the lower tiers which of its chunks they lack (resident ones
+        are written back to them, ``_checked``), queue the prefills of those no tier holds.
 
         Raises:
-            KVPoolExhaustedError: the new chunks cannot fit in the pool (``KVManager.check_compile``; nothing is
-                started), and no request runs that will free blocks.
+            KVPoolExhaustedError: the new chunks cannot fit in the pool (nothing is started), and no request runs
+                that will free blocks.
         """
         call = CompileCall(job, reply)
         for cid, content in job.tokens.items():  # also those a lower tier holds: its copy may prove bad
@@ -165,7 +153,7 @@ class CompileCalls:
             call.prefilling.add(cid)
 
     def poll(self) -> None:
-        """Take in the loader's answers (``Scheduler.update_from_output``) and end the calls that are done."""
+        """Take in the loader's answers (``Scheduler.update_from_output``) and answer the calls that are done."""
         for call in self.open:
             for cid, check in list(call.checks.items()):
                 if check.done():
@@ -186,14 +174,13 @@ class CompileCalls:
         self._end_done()
 
     def _end_done(self) -> None:
-        """Answer the calls that are done."""
         for call in [c for c in self.open if c.done]:
             self.open.remove(call)
             call.end(self.pool, self.store)
 
     def _checked(self, call: CompileCall, cid: str, check: Future) -> None:
-        """The lower tiers that lack ``cid`` are known: a resident chunk is written back to them (copied out of
-        the pool only then); one no tier holds is to be compiled."""
+        """The lower tiers that lack ``cid`` are known: a resident chunk is written back to them (copied out of the
+        pool only then); one no tier holds is to be compiled."""
         try:
             missing = check.result()
         except Exception as exc:
@@ -220,17 +207,17 @@ class CompileCalls:
         return any(f.done() for call in self.open for f in (*call.checks.values(), *call.writes.values()))
 
     def chunk_done(self, prefill: ChunkPrefill) -> list[Sequence]:
-        """A prefill's last piece ran: make the chunk resident, hand each call waiting for it a hold on it, write
-        it through; returns the requests that waited for it (the engine holds it for them)."""
+        """A prefill's last piece ran: make the chunk resident, hand each call waiting for it a hold on it, write it
+        through; returns the requests that waited for it (the engine holds it for them)."""
         info, blocks = prefill.finish()
         del self.sources.prefills[prefill.cache_id]
         calls = prefill.calls
         through = [call for call in calls if call.job.lower_tiers]
         self.store.add(info, blocks, pool_only=bool(calls) and not through)
         self.sources.remember(info)
-        # Written through for compile calls (which wait for it); a chunk compiled again for a request (no tier
-        # held it, or its copy proved damaged) is written back to the tiers that lack it, and nobody waits; one
-        # that only scratch calls asked for (``CompileJob.lower_tiers=False``) stays in the pool.
+        # Written through for compile calls (which wait for it); a chunk compiled again for a request (no tier held
+        # it, or its copy proved damaged) is written back to the tiers that lack it, and nobody waits; one that only
+        # scratch calls asked for (``CompileJob.lower_tiers=False``) stays in the pool.
         write = None
         if through and self.loader.has_lower_tiers:
             keep = {c for call in through for c in call.keep}

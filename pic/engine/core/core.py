@@ -3,15 +3,14 @@
 Nothing here locks and nothing here is shared: the core thread is the only one that calls it. A step is vLLM v1's:
 ``scheduler.schedule()`` (decodes, then prefill work under one token budget), one batched forward over what it
 chose (recompute passes, chunk-prefill pieces, decode tokens), then ``scheduler.update_from_output(batch,
-output)``, the one place a step's results (and the store's answers) land; a probe that ended has its
-second pass run at once, a second forward in the same step. The commands
-(``pic.engine.commands``) call the rest between two steps.
+output)``, the one place a step's results (and the store's answers) land; a probe that ended has its second pass
+run at once, a second forward in the same step. The commands (``pic.engine.commands``) call the rest between two
+steps.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from concurrent.futures import Future
 
 import torch
@@ -24,7 +23,8 @@ from pic.engine.core.decoding import Decoder
 from pic.engine.core.kv_manager import KVManager
 from pic.engine.core.loader import Loader
 from pic.engine.core.scheduler import Scheduler
-from pic.engine.core.sequence import Sequence
+from pic.engine.core.sequence import Sequence, Status, Transition
+from pic.engine.generation import FinishReason
 from pic.engine.request import CompileJob, NewRequest, OutputSink, RequestOutput
 from pic.engine.sampling import SamplingParams
 from pic.kv import BlockPool, KVCache
@@ -36,18 +36,9 @@ log = logging.getLogger("pic")
 
 
 class EngineCore:
-    """Continuous batching of linked requests and chunk compiles over one model, KV pool and chunk store.
-
-    Args:
-        runner: the model's batched forward.
-        tokenizer: for incremental detokenization.
-        pool, cache: the KV pool's allocator and tensors.
-        store: the chunk store; its device tier is the pool's resident chunks.
-        kv: the block work of admission, growth, preemption and release.
-        linker: plans each request's link and its recompute pass.
-        config: the engine's options.
-        bos_token_id: written before a chunk when compiling (``None``: the model has none).
-        eos_token_ids: tokens that end a generation.
+    """Continuous batching of linked requests and chunk compiles over one model (``runner``), KV pool (``pool``,
+    ``cache``; the block work is ``kv``'s) and chunk store (``store``: its device tier is the pool's resident
+    chunks); ``linker`` plans each request's link and its recompute pass.
 
     Attributes:
         wake: called from a loader thread when store I/O is done (set by the core thread: it runs again).
@@ -70,10 +61,8 @@ class EngineCore:
     ) -> None:
         self.runner, self.pool, self.cache, self.store, self.kv = runner, pool, cache, store, kv
         self.loader = Loader(store, wake=lambda: self.wake())
-        self.sources = ChunkSources(store, self.loader, bos_token_id=bos_token_id, next_order=time.perf_counter)
-        self.compiles = CompileCalls(
-            self.sources, self.loader, pool, kv=kv, busy=lambda: self.scheduler.queues.num_active > 0,
-        )  # fmt: skip
+        self.sources = ChunkSources(store, self.loader, bos_token_id=bos_token_id)
+        self.compiles = CompileCalls(self.sources, pool, kv=kv, busy=lambda: self.scheduler.queues.num_active > 0)
         self.decoder = Decoder(runner, tokenizer, eos_token_ids=eos_token_ids)
         self.scheduler = Scheduler(
             kv, linker, self.sources, self.compiles, self.decoder, device=runner.spec.device, config=config
@@ -89,27 +78,34 @@ class EngineCore:
         seq = Sequence(new)
         if seq.sampling is not None:
             seq.generate(seq.sampling, self.decoder.start(seq.sampling))
-        self.scheduler.add(seq)
+        self.scheduler.queues.add(seq)
 
     def resume(self, request_id: int, params: SamplingParams, *, link_s: float, sink: OutputSink) -> bool:
-        """Start generating from a parked sequence (``Linked.generate``), its outputs going to ``sink`` from
-        now on; whether it was parked."""
-        return self.scheduler.resume(request_id, params, sink=sink, link_s=link_s)
+        """Start generating from a parked sequence (``Linked.generate``), its outputs going to ``sink`` from now on;
+        whether it was parked."""
+        queues = self.scheduler.queues
+        seq = queues.requests.get(request_id)
+        if seq is None or seq.status is not Status.PARKED:
+            return False
+        queues.move(seq, Transition.RESUME)
+        seq.generate(params, self.decoder.start(params), sink=sink, link_s=link_s)
+        return True
 
     def abort(self, request_id: int) -> None:
-        """Stop a sequence and free its blocks (a final output with ``FinishReason.ABORT``); unknown or
-        finished ids are ignored (a release may arrive after the end)."""
-        self.scheduler.abort(request_id)
+        """Stop a sequence and free its blocks; unknown or finished ids are ignored (a release after the end)."""
+        seq = self.scheduler.queues.requests.get(request_id)
+        if seq is not None:
+            self.scheduler.finish(seq, FinishReason.ABORT)
 
     def compile(self, job: CompileJob, reply: Future) -> None:
-        """Start compiling ``job``'s chunks as scheduled work; ``reply`` gets the ids compiled once every chunk
-        is held by some tier (``CompileCalls``)."""
+        """Start compiling ``job``'s chunks as scheduled work; ``reply`` gets the ids compiled once every chunk is
+        held by some tier (``CompileCalls``)."""
         self.compiles.add(job, reply)
 
     def step_once(self, *, paced: bool = True) -> None:
         """One step, if any work can run (``paced=False``: not counting requests that wait for ``Step``). A step
         fails only its own requests; anything that escapes it is a bug, which fails every open request."""
-        if not self.has_work(paced=paced):
+        if not self.scheduler.has_work(paced=paced):
             return
         try:
             self.step()
@@ -118,24 +114,19 @@ class EngineCore:
             self.fail_all(exc)
 
     def close(self, error: Exception) -> None:
-        """Fail every open request and compile call with ``error`` (the engine is closing)."""
         self.fail_all(error)
         self.closed = True
 
     def fail_all(self, error: Exception) -> None:
         """End every sequence and compile call with ``error`` and free their blocks."""
-        self.scheduler.fail_all(error)
+        for seq in list(self.scheduler.queues.requests.values()):
+            self.scheduler.fail(seq, error, quiet=True)
         self.compiles.fail_all(error)
         self.loader.close()
 
-    def has_work(self, *, paced: bool = True) -> bool:
-        """Whether a step would do something now (``Scheduler.has_work``)."""
-        return self.scheduler.has_work(paced=paced)
-
     def retry_writes(self) -> None:
         """Write the chunks a lower tier failed to take (``TieredStore.backlog``) again, when due: from the pool
-        while they are resident there (on the loader's writer thread, nobody waiting), else forgotten. Nothing to
-        do without a lower tier."""
+        while they are resident there (on the loader's writer thread, nobody waiting), else forgotten."""
         for cache_id in self.store.backlog.due() if self.store.lower else ():
             try:
                 if self.store.device.contains(cache_id):
@@ -150,8 +141,8 @@ class EngineCore:
         return self.store.backlog.next_due_s() if self.store.lower else None
 
     def forget_chunk(self, cache_id: str) -> bool:
-        """Drop a chunk from the pool and the engine's memory of its tokens (an expired id is unknown); whether
-        the pool held it."""
+        """Drop a chunk from the pool and the engine's memory of its tokens (an expired id is unknown); whether the
+        pool held it."""
         self.sources.forget(cache_id)
         return self.store.device.delete(cache_id)
 
@@ -162,11 +153,11 @@ class EngineCore:
     # -- the step: schedule -> execute -> update ---------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the batch's forward, let the scheduler take its results (and the store's answers) in; returns
-        what each request produced (already in its sink)."""
+        """Schedule, run the batch's forward, let the scheduler take its results in, then the second passes of the
+        probes that ended; returns what each request produced (already in its sink)."""
         batch = self.scheduler.schedule()
         outputs = self.scheduler.update_from_output(batch, self._execute(batch))
-        second = self.scheduler.second_passes()  # the probes that ended: their second passes, in this step
+        second = self.scheduler.second_passes()
         if second.has_forward:
             outputs += self.scheduler.update_from_output(second, self._execute(second))
         return outputs
@@ -176,10 +167,11 @@ class EngineCore:
         if not batch.has_forward:
             return ForwardOutput()
         try:
-            hidden = self.runner.forward(batch.inputs(self.runner.spec.device))
+            inputs = batch.inputs(self.runner.spec.device)
+            hidden = self.runner.forward(inputs)
         except Exception as exc:
             log.exception("pic: a forward failed")
             return ForwardOutput(error=exc)
         self.num_steps += 1
-        self.num_batched_seqs += batch.num_seqs
+        self.num_batched_seqs += len(inputs)
         return ForwardOutput(hidden)

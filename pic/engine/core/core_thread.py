@@ -104,9 +104,13 @@ def run(core: EngineCore, commands: queue.SimpleQueue[Command]) -> None:
     until a command comes or a retry of failed writes is due (``EngineCore.next_timer_s``)."""
     while not core.closed:
         core.retry_writes()
-        command = _wait(commands, core.next_timer_s()) if not core.has_work(paced=False) else _next(commands)
+        idle = not core.scheduler.has_work(paced=False)
+        command = _next(commands, wait=idle, timeout_s=core.next_timer_s() if idle else None)
         while command is not None and not core.closed:
-            _handle(core, command)
+            try:
+                command.run(core)
+            except Exception as exc:  # its exception is its answer
+                command.refuse(exc)
             command = _next(commands) if not core.closed else None
         if not core.closed:
             core.step_once(paced=False)
@@ -115,24 +119,9 @@ def run(core: EngineCore, commands: queue.SimpleQueue[Command]) -> None:
         command.refuse(error)
 
 
-def _wait(commands: queue.SimpleQueue[Command], timeout_s: float | None) -> Command | None:
-    """The next command, waiting for it at most ``timeout_s`` (``None``: as long as it takes)."""
+def _next(commands: queue.SimpleQueue, *, wait: bool = False, timeout_s: float | None = None) -> Command | None:
+    """The next command, waiting for it (``wait``) at most ``timeout_s`` (``None``: as long as it takes)."""
     try:
-        return commands.get(timeout=timeout_s)
+        return commands.get(block=wait, timeout=timeout_s)
     except queue.Empty:
         return None
-
-
-def _next(commands: queue.SimpleQueue[Command]) -> Command | None:
-    try:
-        return commands.get_nowait()
-    except queue.Empty:
-        return None
-
-
-def _handle(core: EngineCore, command: Command) -> None:
-    """Run one command; its exception is its answer (``Command.refuse``)."""
-    try:
-        command.run(core)
-    except Exception as exc:
-        command.refuse(exc)

@@ -1,7 +1,7 @@
-"""``Decoder``: one sampled token per generating sequence from its final hidden state, detokenized, checked
-against the ways a generation ends. It says how each sequence goes on (``Sampled``); the scheduler acts on it, and
-puts what each sequence produced: a step's piece (``token_output``), a link's result (``link_output``), the last
-output with the ``Generation`` it ends with (``finish_output``), pure functions of the sequence's state.
+"""``Decoder``: one sampled token per generating sequence from its final hidden state, detokenized, checked against
+the ways a generation ends (``Sampled``: the scheduler acts on it); and what a sequence puts out, pure functions of
+its state: a link's result (``link_output``), its last output with the ``Generation`` it ends with
+(``finish_output``).
 """
 
 from __future__ import annotations
@@ -13,8 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from pic.engine.core.detokenizer import Detokenizer
-from pic.engine.core.sequence import Decoding, Sequence
-from pic.engine.core.status import Status
+from pic.engine.core.sequence import Decoding, Sequence, Status
 from pic.engine.generation import FinishReason, Generation, GenerationStats
 from pic.engine.request import LinkOutput, RequestOutput
 from pic.engine.sampling import SamplingParams, sample_rows, seeded_generator
@@ -23,14 +22,8 @@ from pic.model import ModelRunner
 
 @dataclass(frozen=True)
 class Sampled:
-    """One sequence's token of a step.
-
-    Attributes:
-        seq: the sequence (its ``output_ids`` end with ``token``, unless ``token`` is ``None``).
-        token: the token sampled; ``None`` when none was (``max_new_tokens=0``).
-        text: the text it adds (a stop string's text excluded).
-        finish: why the generation ends with it, or ``None``: it goes on.
-    """
+    """One sequence's token of a step (``None``: none was, ``max_new_tokens=0``), the text it adds (a stop
+    string's text excluded), and why the generation ends with it (``None``: it goes on)."""
 
     seq: Sequence
     token: int | None
@@ -39,12 +32,6 @@ class Sampled:
 
 
 class Decoder:
-    """Args:
-    runner: the model (its LM head).
-    tokenizer: for incremental detokenization.
-    eos_token_ids: tokens that end a generation.
-    """
-
     def __init__(self, runner: ModelRunner, tokenizer: object, *, eos_token_ids: frozenset[int]) -> None:
         self.runner, self.tokenizer, self.eos_token_ids = runner, tokenizer, eos_token_ids
 
@@ -66,7 +53,6 @@ class Decoder:
         return done + [self._append(seq, token) for (seq, _), token in zip(rows, tokens, strict=True)]
 
     def _append(self, seq: Sequence, token: int) -> Sampled:
-        """Record a sampled token; say whether it ends the generation."""
         seq.append(token)
         if token in self.eos_token_ids:
             return Sampled(seq, token, "", FinishReason.EOS)
@@ -81,43 +67,26 @@ class Decoder:
             reason = None
         return Sampled(seq, token, text, reason)
 
-    @staticmethod
-    def flush(seq: Sequence) -> str:
-        """The text a finished generation's detokenizer still holds."""
-        return seq.decoding.detokenizer.flush() if seq.decoding is not None else ""
-
-
-def token_output(seq: Sequence, text: str, token: int) -> RequestOutput:
-    """A step's output for a sequence that goes on."""
-    return RequestOutput(request_id=seq.request_id, text=text, token_ids=(token,), finished=False)
-
 
 def link_output(seq: Sequence) -> LinkOutput:
-    """What ``PIC.link`` gets for a parked sequence: its layout, what its pass recomputed, its query's
-    final hidden states."""
-    result = seq.link.first_pass
+    """What ``PIC.link`` gets for a parked sequence."""
+    result, link, blocks = seq.link.first_pass, seq.link, seq.blocks
     return LinkOutput(
-        request_id=seq.request_id,
-        layout=seq.link.layout,
-        recomputed=result.recomputed,
-        recomputed_by_layer=result.recomputed_by_layer,
-        num_shared_blocks=seq.blocks.num_shared,
-        num_private_blocks=seq.blocks.num_private,
-        block_ids=tuple(seq.blocks.kv.blocks),
-        query_hidden=seq.query_hidden,
-        probe=result.probe,
-        policy=seq.policy,
-        order=seq.link.chunk_order,
-    )
+        request_id=seq.request_id, layout=link.layout, recomputed=result.recomputed,
+        recomputed_by_layer=result.recomputed_by_layer, num_shared_blocks=blocks.num_shared,
+        num_private_blocks=blocks.num_private, block_ids=tuple(blocks.kv.blocks), query_hidden=seq.query_hidden,
+        probe=result.probe, policy=link.policy, order=link.chunk_order,
+    )  # fmt: skip
 
 
 def finish_output(seq: Sequence, *, text: str = "", token: int | None = None) -> RequestOutput:
-    """The last output of a finished sequence: its ``text`` and ``token`` of this step, and the generation
-    (or the error it failed with)."""
+    """The last output of a finished sequence: its ``text`` and ``token`` of this step, and the generation (or the
+    error it failed with); a generation's detokenizer is flushed."""
     assert seq.status is Status.FINISHED, seq
     tokens = () if token is None else (token,)
     if seq.error is not None:
         return RequestOutput(request_id=seq.request_id, text="", token_ids=tokens, finished=True, error=seq.error)
+    text += seq.decoding.detokenizer.flush() if seq.decoding is not None else ""
     generation = _generation(seq, seq.finish_reason)
     return RequestOutput(request_id=seq.request_id, text=text, token_ids=tokens, finished=True, generation=generation)
 
@@ -132,21 +101,14 @@ def _generation(seq: Sequence, why: FinishReason) -> Generation:
     else:
         link_s = (times.linked_s or scheduled) - scheduled
         ttft_s = first - times.arrival_s
-    num_prompt = seq.num_prompt_tokens if seq.chunks is not None else 0
+    num_prompt = seq.num_prompt_tokens if seq.fetch.chunks is not None else 0
     first_pass = seq.link.first_pass
     num_recomputed = int(first_pass.recomputed.sum()) if first_pass else 0
     stats = GenerationStats(
-        num_prompt_tokens=num_prompt,
-        num_recomputed_tokens=num_recomputed,
-        num_reused_tokens=num_prompt - num_recomputed,
-        num_generated_tokens=len(seq.output_ids),
-        link_s=link_s,
-        ttft_s=ttft_s,
-        decode_s=end - first,
-        finish_reason=why,
-        queue_s=scheduled - times.arrival_s,
-        num_preemptions=seq.num_preemptions,
-        chunk_order=seq.link.chunk_order,
-    )
+        num_prompt_tokens=num_prompt, num_recomputed_tokens=num_recomputed,
+        num_reused_tokens=num_prompt - num_recomputed, num_generated_tokens=len(seq.output_ids), link_s=link_s,
+        ttft_s=ttft_s, decode_s=end - first, finish_reason=why, queue_s=scheduled - times.arrival_s,
+        num_preemptions=seq.num_preemptions, chunk_order=seq.link.chunk_order,
+    )  # fmt: skip
     text = seq.decoding.detokenizer.text if seq.decoding is not None else ""
     return Generation(text=text, token_ids=list(seq.output_ids), ttft_s=ttft_s, stats=stats)

@@ -1,12 +1,9 @@
 """``KVManager``: the one owner of the KV pool's blocks for the scheduler (vLLM's KVCacheManager), for linked
 requests and chunk compiles alike: ``can_allocate`` / ``allocate``, ``can_append`` / ``append``, ``preempt``,
 ``free``; and for compiles ``check_compile`` (a call's new chunks fit) and each chunk prefill's ``can_start`` /
-``start``. Nothing else touches the pool for a request: the ``Linker`` (``pic.link``) asks ``is_resident`` when it
-counts what a request takes.
-
-The scheduler decides *who* runs; the KV manager does the pool work its decisions need, and writes each
-sequence's ``SeqBlocks`` (nothing else does). What a request needs is planned by the ``Linker``
-(``pic.link.linker``). Every method runs on the engine thread.
+``start``. The ``Linker`` (``pic.link``) asks ``is_resident`` when it counts what a request takes; the scheduler
+decides *who* runs, the KV manager does the pool work its decisions need and writes each sequence's ``SeqBlocks``
+(nothing else does).
 """
 
 from __future__ import annotations
@@ -21,14 +18,8 @@ from pic.store import TieredStore
 
 
 class KVManager:
-    """Block-level work on sequences and chunk prefills.
-
-    Args:
-        pool, cache: the KV pool's allocator and tensors.
-        store: the chunk store (promotes chunks from the lower tiers into ``pool``).
-        block_size: tokens per block.
-        kv_bytes_per_token: K and V bytes of one token (what a chunk takes in a lower tier).
-    """
+    """Block-level work on sequences and chunk prefills; ``store`` promotes chunks from the lower tiers into
+    ``pool``; ``kv_bytes_per_token``: K and V bytes of one token (what a chunk takes in a lower tier)."""
 
     def __init__(
         self, pool: BlockPool, cache: KVCache, store: TieredStore, *, block_size: int, kv_bytes_per_token: int
@@ -36,18 +27,18 @@ class KVManager:
         self.store, self.pool, self.cache, self._block_size = store, pool, cache, block_size
         self._kv_bytes_per_token = kv_bytes_per_token
 
-    # -- requests ------------------------------------------------------------------------------------------
-
     def can_allocate(self, seq: Sequence, plan: LinkPlan) -> bool:
         """Whether the pool holds ``plan`` (and the blocks its probe's second pass may copy)."""
-        needed = plan.assembly.num_blocks_needed + plan.num_reserved
-        return self.pool.num_available(holding=self._to_hold(seq, plan)) >= needed
+        needed, to_hold = self._needs(seq, plan)
+        return self.pool.num_available(holding=to_hold) >= needed
 
-    def _to_hold(self, seq: Sequence, plan: LinkPlan) -> list[str]:
-        return [cid for cid in plan.assembly.resident if cid not in seq.blocks.held]
+    @staticmethod
+    def _needs(seq: Sequence, plan: LinkPlan) -> tuple[int, list[str]]:
+        """The blocks ``plan`` takes, and the resident chunks it holds that ``seq`` does not hold yet."""
+        to_hold = [cid for cid in plan.assembly.resident if cid not in seq.blocks.held]
+        return plan.assembly.num_blocks_needed + plan.num_reserved, to_hold
 
     def is_resident(self, cache_id: str) -> bool:
-        """Whether the pool holds the chunk (what the ``Linker`` asks when it counts a request's blocks)."""
         return self.pool.is_resident(cache_id)
 
     def allocate(self, seq: Sequence, plan: LinkPlan) -> Assembly:
@@ -57,8 +48,7 @@ class KVManager:
         Raises:
             KVPoolExhaustedError: ``can_allocate`` is false (the blocks needed and available; nothing is taken).
         """
-        needed = plan.assembly.num_blocks_needed + plan.num_reserved
-        to_hold = self._to_hold(seq, plan)
+        needed, to_hold = self._needs(seq, plan)
         self.pool.check_available(needed, holding=to_hold, what=plan.assembly.describe())
         blocks = seq.blocks
         assembly = self._assemble(plan.assembly, held=blocks.held, to_hold=to_hold)
@@ -129,9 +119,7 @@ class KVManager:
         for cid in dict.fromkeys(seq.request.cache_ids):
             if cid not in blocks.held and self.pool.is_resident(cid):
                 blocks.held[cid] = self.pool.hold(cid)
-        blocks.kv.release()
-        blocks.kv = None
-        self._unreserve(blocks)
+        self._release(blocks)
 
     def hold(self, seq: Sequence, cache_id: str) -> None:
         """Keep a resident chunk (compiled for the waiting ``seq``) in the pool until it is admitted."""
@@ -139,13 +127,14 @@ class KVManager:
 
     def free(self, seq: Sequence) -> None:
         """Drop every block reference the sequence owns (idempotent)."""
-        if seq.blocks.kv is not None:
-            seq.blocks.kv.release()
-            seq.blocks.kv = None
-        self._unreserve(seq.blocks)
+        self._release(seq.blocks)
         self.drop_holds(seq)
 
-    def _unreserve(self, blocks: SeqBlocks) -> None:
+    def _release(self, blocks: SeqBlocks) -> None:
+        """Free its table's blocks and those set aside for a probe's copies (its holds stay)."""
+        if blocks.kv is not None:
+            blocks.kv.release()
+            blocks.kv = None
         reserved, blocks.reserved = blocks.reserved, []
         self.pool.free(reserved)
 
@@ -155,8 +144,6 @@ class KVManager:
         held, seq.blocks.held = seq.blocks.held, {}
         self.pool.free(b for blocks in held.values() for b in blocks)
         return bool(held)
-
-    # -- chunk prefills ------------------------------------------------------------------------------------
 
     def can_start(self, prefill: ChunkPrefill) -> bool:
         """Whether the pool has the blocks of a chunk prefill."""

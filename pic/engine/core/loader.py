@@ -1,10 +1,10 @@
 """``Loader``: the engine's store I/O (CPU, disk and Redis tiers) on threads of its own.
 
-The engine thread never waits on a lower tier: it hands each load or write to the loader and goes on
-stepping the other requests; the loader wakes it when one is done (LMCache's asynchronous loading, with
-the engine's own thread as vLLM's busy loop). A Redis that hangs costs its timeout to the requests and
-compiles that needed it, not to the others. Results come back as ``concurrent.futures.Future`` objects,
-read by the engine thread once done (``Future.done``), so no lock guards engine state.
+The engine thread never waits on a lower tier: it hands each load or write to the loader and goes on stepping the
+other requests; the loader wakes it when one is done (LMCache's asynchronous loading, with the engine's own thread
+as vLLM's busy loop). A Redis that hangs costs its timeout to the requests and compiles that needed it, not to the
+others. Results come back as ``concurrent.futures.Future`` objects, read by the engine thread once done, so no lock
+guards engine state.
 """
 
 from __future__ import annotations
@@ -19,21 +19,16 @@ from pic.store.tier import LowerTier
 
 log = logging.getLogger(__name__)
 
-# Threads loading at once: enough that one request stuck on a hung Redis does not hold up loads from the
-# CPU tier, few enough that a flood of requests does not open a connection each. Writes go through one
-# thread, in the order the chunks were compiled, as they did from the engine thread: concurrent large
-# writes would hold several parts in Redis's input buffers at once (a server near its maxmemory refuses
-# them) and would store chunks out of order (its LRU keeps the newest).
+# Threads loading at once: enough that one request stuck on a hung Redis does not hold up loads from the CPU tier,
+# few enough that a flood of requests does not open a connection each. Writes go through one thread, in the order
+# the chunks were compiled: concurrent large writes would hold several parts in Redis's input buffers at once (a
+# server near its maxmemory refuses them) and would store chunks out of order (its LRU keeps the newest).
 _NUM_LOAD_THREADS = 4
 
 
 class Loader:
-    """Runs ``TieredStore``'s lower-tier operations on a thread pool.
-
-    Args:
-        store: the engine's store (its lower tiers are thread-safe).
-        wake: called (from a loader thread) after each operation, so the engine thread runs again.
-    """
+    """Runs ``TieredStore``'s lower-tier operations on thread pools; ``wake`` is called (from a loader thread)
+    after each, so the engine thread runs again."""
 
     def __init__(self, store: TieredStore, *, wake: Callable[[], None]) -> None:
         self.store, self._wake = store, wake
@@ -49,27 +44,25 @@ class Loader:
         return self._submit(self._loads, self.store.load, cache_id)
 
     def missing(self, cache_id: str) -> Future[list[LowerTier]]:
-        """The lower tiers that do not hold the chunk (``TieredStore.missing``): a compile's question, asked on
-        the writer thread, in order with the compile's writes, on one connection as the engine thread did."""
+        """The lower tiers that lack the chunk: a compile call's question, on the writer thread (in order with its
+        writes)."""
         return self._submit(self._writes, self.store.missing, cache_id)
 
     def write(
         self, chunk: ChunkKV, *, keep: Collection[str] = (), tiers: Collection[LowerTier] | None = None
     ) -> Future[list[str]]:
-        """Write ``chunk`` down to the lower tiers (of ``tiers``; default: all: ``TieredStore.write_lower``); the
-        names of those that took it."""
+        """A compile call's write of ``chunk`` to the lower tiers (of ``tiers``; default: all); the names of those
+        that took it."""
         return self._submit(self._writes, lambda c: self.store.write_lower(c, keep=keep, tiers=tiers), chunk)
 
     def recheck(self, chunk: ChunkKV) -> None:
-        """Write a resident chunk back to the shared tiers that lost it (fire and forget; a failure is logged
-        and pauses the checks)."""
-
+        """Write a resident chunk back to the shared tiers that lost it (fire and forget; a failure is logged and
+        pauses the checks)."""
         self._write_missing(chunk, self.store.shared_tiers, on_failure=self.store.recheck_failed)
 
     def write_back(self, chunk: ChunkKV) -> None:
-        """Write a chunk to the lower tiers that lack it, fire and forget (a chunk compiled again for a request,
-        whose copy no tier held or was damaged; a chunk a tier failed to take, retried: ``EngineCore.retry_writes``):
-        a failure is logged, never a request's."""
+        """Write a chunk to the lower tiers that lack it, fire and forget (a chunk compiled again for a request; a
+        chunk a tier failed to take, retried: ``EngineCore.retry_writes``): a failure is logged, never a request's."""
 
         def failed(cache_id: str, exc: Exception) -> None:
             log.warning("pic: could not write chunk %s to the lower tiers that lack it: %s", cache_id, exc)
@@ -80,9 +73,6 @@ class Loader:
     def _write_missing(
         self, chunk: ChunkKV, tiers: Collection[LowerTier] | None, *, on_failure: Callable[[str, Exception], None]
     ) -> None:
-        """Write ``chunk`` to those of ``tiers`` (default: all lower tiers) that lack it, on the writer thread, and
-        nobody waits: a failure (``StoreUnavailableError``) goes to ``on_failure``."""
-
         def run(c: ChunkKV) -> None:
             try:
                 self.store.write_lower(c, tiers=tiers, missing_only=True)
@@ -92,8 +82,8 @@ class Loader:
         self._submit(self._writes, run, chunk)
 
     def settled(self) -> Future[None]:
-        """Done once every write, check and write-back submitted before it has run (the writer thread runs them
-        in order): what a caller waits on to see the lower tiers after the engine's fire-and-forget writes."""
+        """Done once every write, check and write-back submitted before it has run (the writer thread runs them in
+        order): what a caller waits on to see the lower tiers after the engine's fire-and-forget writes."""
         return self._submit(self._writes, lambda _: None, None)
 
     def _submit(self, threads: ThreadPoolExecutor | None, fn: Callable, arg: object) -> Future:

@@ -4,9 +4,8 @@
 Each step, running sequences go first: each gets the slot of its next token, in admission order; when the pool
 has no block for one, the most recently admitted running sequence is preempted (its blocks freed, its chunks
 held, requeued at the front for a fresh pass over its prompt and the tokens it generated), or, when it runs alone,
-the holds of waiting sequences are let go, then a resuming link is preempted. The budget left goes to
-prefill work (``Admission``: recompute passes, a probe's second pass, chunk prefills). Every status change is one
-``Queues.move`` (checked against the state machine's table). A sequence whose work raises fails through ``fail``,
+the holds of waiting sequences are let go, then a resuming link is preempted. The budget left goes to prefill work
+(``Admission``). Every status change is one ``Queues.move``. A sequence whose work raises fails through ``fail``,
 the one way a sequence fails: its status, queue and blocks go together, its last output is put, and nothing more
 is done for it; the step and the other requests go on.
 """
@@ -14,6 +13,7 @@ is done for it; the step and the other requests go on.
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future
 
 import torch
 
@@ -22,15 +22,12 @@ from pic.engine.core.admission import Admission
 from pic.engine.core.batch import ForwardOutput, PassPiece, ScheduledBatch, StepOutput
 from pic.engine.core.chunk_sources import ChunkSources
 from pic.engine.core.compile_calls import CompileCalls
-from pic.engine.core.decoding import Decoder, Sampled, finish_output, link_output, token_output
+from pic.engine.core.decoding import Decoder, Sampled, finish_output, link_output
 from pic.engine.core.kv_manager import KVManager
-from pic.engine.core.queues import Queues
-from pic.engine.core.sequence import Sequence
-from pic.engine.core.status import Status, Transition
+from pic.engine.core.sequence import Queues, Sequence, Status, Transition
 from pic.engine.generation import FinishReason
-from pic.engine.request import OutputSink, RequestOutput
-from pic.engine.sampling import SamplingParams
-from pic.errors import PicError
+from pic.engine.request import RequestOutput
+from pic.errors import PicError, SequenceStateError
 from pic.link.linker import Linker
 
 log = logging.getLogger("pic")
@@ -38,13 +35,6 @@ Row = tuple[Sequence, torch.Tensor]  # a sequence and the final hidden state ``[
 
 
 class Scheduler:
-    """Args:
-    kv, linker, sources, compiles: the blocks, the link plans, the chunks, the compile calls.
-    decoder: samples each step's tokens.
-    device: the model's (a link returns once its pass ran there).
-    config: ``max_num_seqs``, ``max_num_batched_tokens``, ``prefill_order``, ``compile_share``.
-    """
-
     def __init__(
         self,
         kv: KVManager,
@@ -63,41 +53,25 @@ class Scheduler:
         self._outputs: list[RequestOutput] = []  # the outputs put since the last update (what ``step`` returns)
         self.admission = Admission(
             self.queues, kv, linker, sources, fail=self.fail, max_num_seqs=config.max_num_seqs,
-            prefill_order=config.prefill_order, compile_share=config.compile_share,
-            frees_soon=lambda: compiles.num_writing > 0,
+            prefill_order=config.prefill_order, compile_share=config.compile_share, frees_soon=self._frees_soon,
         )  # fmt: skip
 
-    # -- requests --------------------------------------------------------------------------------------------
-
-    def add(self, seq: Sequence) -> None:
-        """Queue a new sequence for its recompute pass."""
-        self.queues.add(seq)
-
-    def resume(self, request_id: int, params: SamplingParams, *, sink: OutputSink, link_s: float) -> bool:
-        """Start generating from a parked sequence, its outputs going to ``sink`` from now on; whether it was."""
-        seq = self.queues.requests.get(request_id)
-        if seq is None or seq.status is not Status.PARKED:
-            return False
-        self.queues.move(seq, Transition.RESUME)
-        seq.generate(params, self.decoder.start(params), sink=sink, link_s=link_s)
-        return True
-
-    def abort(self, request_id: int) -> None:
-        """Stop a sequence and free its blocks; unknown or finished ids are ignored (a release after the end)."""
-        seq = self.queues.requests.get(request_id)
-        if seq is not None:
-            self.finish(seq, FinishReason.ABORT)
-
-    def fail_all(self, error: Exception) -> None:
-        for seq in list(self.queues.requests.values()):
-            self.fail(seq, error, quiet=True)
-
     def has_work(self, *, paced: bool = True) -> bool:
-        """Whether a step would do something now; ``paced=False``: not counting sequences that run only in
-        steps their client asks for. Sequences waiting on the loader do not count until it answers."""
+        """Whether a step would do something now (``paced=False``: not counting sequences that run only in steps
+        their client asks for): a sequence past waiting, a waiting one whose chunks are at hand or a load for it
+        answered, a chunk prefill that can run (or, blocked with no store I/O to wait for, must fail), an answer
+        for a compile call."""
         queues = self.queues
         seqs = [s for s in (*queues.waiting, *queues.prefilling, *queues.running) if paced or not s.request.paced]
-        return self.admission.has_work(seqs) or self.compiles.has_news
+        if any(s.status is not Status.WAITING or _fetched(s) for s in seqs):
+            return True
+        prefills = self.sources.prefills.values()
+        if any(p.is_started or not self._frees_soon() or self.kv.can_start(p) for p in prefills):
+            return True
+        return bool(self.compiles.open) and self.compiles.has_news  # (a link alone has no compile call to ask)
+
+    def _frees_soon(self) -> bool:
+        return self.compiles.num_writing > 0
 
     # -- schedule -------------------------------------------------------------------------------------------
 
@@ -105,15 +79,6 @@ class Scheduler:
         """This step's work: a decode for every running sequence (preempting when the pool is full), then, unless
         one was preempted, prefill work under the budget the decodes leave."""
         batch, self._outputs = ScheduledBatch(), []
-        preempted = self._schedule_running(batch)
-        self.admission.prefetch()
-        if not preempted:
-            self.admission.schedule(batch, budget=self.max_num_batched_tokens - len(batch.decodes))
-        return batch
-
-    def _schedule_running(self, batch: ScheduledBatch) -> bool:
-        """Reserve each running sequence's next slot, preempting the latest admitted when the pool is full; whether
-        one was preempted."""
         todo, preempted = list(self.queues.running), False
         while todo:
             seq = todo.pop(0)
@@ -121,12 +86,16 @@ class Scheduler:
                 preempted = self._schedule_decode(seq, todo, batch) or preempted
             except Exception as exc:
                 self.fail(seq, exc)
-        return preempted
+        self.admission.prefetch()
+        if not preempted:
+            self.admission.schedule(batch, budget=self.max_num_batched_tokens - len(batch.decodes))
+        return batch
 
     def _schedule_decode(self, seq: Sequence, todo: list[Sequence], batch: ScheduledBatch) -> bool:
         """Reserve ``seq``'s next slot, preempting others (``todo``: the running ones not yet scheduled) or itself
         when the pool has no block for it; whether one was preempted."""
-        seq.expect(Status.RUNNING)
+        if seq.status is not Status.RUNNING:  # (a queue holds it where it cannot be)
+            raise SequenceStateError(f"request {seq.request_id} is {seq.status.value} where only running can be")
         preempted = False
         while not self.kv.can_append(seq):
             if todo:  # preempt the most recently admitted sequence not yet scheduled, and look again
@@ -179,9 +148,7 @@ class Scheduler:
             for seq in batch.sequences():
                 self.fail(seq, output.error)
             batch.failed_prefills += [(prefill, output.error) for prefill, _ in batch.pieces]
-            ran = StepOutput()
-        else:
-            ran = batch.outputs(output.hidden)
+        ran = batch.outputs(output.hidden) if output.error is None else StepOutput()
         rows = [(seq, seq.query_hidden[-1]) for seq in batch.resumed if seq.status is Status.RUNNING]
         parked: list[Sequence] = []
         for piece, hidden in ran.passes:
@@ -193,7 +160,10 @@ class Scheduler:
         for prefill, error in batch.failed_prefills:
             for seq in self.compiles.prefill_failed(prefill, error):
                 self.fail(seq, error)
-        self._put_links(parked)
+        if parked and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # link returns with the pass done (its time is honest)
+        for seq in parked:
+            seq.sink.put(link_output(seq))
         rows += [(seq, hidden[-1]) for seq, hidden in ran.decodes if seq.status is Status.RUNNING]
         self._sampled(self.decoder.sample(rows))
         self._store_answers()
@@ -201,9 +171,10 @@ class Scheduler:
         return outputs
 
     def _store_answers(self) -> None:
-        """The loader's answers: compile calls' checks and writes, and the chunks loaded for waiting sequences (a
-        sequence whose load failed fails)."""
-        self.compiles.poll()
+        """The loader's answers: compile calls' checks and writes (a link alone has no call open), and the chunks
+        loaded for waiting sequences (a sequence whose load failed fails)."""
+        if self.compiles.open:
+            self.compiles.poll()
         for seq in self.queues.of(Status.WAITING):
             try:
                 self.sources.loaded(seq)
@@ -238,21 +209,15 @@ class Scheduler:
                 self.kv.hold(seq, cache_id)
                 self.sources.compiled(seq, cache_id)
 
-    def _put_links(self, parked: list[Sequence]) -> None:
-        if parked and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # link returns with the pass done (its time is honest)
-        for seq in parked:
-            seq.sink.put(link_output(seq))
-
     def _sampled(self, sampled: list[Sampled]) -> None:
         """Each sampled token put out, or its sequence finished."""
         for one in sampled:
-            if one.finish is None:
-                out = token_output(one.seq, one.text, one.token)
-                self._outputs.append(out)
-                one.seq.sink.put(out)
-            else:
+            if one.finish is not None:
                 self.finish(one.seq, one.finish, text=one.text, token=one.token)
+                continue
+            out = RequestOutput(request_id=one.seq.request_id, text=one.text, token_ids=(one.token,), finished=False)
+            self._outputs.append(out)
+            one.seq.sink.put(out)
 
     def fail(self, seq: Sequence, why: Exception | FinishReason, *, quiet: bool = False) -> None:
         """The one way a sequence fails: ``why`` is its error, or ``FinishReason.KV_POOL`` (no block for it while
@@ -274,8 +239,12 @@ class Scheduler:
         self.queues.move(seq, Transition.FINISH)
         self.kv.free(seq)
         seq.end(why)
-        if not isinstance(why, Exception):
-            text += self.decoder.flush(seq)
         out = finish_output(seq, text=text, token=token)
         self._outputs.append(out)
         seq.sink.put(out)
+
+
+def _fetched(seq: Sequence) -> bool:
+    """Whether a waiting sequence's chunks are at hand, or a load for it has answered."""
+    pending = seq.fetch.pending
+    return not pending or any(f.done() for f in pending.values() if isinstance(f, Future))
