@@ -70,16 +70,12 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.chunks: dict[str, ResidentChunk] = {}  # cache id -> resident chunk
         self._peak_used = 0
-        self._num_evicted = 0
+        self.num_evicted_chunks = 0  # chunks evicted to make room
 
     @property
     def num_available_blocks(self) -> int:
         """Empty and evictable chunk blocks (the free queue)."""
         return len(self.free_queue)
-
-    @property
-    def num_evicted_chunks(self) -> int:
-        return self._num_evicted
 
     def is_resident(self, key: str) -> bool:
         return key in self.chunks
@@ -220,7 +216,7 @@ class BlockPool:
         del self.chunks[chunk.key]
         for block in chunk.blocks:
             block.chunk = None
-        self._num_evicted += 1
+        self.num_evicted_chunks += 1
 
     def _note_used(self) -> None:
         self._peak_used = max(self._peak_used, self.num_blocks - len(self.free_queue))
@@ -242,6 +238,6 @@ class BlockPool:
             num_private_blocks=self.num_blocks - len(self.free_queue) - num_held_chunk,
             num_shared_block_refs=sum(c.num_refs for c in chunks),
             num_resident_chunks=len(self.chunks),
-            num_evicted_chunks=self._num_evicted,
+            num_evicted_chunks=self.num_evicted_chunks,
             peak_used_blocks=self._peak_used,
         )

@@ -8,11 +8,8 @@ private block with the canonical block's KV copied in, then the recompute pass o
 recomputed tokens' slots. Prefix and query blocks are private (nothing is cached for them), and
 so are decode blocks, appended later.
 
-Admission comes first: the private blocks plus the blocks of chunks promoted from a lower tier must
-fit in the free and evictable blocks, not counting the request's own resident chunks (which it is
-about to hold); otherwise ``KVPoolExhaustedError`` and nothing is taken. Here the plan is counted and the
-table laid out (pure functions); the pool work is the KV manager's (``KVManager.allocate``), the pool's one
-owner.
+Here the plan is counted and the table laid out (pure functions); the pool work, admission first, is the KV
+manager's (``KVManager.allocate``), the pool's one owner.
 """
 
 from __future__ import annotations

@@ -55,15 +55,11 @@ def parse_order(value: object) -> Order:
     Raises:
         InvalidInputError: anything else, naming the value and the orders there are.
     """
-    if isinstance(value, Order):
-        return value
-    if isinstance(value, str):
-        try:
-            return Order(value)
-        except ValueError:
-            pass
-    names = ", ".join(repr(o.value) for o in Order)
-    raise InvalidInputError(f"order is {value!r:.80}; expected one of {names}")
+    try:
+        return Order(value)
+    except (ValueError, TypeError):
+        names = ", ".join(repr(o.value) for o in Order)
+        raise InvalidInputError(f"order is {value!r:.80}; expected one of {names}") from None
 
 
 @dataclass(frozen=True)

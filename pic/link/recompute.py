@@ -3,6 +3,7 @@ fresh through every layer, over its assembled KV (chunk blocks mapped, or copied
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -35,25 +36,16 @@ class PassResult:
 
     def after(self, second: PassResult) -> PassResult:
         """This probe pass's result followed by the ``second`` pass's."""
-        return PassResult(
-            recomputed=self.recomputed | second.recomputed,
-            recomputed_by_layer=tuple(
-                a + b for a, b in zip(self.recomputed_by_layer, second.recomputed_by_layer, strict=True)
-            ),
-            probe=self.probe,
-            num_probe_tokens=self.num_probe_tokens,
-        )
+        by_layer = zip(self.recomputed_by_layer, second.recomputed_by_layer, strict=True)
+        recomputed = self.recomputed | second.recomputed
+        return dataclasses.replace(self, recomputed=recomputed, recomputed_by_layer=tuple(a + b for a, b in by_layer))
 
 
 class RecomputePass:
     """Builds a request's part of a batched forward, and tells what it ran once the forward is done.
 
     Args:
-        assembly: the request's KV (``KVManager.allocate``).
-        layout: its linked prompt.
-        selected: ``[T]`` bool (CPU), ``policy.recompute_mask(layout)``.
-        policy: a dynamic policy drops tokens after each layer (``keep_mask``).
-        num_layers: layers of the model.
+        selected: ``[T]`` bool (CPU), the tokens it runs (a dynamic policy drops some after each layer).
         num_output_rows: the last tokens of the prompt whose final hidden states the forward returns
             (1 to sample the next token; the query's length for ``Linked.logits``).
         probe: this pass is a query-aware policy's probe: it records the query's attention at every layer
