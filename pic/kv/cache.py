@@ -166,14 +166,9 @@ class RequestKV:
 
 @dataclass(frozen=True)
 class ChunkInfo:
-    """A compiled chunk without its KV: what the KV pool keeps beside a resident chunk's blocks.
-
-    Attributes:
-        cache_id: content address (model fingerprint, token ids, compile options).
-        token_ids: ``[L]`` int64 on CPU, the tokens the chunk contributes to a linked prompt (its own BOS
-            included when compiled with one; LegoLink-0's dropped extra BOS tokens not).
-        options: the compile options it was prefilled with.
-    """
+    """A compiled chunk without its KV (what the KV pool keeps beside a resident chunk's blocks): its content
+    address ``cache_id`` (model fingerprint, token ids, compile options), and ``token_ids``, ``[L]`` int64 on CPU,
+    the tokens it contributes to a linked prompt (its BOS when compiled with one; not LegoLink-0's extra BOS)."""
 
     cache_id: str
     token_ids: torch.Tensor

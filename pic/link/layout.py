@@ -138,8 +138,5 @@ def lay_out(
 def _parallel_positions(segments: list[Segment]) -> torch.Tensor:
     start = sum(seg.num_tokens for seg in segments if seg.kind is SegmentKind.PREFIX)
     longest = max((seg.num_tokens for seg in segments if seg.kind is SegmentKind.CHUNK), default=0)
-    parts = []
-    for seg in segments:
-        first = {SegmentKind.PREFIX: 0, SegmentKind.CHUNK: start, SegmentKind.QUERY: start + longest}[seg.kind]
-        parts.append(torch.arange(first, first + seg.num_tokens))
-    return torch.cat(parts)
+    first = {SegmentKind.PREFIX: 0, SegmentKind.CHUNK: start, SegmentKind.QUERY: start + longest}
+    return torch.cat([torch.arange(first[seg.kind], first[seg.kind] + seg.num_tokens) for seg in segments])

@@ -111,21 +111,7 @@ class Linker:
             ContextLengthError, PolicyError: the request cannot run (nothing was taken).
         """
         if link.laid_out is None or link.laid_out[0] is not chunks or link.laid_out[1] != len(query):
-            first = link.chunk_order is None
-            if first:
-                self._fix_order(link, chunks, query, relevance)
-            order = link.chunk_order
-            link.layout = lay_out(
-                prefix=prefix, chunks=order.apply(chunks), query=query, block_size=self.block_size,
-                parallel=link.policy.parallel_positions, num_generated=num_generated,
-                relevance=None if relevance is None else order.apply(relevance),
-                lexical=None if link.lexical is None else order.apply(link.lexical),
-            )  # fmt: skip
-            if first:
-                self._specialise(link)
-            link.laid_out = (chunks, len(query))
-            self._check_context(link.layout)
-            link.selected = self._selection(link)
+            self._lay_out(link, prefix, chunks, query, num_generated, relevance)
         dirty = link.selected if self._share and not link.policy.is_dynamic else torch.ones_like(link.selected)
         assembly = plan_assembly(link.layout, link.chunk_order.apply(chunks), dirty, is_resident=self.is_resident)
         reserved = len(assembly.shared) if link.probes else 0
@@ -177,21 +163,41 @@ class Linker:
         """A preempted request's pass is gone with its blocks (it is planned again at its next admission)."""
         link.pass_ = None
 
-    @staticmethod
-    def _fix_order(
-        link: LinkState, chunks: Sequence[ChunkInfo | ChunkKV], query: list[int], relevance: Sequence[float] | None
+    def _lay_out(
+        self,
+        link: LinkState,
+        prefix: list[int],
+        chunks: Sequence[ChunkInfo | ChunkKV],
+        query: list[int],
+        num_generated: int,
+        relevance: Sequence[float] | None,
     ) -> None:
-        """The order the chunks run in (``link.order``, or the policy's): ranked once, the order and a policy that
-        ranks the chunks too (``regions``) read the same scores, the caller's or BM25 (``Layout.lexical``)."""
-        order = link.policy.order if link.order is Order.POLICY else link.order
-        tokens = [c.token_ids.tolist() for c in chunks]
-        if order is Order.RELEVANCE and relevance is None:
-            link.lexical = tuple(bm25(query, tokens))
-        link.chunk_order = chunk_order(order, query, tokens, relevance if relevance is not None else link.lexical)
+        """``plan``'s layout and the tokens its pass runs. The first plan fixes the chunks' order (``link.order``,
+        or the policy's), ranked once: the order and a policy that ranks the chunks too (``regions``) read the same
+        scores, the caller's or BM25 (``Layout.lexical``); then the policy chooses for the layout."""
+        first = link.chunk_order is None
+        if first:
+            order = link.policy.order if link.order is Order.POLICY else link.order
+            tokens = [c.token_ids.tolist() for c in chunks]
+            if order is Order.RELEVANCE and relevance is None:
+                link.lexical = tuple(bm25(query, tokens))
+            link.chunk_order = chunk_order(order, query, tokens, relevance if relevance is not None else link.lexical)
+        order = link.chunk_order
+        layout = link.layout = lay_out(
+            prefix=prefix, chunks=order.apply(chunks), query=query, block_size=self.block_size,
+            parallel=link.policy.parallel_positions, num_generated=num_generated,
+            relevance=None if relevance is None else order.apply(relevance),
+            lexical=None if link.lexical is None else order.apply(link.lexical),
+        )  # fmt: skip
+        if first:
+            self._specialise(link)
+        link.laid_out = (chunks, len(query))
+        if layout.num_tokens > self.spec.max_context:
+            raise linked_too_long(layout.num_tokens, self.spec.max_context, self.spec.architecture, layout.segments)
+        link.selected = self._selection(link)
 
     def _specialise(self, link: LinkState) -> None:
-        """Let the policy choose for the request's first layout (``Policy.for_layout``), once, before anything is
-        planned with it.
+        """The policy's choice for the first layout (``Policy.for_layout``), once, before anything is planned with it.
 
         Raises:
             PolicyError: a choice that lays chunks out otherwise, or that this model or backend cannot run.
@@ -206,12 +212,6 @@ class Linker:
                 f"policy {chosen.spec!r} runs on the torch attention backend only, not on "
                 f"{self._backend!r}; build the engine with PICConfig(attention_backend='torch')"
             )
-
-    def _check_context(self, layout: Layout) -> None:
-        """Raises: ContextLengthError: the layout is longer than the model's context."""
-        num_tokens, context = layout.num_tokens, self.spec.max_context
-        if num_tokens > context:
-            raise linked_too_long(num_tokens, context, self.spec.architecture, layout.segments)
 
     @staticmethod
     def _selection(link: LinkState) -> torch.Tensor:

@@ -64,12 +64,8 @@ def parse_order(value: object) -> Order:
 
 @dataclass(frozen=True)
 class ChunkOrder:
-    """The order a link ran its chunks in.
-
-    Attributes:
-        order: ``GIVEN`` or ``RELEVANCE`` (what ``POLICY`` resolved to).
-        indices: the caller's chunk indices in prompt order (``(0, 1, ..., n-1)`` when nothing moved).
-    """
+    """The order a link ran its chunks in: ``GIVEN`` or ``RELEVANCE`` (what ``POLICY`` resolved to), and the
+    caller's chunk indices in prompt order."""
 
     order: Order
     indices: tuple[int, ...]

@@ -115,10 +115,9 @@ class Policy(BaseModel, ABC):
     def probe_mask(self, probe: Probe) -> torch.Tensor:
         """``after_probe``, checked: ``[T]`` bool on CPU, its chunk tokens and every query token."""
         layout = probe.layout
-        chosen = self._checked(self.after_probe(probe), layout.num_tokens, "after_probe()").cpu()
-        query = torch.zeros_like(chosen)
-        query[layout.query.tokens] = True
-        return (chosen & layout.cached) | query
+        chosen = self._checked(self.after_probe(probe), layout.num_tokens, "after_probe()").cpu() & layout.cached
+        chosen[layout.query.tokens] = True
+        return chosen
 
     def keep_mask(self, step: LayerStep) -> torch.Tensor | None:
         """``after_layer``, checked, with the step's uncached tokens kept (on the step's device)."""
@@ -131,11 +130,9 @@ class Policy(BaseModel, ABC):
         """Raises: PolicyError: ``chosen`` is not a bool tensor of shape ``(num_tokens,)``."""
         if isinstance(chosen, torch.Tensor) and chosen.dtype == torch.bool and chosen.shape == (num_tokens,):
             return chosen
-        got = (
-            f"{chosen.dtype} tensor of shape {tuple(chosen.shape)}"
-            if isinstance(chosen, torch.Tensor)
-            else repr(chosen)
-        )
+        got = repr(chosen)
+        if isinstance(chosen, torch.Tensor):
+            got = f"{chosen.dtype} tensor of shape {tuple(chosen.shape)}"
         raise PolicyError(
             f"policy {self.spec!r}: {method} must return a bool tensor of shape ({num_tokens},), got {got}"
         )
