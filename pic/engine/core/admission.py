@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from pic.compile import ChunkPrefill
-from pic.config import PrefillOrder
+from pic.config import PICConfig, PrefillOrder
 from pic.engine.core.batch import PassPiece, ScheduledBatch
 from pic.engine.core.chunk_sources import ChunkSources
 from pic.engine.core.kv_manager import KVManager
@@ -37,13 +37,9 @@ def _arrival(work: Work) -> float:
 
 
 class Admission:
-    """Args:
-    queues, kv, linker, sources: the scheduler's (admission moves the sequences).
-    fail: ``Scheduler.fail``, the one way a sequence fails.
-    max_num_seqs, prefill_order, compile_share: ``PICConfig``'s.
-    frees_soon: whether store I/O under way will free blocks (a compile's hold on a chunk being written
-        through): work that does not fit waits for it rather than fail.
-    """
+    """The scheduler's part that admits prefill work (``fail``: ``Scheduler.fail``). ``frees_soon``: whether store I/O
+    under way will free blocks (a compile's hold on a chunk being written through): work that does not fit waits
+    for it rather than fail."""
 
     def __init__(
         self,
@@ -53,14 +49,11 @@ class Admission:
         sources: ChunkSources,
         *,
         fail: Callable[[Sequence, Exception | FinishReason], None],
-        max_num_seqs: int,
-        prefill_order: PrefillOrder,
-        compile_share: float,
         frees_soon: Callable[[], bool],
+        config: PICConfig,
     ) -> None:
-        self.queues, self.kv, self.linker, self.sources, self.frees_soon = queues, kv, linker, sources, frees_soon
-        self.fail = fail
-        self.max_num_seqs, self.prefill_order, self.compile_share = max_num_seqs, prefill_order, compile_share
+        self.queues, self.kv, self.linker, self.sources, self.fail = queues, kv, linker, sources, fail
+        self.frees_soon, self.config = frees_soon, config
 
     def prefetch(self) -> None:
         """Start fetching every waiting sequence's missing chunks, failing those that cannot run."""
@@ -78,13 +71,13 @@ class Admission:
         under_way = list(self.queues.prefilling)
         requests: list[Work] = self.queues.of(Status.WAITING)
         compiles = list(self.sources.prefills.values())
-        if self.prefill_order is PrefillOrder.ARRIVAL:
+        if self.config.prefill_order is PrefillOrder.ARRIVAL:
             budget = self._in_order(batch, under_way, budget=budget)
             self._in_order(batch, sorted([*requests, *compiles], key=_arrival), budget=budget)
             return
         requests += [p for p in compiles if p.is_interactive]  # (chunks a request waits for)
         compiles = [p for p in compiles if not p.is_interactive]
-        kept = int(budget * self.compile_share) if compiles else 0
+        kept = int(budget * self.config.compile_share) if compiles else 0
         left = self._in_order(batch, under_way, budget=budget - kept)
         left = self._in_order(batch, sorted(requests, key=_arrival), budget=left, compiles_wait=bool(compiles))
         # Beside a request's pass, compiles get their share only: the step (and the request's first token) is not
@@ -119,7 +112,7 @@ class Admission:
         return self.queues.num_active > 0 or batch.has_prefill_work
 
     def _full(self) -> bool:
-        return self.queues.num_active >= self.max_num_seqs
+        return self.queues.num_active >= self.config.max_num_seqs
 
     def _piece(self, prefill: ChunkPrefill, batch: ScheduledBatch, *, budget: int) -> bool:
         """Add the next piece of ``prefill`` (starting it when the pool has its blocks); whether it ran. One that
@@ -154,11 +147,7 @@ class Admission:
         for seq in self.queues.of(Status.RESUMING):
             if self._full():
                 return
-            try:
-                self.queues.move(seq, Transition.START)
-            except Exception as exc:
-                self.fail(seq, exc)
-                continue
+            self.queues.move(seq, Transition.START)
             batch.resumed.append(seq)
 
     def _new_pass(self, seq: Sequence, batch: ScheduledBatch, *, budget: int, busy: bool) -> int | None:

@@ -30,17 +30,10 @@ _STEP_TOKENS_CUDA, _STEP_TOKENS_CPU = 8192, 256
 
 @dataclass(frozen=True)
 class Started:
-    """A core running on its thread, as its callers see it.
-
-    Attributes:
-        channel: the way in (``pic.engine.commands``).
-        config: the engine's options, their ``None`` defaults resolved for this model and tokenizer.
-        tokenizer: the tokenizer, safe from any thread (``SharedTokenizer``).
-        spec, attention_backend: the runner's model shapes and attention backend (``"torch"`` or ``"triton"``).
-        store: the chunk store (its device tier is read on the core thread only: ``StoreView``).
-        fingerprint, bos_token_id, eos_token_ids: the model's identity in cache ids, its BOS, the tokens that end
-            a generation.
-    """
+    """A core running on its thread, as its callers see it: the way in (``channel``), the engine's options with their
+    ``None`` defaults resolved for this model, the tokenizer (safe from any thread), the runner's shapes and attention
+    backend, the chunk store (its device tier is read on the core thread only: ``StoreView``), the model's identity
+    in cache ids, its BOS and the tokens that end a generation."""
 
     channel: Channel
     config: PICConfig

@@ -24,29 +24,18 @@ from pic.store import TieredStore
 
 
 class CompileCall:
-    """A compile call's progress. ``reply`` gets its ``Stored`` answer, or the error that stopped it.
-
-    Attributes:
-        keep: its chunks' ids, which the lower tiers must not evict for it.
-        checks: cache id -> the loader's answer to "which lower tiers lack it?".
-        new: the ids no tier holds, to prefill (known once every check is answered).
-        prefilling: ids whose prefill is queued or under way.
-        writes: cache id -> the loader's write of it to the lower tiers.
-        held: cache id -> the blocks the call holds of it.
-        compiled: the ids it prefilled, in order.
-        lower: cache id -> names of the lower tiers known to hold it (found by the check, or written).
-    """
+    """A compile call's progress. ``reply`` gets its ``Stored`` answer, or the error that stopped it."""
 
     def __init__(self, job: CompileJob, reply: Future) -> None:
         self.job, self.reply = job, reply
-        self.keep = list(job.tokens)
-        self.checks: dict[str, Future] = {}
-        self.new: list[str] = []
-        self.prefilling: set[str] = set()
-        self.writes: dict[str, Future] = {}
-        self.held: dict[str, list[int]] = {}
-        self.compiled: list[str] = []
-        self.lower: defaultdict[str, set[str]] = defaultdict(set)
+        self.keep = list(job.tokens)  # its chunks: the lower tiers must not evict them for it
+        self.checks: dict[str, Future] = {}  # cache id -> the loader's answer to "which lower tiers lack it?"
+        self.new: list[str] = []  # the ids no tier holds, to prefill (known once every check is answered)
+        self.prefilling: set[str] = set()  # ids whose prefill is queued or under way
+        self.writes: dict[str, Future] = {}  # cache id -> the loader's write of it to the lower tiers
+        self.held: dict[str, list[int]] = {}  # cache id -> the blocks the call holds of it
+        self.compiled: list[str] = []  # the ids it prefilled, in order
+        self.lower: defaultdict[str, set[str]] = defaultdict(set)  # cache id -> lower tiers known to hold it
         self.error: Exception | None = None
 
     @property

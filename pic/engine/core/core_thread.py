@@ -9,7 +9,6 @@ else touches the core, its pool or its device tier, so nothing needs a lock.
 from __future__ import annotations
 
 import contextlib
-import logging
 import queue
 import threading
 from collections.abc import Callable, Iterator
@@ -21,13 +20,12 @@ from pic.engine.core.core import EngineCore
 from pic.errors import EngineClosedError
 from pic.model.inputs import AttentionObserver
 
-log = logging.getLogger("pic")
 _T = TypeVar("_T")
 
 
 class CoreThread:
-    """The thread that owns a core, and the one way in: ``send`` a command, ``call`` one and wait for its
-    answer. Holds no reference to the ``Engine`` it serves, so dropping the engine can close it."""
+    """The thread that owns a core, and the one way in (``pic.engine.commands.Channel``). Holds no reference to the
+    ``Engine`` it serves, so dropping the engine can close it."""
 
     def __init__(self, core: EngineCore) -> None:
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
@@ -41,27 +39,20 @@ class CoreThread:
 
     @property
     def is_current(self) -> bool:
-        """Whether the calling thread is this one (a finalizer running inside a step, say)."""
         return threading.current_thread() is self._thread
 
     def send(self, command: Command) -> None:
-        """Queue ``command``.
-
-        Raises:
-            EngineClosedError: the engine was closed.
-        """
+        """Queue ``command`` (``EngineClosedError`` once the engine is closed)."""
         if self._closed:
             raise EngineClosedError("the engine was closed; build a new one")
         self._commands.put(command)
 
     def call(self, make: Callable[[Future], Command]) -> object:
-        """Send the command ``make(reply)`` and wait for its answer (re-raising its exception)."""
         reply: Future = Future()
         self.send(make(reply))
         return self.wait(reply)
 
     def ask(self, read: Callable[[EngineCore], _T]) -> _T:
-        """``read(core)``, run between two steps."""
         return self.call(lambda reply: Ask(read, reply))
 
     def wait(self, future: Future[_T]) -> _T:
@@ -69,7 +60,6 @@ class CoreThread:
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[EngineCore]:
-        """Stop the core between two steps and lend it to the caller until the block exits."""
         entered, resume = Future(), threading.Event()
         self.send(Pause(entered, resume))
         try:

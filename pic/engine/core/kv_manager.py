@@ -42,12 +42,9 @@ class KVManager:
         return self.pool.is_resident(cache_id)
 
     def allocate(self, seq: Sequence, plan: LinkPlan) -> Assembly:
-        """Take the blocks (shared chunk blocks mapped, dirty ones copied, and a probe's possible copies set
-        aside: ``SeqBlocks.reserved``); the sequence's holds become its table's references.
-
-        Raises:
-            KVPoolExhaustedError: ``can_allocate`` is false (the blocks needed and available; nothing is taken).
-        """
+        """Take the blocks (shared chunk blocks mapped, dirty ones copied, and a probe's possible copies set aside:
+        ``SeqBlocks.reserved``); the sequence's holds become its table's references. ``KVPoolExhaustedError`` when
+        ``can_allocate`` is false (the blocks needed and available; nothing is taken)."""
         needed, to_hold = self._needs(seq, plan)
         self.pool.check_available(needed, holding=to_hold, what=plan.assembly.describe())
         blocks = seq.blocks
@@ -152,11 +149,7 @@ class KVManager:
     def check_compile(self, job: CompileJob, new: list[str], *, bos_token_id: int | None) -> None:
         """Refuse, before any work, a compile call whose ``new`` chunks cannot fit in the pool beside the chunks in
         use (the call's resident ones are held already): one at a time (plus its lead blocks) when a lower tier can
-        take them, else all together.
-
-        Raises:
-            KVPoolExhaustedError: with the blocks needed and available.
-        """
+        take them, else all together (``KVPoolExhaustedError``, with the blocks needed and available)."""
         if not new:
             return
         num_lead, dropped, bs = len(lead_tokens(job.options, bos_token_id)), job.options.num_dropped, self._block_size
@@ -167,11 +160,7 @@ class KVManager:
         self.pool.check_available(num_needed, what=f"the {len(new)} new chunks of this compile call")
 
     def start(self, prefill: ChunkPrefill) -> None:
-        """Take a chunk prefill's blocks.
-
-        Raises:
-            KVPoolExhaustedError: the pool cannot hold them (the blocks needed and available; nothing is taken).
-        """
+        """Take a chunk prefill's blocks (``KVPoolExhaustedError``: the pool cannot hold them; nothing is taken)."""
         what = f"compiling chunk {prefill.cache_id} ({len(prefill.token_ids)} tokens)"
         self.pool.check_available(prefill.num_blocks(self._block_size), what=what)
         prefill.start(self.pool, self.cache)

@@ -52,9 +52,8 @@ class Scheduler:
         self._probed: list[Sequence] = []  # probes that ended in this step: their second passes run next
         self._outputs: list[RequestOutput] = []  # the outputs put since the last update (what ``step`` returns)
         self.admission = Admission(
-            self.queues, kv, linker, sources, fail=self.fail, max_num_seqs=config.max_num_seqs,
-            prefill_order=config.prefill_order, compile_share=config.compile_share, frees_soon=self._frees_soon,
-        )  # fmt: skip
+            self.queues, kv, linker, sources, fail=self.fail, frees_soon=self._frees_soon, config=config
+        )
 
     def has_work(self, *, paced: bool = True) -> bool:
         """Whether a step would do something now (``paced=False``: not counting sequences that run only in steps
