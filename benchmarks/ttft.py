@@ -238,6 +238,7 @@ def build(args: argparse.Namespace) -> tuple[torch.nn.Module, pic.PIC, list[list
         eos_token_ids=(),
         max_num_batched_tokens=budget,  # every decode request's link pass in one step: they decode together
         attention_backend=args.backend,
+        cuda_graphs=False,  # eager unless a variant turns them on (graphs_on): both are timed
     )
     engine = pic.PIC(model, _gpu.embedded_tokenizer(), config=config)
     return model, engine, docs, engine.compile(docs, progress=False)

@@ -88,8 +88,10 @@ def test_graphs_need_a_cuda_model_on_the_triton_backend():
         pic.load(config=pic.PICConfig(cuda_graphs=True))
     engine = make_target_engine("stories260K", dtype=torch.float32)  # the reference backend
     try:
-        with engine.paused() as core, pytest.raises(pic.PicError, match="attention_backend='triton'"):
-            core.runner.use_graphs(capture=False)
+        with engine.paused() as core:
+            assert core.runner.graphed is None  # the default (cuda_graphs=None) leaves a CPU model eager
+            with pytest.raises(pic.PicError, match="attention_backend='triton'"):
+                core.runner.use_graphs(capture=False)
     finally:
         engine.close()
 

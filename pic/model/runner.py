@@ -75,16 +75,22 @@ class ModelRunner:
         self._decode = products_for(decode_weights, self._layers, self._lm_head, model=self._float)
         self.graphed: GraphedForwards | None = None
 
-    def use_graphs(self, *, capture: bool) -> GraphedForwards:
-        """Serve the forwards of few rows through per-bucket graphs from now on (``pic.model.graphs``): captured
-        CUDA graphs (``capture``, a CUDA runner), or their eager body on the same buffers (the CPU's check)."""
+    def graphs_refused(self, *, capture: bool = True) -> str | None:
+        """Why this runner cannot serve forwards through graphs (``use_graphs``), or ``None`` if it can."""
         if capture and self.spec.device.type != "cuda":
-            raise InvalidInputError(f"CUDA graphs need a CUDA model; this one is on {self.spec.device}")
+            return f"CUDA graphs need a CUDA model; this one is on {self.spec.device}"
         if self.attention_backend.name != "triton":
-            raise InvalidInputError(
+            return (
                 f"graphs replay the Triton backend's launches; this engine attends with {self.attention_backend.name!r}"
                 " (attention_backend='triton')"
             )
+        return None
+
+    def use_graphs(self, *, capture: bool) -> GraphedForwards:
+        """Serve the forwards of few rows through per-bucket graphs from now on (``pic.model.graphs``): captured
+        CUDA graphs (``capture``, a CUDA runner), or their eager body on the same buffers (the CPU's check)."""
+        if (why := self.graphs_refused(capture=capture)) is not None:
+            raise InvalidInputError(why)
         self.graphed = GraphedForwards(self, capture=capture)
         return self.graphed
 
