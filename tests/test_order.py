@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import pic
-from pic.link.order import ChunkOrder, Order, bm25, by_relevance, parse_order
+from pic.link.order import ChunkOrder, Order, bm25, chunk_order, parse_order
 
 DOCS = ["Tom had a big red ball.", "Lily loved to sing songs.", "The cat sat on the warm mat."]
 QUERY = " Tom and the red ball"
@@ -91,7 +91,7 @@ def test_an_unknown_order_is_refused_naming_it(stories, bad):
 
 def test_parse_and_apply():
     assert parse_order("relevance") is Order.RELEVANCE and parse_order(Order.GIVEN) is Order.GIVEN
-    order = by_relevance([5, 6], [[1, 2], [5, 9], [6, 6, 5]])
+    order = chunk_order(Order.RELEVANCE, [5, 6], [[1, 2], [5, 9], [6, 6, 5]])
     assert order.indices == (0, 1, 2) or order.indices[-1] == 2
     assert ChunkOrder(Order.RELEVANCE, (2, 0, 1)).apply(["a", "b", "c"]) == ["c", "a", "b"]
     with pytest.raises(pic.InvalidInputError, match="2 items for an order of 3 chunks"):

@@ -104,8 +104,7 @@ class BlockPool:
             )
 
     def allocate(self, num_blocks: int) -> list[int]:
-        """Take ``num_blocks`` blocks (reference count 1 each), evicting least recently used
-        unreferenced chunks, whole, when no plain free block is left.
+        """Take ``num_blocks`` blocks, evicting least recently used chunks, whole, when no plain free block is left.
 
         Raises:
             KVPoolExhaustedError: fewer blocks are free or evictable; nothing is taken.

@@ -22,8 +22,7 @@ class Block:
     __slots__ = ("block_id", "ref_cnt", "chunk", "prev", "next")
 
     def __init__(self, block_id: int) -> None:
-        self.block_id = block_id
-        self.ref_cnt = 0
+        self.block_id, self.ref_cnt = block_id, 0
         self.chunk: ResidentChunk | None = None
         self.prev: Block | None = None
         self.next: Block | None = None
@@ -64,8 +63,7 @@ class FreeBlockQueue:
     chunk is evicted only when no plain free block is left. Every operation is O(1)."""
 
     def __init__(self, blocks: list[Block]) -> None:
-        self._head = Block(-1)  # sentinels: the list is never empty, so no operation special-cases an end
-        self._tail = Block(-1)
+        self._head, self._tail = Block(-1), Block(-1)  # sentinels: the list is never empty, no end is special
         self._head.next, self._tail.prev = self._tail, self._head
         self._len = 0
         for block in blocks:

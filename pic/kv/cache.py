@@ -82,17 +82,12 @@ class KVCache:
 
 
 class RequestKV:
-    """The blocks a request maps, in slot order, and what each slot holds.
-
-    Slots are numbered ``0 .. num_blocks * block_size - 1`` within the request; ``physical(slots)``
-    maps them to rows of the cache's flattened K/V. ``kv_positions[s]`` is the logical position of
-    the token in slot ``s``, or ``-1`` for padding and slots not yet written (masked in attention).
-
-    The request owns one reference to every block of its table (``block_ids``, taken for it) and, while it is
-    being linked, ``held`` references to the canonical blocks of its chunks, which a dynamic policy reads during
-    the recompute pass; ``release_held`` drops those after it. ``num_slots``: slots in use (written or padding);
-    decoding appends after them.
-    """
+    """The blocks a request maps, in slot order, and what each slot holds: ``kv_positions[s]``, the logical position
+    of the token in request slot ``s`` (-1: padding, or not yet written: masked in attention); ``physical(slots)``
+    maps slots to rows of the cache's flattened K/V. The request owns one reference to every block of its table
+    (``block_ids``) and, while it is being linked, ``held`` references to its chunks' canonical blocks, which a
+    dynamic policy reads in the recompute pass (``release_held`` drops them after it). ``num_slots``: slots in use
+    (written or padding); decoding appends after them."""
 
     def __init__(
         self, pool: BlockPool, cache: KVCache, block_ids: list[int], *, num_slots: int, held: Sequence[int] = ()

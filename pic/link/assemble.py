@@ -41,7 +41,7 @@ class AssemblyPlan:
 
     Attributes:
         chunks: what ``ChunkSources.resolve`` found for the layout's chunks.
-        chunk_blocks: request block -> (chunk segment index, block within the chunk), every chunk block.
+        chunk_blocks: request block -> (chunk segment index, block within the chunk), for every chunk block.
         shared: the chunk blocks mapped as they are (no recomputed token in them).
         to_promote: chunks to load from a lower tier into fresh canonical blocks.
         resident: resident chunks the request holds while it links, in prompt order.
@@ -116,12 +116,11 @@ def block_table(
 
 def _chunk_blocks(layout: Layout) -> dict[int, tuple[int, int]]:
     bs = layout.block_size
-    blocks = {}
-    for index, seg in enumerate(layout.chunks):
-        first = (seg.slot_start - seg.num_padding) // bs
-        for j in range((seg.num_padding + seg.num_tokens) // bs):
-            blocks[first + j] = (index, j)
-    return blocks
+    return {
+        (seg.slot_start - seg.num_padding) // bs + j: (index, j)
+        for index, seg in enumerate(layout.chunks)
+        for j in range((seg.num_padding + seg.num_tokens) // bs)
+    }
 
 
 def source_rows(layout: Layout, canonical: list[list[int]], cache: KVCache) -> torch.Tensor:

@@ -31,11 +31,10 @@ class LinkState:
     """One request's link (written by ``Linker`` only).
 
     Attributes:
-        policy: the policy asked for, then (from the first plan on) the one it chose for the layout
-            (``Policy.for_layout``).
-        order: the chunk order asked for (``Order.POLICY``: the policy's, ``Policy.order``).
+        policy: the policy asked for, then (from the first plan on) its choice for the layout (``for_layout``).
+        order: the chunk order asked for (``Order.POLICY``: ``Policy.order``).
         chunk_order: the order the chunks run in, fixed at the first plan (a preempted request keeps it).
-        layout: the prompt (and the tokens generated before a preemption) laid out; ``None`` until planned.
+        layout: the prompt (and the tokens generated before a preemption) laid out.
         selected: ``[T]`` bool, the tokens the next pass runs.
         pass_: the recompute pass under way.
         probed_chunks: a query-aware policy's choice among the chunk tokens (``[n]`` bool over the tokens before
@@ -43,7 +42,7 @@ class LinkState:
         probe_result: the probe pass's result, until the second pass is done.
         first_pass: what the first complete pass ran (the request's statistics).
         laid_out: the chunk list (by identity) and query length ``layout`` was made for.
-        lexical: the chunks' BM25 against the query (caller's order), when the relevance order ranked them by it.
+        lexical: the chunks' BM25 (caller's order), when the relevance order ranked them by it.
     """
 
     policy: Policy
@@ -154,9 +153,7 @@ class Linker:
         result = link.pass_.result()
         if link.probe_result is not None:
             result, link.probe_result = link.probe_result.after(result), None
-        if link.first_pass is None:
-            link.first_pass = result
-        link.pass_ = None
+        link.first_pass, link.pass_ = link.first_pass or result, None
         return result
 
     def forget_pass(self, link: LinkState) -> None:

@@ -82,23 +82,17 @@ class ChunkOrder:
         return [items[i] for i in self.indices]
 
 
-def by_relevance(
-    query: Sequence[int], chunks: Sequence[Sequence[int]], relevance: Sequence[float] | None = None
-) -> ChunkOrder:
-    """The chunks least relevant first (a stable sort): by ``relevance`` (higher: more relevant), else by BM25."""
-    scores = list(relevance) if relevance is not None else bm25(list(query), [list(c) for c in chunks])
-    return ChunkOrder(Order.RELEVANCE, tuple(sorted(range(len(chunks)), key=lambda i: scores[i])))
-
-
 def chunk_order(
     order: Order, query: Sequence[int], chunks: Sequence[Sequence[int]], relevance: Sequence[float] | None = None
 ) -> ChunkOrder:
-    """The order ``order`` (``GIVEN`` or ``RELEVANCE``; ``POLICY`` is resolved by the linker first) gives."""
-    if order is Order.RELEVANCE:
-        return by_relevance(query, chunks, relevance)
+    """The order ``order`` gives (``POLICY`` is resolved by the linker first). ``RELEVANCE``: the chunks least
+    relevant first (a stable sort) by ``relevance`` (higher: more relevant), else by BM25 against ``query``."""
     if order is Order.GIVEN:
         return ChunkOrder(Order.GIVEN, tuple(range(len(chunks))))
-    raise InvalidInputError(f"order {order.value!r} must be resolved by the link's policy first")
+    if order is not Order.RELEVANCE:
+        raise InvalidInputError(f"order {order.value!r} must be resolved by the link's policy first")
+    scores = list(relevance) if relevance is not None else bm25(list(query), [list(c) for c in chunks])
+    return ChunkOrder(Order.RELEVANCE, tuple(sorted(range(len(chunks)), key=lambda i: scores[i])))
 
 
 def bm25(query: Sequence[int], units: Sequence[Sequence[int]], *, corpus: Sequence[Sequence[int]] | None = None):

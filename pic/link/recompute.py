@@ -124,13 +124,9 @@ class RecomputePass:
         rows = torch.arange(end - start - self.num_output_rows, end - start, device=device) if self.is_done else None
         token_ids, positions, slots = (t[start:end] for t in self._inputs)
         return SeqInput(
-            kv=req,
-            token_ids=token_ids,
-            positions=positions,
-            slots=slots,
-            output_rows=rows,
+            kv=req, token_ids=token_ids, positions=positions, slots=slots, output_rows=rows,
             after_layer=self._tracker or self._recorder,
-        )
+        )  # fmt: skip
 
     def result(self) -> PassResult:
         """After the forward: the tokens that ran (and, for a probe, what the query saw)."""
