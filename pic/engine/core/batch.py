@@ -67,10 +67,6 @@ class ScheduledBatch:
         decodes = list(zip(self.decodes, hidden[num_passes + num_pieces :], strict=True))
         return StepOutput(passes, [prefill for prefill, _ in self.pieces], decodes)
 
-    def sequences(self) -> list[Sequence]:
-        """The sequences whose work runs in the forward (passes and decodes)."""
-        return [p.seq for p in self.passes] + self.decodes
-
 
 @dataclass(frozen=True)
 class ForwardOutput:

@@ -31,16 +31,8 @@ _MAX_RECIPE_TOKENS = 1 << 22
 
 
 class ChunkSources:
-    """Resolves sequences' chunks, and queues the chunk prefills that ``compile`` and resolution need.
-
-    Args:
-        store: the chunk store (its device tier, on this thread).
-        loader: runs the lower tiers' I/O.
-        bos_token_id: the model's BOS token, prefilled before a chunk per its options.
-
-    Attributes:
-        prefills: cache id -> its prefill, in arrival order: the compile work the scheduler runs.
-    """
+    """Resolves sequences' chunks, and queues the chunk prefills that ``compile`` and resolution need
+    (``prefills``: cache id -> its prefill, in arrival order: the compile work the scheduler runs)."""
 
     def __init__(self, store: TieredStore, loader: Loader, *, bos_token_id: int | None) -> None:
         self.store, self.loader, self.bos_token_id = store, loader, bos_token_id
@@ -77,11 +69,11 @@ class ChunkSources:
     def remember_content(self, cache_id: str, content: list[int], options: CompileOptions) -> None:
         """Keep the tokens of a ``compile`` call's chunk that is not prefilled here (a lower tier holds it), so that
         a link whose load finds that copy damaged or gone compiles it again instead of failing."""
-        if cache_id in self._recipes:  # the common case (a server compiles inline documents on every request)
-            self._recipes.move_to_end(cache_id)
-            return
-        kept = (lead_tokens(options, self.bos_token_id) + content)[options.num_dropped :]  # as ChunkPrefill keeps
-        self.remember(ChunkInfo(cache_id=cache_id, token_ids=torch.tensor(kept, dtype=torch.long), options=options))
+        info = self._recipes.get(cache_id)  # (the common case: a server compiles inline documents on every request)
+        if info is None:
+            kept = (lead_tokens(options, self.bos_token_id) + content)[options.num_dropped :]  # as ChunkPrefill keeps
+            info = ChunkInfo(cache_id=cache_id, token_ids=torch.tensor(kept, dtype=torch.long), options=options)
+        self.remember(info)
 
     def forget(self, cache_id: str) -> None:
         """Forget a chunk's tokens (it was expired: linking its id again is an error)."""
@@ -152,7 +144,7 @@ class ChunkSources:
         info = self.store.resident(cid)
         if info is not None:
             if (copy := self.store.recheck_due(cid)) is not None:
-                self.loader.recheck(copy)
+                self.loader.write_back(copy, recheck=True)
             self.remember(info)
             return info
         if self.loader.has_lower_tiers and cid not in fetch.lost:

@@ -52,20 +52,6 @@ class CompileCall:
     def done(self) -> bool:
         return self.error is not None or not (self.checks or self.prefilling or self.writes)
 
-    def chunk_ready(self, cache_id: str, blocks: list[int]) -> None:
-        """Its prefill of ``cache_id`` is resident; the call holds ``blocks`` (one reference each)."""
-        self.prefilling.discard(cache_id)
-        self.held[cache_id] = blocks
-        self.compiled.append(cache_id)
-        self.job.on_chunk()
-
-    def written(self, cache_id: str, tiers: list[str], pool: BlockPool) -> None:
-        """A lower tier (``tiers``: those that hold it now) has ``cache_id``: the call's hold on it can go."""
-        del self.writes[cache_id]
-        self.lower[cache_id].update(tiers)
-        if tiers and cache_id in self.held:
-            pool.free(self.held.pop(cache_id))
-
     def fail(self, error: Exception) -> None:
         self.error = self.error or error
 
@@ -155,11 +141,15 @@ class CompileCalls:
                             call.fail(exc)
             for cid, write in list(call.writes.items()):
                 if write.done():
+                    del call.writes[cid]
                     try:
-                        call.written(cid, write.result(), self.pool)
+                        tiers = write.result()  # those that hold it now: the call's hold on it can go
                     except Exception as exc:  # StoreUnavailableError: on_redis_error="raise"
-                        call.writes.pop(cid, None)
                         call.fail(exc)
+                        continue
+                    call.lower[cid].update(tiers)
+                    if tiers and cid in call.held:
+                        self.pool.free(call.held.pop(cid))
         self._end_done()
 
     def _end_done(self) -> None:
@@ -214,7 +204,10 @@ class CompileCalls:
         elif not calls and self.loader.has_lower_tiers:
             self.loader.write_back(self.store.copy_for_lower(info.cache_id))
         for call in calls:
-            call.chunk_ready(info.cache_id, self.pool.hold(info.cache_id))
+            call.prefilling.discard(info.cache_id)
+            call.held[info.cache_id] = self.pool.hold(info.cache_id)
+            call.compiled.append(info.cache_id)
+            call.job.on_chunk()
             if write is not None and call.job.lower_tiers:
                 call.writes[info.cache_id] = write
         self.pool.free(blocks)  # (resident: the requests that waited for it hold it next, before any allocation)

@@ -1,22 +1,22 @@
 """Incremental detokenization with stop strings, for streaming a batched engine's generations.
 
-Re-decoding a whole generation after every token costs O(n) per token, O(n^2) per generation, and
-a batched engine pays that once per sequence per step. Decoding one token at a time is not right
-either: sentencepiece drops the leading space of the first token of a decode, and byte-fallback or
-byte-level tokenizers split one character over several tokens. So, as vLLM does, each step decodes
-a short window twice, ``tokens[prefix:read]`` and ``tokens[prefix:]``, and emits the difference:
-both decodes see the same first token, so its leading-space handling cancels out, and the offsets
-only advance once the window's text no longer ends in an incomplete character ("\ufffd").
+Re-decoding a whole generation after every token costs O(n) per token, O(n^2) per generation, and a batched engine
+pays that once per sequence per step. Decoding one token at a time is not right either: sentencepiece drops the
+leading space of the first token of a decode, and byte-fallback or byte-level tokenizers split one character over
+several tokens. So, as vLLM does, each step decodes a short window twice, ``tokens[prefix:read]`` and
+``tokens[prefix:]``, and emits the difference: both decodes see the same first token, so its leading-space handling
+cancels out, and the offsets only advance once the window's text no longer ends in an incomplete character
+("\ufffd").
 
-Known differences from ``tokenizer.decode(all_tokens, skip_special_tokens=True)``, all in text the
-full decode renders as U+FFFD anyway (invalid UTF-8 produced by the model):
+Known differences from ``tokenizer.decode(all_tokens, skip_special_tokens=True)``, all in text the full decode
+renders as U+FFFD anyway (invalid UTF-8 produced by the model):
 
-- Hugging Face's ``ByteFallback`` decoder replaces *every* byte of a run of byte tokens with U+FFFD
-  once the run is invalid, even the bytes of characters that were complete earlier in the run.
-  Those characters were already emitted here, and pieces are final, so they stay.
-- A window still ending in U+FFFD after ``_MAX_PENDING`` tokens is emitted as it is, which bounds
-  the work per token; if invalid bytes end in a character that the next tokens complete, the
-  U+FFFD already emitted for its first bytes stays.
+- Hugging Face's ``ByteFallback`` decoder replaces *every* byte of a run of byte tokens with U+FFFD once the run is
+  invalid, even the bytes of characters that were complete earlier in the run. Those characters were already
+  emitted here, and pieces are final, so they stay.
+- A window still ending in U+FFFD after ``_MAX_PENDING`` tokens is emitted as it is, which bounds the work per
+  token; if invalid bytes end in a character that the next tokens complete, the U+FFFD already emitted for its
+  first bytes stays.
 - A tokenizer with ``clean_up_tokenization_spaces=True`` may remove a space that was already emitted.
 """
 
@@ -24,20 +24,16 @@ from __future__ import annotations
 
 from typing import Any
 
-# A window still ending in U+FFFD after this many tokens holds invalid UTF-8, not a character in
-# progress (one takes at most 4 bytes; 6 leaves room for skipped special tokens): emit it rather
-# than let the window, and the work, grow.
+# A window still ending in U+FFFD after this many tokens holds invalid UTF-8, not a character in progress (one takes
+# at most 4 bytes; 6 leaves room for skipped special tokens): emit it rather than let the window, and the work, grow.
 _MAX_PENDING = 6
 
 
 class Detokenizer:
-    """Turns one generation's tokens into final text pieces, one token at a time.
-
-    Every piece returned by :meth:`add` and :meth:`flush` is final, so a caller can stream them.
-    Text is held back while it ends in an incomplete character or while its tail could still grow
-    into a stop string. The generation stops once its text holds a stop string, and the text is cut
-    right before the earliest occurrence (see :meth:`_find_stop`).
-    """
+    """Turns one generation's tokens into final text pieces, one token at a time: every piece :meth:`add` and
+    :meth:`flush` return is final, so a caller can stream them. Text is held back while it ends in an incomplete
+    character or while its tail could still grow into a stop string. The generation stops once its text holds a stop
+    string, and the text is cut right before the earliest occurrence (see :meth:`_find_stop`)."""
 
     def __init__(self, tokenizer: Any, *, stop: tuple[str, ...] = (), skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
@@ -103,11 +99,9 @@ class Detokenizer:
         return self._emit(len(self._held) - self._hold)
 
     def _find_stop(self, start: int) -> int | None:
-        """Where to cut: the earliest start among the stop strings complete when the first one completes.
-
-        Generation stops as soon as the text holds a stop string, so one that starts earlier but would
-        end later does not count: that keeps the cut independent of how the text splits into tokens.
-        """
+        """Where to cut: the earliest start among the stop strings complete when the first one completes. Generation
+        stops as soon as the text holds a stop string, so one that starts earlier but would end later does not
+        count: that keeps the cut independent of how the text splits into tokens."""
         found = [(i, i + len(s)) for s in self._stop if (i := self._held.find(s, start)) >= 0]
         first_end = min((end for _, end in found), default=None)
         return None if first_end is None else min(i for i, end in found if end <= first_end)

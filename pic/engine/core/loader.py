@@ -55,29 +55,21 @@ class Loader:
         that took it."""
         return self._submit(self._writes, lambda c: self.store.write_lower(c, keep=keep, tiers=tiers), chunk)
 
-    def recheck(self, chunk: ChunkKV) -> None:
-        """Write a resident chunk back to the shared tiers that lost it (fire and forget; a failure is logged and
-        pauses the checks)."""
-        self._write_missing(chunk, self.store.shared_tiers, on_failure=self.store.recheck_failed)
-
-    def write_back(self, chunk: ChunkKV) -> None:
+    def write_back(self, chunk: ChunkKV, *, recheck: bool = False) -> None:
         """Write a chunk to the lower tiers that lack it, fire and forget (a chunk compiled again for a request; a
-        chunk a tier failed to take, retried: ``EngineCore.retry_writes``): a failure is logged, never a request's."""
+        chunk a tier failed to take, retried: ``EngineCore.retry_writes``): a failure is logged, never a request's.
+        ``recheck``: a resident chunk, to the shared tiers that lost it (a failure pauses the checks)."""
+        tiers = self.store.shared_tiers if recheck else None
 
-        def failed(cache_id: str, exc: Exception) -> None:
-            log.warning("pic: could not write chunk %s to the lower tiers that lack it: %s", cache_id, exc)
-            self.store.backlog.errored(cache_id)  # a retry of the backlog's: due again later, not under way forever
-
-        self._write_missing(chunk, None, on_failure=failed)
-
-    def _write_missing(
-        self, chunk: ChunkKV, tiers: Collection[LowerTier] | None, *, on_failure: Callable[[str, Exception], None]
-    ) -> None:
         def run(c: ChunkKV) -> None:
             try:
                 self.store.write_lower(c, tiers=tiers, missing_only=True)
             except Exception as exc:
-                on_failure(c.cache_id, exc)
+                if recheck:
+                    self.store.recheck_failed(c.cache_id, exc)
+                    return
+                log.warning("pic: could not write chunk %s to the lower tiers that lack it: %s", c.cache_id, exc)
+                self.store.backlog.errored(c.cache_id)  # a retry of the backlog's: due again, not under way forever
 
         self._submit(self._writes, run, chunk)
 

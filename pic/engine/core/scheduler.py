@@ -50,6 +50,7 @@ class Scheduler:
         self.device, self.max_num_batched_tokens = device, config.max_num_batched_tokens
         self.queues = Queues()
         self._probed: list[Sequence] = []  # probes that ended in this step: their second passes run next
+        self._preempted = False  # one was preempted in this step: no new prefill work (it would take its blocks)
         self._outputs: list[RequestOutput] = []  # the outputs put since the last update (what ``step`` returns)
         self.admission = Admission(
             self.queues, kv, linker, sources, fail=self.fail, frees_soon=self._frees_soon, config=config
@@ -57,9 +58,7 @@ class Scheduler:
 
     def has_work(self, *, paced: bool = True) -> bool:
         """Whether a step would do something now (``paced=False``: not counting sequences that run only in steps
-        their client asks for): a sequence past waiting, a waiting one whose chunks are at hand or a load for it
-        answered, a chunk prefill that can run (or, blocked with no store I/O to wait for, must fail), an answer
-        for a compile call."""
+        their client asks for); a waiting sequence counts once its chunks are at hand or a load for it answered."""
         queues = self.queues
         seqs = [s for s in (*queues.waiting, *queues.prefilling, *queues.running) if paced or not s.request.paced]
         if any(s.status is not Status.WAITING or _fetched(s) for s in seqs):
@@ -77,40 +76,37 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         """This step's work: a decode for every running sequence (preempting when the pool is full), then, unless
         one was preempted, prefill work under the budget the decodes leave."""
-        batch, self._outputs = ScheduledBatch(), []
-        todo, preempted = list(self.queues.running), False
+        batch, self._outputs, self._preempted = ScheduledBatch(), [], False
+        todo = list(self.queues.running)
         while todo:
             seq = todo.pop(0)
             try:
-                preempted = self._schedule_decode(seq, todo, batch) or preempted
+                self._schedule_decode(seq, todo, batch)
             except Exception as exc:
                 self.fail(seq, exc)
         self.admission.prefetch()
-        if not preempted:
+        if not self._preempted:
             self.admission.schedule(batch, budget=self.max_num_batched_tokens - len(batch.decodes))
         return batch
 
-    def _schedule_decode(self, seq: Sequence, todo: list[Sequence], batch: ScheduledBatch) -> bool:
+    def _schedule_decode(self, seq: Sequence, todo: list[Sequence], batch: ScheduledBatch) -> None:
         """Reserve ``seq``'s next slot, preempting others (``todo``: the running ones not yet scheduled) or itself
-        when the pool has no block for it; whether one was preempted."""
+        when the pool has no block for it."""
         if seq.status is not Status.RUNNING:  # (a queue holds it where it cannot be)
             raise SequenceStateError(f"request {seq.request_id} is {seq.status.value} where only running can be")
-        preempted = False
         while not self.kv.can_append(seq):
             if todo:  # preempt the most recently admitted sequence not yet scheduled, and look again
-                preempted = self._preempt(todo.pop()) or preempted
+                self._preempt(todo.pop())
             elif self.admission.drop_holds(keep=None):  # (chunks kept for waiting ones let go)
                 continue
             elif resuming := self.queues.of(Status.RESUMING):
-                preempted = self._preempt(resuming[-1]) or preempted  # (its generation started)
+                self._preempt(resuming[-1])  # (its generation started)
             elif batch.decodes:  # the others run this step and will free blocks: wait for them
-                return self._preempt(seq) or preempted
+                return self._preempt(seq)
             else:  # alone: nothing will free a block
-                self.fail(seq, FinishReason.KV_POOL)
-                return preempted
+                return self.fail(seq, FinishReason.KV_POOL)
         self.kv.append(seq)
         batch.decodes.append(seq)
-        return preempted
 
     def second_passes(self) -> ScheduledBatch:
         """The second passes of the probes that ended in this step's forward, to run in the same step: a probe's
@@ -123,16 +119,16 @@ class Scheduler:
         self._probed = []
         return batch
 
-    def _preempt(self, seq: Sequence) -> bool:
-        """Free ``seq``'s blocks for the others (its chunks held); whether it was (else it failed)."""
+    def _preempt(self, seq: Sequence) -> None:
+        """Free ``seq``'s blocks for the others (its chunks held), or fail it."""
         try:
             self.queues.move(seq, Transition.PREEMPT)  # (checked before anything is freed)
             self.kv.preempt(seq)
             self.linker.forget_pass(seq.link)
         except Exception as exc:
             self.fail(seq, exc)
-            return False
-        return True
+            return
+        self._preempted = True
 
     # -- update ---------------------------------------------------------------------------------------------
 
@@ -144,7 +140,7 @@ class Scheduler:
         loaded, compile calls' checks and writes: as vLLM v1 takes a KV connector's finished loads). A failed
         forward fails its sequences and chunk prefills; returns this step's outputs."""
         if output.error is not None:
-            for seq in batch.sequences():
+            for seq in [p.seq for p in batch.passes] + batch.decodes:
                 self.fail(seq, output.error)
             batch.failed_prefills += [(prefill, output.error) for prefill, _ in batch.pieces]
         ran = batch.outputs(output.hidden) if output.error is None else StepOutput()
@@ -152,7 +148,7 @@ class Scheduler:
         parked: list[Sequence] = []
         for piece, hidden in ran.passes:
             if piece.ends and piece.seq.status is Status.PREFILLING:  # (else it goes on; or it failed in this step)
-                rows += self._pass_done(piece.seq, hidden, parked)
+                self._pass_done(piece.seq, hidden, rows, parked)
         for prefill in ran.pieces:
             if prefill.is_done:
                 self._hold_for(prefill.cache_id, self.compiles.chunk_done(prefill))
@@ -180,26 +176,26 @@ class Scheduler:
             except Exception as exc:
                 self.fail(seq, exc)
 
-    def _pass_done(self, seq: Sequence, hidden: torch.Tensor, parked: list[Sequence]) -> list[Row]:
+    def _pass_done(self, seq: Sequence, hidden: torch.Tensor, rows: list[Row], parked: list[Sequence]) -> None:
         """A pass ended: after a probe, the policy chooses (its second pass runs next); else a link parks with its
         query's hidden states (``Linked.logits``) and a generation decodes, its first token sampled from the pass's
-        last row. A policy's own error fails its request, not the batch."""
+        last row (into ``rows``). A policy's own error fails its request, not the batch."""
         try:
             if seq.link.pass_.is_probe:
                 self.kv.copy_written(seq, self.linker.probe_done(seq.link))
                 self._probed.append(seq)
-                return []
+                return
             self.linker.pass_done(seq.link)
             self.kv.pass_done(seq)
             self.queues.move(seq, Transition.PARK if seq.sampling is None else Transition.RUN)
         except Exception as exc:
             self.fail(seq, exc)
-            return []
+            return
         if seq.sampling is not None:
-            return [(seq, hidden[-1])]
-        seq.park(hidden)
-        parked.append(seq)
-        return []
+            rows.append((seq, hidden[-1]))
+        else:
+            seq.park(hidden)
+            parked.append(seq)
 
     def _hold_for(self, cache_id: str, waiters: list[Sequence]) -> None:
         """A chunk compiled for ``waiters`` is resident: each one still waiting holds it until admitted."""
