@@ -26,23 +26,15 @@ class PassPiece:
 
 @dataclass
 class ScheduledBatch:
-    """One step's work, in the order its forward runs it.
+    """One step's work, in the order its forward runs it. A probe's second pass runs in a batch of its own, right after
+    its probe's (``Scheduler.second_passes``); a resumed link's first token is sampled from the hidden state its pass
+    left (no forward)."""
 
-    Attributes:
-        passes: recompute passes (or pieces of them); a probe's second pass is one too, in a batch of its own run
-            right after its probe's (``Scheduler.second_passes``).
-        pieces: chunk prefills and their part of this step's forward.
-        decodes: running: their last token runs (``SeqBlocks.next_slot`` is reserved).
-        resumed: parked sequences whose generation starts: their first token is sampled from the hidden state
-            their pass left (no forward).
-        failed_prefills: chunk prefills that cannot run, with the error.
-    """
-
-    passes: list[PassPiece] = field(default_factory=list)
-    pieces: list[tuple[ChunkPrefill, SeqInput]] = field(default_factory=list)
-    decodes: list[Sequence] = field(default_factory=list)
-    resumed: list[Sequence] = field(default_factory=list)
-    failed_prefills: list[tuple[ChunkPrefill, Exception]] = field(default_factory=list)
+    passes: list[PassPiece] = field(default_factory=list)  # recompute passes, or pieces of them
+    pieces: list[tuple[ChunkPrefill, SeqInput]] = field(default_factory=list)  # chunk prefills' parts of the forward
+    decodes: list[Sequence] = field(default_factory=list)  # running: their last token (``SeqBlocks.next_slot``)
+    resumed: list[Sequence] = field(default_factory=list)  # parked sequences whose generation starts
+    failed_prefills: list[tuple[ChunkPrefill, Exception]] = field(default_factory=list)  # cannot run: the error
 
     @property
     def has_prefill_work(self) -> bool:

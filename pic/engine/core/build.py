@@ -114,6 +114,6 @@ def build_core(
         attention_backend=runner.attention_backend.name,
     )  # fmt: skip
     return EngineCore(
-        runner=runner, tokenizer=tokenizer, pool=pool, cache=cache, store=tiers, kv=kv, linker=linker, config=config,
+        runner=runner, tokenizer=tokenizer, kv=kv, linker=linker, config=config,
         bos_token_id=bos_token_id, eos_token_ids=eos_token_ids,
     )  # fmt: skip

@@ -112,11 +112,8 @@ class ChunkSources:
 
     def loaded(self, seq: Sequence) -> None:
         """Take in the loader's answers for ``seq``'s chunks (``Scheduler.update_from_output``): a chunk found is
-        kept for its admission, one no tier held is compiled again at its next ``resolve``.
-
-        Raises:
-            StoreUnavailableError: a lower tier failed the load (``on_redis_error="raise"``).
-        """
+        kept for its admission, one no tier held is compiled again at its next ``resolve``; ``StoreUnavailableError``
+        when a lower tier failed the load (``on_redis_error="raise"``)."""
         fetch = seq.fetch
         for cid, pending in list(fetch.pending.items()):
             if isinstance(pending, Future) and pending.done():
@@ -152,11 +149,8 @@ class ChunkSources:
         return None
 
     def _recipe(self, fetch: Fetch, cid: str) -> ChunkInfo:
-        """What compiling ``cid`` again takes: the tokens the engine kept, or those of the sequence's own chunk.
-
-        Raises:
-            UnknownCacheIdError: the engine has not seen its tokens.
-        """
+        """What compiling ``cid`` again takes: the tokens the engine kept, or those of the sequence's own chunk
+        (``UnknownCacheIdError``: the engine has not seen its tokens)."""
         recipe = self._recipes.get(cid) or next((c for c in fetch.chunks or () if c.cache_id == cid), None)
         if recipe is None:
             raise self.store.unknown(cid)

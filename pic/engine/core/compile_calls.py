@@ -75,15 +75,10 @@ class CompileCall:
 
 
 class CompileCalls:
-    """The engine's open compile calls and the chunk prefills they wait for.
-
-    Args:
-        sources: queues the chunk prefills (one per chunk, shared with requests that need it compiled again).
-        kv: the pool's owner (a call's new chunks must fit: ``KVManager.check_compile``).
-        busy: whether requests run or prefill (they will free their blocks): a call is then not refused for the
-            room they take now; its prefills wait for it (``Admission``), and fail only if they still do not fit
-            once nothing runs.
-    """
+    """The engine's open compile calls and the chunk prefills they wait for (queued in ``sources``, one per chunk,
+    shared with requests that need it compiled again). ``busy``: whether requests run or prefill (they will free
+    their blocks): a call is then not refused for the room they take now; its prefills wait for it (``Admission``),
+    and fail only if they still do not fit once nothing runs."""
 
     def __init__(self, sources: ChunkSources, pool: BlockPool, *, kv: KVManager, busy: Callable[[], bool]) -> None:
         self.sources, self.loader, self.store, self.pool = sources, sources.loader, sources.store, pool
@@ -92,12 +87,8 @@ class CompileCalls:
 
     def add(self, job: CompileJob, reply: Future) -> None:
         """Start a call: hold its resident chunks, ask the lower tiers which of its chunks they lack (resident ones
-        are written back to them, ``_checked``), queue the prefills of those no tier holds.
-
-        Raises:
-            KVPoolExhaustedError: the new chunks cannot fit in the pool (nothing is started), and no request runs
-                that will free blocks.
-        """
+        are written back to them, ``_checked``), queue the prefills of those no tier holds. ``KVPoolExhaustedError``:
+        the new chunks cannot fit in the pool (nothing is started), and no request runs that will free blocks."""
         call = CompileCall(job, reply)
         for cid, content in job.tokens.items():  # also those a lower tier holds: its copy may prove bad
             self.sources.remember_content(cid, content, job.options)

@@ -27,49 +27,39 @@ from pic.engine.core.sequence import Sequence, Status, Transition
 from pic.engine.generation import FinishReason
 from pic.engine.request import CompileJob, NewRequest, OutputSink, RequestOutput
 from pic.engine.sampling import SamplingParams
-from pic.kv import BlockPool, KVCache
 from pic.link.linker import Linker
 from pic.model import ModelRunner
-from pic.store import TieredStore
 
 log = logging.getLogger("pic")
 
 
 class EngineCore:
-    """Continuous batching of linked requests and chunk compiles over one model (``runner``), KV pool (``pool``,
-    ``cache``; the block work is ``kv``'s) and chunk store (``store``: its device tier is the pool's resident
-    chunks); ``linker`` plans each request's link and its recompute pass.
-
-    Attributes:
-        wake: called from a loader thread when store I/O is done (set by the core thread: it runs again).
-        closed: ``close`` ran: the core thread ends.
-    """
+    """Continuous batching of linked requests and chunk compiles over one model (``runner``), KV pool (its blocks
+    are ``kv``'s) and chunk store (``kv.store``: its device tier is the pool's resident chunks); ``linker`` plans each
+    request's link and its recompute pass."""
 
     def __init__(
         self,
         *,
         runner: ModelRunner,
         tokenizer: object,
-        pool: BlockPool,
-        cache: KVCache,
-        store: TieredStore,
         kv: KVManager,
         linker: Linker,
         config: PICConfig,
         bos_token_id: int | None,
         eos_token_ids: frozenset[int],
     ) -> None:
-        self.runner, self.pool, self.cache, self.store, self.kv = runner, pool, cache, store, kv
-        self.loader = Loader(store, wake=lambda: self.wake())
-        self.sources = ChunkSources(store, self.loader, bos_token_id=bos_token_id)
-        self.compiles = CompileCalls(self.sources, pool, kv=kv, busy=lambda: self.scheduler.queues.num_active > 0)
+        self.runner, self.kv, self.pool, self.cache, self.store = runner, kv, kv.pool, kv.cache, kv.store
+        self.loader = Loader(self.store, wake=lambda: self.wake())
+        self.sources = ChunkSources(self.store, self.loader, bos_token_id=bos_token_id)
+        self.compiles = CompileCalls(self.sources, kv.pool, kv=kv, busy=lambda: self.scheduler.queues.num_active > 0)
         self.decoder = Decoder(runner, tokenizer, eos_token_ids=eos_token_ids)
         self.scheduler = Scheduler(
             kv, linker, self.sources, self.compiles, self.decoder, device=runner.spec.device, config=config
         )
         self.num_steps = self.num_batched_seqs = 0  # steps that ran a forward, and the sequences in them
-        self.closed = False
-        self.wake = lambda: None
+        self.closed = False  # ``close`` ran: the core thread ends
+        self.wake = lambda: None  # called from a loader thread when store I/O is done (the core thread sets it)
 
     # -- commands (``pic.engine.commands.Core``) --------------------------------------------------------------
 

@@ -1,10 +1,7 @@
-"""``KVManager``: the one owner of the KV pool's blocks for the scheduler (vLLM's KVCacheManager), for linked
-requests and chunk compiles alike: ``can_allocate`` / ``allocate``, ``can_append`` / ``append``, ``preempt``,
-``free``; and for compiles ``check_compile`` (a call's new chunks fit) and each chunk prefill's ``can_start`` /
-``start``. The ``Linker`` (``pic.link``) asks ``is_resident`` when it counts what a request takes; the scheduler
-decides *who* runs, the KV manager does the pool work its decisions need and writes each sequence's ``SeqBlocks``
-(nothing else does).
-"""
+"""``KVManager``: the one owner of the KV pool's blocks (vLLM's KVCacheManager), for linked requests and chunk
+compiles alike. The scheduler decides *who* runs; the KV manager does the pool work its decisions need and writes
+each sequence's ``SeqBlocks`` (nothing else does); the ``Linker`` asks it ``is_resident`` when it counts what a
+request takes."""
 
 from __future__ import annotations
 

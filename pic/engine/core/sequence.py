@@ -195,19 +195,13 @@ class Sequence:
 
 
 class Queues:
-    """The scheduler's sequences by status: a sequence is in the queue of its status, and only there.
-
-    Attributes:
-        requests: request id -> its sequence, for every one not finished (parked ones included).
-        waiting: WAITING and RESUMING, in arrival order (a preempted one at the front).
-        prefilling, running: PREFILLING, RUNNING, in admission order (the last running is preempted first).
-    """
+    """The scheduler's sequences by status: a sequence is in the queue of its status, and only there."""
 
     def __init__(self) -> None:
-        self.requests: dict[int, Sequence] = {}
-        self.waiting: deque[Sequence] = deque()
-        self.prefilling: list[Sequence] = []
-        self.running: list[Sequence] = []
+        self.requests: dict[int, Sequence] = {}  # every one not finished (parked ones included)
+        self.waiting: deque[Sequence] = deque()  # WAITING and RESUMING, in arrival order (a preempted one first)
+        self.prefilling: list[Sequence] = []  # in admission order
+        self.running: list[Sequence] = []  # in admission order (the last one is preempted first)
 
     def add(self, seq: Sequence) -> None:
         self.requests[seq.request_id] = seq
