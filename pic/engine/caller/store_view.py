@@ -23,11 +23,11 @@ class _DeviceOnCore:
     name = "device"
     last_error = None
 
-    def __init__(self, thread: Channel, kv_device: torch.device) -> None:
-        self._thread, self.kv_device = thread, kv_device
+    def __init__(self, channel: Channel, kv_device: torch.device) -> None:
+        self._channel, self.kv_device = channel, kv_device
 
     def _run(self, call: Callable) -> object:
-        return self._thread.ask(lambda core: call(core.store.device))
+        return self._channel.ask(lambda core: call(core.store.device))
 
     def contains(self, cache_id: str) -> bool:
         return self._run(lambda d: d.contains(cache_id))
@@ -40,7 +40,7 @@ class _DeviceOnCore:
 
     def delete(self, cache_id: str) -> bool:
         """Drop the chunk from the pool and the engine's memory of its tokens (an expired id is unknown)."""
-        return self._thread.ask(lambda core: core.forget_chunk(cache_id))
+        return self._channel.ask(lambda core: core.forget_chunk(cache_id))
 
     def pin(self, cache_id: str) -> bool:
         return self._run(lambda d: d.pin(cache_id))
@@ -65,8 +65,8 @@ class StoreView:
         fleet: compile-once leases in the Redis tier (``None`` without one); safe from any thread.
     """
 
-    def __init__(self, thread: Channel, store: TieredStore) -> None:
-        self._store = store.view(_DeviceOnCore(thread, store.device.kv_device))
+    def __init__(self, channel: Channel, store: TieredStore) -> None:
+        self._store = store.view(_DeviceOnCore(channel, store.device.kv_device))
         self.fleet: FleetLeases | None = store.fleet
 
     def _id(self, cache_id: object) -> str:
