@@ -195,8 +195,7 @@ class NewRequest:
     Attributes:
         request_id: the engine's id.
         cache_ids: the chunks, in the caller's order.
-        prefix_ids, query_ids: the prefix's and the query's token ids (the BOS on the first of them that has one
-            when the engine writes one).
+        prefix_ids, query_ids: the prefix's and the query's token ids, the BOS placed (``Preparer.new_request``).
         policy: the policy asked for (the engine's default resolved); the linker specialises it for the layout.
         order: the chunk order asked for (``Order.POLICY``: the policy's choice).
         relevance: one score per chunk (the caller's), or ``None``.
