@@ -4,7 +4,7 @@ Under ``on_redis_error`` / ``on_disk_error="miss"`` a failing tier is skipped, n
 its chunks in the tiers that took them (``CompileReport.tiers``). Without a backlog those chunks would never
 reach the failed tier, even after it came back (a disk that was full, a Redis that restarted), and a restart
 would lose every one of them. The backlog remembers, per chunk, the tiers that failed to take it; the engine
-retries them from the pool's copy (``EngineCore.retry_writes``), a few chunks at a time and no more often than
+retries them from the pool's copy (``Loader.retry_writes``), a few chunks at a time and no more often than
 the tiers' breakers would let a call through, and forgets a chunk once every tier took it, or once the pool
 evicted it (then only compiling it again stores it there: the log says so).
 

@@ -11,8 +11,7 @@ import torch
 from pic.compile import SharedTokenizer, tokenizer_adds_bos
 from pic.config import PICConfig, StoreConfig
 from pic.engine.commands import Channel
-from pic.engine.core.core import EngineCore
-from pic.engine.core.core_thread import CoreThread
+from pic.engine.core.core import CoreThread, EngineCore
 from pic.engine.core.kv_manager import KVManager
 from pic.ids import model_fingerprint
 from pic.kv.memory import build_kv_pool

@@ -1,21 +1,28 @@
-"""``EngineCore``: the batched engine's state and its step, owned by one thread (``pic.engine.core.core_thread``).
+"""``EngineCore``, the batched engine's state and its step, and ``CoreThread``, the one thread that runs it (vLLM's
+EngineCore and its busy loop, in-process): nothing else touches the core, its pool or its device tier, so nothing
+locks. Outputs reach their clients through the requests' sinks, answers through the commands' futures.
 
-Nothing here locks and nothing here is shared: the core thread is the only one that calls it. A step is vLLM v1's:
-``scheduler.schedule()`` (decodes, then prefill work under one token budget), one batched forward over what it
-chose (recompute passes, chunk-prefill pieces, decode tokens), then ``scheduler.update_from_output(batch,
-output)``, the one place a step's results (and the store's answers) land; a probe that ended has its second pass
-run at once, a second forward in the same step. The commands (``pic.engine.commands``) call the rest between two
-steps.
+A step is vLLM v1's: ``scheduler.schedule()``, one batched forward over what it chose, then
+``scheduler.update_from_output(batch, output)``, the one place a step's results (and the store's answers) land; a
+probe that ended has its second pass run at once, a second forward in the same step. The thread blocks on its
+command queue while no work can run (an idle engine costs no CPU; a request waiting on the loader is woken by a
+``Wake``), else runs every command that arrived (``pic.engine.commands``), then one step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import queue
+import threading
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from typing import TypeVar
 
 import torch
 
 from pic.config import PICConfig
+from pic.engine.commands import Ask, Close, Command, Pause, Wake, wait
 from pic.engine.core.batch import ForwardOutput, ScheduledBatch
 from pic.engine.core.chunk_sources import ChunkSources
 from pic.engine.core.compile_calls import CompileCalls
@@ -25,12 +32,15 @@ from pic.engine.core.loader import Loader
 from pic.engine.core.scheduler import Scheduler
 from pic.engine.core.sequence import Sequence, Status, Transition
 from pic.engine.generation import FinishReason
-from pic.engine.request import CompileJob, NewRequest, OutputSink, RequestOutput
+from pic.engine.request import CompileJob, NewRequest, OutputSink
 from pic.engine.sampling import SamplingParams
+from pic.errors import EngineClosedError
 from pic.link.linker import Linker
 from pic.model import ModelRunner
+from pic.model.inputs import AttentionObserver
 
 log = logging.getLogger("pic")
+_T = TypeVar("_T")
 
 
 class EngineCore:
@@ -54,14 +64,10 @@ class EngineCore:
         self.sources = ChunkSources(self.store, self.loader, bos_token_id=bos_token_id)
         self.compiles = CompileCalls(self.sources, kv.pool, kv=kv, busy=lambda: self.scheduler.queues.num_active > 0)
         self.decoder = Decoder(runner, tokenizer, eos_token_ids=eos_token_ids)
-        self.scheduler = Scheduler(
-            kv, linker, self.sources, self.compiles, self.decoder, device=runner.spec.device, config=config
-        )
+        self.scheduler = Scheduler(kv, linker, self.sources, self.compiles, self.decoder, config=config)
         self.num_steps = self.num_batched_seqs = 0  # steps that ran a forward, and the sequences in them
         self.closed = False  # ``close`` ran: the core thread ends
         self.wake = lambda: None  # called from a loader thread when store I/O is done (the core thread sets it)
-
-    # -- commands (``pic.engine.commands.Core``) --------------------------------------------------------------
 
     def add(self, new: NewRequest) -> None:
         """Queue a new request for its recompute pass (``sampling=None``: park it after the pass)."""
@@ -71,8 +77,7 @@ class EngineCore:
         self.scheduler.queues.add(seq)
 
     def resume(self, request_id: int, params: SamplingParams, *, link_s: float, sink: OutputSink) -> bool:
-        """Start generating from a parked sequence (``Linked.generate``), its outputs going to ``sink`` from now on;
-        whether it was parked."""
+        """Start generating from a parked sequence (``Linked.generate``); whether it was parked."""
         queues = self.scheduler.queues
         seq = queues.requests.get(request_id)
         if seq is None or seq.status is not Status.PARKED:
@@ -88,8 +93,7 @@ class EngineCore:
             self.scheduler.finish(seq, FinishReason.ABORT)
 
     def compile(self, job: CompileJob, reply: Future) -> None:
-        """Start compiling ``job``'s chunks as scheduled work; ``reply`` gets the ids compiled once every chunk is
-        held by some tier (``CompileCalls``)."""
+        """Start compiling ``job``'s chunks as scheduled work (``CompileCalls``)."""
         self.compiles.add(job, reply)
 
     def step_once(self, *, paced: bool = True) -> None:
@@ -114,25 +118,8 @@ class EngineCore:
         self.compiles.fail_all(error)
         self.loader.close()
 
-    def retry_writes(self) -> None:
-        """Write the chunks a lower tier failed to take (``TieredStore.backlog``) again, when due: from the pool
-        while they are resident there (on the loader's writer thread, nobody waiting), else forgotten."""
-        for cache_id in self.store.backlog.due() if self.store.lower else ():
-            try:
-                if self.store.device.contains(cache_id):
-                    self.loader.write_back(self.store.copy_for_lower(cache_id))
-                    continue
-            except Exception:  # a retry never stops the engine
-                log.exception("pic: could not retry writing chunk %s to the lower tiers", cache_id)
-            self.store.backlog.forget(cache_id, evicted=True)
-
-    def next_timer_s(self) -> float | None:
-        """Seconds until ``retry_writes`` has work (``None``: none pending): how long an idle core may sleep."""
-        return self.store.backlog.next_due_s() if self.store.lower else None
-
     def forget_chunk(self, cache_id: str) -> bool:
-        """Drop a chunk from the pool and the engine's memory of its tokens (an expired id is unknown); whether the
-        pool held it."""
+        """Drop a chunk from the pool and from the engine's memory of its tokens; whether the pool held it."""
         self.sources.forget(cache_id)
         return self.store.device.delete(cache_id)
 
@@ -140,17 +127,14 @@ class EngineCore:
         """``[N, vocab_size]`` float32 logits of final hidden states ``hidden`` ``[N, hidden_size]``."""
         return self.runner.logits(hidden)
 
-    # -- the step: schedule -> execute -> update ---------------------------------------------------------------
-
-    def step(self) -> list[RequestOutput]:
-        """Schedule, run the batch's forward, let the scheduler take its results in, then the second passes of the
-        probes that ended; returns what each request produced (already in its sink)."""
+    def step(self) -> None:
+        """Schedule, run the batch's forward, let the scheduler take its results in (each request's outputs go to
+        its sink), then the second passes of the probes that ended."""
         batch = self.scheduler.schedule()
-        outputs = self.scheduler.update_from_output(batch, self._execute(batch))
+        self.scheduler.update_from_output(batch, self._execute(batch))
         second = self.scheduler.second_passes()
         if second.has_forward:
-            outputs += self.scheduler.update_from_output(second, self._execute(second))
-        return outputs
+            self.scheduler.update_from_output(second, self._execute(second))
 
     def _execute(self, batch: ScheduledBatch) -> ForwardOutput:
         """The batch's forward (none without work for one); a forward that raises fails the batch's work only."""
@@ -165,3 +149,95 @@ class EngineCore:
         self.num_steps += 1
         self.num_batched_seqs += len(inputs)
         return ForwardOutput(hidden)
+
+
+class CoreThread:
+    """The thread that owns a core, and the one way in (``pic.engine.commands.Channel``). Holds no reference to the
+    ``Engine`` it serves, so dropping the engine can close it."""
+
+    def __init__(self, core: EngineCore) -> None:
+        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        core.wake = lambda: self._commands.put(Wake())
+        self._thread = threading.Thread(target=run, args=(core, self._commands), name="pic-engine", daemon=True)
+        self._closed = False
+        self._thread.start()
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
+    def is_current(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def send(self, command: Command) -> None:
+        """Queue ``command`` (``EngineClosedError`` once the engine is closed)."""
+        if self._closed:
+            raise EngineClosedError("the engine was closed; build a new one")
+        self._commands.put(command)
+
+    def call(self, make: Callable[[Future], Command]) -> object:
+        reply: Future = Future()
+        self.send(make(reply))
+        return wait(reply, self.alive)
+
+    def ask(self, read: Callable[[EngineCore], _T]) -> _T:
+        return self.call(lambda reply: Ask(read, reply))
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[EngineCore]:
+        entered, resume = Future(), threading.Event()
+        self.send(Pause(entered, resume))
+        try:
+            yield wait(entered, self.alive)
+        finally:
+            resume.set()
+
+    @contextlib.contextmanager
+    def observing(self, observer: AttentionObserver) -> Iterator[None]:
+        """``ModelRunner.observe_attention`` on the core's runner while the block runs."""
+        with self.paused() as core:
+            observing = core.runner.observe_attention(observer)
+            observing.__enter__()
+        try:
+            yield
+        finally:
+            with self.paused():
+                observing.__exit__(None, None, None)
+
+    def close(self) -> None:
+        """Close the engine: open requests fail with ``EngineClosedError``; waits for the thread (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._commands.put(Close())
+        if not self.is_current:
+            self._thread.join(timeout=60)
+
+
+def run(core: EngineCore, commands: queue.SimpleQueue[Command]) -> None:
+    """Serve ``commands`` until one closes the core; then refuse whatever is still queued. An idle core sleeps
+    until a command comes or a retry of failed writes is due (``Loader.retry_writes``)."""
+    while not core.closed:
+        if core.store.lower:  # (only a lower tier fails writes)
+            core.loader.retry_writes()
+        idle = not core.scheduler.has_work(paced=False)
+        due_s = core.store.backlog.next_due_s() if idle and core.store.lower else None  # (a retry of failed writes)
+        command = _next(commands, wait=idle, timeout_s=due_s)
+        while command is not None and not core.closed:
+            try:
+                command.run(core)
+            except Exception as exc:  # its exception is its answer
+                command.refuse(exc)
+            command = _next(commands) if not core.closed else None
+        if not core.closed:
+            core.step_once(paced=False)
+    error = EngineClosedError("the engine was closed")
+    while (command := _next(commands)) is not None:  # no client waits forever
+        command.refuse(error)
+
+
+def _next(commands: queue.SimpleQueue, *, wait: bool = False, timeout_s: float | None = None) -> Command | None:
+    try:
+        return commands.get(block=wait, timeout=timeout_s)
+    except queue.Empty:
+        return None

@@ -57,7 +57,7 @@ class Loader:
 
     def write_back(self, chunk: ChunkKV, *, recheck: bool = False) -> None:
         """Write a chunk to the lower tiers that lack it, fire and forget (a chunk compiled again for a request; a
-        chunk a tier failed to take, retried: ``EngineCore.retry_writes``): a failure is logged, never a request's.
+        chunk a tier failed to take, retried: ``retry_writes``): a failure is logged, never a request's.
         ``recheck``: a resident chunk, to the shared tiers that lost it (a failure pauses the checks)."""
         tiers = self.store.shared_tiers if recheck else None
 
@@ -72,6 +72,18 @@ class Loader:
                 self.store.backlog.errored(c.cache_id)  # a retry of the backlog's: due again, not under way forever
 
         self._submit(self._writes, run, chunk)
+
+    def retry_writes(self) -> None:
+        """Write the chunks a lower tier failed to take (``TieredStore.backlog``) again, when due: from the pool
+        while they are resident there (``write_back``), else forgotten."""
+        for cache_id in self.store.backlog.due():
+            try:
+                if self.store.device.contains(cache_id):
+                    self.write_back(self.store.copy_for_lower(cache_id))
+                    continue
+            except Exception:  # a retry never stops the engine
+                log.exception("pic: could not retry writing chunk %s to the lower tiers", cache_id)
+            self.store.backlog.forget(cache_id, evicted=True)
 
     def settled(self) -> Future[None]:
         """Done once every write, check and write-back submitted before it has run (the writer thread runs them in

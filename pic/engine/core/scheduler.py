@@ -43,15 +43,13 @@ class Scheduler:
         compiles: CompileCalls,
         decoder: Decoder,
         *,
-        device: torch.device,
         config: PICConfig,
     ) -> None:
         self.kv, self.linker, self.sources, self.compiles, self.decoder = kv, linker, sources, compiles, decoder
-        self.device, self.max_num_batched_tokens = device, config.max_num_batched_tokens
+        self.max_num_batched_tokens = config.max_num_batched_tokens
         self.queues = Queues()
         self._probed: list[Sequence] = []  # probes that ended in this step: their second passes run next
         self._preempted = False  # one was preempted in this step: no new prefill work (it would take its blocks)
-        self._outputs: list[RequestOutput] = []  # the outputs put since the last update (what ``step`` returns)
         self.admission = Admission(
             self.queues, kv, linker, sources, fail=self.fail, frees_soon=self._frees_soon, config=config
         )
@@ -76,7 +74,7 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         """This step's work: a decode for every running sequence (preempting when the pool is full), then, unless
         one was preempted, prefill work under the budget the decodes leave."""
-        batch, self._outputs, self._preempted = ScheduledBatch(), [], False
+        batch, self._preempted = ScheduledBatch(), False
         todo = list(self.queues.running)
         while todo:
             seq = todo.pop(0)
@@ -132,13 +130,13 @@ class Scheduler:
 
     # -- update ---------------------------------------------------------------------------------------------
 
-    def update_from_output(self, batch: ScheduledBatch, output: ForwardOutput) -> list[RequestOutput]:
+    def update_from_output(self, batch: ScheduledBatch, output: ForwardOutput) -> None:
         """The one place a step's results land: the passes that ended park their link or start decoding (a probe's
         policy chooses, and its second pass runs next, in the same step: ``second_passes``), the chunks compiled
         become resident and held for the requests that waited for them, every generating sequence samples a token,
         every output goes to its request's sink, and the store's answers that came meanwhile are taken in (chunks
         loaded, compile calls' checks and writes: as vLLM v1 takes a KV connector's finished loads). A failed
-        forward fails its sequences and chunk prefills; returns this step's outputs."""
+        forward fails its sequences and chunk prefills."""
         if output.error is not None:
             for seq in [p.seq for p in batch.passes] + batch.decodes:
                 self.fail(seq, output.error)
@@ -155,15 +153,13 @@ class Scheduler:
         for prefill, error in batch.failed_prefills:
             for seq in self.compiles.prefill_failed(prefill, error):
                 self.fail(seq, error)
-        if parked and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # link returns with the pass done (its time is honest)
+        if parked and parked[0].query_hidden.is_cuda:
+            torch.cuda.synchronize(parked[0].query_hidden.device)  # link returns with the pass done (its time honest)
         for seq in parked:
             seq.sink.put(link_output(seq))
         rows += [(seq, hidden[-1]) for seq, hidden in ran.decodes if seq.status is Status.RUNNING]
         self._sampled(self.decoder.sample(rows))
         self._store_answers()
-        outputs, self._outputs = self._outputs, []
-        return outputs
 
     def _store_answers(self) -> None:
         """The loader's answers: compile calls' checks and writes (a link alone has no call open), and the chunks
@@ -210,9 +206,7 @@ class Scheduler:
             if one.finish is not None:
                 self.finish(one.seq, one.finish, text=one.text, token=one.token)
                 continue
-            out = RequestOutput(request_id=one.seq.request_id, text=one.text, token_ids=(one.token,), finished=False)
-            self._outputs.append(out)
-            one.seq.sink.put(out)
+            one.seq.sink.put(RequestOutput(one.seq.request_id, text=one.text, token_ids=(one.token,), finished=False))
 
     def fail(self, seq: Sequence, why: Exception | FinishReason, *, quiet: bool = False) -> None:
         """The one way a sequence fails: ``why`` is its error, or ``FinishReason.KV_POOL`` (no block for it while
@@ -234,9 +228,7 @@ class Scheduler:
         self.queues.move(seq, Transition.FINISH)
         self.kv.free(seq)
         seq.end(why)
-        out = finish_output(seq, text=text, token=token)
-        self._outputs.append(out)
-        seq.sink.put(out)
+        seq.sink.put(finish_output(seq, text=text, token=token))
 
 
 def _fetched(seq: Sequence) -> bool:
