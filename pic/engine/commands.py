@@ -204,6 +204,9 @@ class Channel(Protocol):
     def paused(self) -> Any:
         """A context manager: the core stopped between two steps, lent to the caller."""
 
+    def observing(self, observer: Any) -> Any:
+        """A context manager: within it, every layer of every forward calls ``observer`` (``PIC.observe_attention``)."""
+
     def close(self) -> None:
         """Close the engine (idempotent)."""
 
