@@ -761,7 +761,8 @@ def cpu_prefill_table() -> str:
     """docs/cpu.md's link speed against transformers' prefill on a random Llama (cpu.json), per context."""
     lines = [
         "| context | prompt tokens | transformers prefill | full / HF | "
-        + " | ".join(f"HF / {p}" for p in _CPU_LINKS) + " | recomputed (mepic) |",
+        + " | ".join(f"HF / {p}" for p in _CPU_LINKS)
+        + " | recomputed (mepic) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in results("cpu.json")["prefill"]:
@@ -1146,13 +1147,21 @@ def _row_phrase(name: str, policy: str, words: str) -> str:
     scores = {s["policy"]: s for s in report["scores"]}
     row = scores[policy]
     return words.format(
-        acc=_share(row["accuracy"]), full=_share(scores["full"]["accuracy"]),
-        diff=_minus(_diff(row.get("diff_vs_full"))), low=_minus(_diff(row.get("diff_low"))),
-        high=_minus(_diff(row.get("diff_high"))), gained=row["num_gained"],
-        lost=row["num_lost"], chunk=f"{100 * row.get('chunk_recompute_fraction', math.nan):.0f}",
-        layers=f"{100 * row['recompute_fraction']:.0f}", speed=f"{row['median_speedup_vs_full']:.2f}",
-        kl=f"{row['mean_kl']:.3f}", top1=_share(row["top1_agreement"]), akl=f"{row['answer_kl']:.3f}",
-        atop1=_share(row["answer_top1"]), passkey=_share(row["accuracy_by_kind"].get("passkey")),
+        acc=_share(row["accuracy"]),
+        full=_share(scores["full"]["accuracy"]),
+        diff=_minus(_diff(row.get("diff_vs_full"))),
+        low=_minus(_diff(row.get("diff_low"))),
+        high=_minus(_diff(row.get("diff_high"))),
+        gained=row["num_gained"],
+        lost=row["num_lost"],
+        chunk=f"{100 * row.get('chunk_recompute_fraction', math.nan):.0f}",
+        layers=f"{100 * row['recompute_fraction']:.0f}",
+        speed=f"{row['median_speedup_vs_full']:.2f}",
+        kl=f"{row['mean_kl']:.3f}",
+        top1=_share(row["top1_agreement"]),
+        akl=f"{row['answer_kl']:.3f}",
+        atop1=_share(row["answer_top1"]),
+        passkey=_share(row["accuracy_by_kind"].get("passkey")),
         right=round(scores["full"]["accuracy"] * report["num_cases_evaluated"]),
     )
 
@@ -1312,6 +1321,81 @@ def launches_table() -> str:
         name = f"{r['policy']} link's pass ({r['rows']} rows)" if passes else f"{r['policy']}, decode step"
         was = before[r["dtype"], r["policy"], r["forward"]]
         lines.append(f"| {r['dtype']} | {name} | {was} | {r['ops_per_layer']} | {r['kernels_per_layer']} |")
+    return "\n".join(lines)
+
+
+# The GPU runs the docs compare, each a folder of gpu.sh's results: (column title, folder under benchmarks/results).
+_GPU_RUNS = (("H100, 5cd88e0", "h100_5cd88e0"), ("H200, 19c3797", "."))
+
+
+def _gpu_profile(folder: str, label: str) -> dict | None:
+    """One policy's figures in a profile_link.py text (``profile.txt``, or ``profile_graphs.txt`` for ``"<policy>
+    graphs"``): wall ms per link + first token, kernel launches and the GPU's busy ms; None if not profiled."""
+    name = "profile_graphs.txt" if label.endswith(" graphs") else "profile.txt"
+    path = RESULTS / folder / name
+    if not path.exists():
+        return None
+    text = path.read_text()
+    wall = re.search(rf"^{label}: wall per link \+ first token ([\d.]+) ms", text, re.M)
+    if wall is None:
+        return None
+    busy = re.search(r"^Self CUDA time total: ([\d.]+)ms", text[wall.end() :], re.M)
+    launches = re.search(rf"^{label}: kernel launches (\d+)", text, re.M)
+    return {"wall_ms": float(wall[1]), "launches": int(launches[1]), "busy_ms": float(busy[1])}
+
+
+def _gpu_run(folder: str) -> list[str]:
+    """One run's cells of ``gpu_runs_table``, in its rows' order."""
+    ttft = results(f"{folder}/ttft.json")
+    by_context = {r["context_tokens"]: r for r in ttft["ttft"]}
+    cases = results(f"{folder}/attention.json")["cases"]
+    prefill = sorted((c for c in cases if c["mode"] == "prefill" and c["queries"] == 512), key=lambda c: c["context"])
+    link32 = next(c for c in cases if c["mode"] == "link" and c["queries"] == 32)
+    decode_kernel = [c["pic_over_sdpa"] for c in cases if c["mode"] == "decode"]
+    eager, graphed = _gpu_profile(folder, "naive"), _gpu_profile(folder, "naive graphs")
+    naive = f"{eager['wall_ms']:.1f} ms, {eager['launches']:,} launches, GPU busy {eager['busy_ms']:.1f} ms"
+    if graphed:
+        naive += f"; with graphs **{graphed['wall_ms']:.1f} ms**, {graphed['launches']:,} launches"
+    decode = ttft["decode"]
+    rate = lambda batch: _x(decode[batch]["pic_over_hf_decode_tokens_per_s"])  # noqa: E731
+    rates = f"{rate('1')} / {rate('16')}"
+    if "16 graphs" in decode:
+        rates += f"; graphs **{rate('1 graphs')} / {rate('16 graphs')}**"
+    auto = [r["hf_over_link"].get("auto") for r in ttft["ttft"] if r["context_tokens"] >= 4096]
+    in_loop = [c.get("pic_k_in_loop_over_pic") for c in prefill]
+    mepic = {context: _x(by_context[context]["hf_over_link"]["mepic"]) for context in (16384, 32768)}
+    return [
+        f"**{mepic[16384]}** ({mepic[32768]} at 32K)",
+        naive,
+        ", ".join(_x(c["pic_over_sdpa"]) for c in prefill),
+        ", ".join(_x(r) for r in in_loop) if all(in_loop) else "(in the loop only)",
+        rates,
+        ", ".join(_x(a) for a in auto) if all(auto) else "(not run)",
+        _x(link32["pic_over_sdpa"]),
+        f"{_x(min(decode_kernel))}-{_x(max(decode_kernel))}",
+        _x(results(f"{folder}/memory_gpu.json")["private_over_mepic"][-1]),
+    ]
+
+
+@figure
+def gpu_runs_table() -> str:
+    """docs/gpu.md's figures of the last two GPU runs side by side (each run's ttft.json, attention.json,
+    memory_gpu.json, profile.txt and profile_graphs.txt)."""
+    rows = (
+        ("transformers' prefill / mepic link at 16K", "at least 25x"),
+        ("a naive 16K link + first token", "at most 10 ms"),
+        ("the 512-row prefill kernel / SDPA-flash at 4K, 8K, 16K, 32K", "at most 1.2x"),
+        ("K rotated in the loop / once, 512 rows at 4K, 8K, 16K, 32K", ""),
+        ("decode tokens/s against `generate` after 4K, batch 1 / 16", "batch 16 at least 1x"),
+        ("transformers' prefill / the default (`auto`) link at 4K, 8K, 16K, 32K", "reported"),
+        ("kernel / SDPA-flash, a link's 32 rows over 16K keys", "within 1.5x"),
+        ("kernel / SDPA-flash, decode, batch 1-64, 4K-32K", ""),
+        ("KV blocks, private copies / shared chunk blocks, 64 requests", ""),
+    )
+    columns = [_gpu_run(folder) for _, folder in _GPU_RUNS]
+    lines = ["| figure | " + " | ".join(title for title, _ in _GPU_RUNS) + " | goal |", "|---|---|---|---|"]
+    for i, (row, goal) in enumerate(rows):
+        lines.append(f"| {row} | " + " | ".join(column[i] for column in columns) + f" | {goal} |")
     return "\n".join(lines)
 
 
