@@ -154,7 +154,7 @@ class Scheduler:
             for seq in self.compiles.prefill_failed(prefill, error):
                 self.fail(seq, error)
         if parked and parked[0].query_hidden.is_cuda:
-            torch.cuda.synchronize(parked[0].query_hidden.device)  # link returns with the pass done (its time honest)
+            torch.cuda.synchronize(parked[0].query_hidden.device)  # link returns with its pass done (an honest time)
         for seq in parked:
             seq.sink.put(link_output(seq))
         rows += [(seq, hidden[-1]) for seq, hidden in ran.decodes if seq.status is Status.RUNNING]
