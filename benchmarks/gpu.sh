@@ -18,8 +18,8 @@
 # pass): K rotated once per layer by rotate_k_kernel (`pic`, the plan's choice there) and rotated in the KV loop
 # (`pic_k_in_loop`), with the rotation launch alone (`pic_rotate_k_only`); it runs those passes before the decodes
 # and rewrites its JSON after every case, so a step cut short by its limit still returns them.
-# "ttft" times the default (auto) beside full, mepic, legolink and naive at 4K-32K, auto and naive again with CUDA
-# graphs, and decode at batch 1 and 16 with and without graphs (108 s of work on the H200, 2026-11-28; 115 s was too
+# "ttft" times the default (auto) beside full, mepic, legolink and naive at 4K-32K, auto, mepic and naive again with
+# CUDA graphs, and decode at batch 1 and 16 with and without graphs (108 s of work on the H200, 2026-11-28; 115 s was too
 # little with the plot). "profile" profiles a 16K link under naive, mepic and full, then again with graphs.
 # Each step has its own time limit in seconds (ATTENTION_S, TTFT_S, PROFILE_S, TESTS_S, MEMORY_S), and all of them
 # share one budget, TOTAL_S (570: a device call may run 600 s): a step gets at most what is left of it (less 20 s
