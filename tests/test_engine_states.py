@@ -224,3 +224,30 @@ def test_fail_moves_status_queue_and_blocks_together(where):
         stepper.step()
     assert engine.kv_stats().num_used_blocks == 0
     check_engine_pool(engine, {})
+
+
+def test_a_resume_whose_decoder_fails_leaves_its_link_parked_and_the_others_running():
+    """``Linked.generate`` on a link whose decoding cannot start (its sampler raises): the caller gets the error,
+    the sequence is not moved to RESUMING without a sampler (whose next step would fail every open request), and
+    another parked link and a new request still generate."""
+    engine = make_engine("stories260K")
+    try:
+        ids = engine.compile(list(DOCS))
+        other, linked = engine.link(ids, QUERY), engine.link(ids, f"{QUERY} again")
+        with engine.paused() as core:
+            start, calls = core.decoder.start, []
+
+            def broken_once(params):
+                if not calls:
+                    calls.append(params)
+                    raise RuntimeError("the sampler could not start")
+                return start(params)
+
+            core.decoder.start = broken_once
+        with pytest.raises(RuntimeError, match="the sampler could not start"):
+            linked.generate(max_new_tokens=3)
+        assert other.generate(max_new_tokens=3).stats.num_generated_tokens == 3
+        assert engine.link(ids, QUERY).generate(max_new_tokens=3).stats.num_generated_tokens == 3
+        check_engine_pool(engine)
+    finally:
+        engine.close()

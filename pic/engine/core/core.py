@@ -82,8 +82,9 @@ class EngineCore:
         seq = queues.requests.get(request_id)
         if seq is None or seq.status is not Status.PARKED:
             return False
+        decoding = self.decoder.start(params)  # first: if it raises, the sequence stays parked
         queues.move(seq, Transition.RESUME)
-        seq.generate(params, self.decoder.start(params), sink=sink, link_s=link_s)
+        seq.generate(params, decoding, sink=sink, link_s=link_s)
         return True
 
     def abort(self, request_id: int) -> None:

@@ -61,8 +61,8 @@ class Scheduler:
         seqs = [s for s in (*queues.waiting, *queues.prefilling, *queues.running) if paced or not s.request.paced]
         if any(s.status is not Status.WAITING or _fetched(s) for s in seqs):
             return True
-        prefills = self.sources.prefills.values()
-        if any(p.is_started or not self._frees_soon() or self.kv.can_start(p) for p in prefills):
+        writing = self._frees_soon()
+        if any(p.is_started or not writing or self.kv.can_start(p) for p in self.sources.prefills.values()):
             return True
         return bool(self.compiles.open) and self.compiles.has_news  # (a link alone has no compile call to ask)
 
@@ -139,7 +139,7 @@ class Scheduler:
         forward fails its sequences and chunk prefills."""
         if output.error is not None:
             for seq in [p.seq for p in batch.passes] + batch.decodes:
-                self.fail(seq, output.error)
+                self.fail(seq, output.error, quiet=True)  # (the step logged the forward's error, with its trace)
             batch.failed_prefills += [(prefill, output.error) for prefill, _ in batch.pieces]
         ran = batch.outputs(output.hidden) if output.error is None else StepOutput()
         rows = [(seq, seq.query_hidden[-1]) for seq in batch.resumed if seq.status is Status.RUNNING]
@@ -210,8 +210,9 @@ class Scheduler:
 
     def fail(self, seq: Sequence, why: Exception | FinishReason, *, quiet: bool = False) -> None:
         """The one way a sequence fails: ``why`` is its error, or ``FinishReason.KV_POOL`` (no block for it while
-        nothing else runs: it ends with its tokens so far). Logged (``quiet``: not, the engine is closing), then
-        ended as ``finish`` ends it: status, queue and blocks together. A sequence that ended already is left."""
+        nothing else runs: it ends with its tokens so far). Logged (``quiet``: not, logged already or the engine is
+        closing), then ended as ``finish`` ends it: status, queue and blocks together. A sequence that ended already
+        is left."""
         if seq.is_finished:
             return
         if why is FinishReason.KV_POOL:
