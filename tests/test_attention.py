@@ -155,6 +155,29 @@ def test_query_tiles_skip_only_slots_no_row_attends(shuffled, monkeypatch):
     assert torch.allclose(tiled, whole, atol=1e-6)
 
 
+@pytest.mark.parametrize("window", [None, 6])
+def test_bool_masks_of_large_groups_attend_as_additive_ones(window, monkeypatch):
+    """Groups whose masks exceed ``_ADDITIVE_MAX_ENTRIES`` keep their bool masks (no additive copy held for the
+    forward) and attend to the same output, in a batch of a pass, a subset pass and a decode."""
+    import pic.attention.reference as reference
+
+    case = make_case(seqs=[(37, "all"), (6, "decode"), (29, "subset")], num_q_heads=4, num_kv_heads=2, head_dim=8,
+                     page=4, shuffled=True).cast(torch.float32)  # fmt: skip
+    outputs = []
+    for limit in (10**9, 0):
+        monkeypatch.setattr(reference, "_ADDITIVE_MAX_ENTRIES", limit)
+        backend = TorchBackend(case.shape(window))
+        plan = backend.plan(case.batch)
+        assert all(
+            bool(g.sdpa_masks) == (limit > 0)
+            for g in plan.groups
+            if any(plan_mask is not None for plan_mask in g.masks.values())
+        )
+        outputs.append(backend.attend(case.q, case.k_cache, case.v_cache, plan, scaling=case.scaling,
+                                      sliding_window=window))  # fmt: skip
+    assert torch.allclose(outputs[0], outputs[1], atol=1e-6)  # the same scores masked: float rounding only
+
+
 def test_last_slots_are_where_each_causal_mask_row_ends():
     """``last_slots`` (the tiles' key ends, in O(S) memory) equals the last True of each row of the causal
     mask, for slots in any order, unwritten ones among them, and queries before or after every slot."""

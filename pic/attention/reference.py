@@ -54,7 +54,8 @@ class TorchGroup:
             ``None`` where the query attends every slot read (a lone decoding sequence without a window).
         sdpa_masks: ``masks`` as SDPA adds them (``[b, n, S]``, 0 or -inf in the model dtype), made here once
             rather than by SDPA in every layer (a bool mask costs it two operations a call); ``{}`` for groups that
-            attend otherwise (APE, bfloat16 products).
+            attend otherwise (APE, bfloat16 products, kept KV) or whose masks are too large to copy
+            (``_ADDITIVE_MAX_ENTRIES``).
         tiles: ``(rows, num_slots)`` pairs covering the group's ``n`` query rows in order: a slice of them, and
             the slots they attend, ``[0, num_slots)``: every slot their masks allow lies before it (so the
             slots after it are skipped, exactly). The decode group has one tile of every slot.
@@ -70,7 +71,7 @@ class TorchGroup:
             (``pic.attention.gemm``, attended through bfloat16 products); ``None``: SDPA.
     """
 
-    rows: torch.Tensor | slice
+    rows: torch.Tensor | slice | None
     slots: torch.Tensor
     table_slots: torch.Tensor
     q_rot: torch.Tensor
@@ -89,6 +90,7 @@ class TorchGroup:
 
     def put(self, out: torch.Tensor, value: torch.Tensor) -> None:
         """Write ``value`` ``[b, n, ...]`` into the group's rows of ``out`` ``[N, ...]``."""
+        assert self.rows is not None, "a plan's whole group is returned by attend, not put"
         out[self.rows] = value[:, 0] if isinstance(self.rows, torch.Tensor) else value[0]
 
     def output(self, value: torch.Tensor) -> torch.Tensor:
@@ -125,6 +127,14 @@ def _rotary(batch: AttentionBatch, rows: torch.Tensor, dtype: torch.dtype) -> to
         t.index_select(0, rows.flatten()).view(*rows.shape, -1).to(dtype) for t in (batch.rope_cos, batch.rope_sin)
     )
     return rotary_pair(cos, sin)
+
+
+# A group's masks are made additive once per forward when they hold at most this many entries (b * n * S: a decode
+# step, a link's few query rows), where SDPA would otherwise turn a bool mask additive again in every layer's call.
+# Larger groups (a long pass's rows over its slots) keep the bool mask, which SDPA converts a tile at a time: an
+# additive copy of the whole would be held for the forward at 2-4 bytes an entry (512 MiB for 8K rows over 16K
+# slots in float32, per window).
+_ADDITIVE_MAX_ENTRIES = 1 << 20
 
 
 def _additive(
@@ -197,7 +207,9 @@ class TorchBackend(AttentionBackend[TorchPlan]):
             rows = batch.cu_seqlens_q[:-1].to(device)[plain]  # [b] the decode tokens' rows
             decode = self._group(batch, rows, plain, q_rot)
             if batch.scratch and (len(rows) == 1 or decode.slots.shape[1] >= _KEEP_MIN_SLOTS):
-                decode = replace(decode, kept=_kept_kvs(batch, decode, plain, self.decode_kv_dtype))
+                # kept K may be in another dtype than the model's: the group attends with its bool masks
+                kept = _kept_kvs(batch, decode, plain, self.decode_kv_dtype)
+                decode = replace(decode, kept=kept, sdpa_masks={})
         if scaled.numel():
             rows = batch.cu_seqlens_q[:-1].to(device)[scaled]
             decode_context = self._group(batch, rows, scaled, q_rot)
@@ -241,6 +253,7 @@ class TorchBackend(AttentionBackend[TorchPlan]):
         if isinstance(rows, slice) and context is None and prefers_gemm(self.shape.dtype, q.device, q.shape[1]):
             heads = self.shape.num_q_heads
             gemm = {w: gemm_tiles(tiles, None if m is None else m[0], num_heads=heads) for w, m in masks.items()}
+        additive = gemm is None and context is None and q.numel() * kv.shape[1] <= _ADDITIVE_MAX_ENTRIES
         return TorchGroup(
             rows=rows,
             slots=slots,
@@ -248,7 +261,7 @@ class TorchBackend(AttentionBackend[TorchPlan]):
             q_rot=_take(q_rot, rows),
             k_rot=k_rot,
             masks=masks,
-            sdpa_masks={} if gemm is not None or context is not None else _additive(masks, self.shape.dtype),
+            sdpa_masks=_additive(masks, self.shape.dtype) if additive else {},
             tiles=tiles,
             causal=run and context is None,
             context=context,
@@ -359,7 +372,8 @@ def _attend(
     if mask is None and group.causal:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=True)
         return out.transpose(1, 2)
-    mask = group.sdpa_masks[window]  # [b, n, S], added to the scores
+    if group.sdpa_masks:  # [b, n, S], added to the scores (else the bool mask: see _ADDITIVE_MAX_ENTRIES)
+        mask = group.sdpa_masks[window]
     if q.shape[2] == 1:  # decode: each KV head's query heads as rows, one fused call without the GQA path
         b, num_q_heads, _, dim = q.shape
         grouped = q.reshape(b, k.shape[1], num_q_heads // k.shape[1], dim)  # [b, Hkv, Hq / Hkv, D]

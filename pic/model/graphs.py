@@ -114,8 +114,9 @@ class GraphedForwards:
 
     def bucket(self, seqs: Sequence) -> Bucket | None:
         """The bucket serving ``seqs``, or ``None``: a bucket serves every sequence decoding, or one pass, of
-        ``ROW_BUCKETS`` rows at most, without hooks, APE's context or a dynamic rope type, on the Triton backend."""
-        if self.runner.attention_backend.name != "triton" or self.runner.rope.is_dynamic:
+        ``ROW_BUCKETS`` rows at most, without hooks, APE's context or a dynamic rope type (the runner attends with
+        the Triton backend: ``ModelRunner.use_graphs`` refuses any other)."""
+        if self.runner.rope.is_dynamic:
             return None
         if any(s.after_layer is not None or s.kv.context is not None for s in seqs):
             return None
@@ -129,9 +130,8 @@ class GraphedForwards:
         return decode, num_rows, -(-num_slots // block_size) * block_size
 
     def forward(self, seqs: Sequence, bucket: Bucket) -> list[torch.Tensor]:
-        """``ModelRunner.forward`` of ``seqs`` through ``bucket`` (``self.bucket(seqs)``)."""
-        for seq in seqs:
-            seq.kv.kv_positions[seq.slots] = seq.positions
+        """``ModelRunner.forward`` of ``seqs`` (their slot positions already written) through ``bucket``
+        (``self.bucket(seqs)``)."""
         graph = self._graphs.get(bucket)
         if graph is None:
             graph = self._graphs[bucket] = self._new(seqs, bucket)

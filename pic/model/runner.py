@@ -114,11 +114,11 @@ class ModelRunner:
             per sequence, ``[m, hidden_size]``: the final (normed) hidden states of its ``output_rows``
             (``m = 0`` without). ``logits`` turns the rows to sample into logits.
         """
+        for seq in seqs:
+            seq.kv.kv_positions[seq.slots] = seq.positions
         bucket = self.graphed.bucket(seqs) if self.graphed is not None and self._observer is None else None
         if bucket is not None:
             return self.graphed.forward(seqs, bucket)
-        for seq in seqs:
-            seq.kv.kv_positions[seq.slots] = seq.positions
         lens = [s.token_ids.shape[0] for s in seqs]
         starts = torch.tensor([0, *lens[:-1]]).cumsum(0).tolist()  # each sequence's first token in the batch
         positions = torch.cat([s.positions for s in seqs])  # [N]
