@@ -115,3 +115,20 @@ def test_a_preempted_request_keeps_its_order():
     assert sum(o.stats.num_preemptions for o in outs) > 0  # the case exercises a preemption
     assert all(o.stats.chunk_order.indices == (1, 2, 0) for o in outs)
     assert [o.token_ids for o in outs] == alone
+
+
+def test_a_policy_that_still_overrides_order_for_is_refused_at_its_definition():
+    """``Policy.order`` (a class attribute) replaced ``order_for(layout)``: a custom policy that overrides the old
+    hook is refused when its class is made, naming the attribute to set, instead of running in the caller's order."""
+    from pic.link.policies.base import Policy
+
+    with pytest.raises(pic.PolicyError, match="defines order_for.*order = Order.RELEVANCE"):
+
+        class OldStyle(Policy):  # noqa: F841 (refused before it exists)
+            name = "old_style"
+
+            def select(self, layout):
+                return None
+
+            def order_for(self, layout):
+                return Order.RELEVANCE

@@ -176,9 +176,10 @@ class Linker:
         if first:
             order = link.policy.order if link.order is Order.POLICY else link.order
             tokens = [c.token_ids.tolist() for c in chunks]
+            asked = query[: len(query) - num_generated]  # the caller's query, not the tokens generated before
             if order is Order.RELEVANCE and relevance is None:
-                link.lexical = tuple(bm25(query, tokens))
-            link.chunk_order = chunk_order(order, query, tokens, relevance if relevance is not None else link.lexical)
+                link.lexical = tuple(bm25(asked, tokens))
+            link.chunk_order = chunk_order(order, asked, tokens, relevance if relevance is not None else link.lexical)
         order = link.chunk_order
         layout = link.layout = lay_out(
             prefix=prefix, chunks=order.apply(chunks), query=query, block_size=self.block_size,
@@ -186,11 +187,11 @@ class Linker:
             relevance=None if relevance is None else order.apply(relevance),
             lexical=None if link.lexical is None else order.apply(link.lexical),
         )  # fmt: skip
+        if layout.num_tokens > self.spec.max_context:  # first: a prompt too long is that, whatever its policy
+            raise linked_too_long(layout.num_tokens, self.spec.max_context, self.spec.architecture, layout.segments)
         if first:
             self._specialise(link)
         link.laid_out = (chunks, len(query))
-        if layout.num_tokens > self.spec.max_context:
-            raise linked_too_long(layout.num_tokens, self.spec.max_context, self.spec.architecture, layout.segments)
         link.selected = self._selection(link)
 
     def _specialise(self, link: LinkState) -> None:
@@ -202,13 +203,13 @@ class Linker:
         chosen = link.policy.for_layout(link.layout)
         if chosen.parallel_positions != link.policy.parallel_positions:
             raise PolicyError(f"policy {link.policy.spec!r} chose {chosen.spec!r}, which lays chunks out otherwise")
-        link.policy = chosen
         chosen.check_model(num_layers=self.spec.num_layers)
         if chosen.context_scaling() is not None and self._backend != "torch":
             raise PolicyError(
                 f"policy {chosen.spec!r} runs on the torch attention backend only, not on "
                 f"{self._backend!r}; build the engine with PICConfig(attention_backend='torch')"
             )
+        link.policy = chosen  # once it is known to run here
 
     @staticmethod
     def _selection(link: LinkState) -> torch.Tensor:

@@ -48,6 +48,16 @@ class Policy(BaseModel, ABC):
     # policy but ``auto`` keeps the caller's, so Full Recompute stays the model's own prefill of the caller's prompt.
     order: ClassVar[Order] = Order.GIVEN
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Raises: PolicyError: a subclass that overrides ``order_for``, the hook ``order`` replaced (it would be
+        ignored: the chunks would run in the caller's order without a word)."""
+        super().__init_subclass__(**kwargs)
+        if "order_for" in vars(cls):
+            raise PolicyError(
+                f"policy class {cls.__name__} defines order_for(layout), which pic no longer calls; "
+                "set the class attribute order = Order.RELEVANCE (or Order.GIVEN) instead"
+            )
+
     def __init__(self, **data: Any) -> None:
         """Raises: PolicyError: a value a field rejects (strictly: ``LegoLink(k="16")`` too), or an unknown field."""
         try:
