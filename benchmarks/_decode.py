@@ -76,14 +76,17 @@ def pic_generate(engine: pic.PIC, requests: list[tuple[list[str], list[int]]], a
     }
 
 
-def decode(engine: pic.PIC, model, ids: list[str], docs: list[list[int]], batch: int, args) -> dict:
-    """pic and transformers in turn at ``batch`` requests: a warm-up round, then ``--decode-repeats`` rounds."""
+def decode(engine: pic.PIC, model, ids: list[str], docs: list[list[int]], batch: int, args, *, hf: bool = True) -> dict:
+    """pic and transformers in turn at ``batch`` requests: a warm-up round, then ``--decode-repeats`` rounds
+    (``hf=False``: pic alone, its ratio to transformers left to the caller)."""
     rng, k = random.Random(args.seed - batch), args.decode_context // args.chunk_tokens
     sets = [[(i * k + j) % len(docs) for j in range(k)] for i in range(batch)]
     queries = [[rng.randrange(3, args.vocab) for _ in range(args.query_tokens)] for _ in range(batch)]
     prompts = [prompt_ids(docs, s, q, engine.bos_token_id) for s, q in zip(sets, queries, strict=True)]
     requests = [([ids[c] for c in s], q) for s, q in zip(sets, queries, strict=True)]
     runs = {"pic": lambda: pic_generate(engine, requests, args), HF: lambda: hf_generate(model, prompts, args)}
+    if not hf:
+        del runs[HF]
     raw = {name: [] for name in runs}
     for i in range(args.decode_repeats + 1):
         for name, run in runs.items():
@@ -93,6 +96,8 @@ def decode(engine: pic.PIC, model, ids: list[str], docs: list[list[int]], batch:
                 raw[name].append(row)
     result = {"batch": batch, "prompt_tokens": len(prompts[0]), "new_tokens": args.new_tokens}
     result |= {name: summarize(rows, batch, args.new_tokens) for name, rows in raw.items()}
+    if not hf:
+        return result
     result["pic_over_hf_decode_tokens_per_s"] = result["pic"]["decode_tokens_per_s"] / result[HF]["decode_tokens_per_s"]
     pairs = zip(raw["pic"][0]["tokens"], raw[HF][0]["tokens"], strict=True)
     result["tokens_agreeing_with_hf"] = [agreeing(p, h) for p, h in pairs]

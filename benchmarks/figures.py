@@ -894,16 +894,12 @@ def _issue42_answers(name: str, documents: str, first: bool) -> str:
         row = rows[key]
         low, high = row["accuracy_ci"]
         correct = f"{100 * row['accuracy']:.1f}% ({100 * low:.1f}–{100 * high:.1f})"
-        diff = "" if key == "vllm_prefill" else _paired_ci(row["diff_vs_vllm_prefill"], row["diff_ci"])
+        diff = "" if key == "vllm_prefill" else _paired(row)
         diff = f"**{diff}**" if key == "connector_suffix" else diff
         text = label.format(documents=documents, default=": the connector's default" if first else "",
                             its=" (its default)" if first else "")  # fmt: skip
         lines.append(f"| {text} | {correct} | {diff} |".replace("|  |", "| |"))
     return "\n".join(lines)
-
-
-def _paired_ci(diff: float, ci: list[float]) -> str:
-    return _minus(f"{_points(diff)} ({_points(ci[0])} to {_points(ci[1])})")
 
 
 # docs/vllm.md's issue-42 answers: block name -> (results file, what the reordered prefill reorders, first table).
@@ -950,9 +946,9 @@ def vllm_issue48_table() -> str:
         rows = results(name)["accuracy"]["rows"]
         whole, cut = rows["connector_whole"], rows.get("connector_suffix")
         cells = [model, workload, f"{100 * rows['vllm_prefill']['accuracy']:.1f}%", f"{100 * whole['accuracy']:.1f}%",
-                 _paired_ci(whole["diff_vs_vllm_prefill"], whole["diff_ci"]),
+                 _paired(whole),
                  _minus(_points(rows["connector_naive"]["diff_vs_vllm_prefill"])),
-                 _paired_ci(cut["diff_vs_vllm_prefill"], cut["diff_ci"]) if cut else "(not run)"]  # fmt: skip
+                 _paired(cut) if cut else "(not run)"]  # fmt: skip
         lines.append(f"| {' | '.join(cells)} |")
     return "\n".join(lines)
 
@@ -1329,13 +1325,13 @@ _GPU_RUNS = (("H100, 5cd88e0", "h100_5cd88e0"), ("H200, 19c3797", "."))
 
 
 def _gpu_profile(folder: str, label: str) -> dict | None:
-    """One policy's figures in a profile_link.py text (``profile.txt``, or ``profile_graphs.txt`` for ``"<policy>
-    graphs"``): wall ms per link + first token, kernel launches and the GPU's busy ms; None if not profiled."""
-    name = "profile_graphs.txt" if label.endswith(" graphs") else "profile.txt"
-    path = RESULTS / folder / name
-    if not path.exists():
-        return None
-    text = path.read_text()
+    """One policy's figures in a run's profile_link.py text: wall ms per link + first token, kernel launches and the
+    GPU's busy ms; None if not profiled. Eager and graphed figures come from one process where a file has both
+    (``profile_link.py --graphs`` writes ``profile.txt``; the H200 run's graphs were profiled apart, with eager
+    again beside them, in ``profile_graphs.txt``)."""
+    texts = [p.read_text() for p in (RESULTS / folder / n for n in ("profile.txt", "profile_graphs.txt")) if p.exists()]
+    texts = [t for t in texts if " graphs: wall per link" in t] or texts  # the file with both, if one has them
+    text = texts[0] if texts else ""
     wall = re.search(rf"^{label}: wall per link \+ first token ([\d.]+) ms", text, re.M)
     if wall is None:
         return None
@@ -1359,13 +1355,16 @@ def _gpu_run(folder: str) -> list[str]:
     decode = ttft["decode"]
     rate = lambda batch: _x(decode[batch]["pic_over_hf_decode_tokens_per_s"])  # noqa: E731
     rates = f"{rate('1')} / {rate('16')}"
-    if "16 graphs" in decode:
-        rates += f"; graphs **{rate('1 graphs')} / {rate('16 graphs')}**"
+    if "16 graphs" in decode:  # over the eager run's transformers (the H200 run timed transformers again beside)
+        over_eager = [decode[f"{b} graphs"]["pic"]["decode_tokens_per_s"] / decode[b]["hf"]["decode_tokens_per_s"]
+                      for b in ("1", "16")]  # fmt: skip
+        rates += f"; graphs **{_x(over_eager[0])} / {_x(over_eager[1])}**"
     auto = [r["hf_over_link"].get("auto") for r in ttft["ttft"] if r["context_tokens"] >= 4096]
     in_loop = [c.get("pic_k_in_loop_over_pic") for c in prefill]
     mepic = {context: _x(by_context[context]["hf_over_link"]["mepic"]) for context in (16384, 32768)}
+    graphed = by_context[16384].get("graphs", {}).get("mepic")
     return [
-        f"**{mepic[16384]}** ({mepic[32768]} at 32K)",
+        f"**{mepic[16384]}** ({mepic[32768]} at 32K)" + (f"; graphs {_x(graphed['hf_over_link'])}" if graphed else ""),
         naive,
         ", ".join(_x(c["pic_over_sdpa"]) for c in prefill),
         ", ".join(_x(r) for r in in_loop) if all(in_loop) else "(in the loop only)",

@@ -20,24 +20,10 @@ from pathlib import Path
 import torch
 
 import pic
-from pic.model.op_count import ForwardOps, count_ops
+from pic.model.op_count import ForwardOps, link_ops
 
 DOCS = ["Once upon a time there was a cat who liked the sun.", "The dog ran to the park and played with a red ball."]
 QUERY = "What did the dog do?"
-
-
-def layer_ops(engine: pic.PIC, policy: str, *, num_new: int = 4) -> dict[str, ForwardOps]:
-    """The link's pass and its last decode step under ``policy`` (the engine's forwards while it links and
-    generates ``num_new`` tokens)."""
-    ids = engine.compile(DOCS)
-    with engine.paused() as core:
-        runner = core.runner
-    engine.link(ids, QUERY, policy=policy).generate(max_new_tokens=2)  # warm: first steps allocate kept K and V
-    with count_ops(runner) as forwards:
-        engine.link(ids, QUERY, policy=policy).generate(max_new_tokens=num_new)
-    passes = [f for f in forwards if not f.decode]
-    decodes = [f for f in forwards if f.decode]
-    return {"pass": passes[-1], "decode": decodes[-1]}
 
 
 def summary(forward: ForwardOps) -> dict:
@@ -63,8 +49,9 @@ def main() -> None:
     for dtype in args.dtypes.split(","):
         config = pic.PICConfig(eos_token_ids=())  # every step decodes: no end of generation before the count
         engine = pic.load(args.model or pic.EMBEDDED_MODEL, dtype=dtype, config=config)
+        ids = engine.compile(DOCS)
         for policy in ("naive", "full"):
-            for kind, forward in layer_ops(engine, policy).items():
+            for kind, forward in link_ops(engine, ids, QUERY, policy).items():
                 rows.append({"dtype": dtype, "policy": policy, "forward": kind, **summary(forward)})
         engine.close()
     print("| dtype | policy | forward | rows | ops per layer | kernels per layer (pic's operators expanded) |")
@@ -72,8 +59,10 @@ def main() -> None:
     for r in rows:
         print(f"| {r['dtype']} | {r['policy']} | {r['forward']} | {r['rows']} | {r['ops_per_layer']} | "
               f"{r['kernels_per_layer']} |")  # fmt: skip
-    if args.out:
+    if args.out:  # an earlier commit's counts ("before", which docs/gpu.md's table shows) are kept
+        kept = json.loads(args.out.read_text()).get("before") if args.out.exists() else None
         result = {"commit": commit, "model": args.model or "stories260K", "rows": rows}
+        result |= {"before": kept} if kept is not None else {}
         args.out.write_text(json.dumps(result, indent=1) + "\n")
 
 

@@ -271,9 +271,11 @@ def main() -> None:
             rates = [f"{n} {result[n]['decode_tokens_per_s']:.1f} tokens/s" for n in ("pic", HF)]
             print(f"decode batch {batch}: " + ", ".join(rates))
             if graphed is not None:
+                eager_hf = result[HF]["decode_tokens_per_s"]  # graphs change pic alone: one transformers baseline
                 result = decodes[f"{batch} graphs"] = with_graphs(
-                    engine, graphed, lambda b=batch: decode(engine, model, ids, docs, b, args)
+                    engine, graphed, lambda b=batch: decode(engine, model, ids, docs, b, args, hf=False)
                 )
+                result["pic_over_hf_decode_tokens_per_s"] = result["pic"]["decode_tokens_per_s"] / eager_hf
                 print(f"decode batch {batch}, graphs: pic {result['pic']['decode_tokens_per_s']:.1f} tokens/s")
         except Exception as exc:  # noqa: BLE001
             errors.append(f"decode batch {batch}: {type(exc).__name__}: {exc}")

@@ -197,20 +197,22 @@ class HostValues(TorchDispatchMode):
     between the host and the device and so wait for the GPU: a Python number made a tensor (``lift_fresh``: made
     on the host, then copied to the device by a blocking copy, as ``t[index] = -1`` does), a tensor read by the host
     (``_local_scalar_dense``: ``item()``, ``int()``, ``bool()``) and ``nonzero`` (its size is read). Runs on the CPU,
-    where torch's sync debug mode does not exist: ``[(op, file, line)]`` of the watched function's line."""
+    where torch's sync debug mode does not exist: ``[(op, file, line)]`` of the watched function's line.
+    ``num_watched`` counts every op the watched code ran: a check's control that it ran under the recorder at all."""
 
     HOST_OPS = ("aten.lift_fresh", "aten._local_scalar_dense", "aten.nonzero")
 
     def __init__(self, *watched) -> None:
         super().__init__()
-        self.watched, self.sites = watched, []
+        self.watched, self.sites, self.num_watched = watched, [], 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if str(func).startswith(self.HOST_OPS):
-            frame = sys._getframe(1)
-            while frame is not None and frame.f_code not in self.watched:
-                frame = frame.f_back
-            if frame is not None:
+        frame = sys._getframe(1)
+        while frame is not None and frame.f_code not in self.watched:
+            frame = frame.f_back
+        if frame is not None:
+            self.num_watched += 1
+            if str(func).startswith(self.HOST_OPS):
                 self.sites.append((str(func), os.path.basename(frame.f_code.co_filename), frame.f_lineno))
         return func(*args, **(kwargs or {}))
 
@@ -232,6 +234,7 @@ def test_a_recompute_piece_moves_no_value_between_host_and_device():
             if all(s.output_ids for s in owned.scheduler.queues.requests.values()):
                 break
     assert all(s.output_ids for s in owned.scheduler.queues.requests.values())
+    assert recorder.num_watched > 0  # the pieces' inputs were built under the recorder (its control)
     assert recorder.sites == []
 
 

@@ -121,4 +121,5 @@ def test_what_a_graph_replays_reads_no_host_value():
     finally:
         engine.close()
     assert forwards.num_replays >= 4  # the query pass and decode steps went through their buckets
+    assert recorder.num_watched > 100  # the body, fills and copies ran under the recorder (its control)
     assert recorder.sites == [], recorder.sites  # nor does the work around it (buffers filled, plan copied)

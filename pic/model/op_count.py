@@ -105,3 +105,15 @@ def count_ops(runner) -> Iterator[list[ForwardOps]]:
         yield forwards
     finally:
         del runner._layer, runner.forward  # the class's methods again
+
+
+def link_ops(engine, cache_ids: list[str], query: str, policy: str, *, num_new: int = 4) -> dict[str, ForwardOps]:
+    """The operations of a link's pass (``"pass"``) and of its last decode step (``"decode"``) under ``policy``:
+    ``engine`` (a ``pic.PIC``) links ``cache_ids`` with ``query`` and generates ``num_new`` tokens, after one untimed
+    link and two tokens (the first steps allocate the kept K and V), counted in the engine's thread."""
+    with engine.paused() as core:
+        runner = core.runner
+    engine.link(cache_ids, query, policy=policy).generate(max_new_tokens=2)
+    with count_ops(runner) as forwards:
+        engine.link(cache_ids, query, policy=policy).generate(max_new_tokens=num_new)
+    return {"pass": [f for f in forwards if not f.decode][-1], "decode": [f for f in forwards if f.decode][-1]}
