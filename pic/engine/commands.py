@@ -223,7 +223,7 @@ class RequestStream:
         self._alive, self._last_only = alive, last_only
 
     def put(self, item: RequestOutput | LinkOutput) -> None:
-        if not (self._last_only and isinstance(item, RequestOutput) and not item.finished):
+        if not self._last_only or ends_wait(item):
             self._queue.put(item)
 
     def get(self) -> RequestOutput | LinkOutput:
@@ -234,6 +234,12 @@ class RequestStream:
             except queue.Empty:
                 if not self._alive():
                     raise EngineClosedError("the engine's thread ended before the request did") from None
+
+
+def ends_wait(item: RequestOutput | LinkOutput) -> bool:
+    """Whether ``item`` ends a wait for a request's result (a ``LinkOutput``, or a finished output): what a stream
+    that keeps the last only (``last_only``) keeps."""
+    return not isinstance(item, RequestOutput) or item.finished
 
 
 def wait(future: Future[_T], alive: Callable[[], bool]) -> _T:

@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 from pic.engine import Engine, Request, RequestOutput
+from pic.engine.commands import ends_wait
 from pic.engine.request import LinkOutput
 
 _T = TypeVar("_T")
@@ -38,7 +39,7 @@ class AsyncRequestStream:
         self._queue: asyncio.Queue[RequestOutput | LinkOutput] = asyncio.Queue()
 
     def put(self, item: RequestOutput | LinkOutput) -> None:
-        if self._last_only and isinstance(item, RequestOutput) and not item.finished:
+        if self._last_only and not ends_wait(item):
             return
         try:
             self._loop.call_soon_threadsafe(self._queue.put_nowait, item)

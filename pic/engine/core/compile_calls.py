@@ -80,8 +80,8 @@ class CompileCalls:
     their blocks): a call is then not refused for the room they take now; its prefills wait for it (``Admission``),
     and fail only if they still do not fit once nothing runs."""
 
-    def __init__(self, sources: ChunkSources, pool: BlockPool, *, kv: KVManager, busy: Callable[[], bool]) -> None:
-        self.sources, self.loader, self.store, self.pool = sources, sources.loader, sources.store, pool
+    def __init__(self, sources: ChunkSources, *, kv: KVManager, busy: Callable[[], bool]) -> None:
+        self.sources, self.loader, self.store, self.pool = sources, sources.loader, sources.store, kv.pool
         self.kv, self.busy = kv, busy
         self.open: list[CompileCall] = []
 

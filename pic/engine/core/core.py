@@ -62,7 +62,7 @@ class EngineCore:
         self.runner, self.kv, self.pool, self.cache, self.store = runner, kv, kv.pool, kv.cache, kv.store
         self.loader = Loader(self.store, wake=lambda: self.wake())
         self.sources = ChunkSources(self.store, self.loader, bos_token_id=bos_token_id)
-        self.compiles = CompileCalls(self.sources, kv.pool, kv=kv, busy=lambda: self.scheduler.queues.num_active > 0)
+        self.compiles = CompileCalls(self.sources, kv=kv, busy=lambda: self.scheduler.queues.num_active > 0)
         self.decoder = Decoder(runner, tokenizer, eos_token_ids=eos_token_ids)
         self.scheduler = Scheduler(kv, linker, self.sources, self.compiles, self.decoder, config=config)
         self.num_steps = self.num_batched_seqs = 0  # steps that ran a forward, and the sequences in them

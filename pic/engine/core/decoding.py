@@ -1,7 +1,7 @@
 """``Decoder``: one sampled token per generating sequence from its final hidden state, detokenized, checked against
-the ways a generation ends (``Sampled``: the scheduler acts on it); and what a sequence puts out, pure functions of
-its state: a link's result (``link_output``), its last output with the ``Generation`` it ends with
-(``finish_output``).
+the ways a generation ends (``Sampled``: the scheduler acts on it); and what a sequence puts out, made from its
+state: a link's result (``link_output``), its last output with the ``Generation`` it ends with (``finish_output``,
+called once, as it flushes the detokenizer's held-back text).
 """
 
 from __future__ import annotations
@@ -87,11 +87,11 @@ def finish_output(seq: Sequence, *, text: str = "", token: int | None = None) ->
     if seq.error is not None:
         return RequestOutput(request_id=seq.request_id, text="", token_ids=tokens, finished=True, error=seq.error)
     text += seq.decoding.detokenizer.flush() if seq.decoding is not None else ""
-    generation = _generation(seq, seq.finish_reason)
+    generation = _generation(seq)
     return RequestOutput(request_id=seq.request_id, text=text, token_ids=tokens, finished=True, generation=generation)
 
 
-def _generation(seq: Sequence, why: FinishReason) -> Generation:
+def _generation(seq: Sequence) -> Generation:
     end, times = time.perf_counter(), seq.times
     first = times.first_token_s or end
     scheduled = times.scheduled_s or end
@@ -107,7 +107,7 @@ def _generation(seq: Sequence, why: FinishReason) -> Generation:
     stats = GenerationStats(
         num_prompt_tokens=num_prompt, num_recomputed_tokens=num_recomputed,
         num_reused_tokens=num_prompt - num_recomputed, num_generated_tokens=len(seq.output_ids), link_s=link_s,
-        ttft_s=ttft_s, decode_s=end - first, finish_reason=why, queue_s=scheduled - times.arrival_s,
+        ttft_s=ttft_s, decode_s=end - first, finish_reason=seq.finish_reason, queue_s=scheduled - times.arrival_s,
         num_preemptions=seq.num_preemptions, chunk_order=seq.link.chunk_order,
     )  # fmt: skip
     text = seq.decoding.detokenizer.text if seq.decoding is not None else ""
