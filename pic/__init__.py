@@ -22,7 +22,7 @@ import torch
 
 from pic import policies
 from pic.check import CheckResult, check
-from pic.config import CompileOptions, PICConfig, StoreConfig
+from pic.config import CompileOptions, PICConfig, Quota, StoreConfig
 from pic.engine import (
     PIC,
     CompileReport,
@@ -57,6 +57,7 @@ from pic.errors import (
 from pic.kv import KVStats
 from pic.link.order import ChunkOrder, Order
 from pic.model.loading import EMBEDDED_MODEL
+from pic.namespaces import Access, Namespace
 
 __version__ = "0.1.0"
 
@@ -130,6 +131,7 @@ link_chat = _on_default_engine(PIC.link_chat)
 __all__ = [
     "EMBEDDED_MODEL",
     "PIC",
+    "Access",
     "CheckResult",
     "ChunkOrder",
     "CompileOptions",
@@ -148,10 +150,12 @@ __all__ = [
     "LinkedReleasedError",
     "MissingDependencyError",
     "ModelLoadError",
+    "Namespace",
     "NoEngineError",
     "Order",
     "PICConfig",
     "PicError",
+    "Quota",
     "SamplingParams",
     "UnknownCacheIdError",
     "PolicyError",

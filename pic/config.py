@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import enum
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -18,12 +19,17 @@ from pic.errors import InvalidInputError
 from pic.redis_url import CLUSTER, SENTINEL, check_single, parse
 
 
+# Fields whose values an error never echoes.
+_SECRET_FIELDS = frozenset({"store_key"})
+
+
 def describe_validation_error(model: type[BaseModel], exc: ValidationError) -> str:
     """``"field=value: problem; ..."``, suggesting the nearest field name for a misspelled one."""
     problems = []
     for err in exc.errors():
         where = ".".join(str(p) for p in err["loc"])
-        problem = f"{where}={err.get('input')!r}: {err['msg']}" if where else err["msg"].removeprefix("Value error, ")
+        shown = "<secret>" if where in _SECRET_FIELDS else repr(err.get("input"))
+        problem = f"{where}={shown}: {err['msg']}" if where else err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             near = difflib.get_close_matches(str(err["loc"][-1]), list(model.model_fields), n=1)
             problem = f"unknown field {where!r}" + (f" (did you mean {near[0]!r}?)" if near else "")
@@ -59,11 +65,16 @@ class CompileOptions(_Frozen):
         context: token ids prefilled before the chunk (after the extra BOS tokens) and dropped from the
             cached KV afterwards: *compile in context*. The chunk's KV is then what it is after that
             text (a system prompt, APE's shared prefix) rather than at the start of a sequence.
+        namespace: the name of the namespace the chunk belongs to (``pic.namespaces``; ``""``: the default
+            one): a label for ownership checks and quotas. The id hashes the namespace's secret salt (or, without
+            one, this name), never stored; a chunk read from a shared tier is the namespace's whose salt
+            reproduces its id, whatever label it was written with.
     """
 
     add_bos: bool = True
     num_extra_bos: int = Field(default=0, ge=0, le=64)
     context: tuple[int, ...] = ()
+    namespace: str = Field(default="", pattern=r"^([A-Za-z0-9_.-]{1,64})?$")
 
     _context_tuple = field_validator("context", mode="before")(as_tuple)
 
@@ -80,13 +91,15 @@ class CompileOptions(_Frozen):
         return self.num_extra_bos + len(self.context)
 
     def id_fields(self) -> dict[str, object]:
-        """What a cache id hashes: every field, ``context`` only when there is one (so the ids of chunks
-        compiled without a context are those of the versions before it existed)."""
-        return self.model_dump(exclude=set() if self.context else {"context"})
+        """The fields a cache id hashes: every one but ``namespace`` (``chunk_id`` hashes the namespace's salt or
+        name itself), ``context`` only when there is one (so the ids of chunks compiled without a context are
+        those of the versions before it existed)."""
+        return self.model_dump(exclude={"namespace"} if self.context else {"context", "namespace"})
 
-    def without_context(self) -> CompileOptions:
-        """These options with no context (what a policy's own options are compared with at link time)."""
-        return self.model_copy(update={"context": ()}) if self.context else self
+    def policy_options(self) -> CompileOptions:
+        """These options without a context or a namespace: what a policy needs of a chunk, compared at link time
+        (a chunk of a shared namespace, or compiled after a context, still has the BOS tokens a policy needs)."""
+        return self.model_copy(update={"context": (), "namespace": ""}) if self.context or self.namespace else self
 
 
 class DecodeWeights(str, enum.Enum):
@@ -101,6 +114,24 @@ class PrefillOrder(str, enum.Enum):
 
     INTERACTIVE = "interactive"  # links' and generations' recompute passes, then compiles (the default)
     ARRIVAL = "arrival"  # first come first served: a request that arrives during a compile waits for it
+
+
+class Quota(_Frozen):
+    """What one namespace's requests and chunks may take of an engine shared by several (``PICConfig.quotas``).
+
+    Attributes:
+        kv_share: the share of the KV pool's blocks its chunks keep against other namespaces: while it holds no
+            more than that, another namespace's work never evicts its chunks (its own work evicts its own chunks
+            first). Beyond it, its least recently used chunks are evicted for anyone, as without quotas. ``0``
+            (the default): no protection.
+        store_share: the same for the CPU tier's bytes (the lower tier pic evicts in this process).
+        max_num_seqs: the most of its requests that run at once (``None``: ``PICConfig.max_num_seqs``); the others
+            wait while other namespaces' requests are admitted.
+    """
+
+    kv_share: float = Field(default=0.0, ge=0, le=1)
+    store_share: float = Field(default=0.0, ge=0, le=1)
+    max_num_seqs: int | None = Field(default=None, ge=1, le=4096)
 
 
 class PICConfig(_Frozen):
@@ -157,6 +188,10 @@ class PICConfig(_Frozen):
             graphs captured per bucket of rows and slots (``pic.model.graphs``). ``None`` (the default): on for a CUDA
             model on the Triton backend, off elsewhere; ``True``: on, and an error where they cannot run; ``False``:
             off. On an H200 they made a naive 16K link 1.4x and decode at batch 16 2.5x faster (docs/gpu.md).
+        quotas: namespace name -> its ``Quota`` (``pic.namespaces``; a namespace without one has none): shares of
+            the KV pool and the CPU tier its chunks keep, and the requests it runs at once. Waiting requests of
+            different namespaces are admitted in turn (round robin), so one namespace's many requests cannot hold
+            another's first token. The ``kv_share``s and ``store_share``s each sum to at most 1.
     """
 
     block_size: int = Field(default=16, ge=1, le=4096)
@@ -173,6 +208,7 @@ class PICConfig(_Frozen):
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     decode_weights: DecodeWeights = DecodeWeights.MODEL
     cuda_graphs: bool | None = None
+    quotas: dict[str, Quota] = Field(default_factory=dict)
 
     _eos_tuple = field_validator("eos_token_ids", mode="before")(as_tuple)
 
@@ -185,6 +221,20 @@ class PICConfig(_Frozen):
             if value not in names:
                 raise ValueError(f"{value!r} is not one of {names}")
             return kind(value)
+        return value
+
+    @field_validator("quotas")
+    @classmethod
+    def _quotas(cls, value: dict[str, Quota]) -> dict[str, Quota]:
+        from pic.namespaces import NAME_PATTERN
+
+        bad = next((name for name in value if not re.match(NAME_PATTERN, name)), None)
+        if bad is not None:
+            raise ValueError(f"namespace name {bad!r:.80} is not 1 to 64 of A-Z a-z 0-9 _ . -")
+        for share in ("kv_share", "store_share"):
+            total = sum(getattr(q, share) for q in value.values())
+            if total > 1 + 1e-9:
+                raise ValueError(f"the namespaces' {share}s sum to {total:g}, more than 1")
         return value
 
     @field_validator("eos_token_ids")
@@ -232,6 +282,10 @@ class StoreConfig(_Frozen):
             write one chunk (a part that expires first makes that write store nothing).
         redis_lease_s: how long a worker's lease on a chunk it compiles lives without renewal (renewed
             while it compiles): a worker that dies mid-compile delays the fleet's others by at most this.
+        store_key: the fleet's store key (at least 16 bytes; ``None``: none). With it, every chunk written to a shared
+            tier (disk, Redis) carries a keyed MAC over its metadata and KV, and an entry whose MAC does not match
+            (forged, altered, of another fleet, or written without the key) is a logged miss, never served. Without
+            it the shared tiers are trusted as they are. Never shown in ``repr`` or an error.
         shared_recheck_s: a link of a chunk resident in the pool checks, at most once per this many seconds
             per chunk, that the shared tier (Redis) still holds it (one ``EXISTS``), and writes it back if
             not (Redis restarted without persistence, or the chunk was compiled while it was down under
@@ -259,6 +313,7 @@ class StoreConfig(_Frozen):
     redis_parts_ttl_s: float = Field(default=60.0, ge=0.001, le=7 * 24 * 3600)
     redis_lease_s: float = Field(default=10.0, ge=0.1, le=3600)
     shared_recheck_s: float | None = Field(default=30.0, ge=0)
+    store_key: bytes | None = Field(default=None, min_length=16, max_length=4096, repr=False)
 
     @model_validator(mode="after")
     def _disk_bytes_with_path(self) -> StoreConfig:

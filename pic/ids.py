@@ -1,9 +1,10 @@
 """Content addresses: a model fingerprint and the cache id of a chunk (below compile and store: both name
 chunks by it).
 
-A cache id is a hash of (model fingerprint, token ids, compile options), so the same text compiled
-by the same model on two machines gets the same id, and a chunk can never be linked by a model, or
-with options, other than the ones that produced its KV.
+A cache id is a hash of (model fingerprint, token ids, compile options, the namespace's secret salt), so the
+same text compiled by the same model in the same namespace on two machines gets the same id, a chunk can never
+be linked by a model, or with options, other than the ones that produced its KV, and an id of another
+namespace cannot be computed without its salt (``pic.namespaces``).
 """
 
 from __future__ import annotations
@@ -45,10 +46,22 @@ def model_fingerprint(model: nn.Module) -> str:
     return h.hexdigest()[:32]
 
 
-def chunk_id(fingerprint: str, token_ids: Sequence[int], options: CompileOptions) -> str:
-    """Cache id (32 hex chars) of ``token_ids`` compiled by the model ``fingerprint`` with ``options``."""
-    key = msgpack.packb([KV_FORMAT_VERSION, fingerprint, options.id_fields(), list(token_ids)])
-    return hashlib.sha256(key).hexdigest()[:32]
+def chunk_id(fingerprint: str, token_ids: Sequence[int], options: CompileOptions, salt: bytes = b"") -> str:
+    """Cache id (32 hex chars) of ``token_ids`` compiled by the model ``fingerprint`` with ``options``, in a
+    namespace (``pic.namespaces``) whose secret is ``salt``: without the salt nobody can compute it.
+
+    The namespace's identity is its salt when it has one, else its name (``options.namespace``): a label alone
+    separates chunks (two names, two ids) but anyone can compute its ids; a salt makes them secret, and two
+    programs that name the namespace differently but share its salt (``pic serve``'s tenant and vLLM's
+    ``cache_salt``) agree on every id. Neither a salt nor a name (the default namespace): the ids of the
+    versions before namespaces existed.
+    """
+    fields: list[object] = [KV_FORMAT_VERSION, fingerprint, options.id_fields(), list(token_ids)]
+    if salt:
+        fields.append(["salt", salt])
+    elif options.namespace:
+        fields.append(["name", options.namespace])
+    return hashlib.sha256(msgpack.packb(fields)).hexdigest()[:32]
 
 
 def cache_id_list(cache_ids: object, name: str = "cache_ids") -> list[str]:

@@ -23,6 +23,7 @@ from pic.link.order import ChunkOrder, Order, parse_order, relevance_scores
 from pic.link.policies import Policy
 from pic.link.probe import Probe
 from pic.model import ModelSpec
+from pic.namespaces import OPEN, Access
 
 
 class Request:
@@ -203,6 +204,8 @@ class NewRequest:
         sampling: ``None`` parks the request after its recompute pass (``link``).
         sink: where its outputs go.
         paced: it runs only in steps its client asks for (``Stepper.step``) or that other requests need.
+        access: the namespaces it may link chunks of (``pic.namespaces``); ``access.own.name`` is whose request it
+            is (its quota, its turn among waiting requests).
     """
 
     request_id: int
@@ -216,6 +219,7 @@ class NewRequest:
     sampling: SamplingParams | None
     sink: OutputSink
     paced: bool = False
+    access: Access = OPEN
 
 
 @dataclass(frozen=True)

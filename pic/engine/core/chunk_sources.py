@@ -159,10 +159,10 @@ class ChunkSources:
 
 def _checked(seq: Sequence, chunk: ChunkInfo | ChunkKV) -> ChunkInfo | ChunkKV:
     """Raises: CompileOptionsMismatchError: ``chunk`` was compiled with other options than the policy needs."""
-    options, policy, cid = seq.request.compile_options.without_context(), seq.link.policy, chunk.cache_id
-    if chunk.options.without_context() != options:
+    options, policy, cid = seq.request.compile_options.policy_options(), seq.link.policy, chunk.cache_id
+    if chunk.options.policy_options() != options:
         raise CompileOptionsMismatchError(
-            f"chunk {cid} was compiled with {chunk.options.without_context()!r} but policy "
+            f"chunk {cid} was compiled with {chunk.options.policy_options()!r} but policy "
             f"{policy.spec!r} needs {options!r}; compile it with compile(docs, policy={policy.spec!r})"
         )
     if policy.needs_context and not chunk.options.context:
