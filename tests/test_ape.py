@@ -15,7 +15,7 @@ from pic.attention.ape import ContextScaling, ape_attention
 from pic.attention.rope import apply_rope
 from pic.ids import KV_FORMAT_VERSION, chunk_id
 from tests.conftest import make_engine
-from tests.models import DOCS, PREFIX, QUERY, model
+from tests.models import DOCS, QUERY, model
 
 CONTEXT = "Once upon a time, in a small town,"
 
@@ -101,10 +101,10 @@ def test_context_is_part_of_the_id_and_no_context_keeps_the_old_ids(stories):
 def test_policies_link_chunks_compiled_in_context(stories):
     ids = stories.compile(list(DOCS), context=CONTEXT)
     for policy in ("naive", "regions", "prophetkv", "full"):
-        with stories.link(ids, QUERY, prefix=PREFIX, policy=policy) as linked:
+        with stories.link(ids, QUERY, prefix=CONTEXT, policy=policy) as linked:
             assert linked.input_ids.shape[0] > 0
-    full_in_context = stories.link(ids, QUERY, prefix=PREFIX, policy="full").logits
-    full_alone = stories.link(stories.compile(list(DOCS)), QUERY, prefix=PREFIX, policy="full").logits
+    full_in_context = stories.link(ids, QUERY, prefix=CONTEXT, policy="full").logits
+    full_alone = stories.link(stories.compile(list(DOCS)), QUERY, prefix=CONTEXT, policy="full").logits
     assert torch.equal(full_in_context, full_alone)  # Full Recompute recomputes the context's effect away
     with pytest.raises(pic.CompileOptionsMismatchError, match="needs chunks compiled in context"):
         stories.link(stories.compile(list(DOCS)), QUERY, policy="ape")
@@ -114,7 +114,7 @@ def test_policies_link_chunks_compiled_in_context(stories):
 
 def test_ape_positions_scaling_and_its_limit(stories):
     ids = stories.compile(list(DOCS), context=CONTEXT)
-    with stories.link(ids, QUERY, prefix=PREFIX, policy="ape") as linked:
+    with stories.link(ids, QUERY, prefix=CONTEXT, policy="ape") as linked:
         layout = linked.layout
         start = layout.segments[0].num_tokens
         longest = max(seg.num_tokens for seg in layout.chunks)
@@ -123,9 +123,9 @@ def test_ape_positions_scaling_and_its_limit(stories):
         assert layout.positions[layout.query.tokens][0] == start + longest
         assert linked.num_recomputed == layout.num_tokens - int(layout.cached.sum())
         ape = linked.logits
-    with stories.link(ids, QUERY, prefix=PREFIX, policy="naive") as naive:
+    with stories.link(ids, QUERY, prefix=CONTEXT, policy="naive") as naive:
         assert not torch.allclose(naive.logits, ape, atol=1e-3)
-        plain = stories.link(ids, QUERY, prefix=PREFIX, policy="ape:1.0,scale=1.0,parallel=false")
+        plain = stories.link(ids, QUERY, prefix=CONTEXT, policy="ape:1.0,scale=1.0,parallel=false")
         assert torch.allclose(plain.logits, naive.logits, atol=1e-4, rtol=0)  # T = S = 1 in order: Naive
         plain.release()
 
@@ -133,7 +133,7 @@ def test_ape_positions_scaling_and_its_limit(stories):
 def test_ape_requests_batch_with_others(stories):
     ids = stories.compile(list(DOCS), context=CONTEXT)
     requests = [
-        pic.Request(ids[i:] + ids[:i], QUERY, prefix=PREFIX, policy=policy, max_new_tokens=8)
+        pic.Request(ids[i:] + ids[:i], QUERY, prefix=CONTEXT, policy=policy, max_new_tokens=8)
         for i, policy in enumerate(["ape", "naive", "ape:0.5,scale=0.8", "regions", "ape:0.9,parallel=false"])
     ]
     together = stories.generate_many(requests)
@@ -147,4 +147,4 @@ def test_ape_needs_the_torch_backend():
     engine = make_engine("stories260K", attention_backend="triton")
     ids = engine.compile(list(DOCS), context=CONTEXT)
     with pytest.raises(pic.PolicyError, match="torch attention backend only.*'triton'"):
-        engine.link(ids, QUERY, policy="ape")
+        engine.link(ids, QUERY, prefix=CONTEXT, policy="ape")

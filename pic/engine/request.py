@@ -23,7 +23,7 @@ from pic.link.order import ChunkOrder, Order, parse_order, relevance_scores
 from pic.link.policies import Policy
 from pic.link.probe import Probe
 from pic.model import ModelSpec
-from pic.namespaces import OPEN, Access
+from pic.namespaces import OPEN, Access, Namespace, access_of
 
 
 class Request:
@@ -38,10 +38,12 @@ class Request:
     policies that rank chunks (``regions``) and the relevance order use it instead of their own ranking.
     ``order``: the chunks' order in the prompt, ``"given"`` (the caller's), ``"relevance"`` (most relevant
     last), or ``"policy"`` / ``None`` (the default: the policy's choice, ``Policy.order``).
+    ``namespace``: whose request it is and whose chunks it may link (``pic.namespaces.access_of``: a name, a
+    ``Namespace`` or an ``Access``; ``None``: the default namespace): an id outside it is unknown to it.
 
     Raises:
         InvalidInputError: cache ids that are not strings, an empty query, a bad or unknown sampling option,
-            relevance scores that are not one finite number per cache id, an unknown order.
+            relevance scores that are not one finite number per cache id, an unknown order, a bad namespace.
         PolicyError: an unknown policy spec.
     """
 
@@ -54,10 +56,12 @@ class Request:
         policy: str | policies.Policy | None = None,
         relevance: Sequence[float] | None = None,
         order: str | Order | None = None,
+        namespace: str | Namespace | Access | None = None,
         sampling: SamplingParams | None = None,
         **options: Unpack[SamplingOptions],
     ) -> None:
         self.cache_ids = cache_id_list(cache_ids)
+        self.access = access_of(namespace)
         if isinstance(query, str | list | tuple) and len(query) == 0:
             raise InvalidInputError(f"query {query!r} has no tokens; link needs at least one query token")
         self.query, self.prefix = query, prefix
@@ -73,6 +77,8 @@ class Request:
 
     def __repr__(self) -> str:
         shown = f"num_chunks={self.num_chunks}, query={self.query!r}, policy={self.policy}"
+        if not self.access.own.is_default:
+            shown += f", namespace={self.access.own.name!r}"
         return f"Request({shown}, sampling={self.sampling!r})"
 
 
@@ -122,6 +128,7 @@ class Preparer:
             request_id=next(self._ids), cache_ids=list(request.cache_ids), prefix_ids=prefix_ids, query_ids=query_ids,
             policy=policy, order=request.order, relevance=request.relevance,
             compile_options=self.compile_options(policy), sampling=sampling, sink=sink, paced=paced,
+            access=request.access,
         )  # fmt: skip
 
 

@@ -11,6 +11,7 @@ compiler) is handed the pool by the engine that built both, not reached through 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 import torch
 
@@ -42,9 +43,12 @@ class DeviceTier:
         """Canonical blocks of a chunk of ``num_tokens`` tokens (front-padded to whole blocks)."""
         return blocks_for(num_tokens, self._cache.block_size)
 
-    def info(self, cache_id: str) -> ChunkInfo | None:
-        """The resident chunk's description, counting a hit or a miss."""
+    def info(self, cache_id: str, *, readable: Mapping[str, bytes] | None = None) -> ChunkInfo | None:
+        """The resident chunk's description, counting a hit or a miss; a chunk of a namespace not in ``readable``
+        (names; ``None``: any) is a miss, as if it were not resident."""
         info = self._info(cache_id)
+        if info is not None and readable is not None and info.options.namespace not in readable:
+            info = None
         if info is None:
             self._stats.misses += 1
             return None

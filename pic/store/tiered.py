@@ -17,7 +17,7 @@ engine once the tier works again. Threads: the device tier is the engine thread'
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 
 from pic.config import StoreConfig
 from pic.errors import StoreUnavailableError, UnknownCacheIdError, cache_id_hint
@@ -176,9 +176,10 @@ class TieredStore:
         """Whether a lower tier can take ``num_bytes`` more without evicting pinned chunks or ``keep`` (no I/O)."""
         return any(t.can_fit(num_bytes, keep=keep) for t in self.lower)
 
-    def resident(self, cache_id: str) -> ChunkInfo | None:
-        """The chunk's ``ChunkInfo`` if it is resident in the pool (engine thread; counts a hit or a miss)."""
-        return self.device.info(cache_id) if isinstance(cache_id, str) else None
+    def resident(self, cache_id: str, *, readable: Mapping[str, bytes] | None = None) -> ChunkInfo | None:
+        """The chunk's ``ChunkInfo`` if it is resident in the pool in one of the namespaces ``readable`` names
+        (``None``: any; engine thread; counts a hit or a miss)."""
+        return self.device.info(cache_id, readable=readable) if isinstance(cache_id, str) else None
 
     def describe(self, cache_id: str) -> ChunkDescription:
         """What the tiers know of ``cache_id`` from metadata alone: no KV is read, nothing is promoted

@@ -19,6 +19,7 @@ from pic.ids import cache_id_list
 from pic.link import policies
 from pic.link.chat import DOCUMENTS_MARKER, split_chat
 from pic.link.order import Order
+from pic.namespaces import Access, Namespace
 from pic.text import refuse_text_for_list
 
 
@@ -39,6 +40,7 @@ class ChatMethods:
         relevance: Sequence[float] | None = None,
         order: str | Order | None = None,
         add_generation_prompt: bool = True,
+        namespace: str | Namespace | Access | None = None,
     ) -> Linked:
         """``link`` with the chunks where a plain chat prompt puts the documents: the tokenizer's chat template
         rendered around them (at the start of the first user message, or where a message says ``{documents}``);
@@ -52,6 +54,7 @@ class ChatMethods:
                 after ``cache_ids``; compiled once, cached like any chunk.
             relevance: one score per chunk (``cache_ids`` then ``documents``), see ``link``.
             order: the chunks' order (``cache_ids`` then ``documents`` is the given one), see ``link``.
+            namespace: whose chunks it links and where ``documents`` are compiled, see ``link`` and ``compile``.
 
         Raises:
             InvalidInputError: malformed messages, no place for the documents, several markers, a
@@ -63,8 +66,12 @@ class ChatMethods:
         prefix, query = self.chat_segments(messages, add_generation_prompt=add_generation_prompt)
         if documents:  # interactive: this request waits for them, so their prefills go before bulk compiles
             context = self.chat_context(messages)
-            ids += self.compile(list(documents), policy=policy, context=context, progress=False, interactive=True)
-        return self.link(ids, query, prefix=prefix, policy=policy, relevance=relevance, order=order)
+            ids += self.compile(
+                list(documents), policy=policy, context=context, progress=False, interactive=True, namespace=namespace
+            )
+        return self.link(
+            ids, query, prefix=prefix, policy=policy, relevance=relevance, order=order, namespace=namespace
+        )
 
     def chat_context(self, messages: Sequence[dict] = ()) -> str:
         """What a chat's documents are compiled after, *in context* (``compile(docs, context=...)``): the chat

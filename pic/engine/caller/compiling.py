@@ -16,6 +16,7 @@ from pic.errors import ContextLengthError, InvalidInputError
 from pic.ids import chunk_id
 from pic.link import policies
 from pic.model import ModelSpec
+from pic.namespaces import Access, Namespace, access_of
 from pic.progress import tqdm
 
 # Compiling this many new documents, or running this many requests (``generate_many``), shows a progress bar
@@ -59,6 +60,7 @@ class CompileMethods:
         context: TextOrTokens | None = None,
         progress: bool | None = None,
         interactive: bool = False,
+        namespace: str | Namespace | Access | None = None,
     ) -> list[str]:
         """Prefill each document alone and cache its KV; returns one cache id per document.
 
@@ -74,6 +76,10 @@ class CompileMethods:
             interactive: a request waits for these chunks (a chat's documents): their prefills go before bulk
                 compiles, with the requests' passes (``PICConfig.prefill_order``); ``False``: a bulk compile, which
                 takes what each step's requests leave (and ``PICConfig.compile_share`` of it at least).
+            namespace: the namespace the chunks go into (``pic.namespaces``: a name, a ``Namespace``, or an
+                ``Access``, whose ``own`` namespace it is; ``None``: the default one). Their ids hash its salt (or,
+                without one, its name), so the same document gets another id in every namespace; only ``link`` calls
+                given that namespace (or reading it) can link them.
 
         Ids are content addresses: compiling a document that is already cached does no work, and
         compiling one whose chunk was evicted compiles it again. Each chunk is prefilled straight into
@@ -91,7 +97,9 @@ class CompileMethods:
                 where no lower tier can take them, beside each other (checked before any work; while requests
                 run, the call waits for the blocks they free, and fails only if they still do not fit after).
         """
-        return self.compile_report(docs, policy=policy, context=context, progress=progress, interactive=interactive).ids
+        return self.compile_report(
+            docs, policy=policy, context=context, progress=progress, interactive=interactive, namespace=namespace
+        ).ids
 
     def compile_report(
         self,
@@ -102,6 +110,7 @@ class CompileMethods:
         progress: bool | None = None,
         lower_tiers: bool = True,
         interactive: bool = False,
+        namespace: str | Namespace | Access | None = None,
     ) -> CompileReport:
         """``compile``, saying which tiers hold each chunk when it returns (``CompileReport.tiers``): under
         ``on_*_error="miss"`` a tier that failed does not, and a caller that promised its users a durable copy
@@ -113,9 +122,11 @@ class CompileMethods:
         Raises:
             as ``compile``.
         """
+        own = access_of(namespace).own
         context_ids = () if context is None else self._context_ids(context)
         options = self._prepare.compile_options(self.compile_policy(policy), context_ids)
-        ids, tokens = self._documents(docs, options)
+        options = options.model_copy(update={"namespace": own.name}) if own.name else options
+        ids, tokens = self._documents(docs, options, salt=own.salt)
         show = len(tokens) >= PROGRESS_MIN if progress is None else progress
         num_compiled = 0
         with tqdm(total=len(tokens), desc="pic compile", unit="chunk", disable=not show) as bar:
@@ -163,9 +174,10 @@ class CompileMethods:
         return ids
 
     def _documents(
-        self, docs: TextOrTokens | Sequence[TextOrTokens], options: CompileOptions
+        self, docs: TextOrTokens | Sequence[TextOrTokens], options: CompileOptions, *, salt: bytes = b""
     ) -> tuple[list[str], dict[str, list[int]]]:
-        """Each document's cache id (repeats included) and each distinct chunk's content tokens under its id.
+        """Each document's cache id (repeats included; hashing ``salt``, its namespace's) and each distinct chunk's
+        content tokens under its id.
 
         Raises:
             InvalidInputError: no documents, an empty document, a bad token id, bytes.
@@ -183,5 +195,5 @@ class CompileMethods:
                     f"of {spec.architecture} with its {options.add_bos + options.num_extra_bos} BOS tokens, "
                     f"{len(options.context)} context tokens and at least one query token; split it into smaller chunks"
                 )
-        ids = [chunk_id(self.fingerprint, tokens, options) for tokens in token_lists]
+        ids = [chunk_id(self.fingerprint, tokens, options, salt) for tokens in token_lists]
         return ids, dict(zip(ids, token_lists, strict=True))

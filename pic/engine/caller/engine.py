@@ -37,6 +37,7 @@ from pic.model import ModelSpec
 from pic.model.dtypes import DtypeChoice, choose_dtype
 from pic.model.inputs import AttentionObserver
 from pic.model.loading import EMBEDDED_MODEL, load_pretrained, model_name, resolve_device
+from pic.namespaces import Access, Namespace
 from pic.text import refuse_text_for_list
 
 
@@ -132,6 +133,7 @@ class PIC(CompileMethods, ChatMethods, RunMethods):
         policy: str | policies.Policy | None = None,
         relevance: Sequence[float] | None = None,
         order: str | Order | None = None,
+        namespace: str | Namespace | Access | None = None,
     ) -> Linked:
         """Link cached chunks with a query (prompt: ``prefix + chunks + query``) and run the
         recompute pass, so the first token's logits are ready on return.
@@ -143,17 +145,22 @@ class PIC(CompileMethods, ChatMethods, RunMethods):
         ``"policy"`` / ``None`` (the default): the policy's choice (``auto`` orders by relevance, in every layout;
         every other built-in policy keeps the given order).
         ``Linked.order`` says what ran, and ``Linked.input_ids`` is the prompt as it ran.
+        ``namespace``: whose chunks it may link (``compile``'s; ``None``: the default namespace's): an id of
+        another namespace is unknown to it, exactly as an id nobody compiled.
 
         Raises:
             UnknownCacheIdError: an id no store tier holds, of a chunk this engine never compiled or linked.
             StoreUnavailableError: Redis failed (``StoreConfig.on_redis_error="raise"``).
-            CompileOptionsMismatchError: a chunk compiled with other options than ``policy`` needs.
+            CompileOptionsMismatchError: a chunk compiled with other options than ``policy`` needs, or compiled in
+                a context (``compile(docs, context=...)``) that this prompt does not start with.
             InvalidInputError: an empty query, a bad token id.
             ContextLengthError: the linked prompt is longer than the model's context.
             KVPoolExhaustedError: the KV pool cannot hold the request beside the live ones (nothing
                 is taken; the message gives the blocks needed and available).
         """
-        request = Request(cache_ids, query, prefix=prefix, policy=policy, relevance=relevance, order=order)
+        request = Request(
+            cache_ids, query, prefix=prefix, policy=policy, relevance=relevance, order=order, namespace=namespace
+        )
         return self.link_many([request])[0]
 
     def link_many(self, requests: Sequence[Request]) -> list[Linked]:

@@ -4,13 +4,14 @@ delays only its caller, never the engine's steps."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 
 from pic.engine.commands import Channel
 from pic.errors import InvalidInputError
 from pic.kv import ChunkKV
+from pic.namespaces import Access, Namespace, access_of
 from pic.store import TieredStore
 from pic.store.description import ChunkDescription
 from pic.store.lease import FleetLeases
@@ -32,11 +33,11 @@ class _DeviceOnCore:
     def contains(self, cache_id: str) -> bool:
         return self._run(lambda d: d.contains(cache_id))
 
-    def extent(self, cache_id: str) -> Extent | None:
-        return self._run(lambda d: d.extent(cache_id))
+    def extent(self, cache_id: str, *, readable: Mapping[str, bytes] | None = None) -> Extent | None:
+        return self._run(lambda d: d.extent(cache_id, readable=readable))
 
-    def peek(self, cache_id: str) -> ChunkKV | None:
-        return self._run(lambda d: d.peek(cache_id))
+    def peek(self, cache_id: str, *, readable: Mapping[str, bytes] | None = None) -> ChunkKV | None:
+        return self._run(lambda d: d.peek(cache_id, readable=readable))
 
     def delete(self, cache_id: str) -> bool:
         """Drop the chunk from the pool and the engine's memory of its tokens (an expired id is unknown)."""
@@ -61,6 +62,11 @@ class _DeviceOnCore:
 class StoreView:
     """Reads and operations on the engine's ``TieredStore`` (device, CPU, disk and Redis tiers), from any thread.
 
+    ``describe``, ``get`` and ``expire`` take ``namespace=`` (as ``compile`` and ``link`` do; ``None``: the default
+    namespace): a chunk of another namespace is answered as an id no tier holds. ``expire`` deletes only from the
+    caller's own namespace (a shared namespace's readers cannot). ``ids``, ``lookup``, ``contains``, ``pin`` and
+    ``stats`` are the operator's: every namespace's chunks.
+
     Attributes:
         fleet: compile-once leases in the Redis tier (``None`` without one); safe from any thread.
     """
@@ -79,21 +85,21 @@ class StoreView:
         """Names of the tiers that hold ``cache_id``, fastest first."""
         return self._store.lookup(self._id(cache_id))
 
-    def describe(self, cache_id: str) -> ChunkDescription:
-        """What the store knows of a chunk without reading its KV (tiers, tokens, bytes).
+    def describe(self, cache_id: str, *, namespace: str | Namespace | Access | None = None) -> ChunkDescription:
+        """What the store knows of a chunk of ``namespace`` without reading its KV (tiers, tokens, bytes).
 
         Raises:
-            UnknownCacheIdError: no tier holds it.
+            UnknownCacheIdError: no tier holds it in the namespaces ``namespace`` may read.
         """
-        return self._store.describe(self._id(cache_id))
+        return self._store.describe(self._id(cache_id), readable=access_of(namespace).readable)
 
     def contains(self, cache_id: str) -> bool:
         return self._store.contains(self._id(cache_id))
 
-    def get(self, cache_id: str) -> ChunkKV | None:
-        """The chunk's KV from the fastest tier that holds it (a copy), on the engine's device; ``None``
-        when no tier does."""
-        return self._store.get(self._id(cache_id))
+    def get(self, cache_id: str, *, namespace: str | Namespace | Access | None = None) -> ChunkKV | None:
+        """The chunk's KV from the fastest tier that holds it in the namespaces ``namespace`` may read (a copy), on
+        the engine's device; ``None`` when no tier does."""
+        return self._store.get(self._id(cache_id), readable=access_of(namespace).readable)
 
     def pin(self, cache_id: str) -> None:
         """Never evict ``cache_id`` from the pool and the CPU tier (also once promoted into them).
@@ -106,10 +112,12 @@ class StoreView:
     def unpin(self, cache_id: str) -> None:
         self._store.unpin(self._id(cache_id))
 
-    def expire(self, cache_id: str) -> bool:
-        """Remove ``cache_id`` from every tier; ``True`` if any held it. Live requests that link it keep
-        its blocks until they are released."""
-        return self._store.expire(self._id(cache_id))
+    def expire(self, cache_id: str, *, namespace: str | Namespace | Access | None = None) -> bool:
+        """Remove ``cache_id`` from every tier, if it is a chunk of ``namespace``'s own namespace; ``True`` if any
+        held it (``False`` for a chunk of another namespace, as for an id nobody compiled). Live requests that link
+        it keep its blocks until they are released."""
+        own = access_of(namespace).own
+        return self._store.expire(self._id(cache_id), readable={own.name: own.salt})
 
     def ids(self) -> list[str]:
         """Every cache id in any tier."""

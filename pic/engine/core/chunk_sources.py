@@ -95,11 +95,11 @@ class ChunkSources:
             return True
         if fetch.pending:  # (a load lands in ``loaded``; a compile done is no longer pending: ``compiled``)
             return False
-        chunks = {cid: self._find(fetch, cid) for cid in dict.fromkeys(seq.request.cache_ids)}
+        chunks = {cid: self._find(seq, cid) for cid in dict.fromkeys(seq.request.cache_ids)}
         if fetch.pending:
             return False
         lost = [cid for cid, chunk in chunks.items() if chunk is None]
-        recipes = {cid: self._recipe(fetch, cid) for cid in lost}  # every one known before any compile starts
+        recipes = {cid: self._recipe(seq, cid) for cid in lost}  # every one known before any compile starts
         for cid, recipe in recipes.items():
             kept = recipe.token_ids.tolist()
             fetch.pending[cid] = self.compile(cid, kept[1:] if recipe.options.add_bos else kept, recipe.options)
@@ -133,32 +133,39 @@ class ChunkSources:
     def _evicted(self, fetch: Fetch) -> bool:
         return any(isinstance(c, ChunkInfo) and not self.store.device.contains(c.cache_id) for c in fetch.chunks)
 
-    def _find(self, fetch: Fetch, cid: str) -> ChunkInfo | ChunkKV | None:
+    def _find(self, seq: Sequence, cid: str) -> ChunkInfo | ChunkKV | None:
         """The chunk if it is at hand; else ``None``: a load starts (``fetch.pending``) or, when no tier holds it
-        (``fetch.lost``, or no lower tier), the caller compiles it again."""
-        if cid in fetch.found:  # loaded for it (asked of the pool once: a miss is counted once)
+        (``fetch.lost``, or no lower tier), the caller compiles it again.
+
+        Raises:
+            UnknownCacheIdError: a resident chunk of a namespace ``seq`` may not read (as for an id nobody compiled).
+        """
+        fetch, access = seq.fetch, seq.request.access
+        if cid in fetch.found:  # loaded for it, in its namespaces (asked of the pool once: a miss is counted once)
             return fetch.found[cid]
-        info = self.store.resident(cid)
+        info = self.store.resident(cid, readable=access.readable)
         if info is not None:
             if (copy := self.store.recheck_due(cid)) is not None:
                 self.loader.write_back(copy, recheck=True)
             self.remember(info)
             return info
         if self.loader.has_lower_tiers and cid not in fetch.lost:
-            fetch.pending[cid] = self.loader.load(cid)
+            fetch.pending[cid] = self.loader.load(cid, readable=access.readable)
         return None
 
-    def _recipe(self, fetch: Fetch, cid: str) -> ChunkInfo:
+    def _recipe(self, seq: Sequence, cid: str) -> ChunkInfo:
         """What compiling ``cid`` again takes: the tokens the engine kept, or those of the sequence's own chunk
-        (``UnknownCacheIdError``: the engine has not seen its tokens)."""
+        (``UnknownCacheIdError``: the engine has not seen its tokens, or they are another namespace's)."""
+        fetch = seq.fetch
         recipe = self._recipes.get(cid) or next((c for c in fetch.chunks or () if c.cache_id == cid), None)
-        if recipe is None:
+        if recipe is None or not seq.request.access.may_read(recipe.options.namespace):
             raise self.store.unknown(cid)
         return recipe
 
 
 def _checked(seq: Sequence, chunk: ChunkInfo | ChunkKV) -> ChunkInfo | ChunkKV:
-    """Raises: CompileOptionsMismatchError: ``chunk`` was compiled with other options than the policy needs."""
+    """Raises: CompileOptionsMismatchError: ``chunk`` was compiled with other options than the policy needs, or in a
+    context the prompt does not start with (``check_context``)."""
     options, policy, cid = seq.request.compile_options.policy_options(), seq.link.policy, chunk.cache_id
     if chunk.options.policy_options() != options:
         raise CompileOptionsMismatchError(
@@ -170,4 +177,28 @@ def _checked(seq: Sequence, chunk: ChunkInfo | ChunkKV) -> ChunkInfo | ChunkKV:
             f"chunk {cid} was compiled without a context but policy {policy.spec!r} needs chunks "
             f"compiled in context; compile it with compile(docs, context=...) (PIC.chat_context for a chat)"
         )
+    check_context(chunk, seq.request.prefix_ids)
     return chunk
+
+
+def check_context(chunk: ChunkInfo | ChunkKV, prefix_ids: list[int]) -> None:
+    """One rule for chunks compiled *in context* (``compile(docs, context=...)``, a chat's documents): such a chunk
+    links only into prompts whose prefix starts with that context. Its KV is what it is after the context's text,
+    which the linked prompt would otherwise never show: a chunk compiled after another system prompt carries that
+    prompt's instructions into every chat that links it (HijackKV's condition), so it is refused, not warned about.
+    A chunk compiled alone (no context) links anywhere: its KV starts a sequence and carries no one's context.
+
+    Raises:
+        CompileOptionsMismatchError: naming the chunk, its context's length and where the prompt departs from it.
+    """
+    context = chunk.options.context
+    if not context or tuple(prefix_ids[: len(context)]) == context:
+        return
+    same = next((i for i, (a, b) in enumerate(zip(context, prefix_ids)) if a != b), min(len(context), len(prefix_ids)))
+    raise CompileOptionsMismatchError(
+        f"chunk {chunk.cache_id} was compiled after a context of {len(context)} tokens that this prompt does not start "
+        f"with (its prefix of {len(prefix_ids)} tokens departs from it at token {same}): a chunk compiled in context "
+        "links only after that context (the same system prompt, for a chat's documents). Compile it again in this "
+        "prompt's context (link_chat(documents=...), compile(docs, context=...)), or alone (no context), to link it "
+        "anywhere"
+    )

@@ -10,7 +10,7 @@ guards engine state.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from pic.kv import ChunkKV
@@ -39,9 +39,10 @@ class Loader:
     def has_lower_tiers(self) -> bool:
         return self._loads is not None
 
-    def load(self, cache_id: str) -> Future[ChunkKV | None]:
-        """The chunk from the first lower tier that holds it (``TieredStore.load``), or ``None``."""
-        return self._submit(self._loads, self.store.load, cache_id)
+    def load(self, cache_id: str, *, readable: Mapping[str, bytes] | None = None) -> Future[ChunkKV | None]:
+        """The chunk from the first lower tier that holds it in the namespaces ``readable`` names (name -> salt;
+        ``TieredStore.load``), or ``None``."""
+        return self._submit(self._loads, lambda cid: self.store.load(cid, readable=readable), cache_id)
 
     def missing(self, cache_id: str) -> Future[list[LowerTier]]:
         """The lower tiers that lack the chunk: a compile call's question, on the writer thread (in order with its
