@@ -164,10 +164,11 @@ class TieredStore:
     def shared_tiers(self) -> list[LowerTier]:
         return [tier for tier, _ in self._shared]
 
-    def promote(self, chunk: ChunkKV) -> list[int]:
+    def promote(self, chunk: ChunkKV, *, owner: str | None = None) -> list[int]:
         """Load a chunk that ``load`` found in a lower tier into fresh canonical blocks of the pool
-        (resident, pinned if it was pinned); returns its blocks, held once for the caller."""
-        blocks = self.device.promote(chunk)
+        (resident, pinned if it was pinned); returns its blocks, held once for the caller. ``owner``: whose work
+        it is (``DeviceTier.promote``)."""
+        blocks = self.device.promote(chunk, owner=owner)
         if chunk.cache_id in self._pinned:
             self.device.pin(chunk.cache_id)
         return blocks
