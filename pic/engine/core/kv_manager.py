@@ -160,7 +160,7 @@ class KVManager:
         sizes = [prefill_blocks(num_lead + len(job.tokens[cid]), num_dropped=dropped, block_size=bs) for cid in new]
         num_bytes = sum(len(job.tokens[cid]) + job.options.add_bos for cid in new) * self._kv_bytes_per_token
         owner = job.options.namespace
-        hold_all = not self.store.lower_can_fit(num_bytes, keep=list(job.tokens))  # the pool keeps the only copy
+        hold_all = not self.store.lower_can_fit(num_bytes, keep=list(job.tokens), namespace=owner)  # (the only copy)
         num_needed = (sum(c for c, _ in sizes) if hold_all else max(c for c, _ in sizes)) + max(n for _, n in sizes)
         self.pool.check_available(num_needed, what=f"the {len(new)} new chunks of this compile call", owner=owner)
 
