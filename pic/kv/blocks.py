@@ -2,11 +2,11 @@
 them for reuse.
 
 The four are one idea: a block points at its chunk, a chunk lists its blocks, an owner (a namespace) keeps its
-evictable chunks in the order they were released, and the queue links blocks through fields of their own. The free queue is an intrusive doubly-linked list (vLLM v1's
-``FreeKVCacheBlockQueue``): a ``deque`` cannot remove an element from its middle in O(1); this list can,
-because every block carries its own ``prev`` / ``next`` links. That is what lazy eviction needs: an
-unreferenced chunk's blocks wait in the queue, still holding the chunk's KV, and a request that links
-the chunk takes them back out, wherever they are, before anyone overwrites them.
+evictable chunks in the order they were released, and the queue links blocks through fields of their own. The free
+queue is an intrusive doubly-linked list (vLLM v1's ``FreeKVCacheBlockQueue``): a ``deque`` cannot remove an element
+from its middle in O(1); this list can, because every block carries its own ``prev`` / ``next`` links. That is what
+lazy eviction needs: an unreferenced chunk's blocks wait in the queue, still holding the chunk's KV, and a request
+that links the chunk takes them back out, wherever they are, before anyone overwrites them.
 """
 
 from __future__ import annotations

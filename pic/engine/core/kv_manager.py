@@ -57,9 +57,7 @@ class KVManager:
             blocks.num_shared, blocks.num_private = assembly.num_shared_blocks, assembly.num_private_blocks
         return assembly
 
-    def _assemble(
-        self, plan: AssemblyPlan, *, held: dict[str, list[int]], to_hold: list[str], owner: str
-    ) -> Assembly:
+    def _assemble(self, plan: AssemblyPlan, *, held: dict[str, list[int]], to_hold: list[str], owner: str) -> Assembly:
         """Hold or promote the chunks, then build the block table (``pic.link.assemble``): ``held`` are the chunks
         the sequence holds already (it keeps them resident while it waits), whose references its table takes over;
         ``owner``: the request's namespace; nothing is taken if this raises."""
