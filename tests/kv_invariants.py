@@ -16,6 +16,11 @@ def check_pool(pool: BlockPool, expected_refs: dict[int, int] | None = None) -> 
       together, in the chunk's order.
     * ``stats()`` agrees: used = num_blocks - len(queue), chunk / evictable / private counts, shared
       references, and the peak is at least what is used now.
+    * Owners: each block in use or resident is charged to its ``owner`` (a chunk's blocks to the chunk's), the
+      owners' usage counts exactly those (their sum: used plus evictable blocks), an owner with nothing charged is
+      kept only for its share; each owner's evictable chunks are its chunks of the queue, in the queue's order,
+      released in that order; ``num_available`` never promises more than the queue holds, and exactly that when
+      no owner has a share.
 
     Args:
         expected_refs: block id -> the references the caller's live mappings (block tables, holds)
@@ -84,7 +89,35 @@ def check_pool(pool: BlockPool, expected_refs: dict[int, int] | None = None) -> 
     assert stats.num_resident_chunks == len(chunks)
     assert stats.peak_used_blocks >= num_used
     assert pool.num_available_blocks == len(queue)
-    assert pool.num_available() == len(queue)
+    check_owners(pool, queue)
+
+
+def check_owners(pool: BlockPool, queue: list) -> None:
+    """The owners' part of ``check_pool`` (``queue``: the free queue, front to back)."""
+    usage: dict[str, int] = {}
+    for block in pool.blocks:
+        if block.chunk is not None:
+            assert block.owner == block.chunk.owner, f"{block} is charged to {block.owner!r}, its chunk's is not"
+        if block.chunk is not None or block.ref_cnt > 0:
+            usage[block.owner] = usage.get(block.owner, 0) + 1
+    assert {n: o.usage for n, o in pool.owners.items() if o.usage} == usage, (pool.owners, usage)
+    assert all(o.usage or o.share for o in pool.owners.values()), f"an owner with nothing charged: {pool.owners}"
+    assert all(n == o.name for n, o in pool.owners.items())
+    stats = pool.stats()
+    assert sum(usage.values()) == stats.num_used_blocks + stats.num_evictable_blocks
+    assert sum(o.share for o in pool.owners.values()) <= pool.num_blocks
+    queued_chunks = list(dict.fromkeys(b.chunk for b in queue if b.chunk is not None))
+    assert [c.released for c in queued_chunks] == sorted({c.released for c in queued_chunks}), "released out of order"
+    for name, owner in pool.owners.items():
+        mine = [c for c in queued_chunks if c.owner == name]
+        assert list(owner.evictable.values()) == mine, f"{owner}'s evictable chunks are not its queued ones in order"
+        assert list(owner.evictable) == [c.key for c in mine]
+        assert owner.num_evictable == sum(len(c.blocks) for c in mine), owner
+    assert all(c.owner in pool.owners for c in queued_chunks)
+    no_shares = not any(o.share for o in pool.owners.values())
+    for name in {"", *pool.owners}:
+        available = pool.num_available(owner=name)
+        assert available <= len(queue) and (available == len(queue) or not no_shares), (name, available, len(queue))
 
 
 def check_engine_pool(engine, expected_refs: dict[int, int] | None = None) -> None:

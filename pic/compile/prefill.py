@@ -85,15 +85,16 @@ class ChunkPrefill:
         return sum(prefill_blocks(len(self.token_ids), num_dropped=self.num_dropped, block_size=block_size))
 
     def start(self, pool: BlockPool, cache: KVCache) -> None:
-        """Take the chunk's blocks.
+        """Take the chunk's blocks, charged to its namespace (``options.namespace``: its work evicts its own chunks
+        first).
 
         Raises:
             KVPoolExhaustedError: the pool cannot hold it (nothing is taken).
         """
-        bs = cache.block_size
+        bs, owner = cache.block_size, self.options.namespace
         num_canonical, self._num_lead = prefill_blocks(len(self.token_ids), num_dropped=self.num_dropped, block_size=bs)
-        blocks = pool.allocate(self._num_lead + num_canonical)
-        self.kv = RequestKV(pool, cache, blocks, num_slots=len(blocks) * bs)
+        blocks = pool.allocate(self._num_lead + num_canonical, owner=owner)
+        self.kv = RequestKV(pool, cache, blocks, num_slots=len(blocks) * bs, owner=owner)
         num_kept, lead_end = len(self.token_ids) - self.num_dropped, self._num_lead * bs
         kept_start = len(blocks) * bs - num_kept  # after the front padding
         self._slots = torch.cat(

@@ -7,17 +7,31 @@ the free queue, still holding its KV, and are only reused when plain free blocks
 recently used chunk first and a whole chunk at a time (a chunk missing one block is useless, so its
 other blocks are freed with it). Pinned chunks never enter the queue, so they are never evicted.
 
+Owners: every block in use or resident is charged to a namespace (``pic.namespaces``): a private block to whoever
+allocated it, a chunk's blocks to the chunk's namespace. An owner's *share* (``floor(kv_share * num_blocks)``,
+``PICConfig.quotas``) is what its chunks keep against other owners. When ``owner`` needs blocks and no plain free
+block is left, the pool evicts ``owner``'s own evictable chunks first, least recently used first, then other owners'
+chunks, least recently used first among the owners over their share: an owner at or under its share never loses a
+chunk to another owner's work, and one owner's churn evicts its own chunks before anyone else's. An owner *under*
+its share takes back what it is owed first: other owners' chunks over their share go before its own until it holds
+its share (else a namespace that came to a pool others had filled could never grow to its share: each of its
+compiles would evict its last one). Without shares every owner is over its share of 0 as soon as it holds a block,
+and with one owner eviction is least recently used first, as it was before owners. Each owner keeps its evictable
+chunks in release order, so a victim is found in O(number of owners).
+
 The allocator decides *which* blocks; ``KVCache`` holds the KV tensors they index. Keeping them apart
 lets a scheduler plan admission without touching a tensor, and tests check the accounting alone.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
+from collections import Counter
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from pic.errors import KVPoolExhaustedError
-from pic.kv.blocks import Block, FreeBlockQueue, ResidentChunk
+from pic.kv.blocks import Block, FreeBlockQueue, Owner, ResidentChunk
 
 
 @dataclass(frozen=True)
@@ -61,68 +75,109 @@ class KVStats:
 
 class BlockPool:
     """Hands out ``num_blocks`` blocks, counts references, keeps chunks resident until their blocks are needed
-    (``block_size``: for messages only, the allocator never looks at tokens)."""
+    (``block_size``: for messages only, the allocator never looks at tokens). ``kv_shares``: namespace -> the share
+    of the blocks its chunks keep against other namespaces (``Quota.kv_share``; the shares sum to at most 1)."""
 
-    def __init__(self, num_blocks: int, *, block_size: int) -> None:
+    def __init__(self, num_blocks: int, *, block_size: int, kv_shares: Mapping[str, float] | None = None) -> None:
         assert num_blocks > 0, num_blocks
         self.num_blocks, self.block_size = num_blocks, block_size
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.chunks: dict[str, ResidentChunk] = {}  # cache id -> resident chunk
+        # name -> Owner: every owner charged a block now, and every owner with a share (read-only outside the pool)
+        self.owners: dict[str, Owner] = {}
+        for name, share in (kv_shares or {}).items():
+            blocks = math.floor(share * num_blocks + 1e-9)  # (0.29 * 100 is 28.999...)
+            if blocks > 0:
+                self.owners[name] = Owner(name, share=blocks)
+        self._num_evictable = 0  # blocks of evictable chunks (the queue's tail); the rest of the queue is plain
+        self._clock = 0  # counts chunks becoming evictable: their ``released`` order
         self._peak_used = 0
         self.num_evicted_chunks = 0  # chunks evicted to make room
 
     @property
     def num_available_blocks(self) -> int:
-        """Empty and evictable chunk blocks (the free queue)."""
+        """Empty and evictable chunk blocks (the free queue), whoever's."""
         return len(self.free_queue)
 
     def is_resident(self, key: str) -> bool:
         return key in self.chunks
 
-    def num_available(self, *, holding: Iterable[str] = ()) -> int:
-        """Blocks an ``allocate`` could take after the caller holds the resident chunks ``holding``
-        (holding an evictable chunk takes its blocks out of the free queue)."""
-        held = {key: self.chunks[key] for key in holding if key in self.chunks}
-        return len(self.free_queue) - sum(len(c.blocks) for c in held.values() if c.is_evictable)
+    def usage(self, owner: str = "") -> int:
+        """Blocks charged to ``owner``: its resident chunks' (evictable or not) and its private blocks in use."""
+        entry = self.owners.get(owner)
+        return 0 if entry is None else entry.usage
 
-    def check_available(self, num_blocks: int, *, holding: Iterable[str] = (), what: str) -> None:
-        """Raises: KVPoolExhaustedError: ``num_blocks`` more cannot be allocated once ``holding`` is held (naming
-        ``what``, the blocks it needs and those available)."""
-        available = self.num_available(holding=holding)
+    def share(self, owner: str = "") -> int:
+        """Blocks ``owner``'s chunks keep against other owners (0: no quota)."""
+        entry = self.owners.get(owner)
+        return 0 if entry is None else entry.share
+
+    def num_available(self, *, holding: Iterable[str] = (), owner: str = "") -> int:
+        """Blocks an ``allocate`` for ``owner`` can take after the caller holds the resident chunks ``holding`` (holding
+        an evictable chunk takes its blocks out of the free queue): plain free blocks, ``owner``'s evictable chunks,
+        and what other owners' evictable chunks give before each is back at its share. In O(number of owners): a
+        lower bound where a whole chunk would take an owner below its share (``check_available`` counts those)."""
+        held = self._held_evictable(holding)
+        total = self._num_plain
+        for entry in self.owners.values():
+            if entry.num_evictable:
+                evictable = entry.num_evictable - held[entry.name]
+                total += evictable if entry.name == owner else min(evictable, entry.excess)
+        return total
+
+    def check_available(self, num_blocks: int, *, holding: Iterable[str] = (), what: str, owner: str = "") -> None:
+        """Raises: KVPoolExhaustedError: ``num_blocks`` more cannot be allocated for ``owner`` once ``holding`` is held
+        (naming ``what``, the blocks it needs and those available, and the blocks other owners' shares keep)."""
+        holding = list(holding)
         if num_blocks > self.num_blocks:
             raise KVPoolExhaustedError(
                 f"KV pool too small: {what} needs {num_blocks} blocks of {self.block_size} tokens but the pool has "
                 f"{self.num_blocks} in all; raise PICConfig.kv_pool_tokens to at least {num_blocks * self.block_size}"
             )
-        if num_blocks > available:
-            raise KVPoolExhaustedError(
-                f"KV pool exhausted: {what} needs {num_blocks} blocks of {self.block_size} tokens but "
-                f"{available} of {self.num_blocks} are available (empty or evictable; "
-                f"{self.num_blocks - len(self.free_queue)} are held by live requests and pinned chunks); "
-                f"raise PICConfig.kv_pool_tokens, or generate from / release pending Linked requests"
-            )
+        if num_blocks <= self.num_available(holding=holding, owner=owner):
+            return
+        available, kept = self._available_exactly(holding, owner)
+        if num_blocks <= available:
+            return
+        whose = f" to namespace {owner!r}" if owner else ""
+        shares = (
+            f"; {kept} blocks of other namespaces' evictable chunks are kept for them (within their kv_share, "
+            "PICConfig.quotas)"
+            if kept
+            else ""
+        )
+        raise KVPoolExhaustedError(
+            f"KV pool exhausted: {what} needs {num_blocks} blocks of {self.block_size} tokens but "
+            f"{available} of {self.num_blocks} are available{whose} (empty or evictable; "
+            f"{self.num_blocks - len(self.free_queue)} are held by live requests and pinned chunks{shares}); "
+            f"raise PICConfig.kv_pool_tokens, or generate from / release pending Linked requests"
+        )
 
-    def allocate(self, num_blocks: int) -> list[int]:
-        """Take ``num_blocks`` blocks, evicting least recently used chunks, whole, when no plain free block is left.
+    def allocate(self, num_blocks: int, *, owner: str = "") -> list[int]:
+        """Take ``num_blocks`` blocks for ``owner`` (charged to it): plain free blocks first, then whole chunks evicted,
+        ``owner``'s own least recently used first, then other owners' over their share, least recently used first
+        (those before its own while ``owner`` holds less than its share).
 
         Raises:
-            KVPoolExhaustedError: fewer blocks are free or evictable; nothing is taken.
+            KVPoolExhaustedError: fewer blocks are free or evictable for ``owner``; nothing is taken.
         """
-        self.check_available(num_blocks, what="the request")
+        self.check_available(num_blocks, what="the request", owner=owner)
         taken = []
         for _ in range(num_blocks):
+            if self._num_plain == 0:
+                self._evict(self._victim(owner))
             block = self.free_queue.popleft()
-            if block.chunk is not None:
-                self._evict(block.chunk)
-            block.ref_cnt = 1
+            assert block.chunk is None, f"{block}: a chunk block in front of the plain free ones"
+            block.ref_cnt, block.owner = 1, owner
+            self._owner(owner).usage += 1  # (looked up again: evicting its last chunk may have forgotten it)
             taken.append(block.block_id)
         self._note_used()
         return taken
 
     def free(self, block_ids: Iterable[int]) -> None:
-        """Drop one reference to each block. A private block with none left is free at once; a chunk
-        with none left becomes evictable, most recently used."""
+        """Drop one reference to each block. A private block with none left is free at once (no longer charged to its
+        owner); a chunk with none left becomes evictable, most recently used."""
         for block_id in block_ids:
             block = self.blocks[block_id]
             assert block.ref_cnt > 0, f"{block} freed twice"
@@ -131,6 +186,7 @@ class BlockPool:
             if chunk is None:
                 if block.ref_cnt == 0:
                     self.free_queue.appendleft(block)  # before every chunk block: reused first
+                    self._uncharge(block.owner, 1)
                 continue
             chunk.num_refs -= 1
             if chunk.is_evictable:
@@ -144,14 +200,20 @@ class BlockPool:
             block.ref_cnt += 1
             block.chunk.num_refs += 1
 
-    def add_chunk(self, key: str, block_ids: list[int], info: object) -> None:
-        """Make freshly allocated blocks the resident chunk ``key``. The caller's reference to each
-        block becomes a hold on the chunk, released with ``free`` like any other."""
+    def add_chunk(self, key: str, block_ids: list[int], info: object, *, owner: str | None = None) -> None:
+        """Make freshly allocated blocks the resident chunk ``key`` of ``owner`` (``None``: the namespace of
+        ``info.options``, else the default one), charged to it from now on. The caller's reference to each block
+        becomes a hold on the chunk, released with ``free`` like any other."""
         assert key not in self.chunks, f"chunk {key} is already resident"
         blocks = [self.blocks[i] for i in block_ids]
         assert all(b.chunk is None and b.ref_cnt == 1 for b in blocks), "add_chunk takes freshly allocated blocks"
-        chunk = ResidentChunk(key, blocks, info)
+        owner = namespace_of(info) if owner is None else owner
+        chunk = ResidentChunk(key, blocks, info, owner=owner)
         for block in blocks:
+            if block.owner != owner:  # (allocated by another owner's work: a request promoting a shared chunk)
+                self._uncharge(block.owner, 1)
+                self._owner(owner).usage += 1
+                block.owner = owner
             block.chunk = chunk
         self.chunks[key] = chunk
 
@@ -187,34 +249,118 @@ class BlockPool:
 
     def drop(self, key: str) -> bool:
         """Forget chunk ``key`` (expiry); ``True`` if it was resident. Requests mapping its blocks
-        keep them: they are freed when the last reference goes."""
-        chunk = self.chunks.pop(key, None)
+        keep them (still charged to the chunk's owner): they are freed when the last reference goes."""
+        chunk = self.chunks.get(key)
         if chunk is None:
             return False
+        if chunk.is_evictable:
+            self._dequeue(chunk)
+        del self.chunks[key]
         for block in chunk.blocks:
             block.chunk = None
-            if block.is_queued:
-                self.free_queue.remove(block)
             if block.ref_cnt == 0:
                 self.free_queue.appendleft(block)
+                self._uncharge(block.owner, 1)
         return True
 
+    @property
+    def _num_plain(self) -> int:
+        """Free blocks of no chunk (the front of the queue)."""
+        return len(self.free_queue) - self._num_evictable
+
+    def _owner(self, name: str) -> Owner:
+        entry = self.owners.get(name)
+        if entry is None:
+            entry = self.owners[name] = Owner(name)
+        return entry
+
+    def _uncharge(self, name: str, num_blocks: int) -> None:
+        """``num_blocks`` of ``name``'s are free again; an owner with nothing charged and no share is forgotten."""
+        entry = self.owners[name]
+        entry.usage -= num_blocks
+        assert entry.usage >= 0, entry
+        if entry.usage == 0 and entry.share == 0:
+            del self.owners[name]
+
+    def _held_evictable(self, holding: Iterable[str]) -> Counter[str]:
+        """Owner -> blocks of the evictable chunks among ``holding`` (each counted once)."""
+        held: Counter[str] = Counter()
+        for key in set(holding):
+            chunk = self.chunks.get(key)
+            if chunk is not None and chunk.is_evictable:
+                held[chunk.owner] += len(chunk.blocks)
+        return held
+
+    def _available_exactly(self, holding: list[str], owner: str) -> tuple[int, int]:
+        """What ``num_available`` bounds, counted chunk by chunk (each other owner gives its least recently used
+        chunks, whole, while it is over its share), and the evictable blocks other owners' shares keep from
+        ``owner``. O(the evictable chunks walked): only when the bound is short."""
+        held, held_blocks = set(holding), self._held_evictable(holding)
+        available, kept = self._num_plain, 0
+        for entry in self.owners.values():
+            if entry.name == owner:
+                available += entry.num_evictable - held_blocks[owner]
+                continue
+            usage = entry.usage
+            for key, chunk in entry.evictable.items():
+                if key in held:
+                    continue
+                if usage > entry.share:
+                    available += len(chunk.blocks)
+                    usage -= len(chunk.blocks)
+                else:
+                    kept += len(chunk.blocks)
+        return available, kept
+
+    def _victim(self, owner: str) -> ResidentChunk:
+        """The chunk to evict for ``owner``: its own least recently used, else the least recently used of the owners
+        over their share; those first while ``owner`` is under its share (``check_available`` made sure there is
+        one or the other)."""
+        own = self.owners.get(owner)
+        mine = None if own is None else own.lru
+        if mine is not None and own.usage >= own.share:  # type: ignore[union-attr]
+            return mine
+        victim: ResidentChunk | None = None
+        for entry in self.owners.values():
+            if entry.name != owner and entry.usage > entry.share and entry.evictable:
+                chunk = entry.lru
+                if victim is None or chunk.released < victim.released:  # type: ignore[union-attr]
+                    victim = chunk
+        victim = victim or mine
+        assert victim is not None, f"no chunk to evict for {owner!r}: an allocate beyond its check"
+        return victim
+
     def _enqueue(self, chunk: ResidentChunk) -> None:
-        """A chunk just became evictable: its blocks go to the back, most recently used, together."""
+        """A chunk just became evictable: its blocks go to the back, most recently used, together; and to the back of
+        its owner's evictable chunks."""
         for block in chunk.blocks:
             self.free_queue.append(block)
+        self._clock += 1
+        chunk.released = self._clock
+        entry = self.owners[chunk.owner]
+        entry.evictable[chunk.key] = chunk
+        entry.num_evictable += len(chunk.blocks)
+        self._num_evictable += len(chunk.blocks)
 
     def _dequeue(self, chunk: ResidentChunk) -> None:
-        """An evictable chunk is held or pinned: its blocks leave the queue, wherever they are."""
+        """An evictable chunk is held, pinned or dropped: its blocks leave the queue, wherever they are."""
         for block in chunk.blocks:
             self.free_queue.remove(block)
+        entry = self.owners[chunk.owner]
+        del entry.evictable[chunk.key]
+        entry.num_evictable -= len(chunk.blocks)
+        self._num_evictable -= len(chunk.blocks)
 
     def _evict(self, chunk: ResidentChunk) -> None:
-        """Forget an evictable chunk; its blocks stay in the queue as plain free blocks."""
+        """Forget an evictable chunk; its blocks go to the front of the queue as plain free blocks (taken next), no
+        longer charged to its owner."""
         assert chunk.is_evictable, f"evicting chunk {chunk.key} that is in use or pinned"
+        self._dequeue(chunk)
         del self.chunks[chunk.key]
-        for block in chunk.blocks:
+        for block in reversed(chunk.blocks):
             block.chunk = None
+            self.free_queue.appendleft(block)
+        self._uncharge(chunk.owner, len(chunk.blocks))
         self.num_evicted_chunks += 1
 
     def _note_used(self) -> None:
@@ -240,3 +386,9 @@ class BlockPool:
             num_evicted_chunks=self.num_evicted_chunks,
             peak_used_blocks=self._peak_used,
         )
+
+
+def namespace_of(info: object) -> str:
+    """The namespace of a chunk described by ``info`` (a ``ChunkInfo``'s ``options.namespace``; ``""``, the default
+    one, for anything without options, as the pool's tests describe chunks)."""
+    return getattr(getattr(info, "options", None), "namespace", "")

@@ -1,29 +1,34 @@
-"""Blocks, the resident chunks they belong to, and the O(1) free queue that orders them for reuse.
+"""Blocks, the resident chunks they belong to, the owners they are charged to, and the O(1) free queue that orders
+them for reuse.
 
-The three are one idea: a block points at its chunk, a chunk lists its blocks, and the queue links
-blocks through fields of their own. The free queue is an intrusive doubly-linked list (vLLM v1's
-``FreeKVCacheBlockQueue``): a ``deque`` cannot remove an element from its middle in O(1); this list can,
-because every block carries its own ``prev`` / ``next`` links. That is what lazy eviction needs: an
-unreferenced chunk's blocks wait in the queue, still holding the chunk's KV, and a request that links
-the chunk takes them back out, wherever they are, before anyone overwrites them.
+The four are one idea: a block points at its chunk, a chunk lists its blocks, an owner (a namespace) keeps its
+evictable chunks in the order they were released, and the queue links blocks through fields of their own. The free
+queue is an intrusive doubly-linked list (vLLM v1's ``FreeKVCacheBlockQueue``): a ``deque`` cannot remove an element
+from its middle in O(1); this list can, because every block carries its own ``prev`` / ``next`` links. That is what
+lazy eviction needs: an unreferenced chunk's blocks wait in the queue, still holding the chunk's KV, and a request
+that links the chunk takes them back out, wherever they are, before anyone overwrites them.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterator
 
 
 class Block:
     """One physical KV block's bookkeeping (the KV itself lives in ``KVCache``). ``ref_cnt``: block tables that
     map it (a shared chunk block: the requests aliasing it, plus holds taken while a request is assembled);
-    ``chunk``: the resident chunk it belongs to; ``prev``, ``next``: the free queue's links (``None``: not in it).
+    ``chunk``: the resident chunk it belongs to; ``owner``: the namespace it is charged to while in use or resident
+    (who allocated it; a chunk block's is its chunk's); ``prev``, ``next``: the free queue's links (``None``: not
+    in it).
     """
 
-    __slots__ = ("block_id", "ref_cnt", "chunk", "prev", "next")
+    __slots__ = ("block_id", "ref_cnt", "chunk", "owner", "prev", "next")
 
     def __init__(self, block_id: int) -> None:
         self.block_id, self.ref_cnt = block_id, 0
         self.chunk: ResidentChunk | None = None
+        self.owner = ""
         self.prev: Block | None = None
         self.next: Block | None = None
 
@@ -39,14 +44,16 @@ class Block:
 class ResidentChunk:
     """A chunk's canonical blocks, in order. ``num_refs`` is the sum of its blocks' ``ref_cnt``: the
     chunk is evictable exactly when it is 0 and the chunk is not pinned. ``info`` is the caller's
-    description of the chunk (tokens, options), kept alongside."""
+    description of the chunk (tokens, options), kept alongside; ``owner``: its namespace, charged for its blocks;
+    ``released``: when it last became evictable (the pool's clock: least recently used first across owners)."""
 
-    __slots__ = ("key", "blocks", "num_refs", "pinned", "info")
+    __slots__ = ("key", "blocks", "num_refs", "pinned", "info", "owner", "released")
 
-    def __init__(self, key: str, blocks: list[Block], info: object) -> None:
-        self.key, self.blocks, self.info = key, blocks, info
+    def __init__(self, key: str, blocks: list[Block], info: object, *, owner: str = "") -> None:
+        self.key, self.blocks, self.info, self.owner = key, blocks, info, owner
         self.num_refs = sum(b.ref_cnt for b in blocks)
         self.pinned = False
+        self.released = 0
 
     @property
     def block_ids(self) -> list[int]:
@@ -55,6 +62,34 @@ class ResidentChunk:
     @property
     def is_evictable(self) -> bool:
         return self.num_refs == 0 and not self.pinned
+
+
+class Owner:
+    """What one namespace has of the pool: ``usage``, the blocks charged to it (its resident chunks' blocks, evictable
+    or not, and the private blocks it allocated that are still referenced); ``share``, the blocks its chunks keep
+    against other owners (``floor(kv_share * num_blocks)``; 0: none); ``evictable``, its evictable chunks, least
+    recently released first (O(1) to append, to take the first, and to remove any by key), with
+    ``num_evictable`` blocks between them."""
+
+    __slots__ = ("name", "share", "usage", "evictable", "num_evictable")
+
+    def __init__(self, name: str, *, share: int = 0) -> None:
+        self.name, self.share, self.usage = name, share, 0
+        self.evictable: OrderedDict[str, ResidentChunk] = OrderedDict()
+        self.num_evictable = 0
+
+    @property
+    def excess(self) -> int:
+        """Blocks it holds beyond its share (0 at or under it): while above 0, others' work may evict its chunks."""
+        return max(0, self.usage - self.share)
+
+    @property
+    def lru(self) -> ResidentChunk | None:
+        """Its least recently released evictable chunk."""
+        return next(iter(self.evictable.values()), None)
+
+    def __repr__(self) -> str:
+        return f"Owner({self.name!r}, usage={self.usage}, share={self.share}, evictable={self.num_evictable})"
 
 
 class FreeBlockQueue:

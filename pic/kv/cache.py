@@ -87,13 +87,21 @@ class RequestKV:
     maps slots to rows of the cache's flattened K/V. The request owns one reference to every block of its table
     (``block_ids``) and, while it is being linked, ``held`` references to its chunks' canonical blocks, which a
     dynamic policy reads in the recompute pass (``release_held`` drops them after it). ``num_slots``: slots in use
-    (written or padding); decoding appends after them."""
+    (written or padding); decoding appends after them. ``owner``: the namespace its new blocks are charged to (the
+    pool's owners)."""
 
     def __init__(
-        self, pool: BlockPool, cache: KVCache, block_ids: list[int], *, num_slots: int, held: Sequence[int] = ()
+        self,
+        pool: BlockPool,
+        cache: KVCache,
+        block_ids: list[int],
+        *,
+        num_slots: int,
+        held: Sequence[int] = (),
+        owner: str = "",
     ) -> None:
         assert len(block_ids) * cache.block_size >= num_slots, (len(block_ids), num_slots)
-        self.pool, self.cache = pool, cache
+        self.pool, self.cache, self.owner = pool, cache, owner
         self.blocks: list[int] = list(block_ids)
         device = cache.device
         self.block_table = long_tensor(self.blocks, device)  # [num_blocks], no host sync
@@ -115,11 +123,11 @@ class RequestKV:
         """Reserve the next slot (one more private block when the last is full); returns its index.
 
         Raises:
-            KVPoolExhaustedError: no block is free or evictable.
+            KVPoolExhaustedError: no block is free or evictable for its owner.
         """
         bs = self.cache.block_size
         if self.num_slots == len(self.blocks) * bs:
-            (block,) = self.pool.allocate(1)
+            (block,) = self.pool.allocate(1, owner=self.owner)
             self.blocks.append(block)
             device = self.block_table.device
             self.block_table = torch.cat((self.block_table, long_tensor([block], device)))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 import torch
 
@@ -95,6 +96,7 @@ def build_kv_pool(
     block_size: int,
     kv_pool_tokens: int | None,
     memory_fraction: float,
+    kv_shares: Mapping[str, float] | None = None,
 ) -> tuple[BlockPool, KVCache]:
     """The block pool and its KV tensors, refused before allocation when they exceed the device's free memory.
 
@@ -106,6 +108,7 @@ def build_kv_pool(
         block_size: tokens per block.
         kv_pool_tokens: the pool's capacity in tokens; ``None`` sizes it from free memory (``pool_num_tokens``).
         memory_fraction: the share of free CUDA memory a pool sized from free memory takes.
+        kv_shares: namespace -> the share of the pool's blocks its chunks keep against other namespaces.
 
     Raises:
         InvalidInputError: the pool does not fit, naming its size and the memory free.
@@ -132,4 +135,4 @@ def build_kv_pool(
         )
     except RuntimeError as exc:  # torch.OutOfMemoryError on CUDA, an allocator error on the CPU
         raise InvalidInputError(f"allocating {what} on {device} failed: {exc}") from None
-    return BlockPool(num_blocks, block_size=block_size), cache
+    return BlockPool(num_blocks, block_size=block_size, kv_shares=kv_shares), cache

@@ -71,10 +71,12 @@ class DeviceTier:
         assert len(block_ids) == self.num_blocks_for(info.num_tokens)
         self._pool.add_chunk(info.cache_id, block_ids, info)
 
-    def promote(self, chunk: ChunkKV) -> list[int]:
-        """Load a chunk from a lower tier into fresh canonical blocks and make it resident; returns
-        its blocks, held once for the caller. The caller checked that the pool has room."""
-        blocks = self._pool.allocate(self.num_blocks_for(chunk.num_tokens))
+    def promote(self, chunk: ChunkKV, *, owner: str | None = None) -> list[int]:
+        """Load a chunk from a lower tier into fresh canonical blocks and make it resident (charged to its namespace);
+        returns its blocks, held once for the caller. ``owner``: whose work it is (whose chunks are evicted first for
+        it: the linking request's namespace; ``None``: the chunk's). The caller checked that the pool has room."""
+        owner = chunk.options.namespace if owner is None else owner
+        blocks = self._pool.allocate(self.num_blocks_for(chunk.num_tokens), owner=owner)
         try:
             self._cache.write(blocks, chunk.k, chunk.v)
         except BaseException:

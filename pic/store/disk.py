@@ -211,10 +211,10 @@ class DiskTier:
         path = self._file(cache_id)
         return path is not None and disk_entry.is_regular(path)
 
-    def can_fit(self, num_bytes: int, *, keep: Collection[str] = ()) -> bool:
+    def can_fit(self, num_bytes: int, *, keep: Collection[str] = (), namespace: str = "") -> bool:
         """Whether ``num_bytes`` fit after evicting every file that is neither pinned nor in ``keep`` (a ``stat``
         of each of those, no listing: the engine thread asks; another process may fill the directory meanwhile,
-        which ``put`` then finds)."""
+        which ``put`` then finds). ``namespace``: unused (the folder is shared by processes: no shares here)."""
         held_bytes = 0
         for path in filter(None, map(self._file, self._pins().union(keep))):
             with contextlib.suppress(OSError):  # not on disk

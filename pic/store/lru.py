@@ -1,12 +1,13 @@
-"""The CPU tier: a byte-bounded LRU of chunks in process memory, with pinning."""
+"""The CPU tier: a byte-bounded LRU of chunks in process memory, with pinning and per-namespace shares."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import threading
-from collections import OrderedDict
-from collections.abc import Collection
+from collections import Counter, OrderedDict
+from collections.abc import Collection, Mapping
 
 import torch
 
@@ -34,16 +35,27 @@ class LruTier:
     Args:
         capacity_bytes: bytes of K and V it may hold; ``None``: unbounded.
         pin: keep CPU tensors page-locked (so copies to a GPU can be asynchronous).
+        shares: namespace -> the share of ``capacity_bytes`` its chunks keep against other namespaces
+            (``Quota.store_share``).
 
-    Pinned chunks (``pin``) are never evicted, nor are the chunks a ``put`` is told to ``keep``. A chunk
-    that does not fit even after evicting every other chunk is refused (``put`` returns ``False``) and
-    nothing is evicted.
+    Pinned chunks (``pin``) are never evicted, nor are the chunks a ``put`` is told to ``keep``. A ``put`` of a
+    namespace's chunk evicts that namespace's chunks first, least recently used first, then other namespaces'
+    chunks, least recently used first among those over their share (``floor(share * capacity_bytes)``): a namespace
+    at or under its share never loses a chunk to another's. A namespace whose chunk keeps it within its share takes
+    back what it is owed first (the others' chunks over their share before its own), as the KV pool does. Without
+    shares, and with one namespace, that is plain LRU. A chunk that does not fit even after evicting every chunk it
+    may is refused (``put`` returns ``False``) and nothing is evicted.
     """
 
     name = "cpu"
 
-    def __init__(self, *, capacity_bytes: int | None = None, pin: bool = False) -> None:
+    def __init__(
+        self, *, capacity_bytes: int | None = None, pin: bool = False, shares: Mapping[str, float] | None = None
+    ) -> None:
         self.capacity_bytes, self._pin = capacity_bytes, pin
+        bounded = {} if capacity_bytes is None else (shares or {})
+        self._shares = {n: math.floor(s * capacity_bytes + 1e-9) for n, s in bounded.items()}  # namespace -> bytes
+        self._usage: Counter[str] = Counter()  # namespace -> bytes of its chunks here
         self._chunks: OrderedDict[str, ChunkKV] = OrderedDict()  # least recently used first
         self._pinned: set[str] = set()
         self._stats = TierStats(name=self.name, capacity_bytes=capacity_bytes)
@@ -75,35 +87,63 @@ class LruTier:
         return None if chunk is None else Extent(chunk.num_tokens, chunk.num_bytes, tuple(chunk.token_ids.tolist()))
 
     @_locked
-    def can_fit(self, num_bytes: int, *, keep: Collection[str] = ()) -> bool:
-        """Whether ``num_bytes`` fit after evicting every chunk that is neither pinned nor in ``keep``."""
-        if self.capacity_bytes is None:
-            return True
-        held = self._pinned.union(c for c in keep if c in self._chunks)
-        return sum(self._chunks[c].num_bytes for c in held) + num_bytes <= self.capacity_bytes
+    def can_fit(self, num_bytes: int, *, keep: Collection[str] = (), namespace: str = "") -> bool:
+        """Whether ``num_bytes`` of ``namespace``'s fit after evicting what a ``put`` of its may: chunks neither
+        pinned nor in ``keep``, of ``namespace`` or of namespaces over their share."""
+        return self._victims(num_bytes, namespace=namespace, keep=keep) is not None
 
     @_locked
     def put(self, chunk: ChunkKV, *, keep: Collection[str] = ()) -> bool:
-        """Store ``chunk``, evicting least-recently-used chunks that are neither pinned nor in ``keep``
-        (the chunks a ``compile`` call returns); ``False`` when it cannot fit (nothing is evicted then)."""
+        """Store ``chunk``, evicting least-recently-used chunks that are neither pinned nor in ``keep`` (the chunks a
+        ``compile`` call returns), its namespace's first, then those of namespaces over their share; ``False`` when
+        it cannot fit (nothing is evicted then)."""
         if chunk.cache_id in self._chunks:
             self._chunks.move_to_end(chunk.cache_id)
             return True
-        if not self.can_fit(chunk.num_bytes, keep=keep):
+        victims = self._victims(chunk.num_bytes, namespace=chunk.options.namespace, keep=keep)
+        if victims is None:
             return False
-        self._evict_for(chunk.num_bytes, keep=keep)
-        self._chunks[chunk.cache_id] = chunk.to(_CPU, pin=self._pin, non_blocking=True)
-        self._stats.num_bytes += chunk.num_bytes
-        return True
-
-    def _evict_for(self, num_bytes: int, *, keep: Collection[str]) -> None:
-        if self.capacity_bytes is None:
-            return
-        victims = (c for c in list(self._chunks) if c not in self._pinned and c not in keep)
-        while self._stats.num_bytes + num_bytes > self.capacity_bytes:
-            victim = next(victims)  # can_fit guarantees enough evictable bytes
+        for victim in victims:
             self._remove(victim)
             self._stats.evictions += 1
+        self._chunks[chunk.cache_id] = chunk.to(_CPU, pin=self._pin, non_blocking=True)
+        self._stats.num_bytes += chunk.num_bytes
+        self._usage[chunk.options.namespace] += chunk.num_bytes
+        return True
+
+    def _victims(self, num_bytes: int, *, namespace: str, keep: Collection[str]) -> list[str] | None:
+        """The chunks to evict, in order, so that ``num_bytes`` of ``namespace``'s fit (``None``: they cannot):
+        ``namespace``'s own least recently used first, then, least recently used first, those of other namespaces
+        while each is over its share (those first when the chunk keeps ``namespace`` within its share). Two walks of
+        the tier's chunks at most (a put's eviction was one already)."""
+        if self.capacity_bytes is None:
+            return []
+        need = self._stats.num_bytes + num_bytes - self.capacity_bytes
+        if need <= 0:
+            return []
+        kept = set(keep)
+        candidates = [(cid, c) for cid, c in self._chunks.items() if cid not in self._pinned and cid not in kept]
+        usage = Counter(self._usage)
+        victims: list[str] = []
+
+        def take(own: bool) -> None:
+            nonlocal need
+            for cid, chunk in candidates:
+                if need <= 0:
+                    return
+                owner = chunk.options.namespace
+                if own and owner == namespace:
+                    victims.append(cid)
+                    need -= chunk.num_bytes
+                elif not own and owner != namespace and usage[owner] > self._shares.get(owner, 0):
+                    victims.append(cid)
+                    need -= chunk.num_bytes
+                    usage[owner] -= chunk.num_bytes
+
+        reclaim = usage[namespace] + num_bytes <= self._shares.get(namespace, 0)
+        for own in (False, True) if reclaim else (True, False):
+            take(own)
+        return victims if need <= 0 else None
 
     @_locked
     def contains(self, cache_id: str) -> bool:
@@ -117,7 +157,11 @@ class LruTier:
         return True
 
     def _remove(self, cache_id: str) -> None:
-        self._stats.num_bytes -= self._chunks.pop(cache_id).num_bytes
+        chunk = self._chunks.pop(cache_id)
+        self._stats.num_bytes -= chunk.num_bytes
+        self._usage[chunk.options.namespace] -= chunk.num_bytes
+        if not self._usage[chunk.options.namespace]:
+            del self._usage[chunk.options.namespace]
         self._pinned.discard(cache_id)
 
     @_locked

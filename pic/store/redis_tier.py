@@ -180,7 +180,7 @@ class RedisTier:
             pipe.exists(self._key(cache_id, i))
         return all(pipe.execute()[1::2])
 
-    def can_fit(self, num_bytes: int, *, keep: Collection[str] = ()) -> bool:
+    def can_fit(self, num_bytes: int, *, keep: Collection[str] = (), namespace: str = "") -> bool:
         """Always: Redis bounds its memory with its own eviction policy, not by pic's accounting."""
         return True
 

@@ -111,5 +111,6 @@ class LowerTier(Tier, Protocol):
         """Store ``chunk`` without evicting the chunks in ``keep``; ``False`` when it cannot fit
         (nothing is evicted then)."""
 
-    def can_fit(self, num_bytes: int, *, keep: Collection[str] = ()) -> bool:
-        """Whether ``num_bytes`` more would fit without evicting pinned chunks or those in ``keep``."""
+    def can_fit(self, num_bytes: int, *, keep: Collection[str] = (), namespace: str = "") -> bool:
+        """Whether ``num_bytes`` more of ``namespace``'s would fit without evicting pinned chunks, those in ``keep``,
+        or (a tier with shares: the CPU's) other namespaces' chunks within their share."""

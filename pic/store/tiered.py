@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Collection, Mapping
 
-from pic.config import StoreConfig
+from pic.config import Quota, StoreConfig
 from pic.errors import StoreUnavailableError, UnknownCacheIdError, cache_id_hint
 from pic.kv import ChunkInfo, ChunkKV
 from pic.store import serde
@@ -72,10 +72,20 @@ class TieredStore:
         self._rechecks = SharedRechecks(recheck_s if self._shared else None)
 
     @classmethod
-    def from_config(cls, config: StoreConfig, *, device: DeviceTier, expected: serde.Expected) -> TieredStore:
+    def from_config(
+        cls,
+        config: StoreConfig,
+        *,
+        device: DeviceTier,
+        expected: serde.Expected,
+        quotas: Mapping[str, Quota] | None = None,
+    ) -> TieredStore:
+        """The tiers ``config`` names below ``device``; ``quotas``: the engine's (``PICConfig.quotas``), whose
+        ``store_share``s the CPU tier keeps per namespace."""
         # Page-locked CPU memory only for an engine on CUDA: its copies to the pool can then be asynchronous.
         # (Pinning for a CPU engine on a machine that has a GPU would lock host memory for nothing.)
-        lower = lower_tiers(config, expected=expected, pin=device.kv_device.type == "cuda")
+        shares = {name: q.store_share for name, q in (quotas or {}).items()}
+        lower = lower_tiers(config, expected=expected, pin=device.kv_device.type == "cuda", store_shares=shares)
         return cls(
             device, lower, lease_s=config.redis_lease_s, recheck_s=config.shared_recheck_s, retry_s=config.tier_retry_s
         )
@@ -164,17 +174,19 @@ class TieredStore:
     def shared_tiers(self) -> list[LowerTier]:
         return [tier for tier, _ in self._shared]
 
-    def promote(self, chunk: ChunkKV) -> list[int]:
+    def promote(self, chunk: ChunkKV, *, owner: str | None = None) -> list[int]:
         """Load a chunk that ``load`` found in a lower tier into fresh canonical blocks of the pool
-        (resident, pinned if it was pinned); returns its blocks, held once for the caller."""
-        blocks = self.device.promote(chunk)
+        (resident, pinned if it was pinned); returns its blocks, held once for the caller. ``owner``: whose work
+        it is (``DeviceTier.promote``)."""
+        blocks = self.device.promote(chunk, owner=owner)
         if chunk.cache_id in self._pinned:
             self.device.pin(chunk.cache_id)
         return blocks
 
-    def lower_can_fit(self, num_bytes: int, *, keep: Collection[str] = ()) -> bool:
-        """Whether a lower tier can take ``num_bytes`` more without evicting pinned chunks or ``keep`` (no I/O)."""
-        return any(t.can_fit(num_bytes, keep=keep) for t in self.lower)
+    def lower_can_fit(self, num_bytes: int, *, keep: Collection[str] = (), namespace: str = "") -> bool:
+        """Whether a lower tier can take ``num_bytes`` more of ``namespace``'s without evicting pinned chunks, ``keep``
+        or other namespaces' chunks within their share (no I/O)."""
+        return any(t.can_fit(num_bytes, keep=keep, namespace=namespace) for t in self.lower)
 
     def resident(self, cache_id: str, *, readable: Mapping[str, bytes] | None = None) -> ChunkInfo | None:
         """The chunk's ``ChunkInfo`` if it is resident in the pool in one of the namespaces ``readable`` names
@@ -316,19 +328,22 @@ class TieredStore:
         return self._shared[0][1] if self._shared else None
 
 
-def lower_tiers(config: StoreConfig, *, expected: serde.Expected, pin: bool) -> list[LowerTier]:
+def lower_tiers(
+    config: StoreConfig, *, expected: serde.Expected, pin: bool, store_shares: Mapping[str, float] | None = None
+) -> list[LowerTier]:
     """The tiers below the pool that ``config`` names, fastest first (CPU, disk, Redis).
 
     Args:
         expected: what this model's chunks look like (entries that disagree are refused).
         pin: keep the CPU copies in page-locked memory (for a CUDA consumer).
+        store_shares: namespace -> the share of the CPU tier's bytes its chunks keep (``Quota.store_share``).
 
     Raises:
         StoreUnavailableError: an unreachable Redis (``on_redis_error="raise"``).
     """
     lower: list[LowerTier] = []
     if config.cpu_bytes != 0:
-        lower.append(LruTier(capacity_bytes=config.cpu_bytes, pin=pin))
+        lower.append(LruTier(capacity_bytes=config.cpu_bytes, pin=pin, shares=store_shares))
     if config.disk_path is not None:
         disk = DiskTier(
             config.disk_path,

@@ -6,6 +6,16 @@ chunk prefills (``PrefillOrder.INTERACTIVE``: a request's work first, in arrival
 prefills, with the whole budget in steps with no request's pass and ``compile_share`` of it in steps with one;
 ``PrefillOrder.ARRIVAL``: all of it in arrival order).
 
+Tenants take turns (``Turns``): with several namespaces waiting, each one's work keeps its arrival order and the
+namespaces are interleaved round robin (the first of each, then the second of each ...; the namespace last given
+budget goes to the back, across steps), so one namespace's many requests cannot hold another's first token. Under
+``PrefillOrder.ARRIVAL`` too: arrival order within each namespace, compiles and requests alike, turns across them
+(isolation between tenants does not depend on the prefill order). Work that must wait (it does not fit the pool or
+the step's budget now) holds back the rest of its own namespace's work, not the others' (the pool answers per
+namespace: one namespace's lack of blocks says nothing of another's); a namespace at its ``Quota.max_num_seqs`` is
+passed over, and at the engine's ``max_num_seqs`` no new request is admitted. With one namespace (no tenants) this
+is exactly the arrival order, and the first request that must wait stops the ones after it.
+
 A chunk prefill takes what budget is left and goes on in the next step (chunked prefill), so a compile of many
 documents never stalls the running streams for more than a step; so does a static policy's recompute pass larger
 than the budget. One that cannot be split (dynamic, probing) runs with no other prefill work beside it. A sequence
@@ -17,14 +27,16 @@ No deadlock: when nothing runs, nothing will free a block, so work that still do
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 
 from pic.compile import ChunkPrefill
 from pic.config import PICConfig, PrefillOrder
 from pic.engine.core.batch import PassPiece, ScheduledBatch
 from pic.engine.core.chunk_sources import ChunkSources
-from pic.engine.core.kv_manager import KVManager
+from pic.engine.core.kv_manager import KVManager, owner_of
 from pic.engine.core.sequence import Queues, Sequence, Status, Transition
+from pic.engine.core.turns import Turns
 from pic.engine.generation import FinishReason
 from pic.errors import KVPoolExhaustedError, PicError
 from pic.link.linker import Linker
@@ -34,6 +46,11 @@ Work = Sequence | ChunkPrefill
 
 def _arrival(work: Work) -> float:
     return work.order if isinstance(work, ChunkPrefill) else work.times.arrival_s
+
+
+def _namespace(work: Work) -> str:
+    """Whose work it is: a request's namespace, a chunk prefill's chunk's."""
+    return work.options.namespace if isinstance(work, ChunkPrefill) else owner_of(work)
 
 
 class Admission:
@@ -54,6 +71,8 @@ class Admission:
     ) -> None:
         self.queues, self.kv, self.linker, self.sources, self.fail = queues, kv, linker, sources, fail
         self.frees_soon, self.config = frees_soon, config
+        self.turns, self.compile_turns = Turns(), Turns()  # requests' (all work's under ARRIVAL), bulk compiles'
+        self._active: Counter[str] = Counter()  # namespace -> its sequences running or prefilling (this step)
 
     def prefetch(self) -> None:
         """Start fetching every waiting sequence's missing chunks, failing those that cannot run."""
@@ -65,46 +84,75 @@ class Admission:
 
     def schedule(self, batch: ScheduledBatch, *, budget: int) -> None:
         """Give ``budget`` tokens to prefill work: the work under way first, then new work in the order of
-        ``prefill_order``."""
+        ``prefill_order``, the namespaces taking turns."""
         self.sources.drop_abandoned()
+        self._active = Counter(owner_of(seq) for seq in (*self.queues.running, *self.queues.prefilling))
         self._start_resumed(batch)
         under_way = list(self.queues.prefilling)
         requests: list[Work] = self.queues.of(Status.WAITING)
         compiles = list(self.sources.prefills.values())
         if self.config.prefill_order is PrefillOrder.ARRIVAL:
             budget = self._in_order(batch, under_way, budget=budget)
-            self._in_order(batch, sorted([*requests, *compiles], key=_arrival), budget=budget)
+            self._in_order(batch, self._turns_of([*requests, *compiles], self.turns), budget=budget, turns=self.turns)
             return
         requests += [p for p in compiles if p.is_interactive]  # (chunks a request waits for)
         compiles = [p for p in compiles if not p.is_interactive]
         kept = int(budget * self.config.compile_share) if compiles else 0
         left = self._in_order(batch, under_way, budget=budget - kept)
-        left = self._in_order(batch, sorted(requests, key=_arrival), budget=left, compiles_wait=bool(compiles))
+        queued = self._turns_of(requests, self.turns)
+        left = self._in_order(batch, queued, budget=left, compiles_wait=bool(compiles), turns=self.turns)
         # Beside a request's pass, compiles get their share only: the step (and the request's first token) is not
         # slowed by a compile's full piece. Without one, they get the whole budget.
         num_compile = min(kept, left + kept) if batch.has_prefill_work else budget
-        self._in_order(batch, sorted(compiles, key=_arrival), budget=num_compile)
+        queued = self._turns_of(compiles, self.compile_turns)
+        self._in_order(batch, queued, budget=num_compile, turns=self.compile_turns)
 
-    def _in_order(self, batch: ScheduledBatch, queued: list[Work], *, budget: int, compiles_wait: bool = False) -> int:
-        """Schedule ``queued`` in order while ``budget`` lasts and none must wait; returns the budget left.
-        ``compiles_wait``: chunk prefills are queued behind these sequences: one that does not fit the pool waits
-        for them to end (and free their holds) rather than fail."""
+    @staticmethod
+    def _turns_of(works: list[Work], turns: Turns) -> list[Work]:
+        return turns.order(works, namespace=_namespace, arrival=_arrival)
+
+    def _in_order(
+        self,
+        batch: ScheduledBatch,
+        queued: list[Work],
+        *,
+        budget: int,
+        compiles_wait: bool = False,
+        turns: Turns | None = None,
+    ) -> int:
+        """Schedule ``queued`` in order while ``budget`` lasts; returns the budget left. Work that must wait holds back
+        the rest of its namespace's; a waiting request of a namespace at its ``max_num_seqs`` is passed over; at the
+        engine's, no waiting request is admitted. ``compiles_wait``: chunk prefills are queued behind these
+        sequences: one that does not fit the pool waits for them to end (and free their holds) rather than fail.
+        ``turns``: told whose work got budget."""
+        held_back: set[str] = set()  # namespaces whose next work must wait
         for work in queued:
             if budget <= 0:
                 break
+            name = _namespace(work)
+            if name in held_back:
+                continue
             if isinstance(work, ChunkPrefill):
                 if not self._piece(work, batch, budget=budget):
+                    held_back.add(name)
+                    continue
+                num_tokens: int | None = batch.pieces[-1][1].token_ids.shape[0]
+            else:
+                if work.status is Status.WAITING and self._full():
                     break
-                budget -= batch.pieces[-1][1].token_ids.shape[0]
-                continue
-            try:
-                num_tokens = self._admit(work, batch, budget=budget, compiles_wait=compiles_wait)
-            except Exception as exc:
-                self.fail(work, exc)
-                continue
-            if num_tokens is None:
-                break
+                if work.status is Status.WAITING and self._namespace_full(name):
+                    continue
+                try:
+                    num_tokens = self._admit(work, batch, budget=budget, compiles_wait=compiles_wait)
+                except Exception as exc:
+                    self.fail(work, exc)
+                    continue
+                if num_tokens is None:
+                    held_back.add(name)
+                    continue
             budget -= num_tokens
+            if num_tokens and turns is not None:
+                turns.took(name)
         return budget
 
     def busy(self, batch: ScheduledBatch) -> bool:
@@ -113,6 +161,11 @@ class Admission:
 
     def _full(self) -> bool:
         return self.queues.num_active >= self.config.max_num_seqs
+
+    def _namespace_full(self, name: str) -> bool:
+        """Whether namespace ``name`` runs its ``Quota.max_num_seqs`` already."""
+        quota = self.config.quotas.get(name)
+        return quota is not None and quota.max_num_seqs is not None and self._active[name] >= quota.max_num_seqs
 
     def _piece(self, prefill: ChunkPrefill, batch: ScheduledBatch, *, budget: int) -> bool:
         """Add the next piece of ``prefill`` (starting it when the pool has its blocks); whether it ran. One that
@@ -132,23 +185,24 @@ class Admission:
 
     def _admit(self, seq: Sequence, batch: ScheduledBatch, *, budget: int, compiles_wait: bool) -> int | None:
         """Schedule a sequence's prefill work: the tokens it takes from the budget, 0 when it is passed over (its
-        chunks are being fetched, or it failed), ``None`` when it must wait and the ones after it too."""
+        chunks are being fetched, or it failed), ``None`` when it must wait and its namespace's after it too."""
         if seq.status is Status.PREFILLING:  # its pass goes on (the next piece)
             if seq.link.pass_.piece_size(budget) > budget and batch.has_prefill_work:
                 return None
             return self._place(seq, batch, budget=budget)
-        if self._full():
-            return None
         return self._new_pass(seq, batch, budget=budget, busy=self.busy(batch) or compiles_wait)
 
     def _start_resumed(self, batch: ScheduledBatch) -> None:
-        """Give the resuming links their place among the running while the cap allows: no blocks, no forward (their
-        first tokens come from the hidden states their passes left)."""
+        """Give the resuming links their place among the running while the caps allow (the engine's; their namespace's
+        passes them over): no blocks, no forward (their first tokens come from the hidden states their passes left)."""
         for seq in self.queues.of(Status.RESUMING):
             if self._full():
                 return
+            if self._namespace_full(owner_of(seq)):
+                continue
             self.queues.move(seq, Transition.START)
             batch.resumed.append(seq)
+            self._active[owner_of(seq)] += 1
 
     def _new_pass(self, seq: Sequence, batch: ScheduledBatch, *, budget: int, busy: bool) -> int | None:
         """Admit a waiting sequence: plan its link, take its blocks, set up its pass, place its first piece."""
@@ -175,6 +229,7 @@ class Admission:
         num_rows = 1 if seq.sampling else len(seq.request.query_ids)
         self.linker.start(seq.link, plan, seq.blocks.kv, assembly=assembly, num_output_rows=num_rows)
         self.queues.move(seq, Transition.ADMIT)
+        self._active[owner_of(seq)] += 1
         return self._place(seq, batch, budget=budget)
 
     @staticmethod

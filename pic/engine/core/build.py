@@ -103,10 +103,10 @@ def build_core(
     pool, cache = build_kv_pool(
         num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, dtype=spec.dtype,
         device=spec.device, block_size=config.block_size, kv_pool_tokens=config.kv_pool_tokens,
-        memory_fraction=config.kv_memory_fraction,
+        memory_fraction=config.kv_memory_fraction, kv_shares={n: q.kv_share for n, q in config.quotas.items()},
     )  # fmt: skip
     runner.attention_backend.precompile(cache.k[0], cache.v[0])  # every kernel variant, before any request
-    tiers = TieredStore.from_config(store, device=DeviceTier(pool, cache), expected=expected)
+    tiers = TieredStore.from_config(store, device=DeviceTier(pool, cache), expected=expected, quotas=config.quotas)
     kv = KVManager(pool, cache, tiers, block_size=config.block_size, kv_bytes_per_token=spec.kv_bytes_per_token)
     linker = Linker(
         spec, is_resident=kv.is_resident, block_size=config.block_size, share_chunk_blocks=config.share_chunk_blocks,

@@ -1,7 +1,11 @@
 """``KVManager``: the one owner of the KV pool's blocks (vLLM's KVCacheManager), for linked requests and chunk
 compiles alike. The scheduler decides *who* runs; the KV manager does the pool work its decisions need and writes
 each sequence's ``SeqBlocks`` (nothing else does); the ``Linker`` asks it ``is_resident`` when it counts what a
-request takes."""
+request takes.
+
+Whose blocks: a request's work is its namespace's (``seq.request.access.own.name``), a compile's the namespace of its
+chunks (``options.namespace``): the pool charges them their blocks and evicts their own chunks first for them
+(``BlockPool``'s owners), and every check here asks for the same owner as the allocation it guards."""
 
 from __future__ import annotations
 
@@ -27,7 +31,7 @@ class KVManager:
     def can_allocate(self, seq: Sequence, plan: LinkPlan) -> bool:
         """Whether the pool holds ``plan`` (and the blocks its probe's second pass may copy)."""
         needed, to_hold = self._needs(seq, plan)
-        return self.pool.num_available(holding=to_hold) >= needed
+        return self.pool.num_available(holding=to_hold, owner=owner_of(seq)) >= needed
 
     @staticmethod
     def _needs(seq: Sequence, plan: LinkPlan) -> tuple[int, list[str]]:
@@ -43,28 +47,29 @@ class KVManager:
         ``SeqBlocks.reserved``); the sequence's holds become its table's references. ``KVPoolExhaustedError`` when
         ``can_allocate`` is false (the blocks needed and available; nothing is taken)."""
         needed, to_hold = self._needs(seq, plan)
-        self.pool.check_available(needed, holding=to_hold, what=plan.assembly.describe())
+        owner = owner_of(seq)
+        self.pool.check_available(needed, holding=to_hold, what=plan.assembly.describe(), owner=owner)
         blocks = seq.blocks
-        assembly = self._assemble(plan.assembly, held=blocks.held, to_hold=to_hold)
+        assembly = self._assemble(plan.assembly, held=blocks.held, to_hold=to_hold, owner=owner)
         blocks.held, blocks.kv, blocks.shared = {}, assembly.req, set(plan.assembly.shared)
-        blocks.reserved = self.pool.allocate(plan.num_reserved)
+        blocks.reserved = self.pool.allocate(plan.num_reserved, owner=owner)
         if seq.link.first_pass is None:  # (the figures of its first pass: a link's, reported by LinkOutput)
             blocks.num_shared, blocks.num_private = assembly.num_shared_blocks, assembly.num_private_blocks
         return assembly
 
-    def _assemble(self, plan: AssemblyPlan, *, held: dict[str, list[int]], to_hold: list[str]) -> Assembly:
+    def _assemble(self, plan: AssemblyPlan, *, held: dict[str, list[int]], to_hold: list[str], owner: str) -> Assembly:
         """Hold or promote the chunks, then build the block table (``pic.link.assemble``): ``held`` are the chunks
         the sequence holds already (it keeps them resident while it waits), whose references its table takes over;
-        nothing is taken if this raises."""
+        ``owner``: the request's namespace; nothing is taken if this raises."""
         layout, pool = plan.layout, self.pool
         held, taken, private, mapped = dict(held), {}, [], []
         try:
             for cid in to_hold:
                 taken[cid] = pool.hold(cid)
             for cid, chunk in plan.to_promote.items():
-                taken[cid] = self.store.promote(chunk)
+                taken[cid] = self.store.promote(chunk, owner=owner)  # (charged to the chunk's namespace)
             held |= taken
-            private = pool.allocate(plan.num_private)
+            private = pool.allocate(plan.num_private, owner=owner)
             canonical = [held[c.cache_id] for c in plan.chunks]
             num_blocks = blocks_for(layout.num_slots, layout.block_size)
             table, copies = block_table(num_blocks, plan.shared, plan.chunk_blocks, canonical, private)
@@ -77,7 +82,7 @@ class KVManager:
             pool.free(b for blocks in taken.values() for b in blocks)
             raise
         all_held = [b for blocks in held.values() for b in blocks]
-        req = RequestKV(pool, self.cache, table, num_slots=layout.num_slots, held=all_held)
+        req = RequestKV(pool, self.cache, table, num_slots=layout.num_slots, held=all_held, owner=owner)
         rows = source_rows(layout, canonical, self.cache)
         return Assembly(req, rows, num_shared_blocks=len(plan.shared), num_private_blocks=plan.num_private)
 
@@ -101,7 +106,7 @@ class KVManager:
     def can_append(self, seq: Sequence) -> bool:
         """Whether ``append`` can take the slot of the sequence's next token."""
         kv = seq.blocks.kv
-        return kv.num_slots < len(kv.blocks) * self._block_size or self.pool.num_available() >= 1
+        return kv.num_slots < len(kv.blocks) * self._block_size or self.pool.num_available(owner=kv.owner) >= 1
 
     def append(self, seq: Sequence) -> None:
         """Reserve the slot of the next token (a new private block when the last is full)."""
@@ -141,7 +146,7 @@ class KVManager:
 
     def can_start(self, prefill: ChunkPrefill) -> bool:
         """Whether the pool has the blocks of a chunk prefill."""
-        return self.pool.num_available() >= prefill.num_blocks(self._block_size)
+        return self.pool.num_available(owner=prefill.options.namespace) >= prefill.num_blocks(self._block_size)
 
     def check_compile(self, job: CompileJob, new: list[str], *, bos_token_id: int | None) -> None:
         """Refuse, before any work, a compile call whose ``new`` chunks cannot fit in the pool beside the chunks in
@@ -152,12 +157,18 @@ class KVManager:
         num_lead, dropped, bs = len(lead_tokens(job.options, bos_token_id)), job.options.num_dropped, self._block_size
         sizes = [prefill_blocks(num_lead + len(job.tokens[cid]), num_dropped=dropped, block_size=bs) for cid in new]
         num_bytes = sum(len(job.tokens[cid]) + job.options.add_bos for cid in new) * self._kv_bytes_per_token
-        hold_all = not self.store.lower_can_fit(num_bytes, keep=list(job.tokens))  # the pool keeps the only copy
+        owner = job.options.namespace
+        hold_all = not self.store.lower_can_fit(num_bytes, keep=list(job.tokens), namespace=owner)  # (the only copy)
         num_needed = (sum(c for c, _ in sizes) if hold_all else max(c for c, _ in sizes)) + max(n for _, n in sizes)
-        self.pool.check_available(num_needed, what=f"the {len(new)} new chunks of this compile call")
+        self.pool.check_available(num_needed, what=f"the {len(new)} new chunks of this compile call", owner=owner)
 
     def start(self, prefill: ChunkPrefill) -> None:
         """Take a chunk prefill's blocks (``KVPoolExhaustedError``: the pool cannot hold them; nothing is taken)."""
         what = f"compiling chunk {prefill.cache_id} ({len(prefill.token_ids)} tokens)"
-        self.pool.check_available(prefill.num_blocks(self._block_size), what=what)
+        self.pool.check_available(prefill.num_blocks(self._block_size), what=what, owner=prefill.options.namespace)
         prefill.start(self.pool, self.cache)
+
+
+def owner_of(seq: Sequence) -> str:
+    """Whose request ``seq`` is: the namespace its blocks are charged to and its work evicts first."""
+    return seq.request.access.own.name
