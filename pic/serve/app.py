@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from pic.engine import PIC
 from pic.engine import Request as PicRequest
+from pic.errors import shown_id
 from pic.link.chat import has_chat_template
 from pic.serve.handlers import install_error_handlers
 from pic.serve.http import Guard, error_response, pic_error_response
@@ -95,7 +96,7 @@ def build_app(
     @app.delete("/v1/chunks/{cache_id}", response_model=None, responses=responses(Deleted, 404, *_GUARDED, 500, 503))
     async def delete_chunk(cache_id: str) -> dict:
         if not await aengine.store(engine.store.expire, cache_id):  # a tier that fails: StoreUnavailableError, 503
-            return error_response(404, f"unknown cache id {cache_id!r}", kind="not_found_error")
+            return error_response(404, f"unknown cache id {shown_id(cache_id)}", kind="not_found_error")
         return {"id": cache_id, "deleted": True}
 
     @app.post("/v1/completions", response_model=None, responses=responses(Completion, 404, *_WORK, stream=True))

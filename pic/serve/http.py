@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 
 from fastapi.responses import JSONResponse
 
@@ -22,6 +23,7 @@ from pic.errors import (
     PolicyError,
     StoreUnavailableError,
     UnknownCacheIdError,
+    shown_id,
 )
 
 # A POST body with no content-type, or curl -d's form type, is taken as JSON: every body this server reads is
@@ -181,3 +183,29 @@ class _Refused(Exception):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status, self.message = status, message
+
+
+class CutLongPaths(logging.Filter):
+    """A filter for uvicorn's access log (``uvicorn.access``): a request path over ``limit`` characters is logged
+    cut, with its length (``shown_id``): a client that sends an unknown 16 KB id in a path, again and again, would
+    otherwise write it whole into the log for every request."""
+
+    def __init__(self, limit: int = 96) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) == 5 and isinstance(args[2], str) and len(args[2]) > self.limit:
+            record.args = (*args[:2], cut_path(args[2], self.limit), *args[3:])
+        return True
+
+
+def cut_path(path: str, limit: int = 96) -> str:
+    """``path`` when it has at most ``limit`` characters, else each of its segments over 32 characters cut as
+    ``shown_id`` cuts an id, and the whole cut to ``limit`` (``/v1/chunks/'abcd…' (16000 characters)``)."""
+    if len(path) <= limit:
+        return path
+    segments = [s if len(s) <= 32 else shown_id(s) for s in path.split("/")]
+    cut = "/".join(segments)
+    return cut if len(cut) <= limit else f"{cut[:limit]}… ({len(path)} characters)"

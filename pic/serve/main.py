@@ -142,12 +142,14 @@ def _serve(app, sock: socket.socket, args: argparse.Namespace) -> None:
     """Run uvicorn on ``sock`` with ``pic serve``'s protocol (its read deadlines) until interrupted."""
     import uvicorn
 
+    from pic.serve.http import CutLongPaths
     from pic.serve.protocol import KEEP_ALIVE_S, timed_protocol
 
     http = timed_protocol(headers_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout)
     config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level="info", http=http, timeout_keep_alive=KEEP_ALIVE_S
     )  # sets up its logging
+    logging.getLogger("uvicorn.access").addFilter(CutLongPaths())  # a 16 KB path is not logged whole
     # uvicorn names the address only of a socket it binds itself: say it as it would.
     url = f"http://{_address(args.host, args.port)}"
     logging.getLogger("uvicorn.error").info("Uvicorn running on %s (Press CTRL+C to quit)", url)
