@@ -22,6 +22,7 @@ from pic.engine import PIC
 from pic.engine import Request as PicRequest
 from pic.errors import shown_id
 from pic.link.chat import has_chat_template
+from pic.serve.bodies import OffLoopRoute
 from pic.serve.handlers import install_error_handlers
 from pic.serve.http import Guard, error_response, pic_error_response
 from pic.serve.loop import AsyncEngine
@@ -59,6 +60,7 @@ def build_app(
 
     metrics = Metrics(figures)
     app = FastAPI(title="pic")
+    app.router.route_class = OffLoopRoute  # large bodies parsed off the loop (before the routes are added)
     app.state.engine, app.state.metrics = aengine, metrics
     install_error_handlers(app)
     install_openapi(app, secured=api_key is not None, model_name=model_name)
