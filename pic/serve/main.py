@@ -13,24 +13,20 @@ import sys
 from pic.cli_args import (
     byte_size,
     chat_template,
-    nonempty,
     policy,
     port,
     positive_float,
     positive_int,
-    redis_url,
     share,
 )
+from pic.serve.secret_flags import STORE_KEY_ENV, add_secret_flags, resolve_secrets
 
 
 def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server with cache ids")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     serve.add_argument("--port", type=port, default=8000)
-    serve.add_argument(
-        "--api-key", type=nonempty, default=None, help="require 'Authorization: Bearer KEY' (all routes but /health)"
-    )
-    serve.add_argument("--redis-url", type=redis_url, default=None, help="a Redis shared by a fleet of servers")
+    add_secret_flags(serve)  # --api-key(-file), --store-key-file, --redis-url(-file)
     serve.add_argument(
         "--on-redis-error", choices=("raise", "miss"), default="raise",
         help="when Redis fails: raise (503) or miss (serve from the upper tiers, log it)",
@@ -103,6 +99,7 @@ def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     touched, as every other bad option is."""
     from pic.errors import InvalidInputError
 
+    resolve_secrets(parser, args)  # args.api_key, args.store_key, args.redis_url from their one source each
     if (args.disk_path is None) != (args.disk_bytes is None):
         given, needed = ("--disk-path", "--disk-bytes") if args.disk_bytes is None else ("--disk-bytes", "--disk-path")
         parser.error(f"{given} needs {needed}: the disk tier's folder and its size (--disk-path DIR --disk-bytes 200G)")
@@ -125,6 +122,8 @@ def run(args: argparse.Namespace) -> int:
 
         raise MissingDependencyError('pic serve needs FastAPI and uvicorn: pip install "pic-kv[serve]"') from None
     config, store = engine_config(args), store_config(args)  # checked already (check_flags): exit 2 when bad
+    if store is not None and store.store_key is None and (store.redis_url or store.disk_path):
+        print(f"pic: note: {_unkeyed_note(store)}", file=sys.stderr, flush=True)
     sock = listen(args.host, args.port)
     if sock is None:
         return 1
@@ -177,6 +176,18 @@ def _checked_app(args: argparse.Namespace, config, store):
         engine, model_name=name, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
         body_timeout_s=args.body_timeout,
     )  # fmt: skip
+
+
+def _unkeyed_note(store) -> str:
+    """The start-up line of a server with a shared tier and no store key."""
+    tiers = " and ".join(
+        name for name, on in (("Redis", store.redis_url), (f"the disk folder {store.disk_path}", store.disk_path)) if on
+    )
+    return (
+        f"no store key: chunks read from {tiers} are trusted as they are (whoever can write there can change what "
+        f"this server answers); set one with --store-key-file PATH or {STORE_KEY_ENV} (hex: openssl rand -hex 32), "
+        "the same on every server of the fleet"
+    )
 
 
 def listen(host: str, port: int) -> socket.socket | None:
@@ -259,7 +270,8 @@ def store_config(args: argparse.Namespace):
 
     fields = {"redis_url": args.redis_url, "disk_path": args.disk_path, "disk_bytes": args.disk_bytes}
     if all(value is None for value in fields.values()):
-        return None
+        return None if args.store_key is None else pic.StoreConfig(store_key=args.store_key)
+    fields["store_key"] = args.store_key
     errors = {"on_redis_error": args.on_redis_error, "on_disk_error": args.on_disk_error}
     timing = {"redis_timeout_s": args.redis_timeout, "tier_retry_s": args.tier_retry}  # None: StoreConfig's default
     return pic.StoreConfig(**fields, **errors, **{key: value for key, value in timing.items() if value is not None})
