@@ -24,6 +24,7 @@ from pic.errors import shown_id
 from pic.link.chat import has_chat_template
 from pic.serve.bodies import OffLoopRoute
 from pic.serve.handlers import install_error_handlers
+from pic.serve.hosts import AllowedHosts
 from pic.serve.http import Guard, error_response, pic_error_response
 from pic.serve.loop import AsyncEngine
 from pic.serve.metrics import CONTENT_TYPE, EngineFigures, Metrics, RequestCounter
@@ -46,9 +47,12 @@ def build_app(
     api_key: str | None = None,
     max_body_bytes: int = 8 << 20,
     body_timeout_s: float = 30.0,
+    allowed_hosts: AllowedHosts | None = None,
 ) -> FastAPI:
     """The app over ``engine``; ``app.state.engine`` is its ``AsyncEngine``, ``app.state.metrics`` its counters.
-    ``body_timeout_s``: the longest wait for the next piece of a request body (then a 408)."""
+    ``body_timeout_s``: the longest wait for the next piece of a request body (then a 408). ``allowed_hosts``: without
+    ``api_key``, the names besides the server's own address that a request's ``Host`` and ``Origin`` may name
+    (``--allowed-host``; see ``pic.serve.hosts``)."""
     aengine = AsyncEngine(engine)
 
     def figures() -> EngineFigures:
@@ -64,7 +68,10 @@ def build_app(
     app.state.engine, app.state.metrics = aengine, metrics
     install_error_handlers(app)
     install_openapi(app, secured=api_key is not None, model_name=model_name)
-    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s)
+    app.add_middleware(
+        Guard, api_key=api_key, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s,
+        allowed_hosts=allowed_hosts,
+    )  # fmt: skip
     app.add_middleware(RequestCounter, metrics=metrics)  # outermost: 401s and 413s are counted too
 
     @app.get("/health", response_model=None, responses=responses(Health, *_OPEN))

@@ -11,6 +11,7 @@ import socket
 import sys
 
 from pic.cli_args import (
+    allowed_host,
     byte_size,
     chat_template,
     policy,
@@ -27,6 +28,11 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     serve.add_argument("--port", type=port, default=8000)
     add_secret_flags(serve)  # --api-key(-file), --store-key-file, --redis-url(-file)
+    serve.add_argument(
+        "--allowed-host", type=allowed_host, action="append", default=[], metavar="NAME",
+        help="without an API key, a name (NAME: any port; NAME:PORT) clients may address the server by besides its "
+        "own address; repeatable (requests naming another Host, or from another site's page, get a 403)",
+    )  # fmt: skip
     serve.add_argument(
         "--on-redis-error", choices=("raise", "miss"), default="raise",
         help="when Redis fails: raise (503) or miss (serve from the upper tiers, log it)",
@@ -100,6 +106,11 @@ def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     from pic.errors import InvalidInputError
 
     resolve_secrets(parser, args)  # args.api_key, args.store_key, args.redis_url from their one source each
+    if args.allowed_host and args.api_key is not None:
+        parser.error(
+            "--allowed-host is for a server without an API key (with one, a request's Host and Origin are not "
+            "checked: a browser cannot send the key to another site); drop one of them"
+        )
     if (args.disk_path is None) != (args.disk_bytes is None):
         given, needed = ("--disk-path", "--disk-bytes") if args.disk_bytes is None else ("--disk-bytes", "--disk-path")
         parser.error(f"{given} needs {needed}: the disk tier's folder and its size (--disk-path DIR --disk-bytes 200G)")
@@ -174,8 +185,21 @@ def _checked_app(args: argparse.Namespace, config, store):
         return None
     return build_app(
         engine, model_name=name, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
-        body_timeout_s=args.body_timeout,
+        body_timeout_s=args.body_timeout, allowed_hosts=allowed_hosts(args.host, args.port, args.allowed_host),
     )  # fmt: skip
+
+
+def allowed_hosts(host: str, port: int, names: list[str]):
+    """The ``AllowedHosts`` of a keyless server: the ``--allowed-host`` names, and ``--host`` with its port when it
+    is a name (the connection's own address, loopback names included, is always allowed: ``pic.serve.hosts``)."""
+    from pic.serve.hosts import AllowedHosts
+
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+        bound = []
+    except ValueError:
+        bound = [f"{host}:{port}"]  # a name: the server was told its name, and its clients use it
+    return AllowedHosts.parse([*names, *bound])
 
 
 def _unkeyed_note(store) -> str:
