@@ -200,8 +200,8 @@ class Guard:
             foreign = self._hosts.refusal(scope)
             if foreign is not None:
                 return 403, foreign, "permission_error"
-        if self._key is None and scope["method"] == "POST" and _media_type(headers.get(b"content-type")) != _JSON:
-            return 415, _not_json(headers.get(b"content-type")), "invalid_request_error"
+            if scope["method"] == "POST" and _media_type(headers.get(b"content-type")) != _JSON:
+                return 415, _not_json(headers.get(b"content-type")), "invalid_request_error"
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
             return 413, self._too_large(int(declared)), "invalid_request_error"
