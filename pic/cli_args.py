@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Callable
+from typing import TypeVar
+
+_T = TypeVar("_T")
 
 MAX_CASES = 100_000
 MAX_TEMPLATE_BYTES = 1 << 20  # a chat template is a few KB; a megabyte is surely the wrong file
@@ -92,15 +96,24 @@ def nonempty(text: str) -> str:
     return text
 
 
+_REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "redis-cluster://", "redis-sentinel://")
+
+
 def redis_url(text: str) -> str:
-    """A Redis URL as ``StoreConfig.redis_url`` takes it (the message masks a password)."""
+    """A Redis URL as ``StoreConfig.redis_url`` takes it (the message masks a password: the scheme is checked
+    here, as ``StoreConfig``'s own check of it echoes the URL whole)."""
     from pic.config import StoreConfig
     from pic.errors import InvalidInputError
+    from pic.redis_url import redact
 
+    if not text.startswith(_REDIS_SCHEMES):
+        raise argparse.ArgumentTypeError(
+            f"{redact(text)!r:.200} is not a Redis URL: it starts with {', '.join(_REDIS_SCHEMES)}"
+        )
     try:
         StoreConfig(redis_url=text)
     except InvalidInputError as exc:
-        raise argparse.ArgumentTypeError(str(exc).removeprefix("invalid StoreConfig: ")) from None
+        raise argparse.ArgumentTypeError(redact(str(exc).removeprefix("invalid StoreConfig: "))) from None
     return text
 
 
@@ -145,3 +158,47 @@ def _int(text: str) -> int:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+
+
+def api_key_file(path: str) -> str:
+    """The API key in the file at ``path`` (``pic.secrets``: private, bounded, one line)."""
+    from pic.secrets import secret_text
+
+    return _secret(lambda data: secret_text(data, repr(path)), path)
+
+
+def store_key_file(path: str) -> bytes:
+    """The fleet's store key in the file at ``path``: hex digits, at least 16 bytes (``pic.secrets.store_key``)."""
+    from pic.secrets import store_key
+
+    return _secret(lambda data: store_key(data, repr(path)), path)
+
+
+def redis_url_file(path: str) -> str:
+    """A Redis URL (with its password) in the file at ``path``, as ``--redis-url`` takes it."""
+    from pic.secrets import secret_text
+
+    return _secret(lambda data: redis_url(secret_text(data, repr(path))), path)
+
+
+def _secret(read: Callable[[bytes], _T], path: str) -> _T:
+    """``read(bytes of the secret file at path)``; an ``InvalidInputError`` is an argparse error (never echoing
+    the secret: the messages name the file)."""
+    from pic.errors import InvalidInputError
+    from pic.secrets import read_secret_file
+
+    try:
+        return read(read_secret_file(path))
+    except InvalidInputError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def allowed_host(text: str) -> str:
+    """A host name a keyless server answers to (``NAME`` or ``NAME:PORT``, an IPv6 address in brackets)."""
+    from pic.serve.hosts import AllowedHosts
+
+    try:
+        AllowedHosts.parse([text])
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text

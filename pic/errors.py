@@ -105,12 +105,31 @@ def unknown_policy_hint(spec: str, known: Iterable[str] = ()) -> str:
     return f" ('@context' and '/order' are `pic eval`'s syntax, not a policy's: in Python {', then '.join(steps)})"
 
 
+SHOWN_ID_CHARS = 32
+"""The most characters of an id an error or a log line shows: a cache id's whole length."""
+
+
+def shown_id(cache_id: object) -> str:
+    """An id as errors and log lines show it: ``repr`` of it when it is at most ``SHOWN_ID_CHARS`` characters,
+    else of its first 32 and its length (``'abcd…' (7340032 characters)``). A client sends ids (a path, a body's
+    ``cache_ids``), so an unknown one of 7 MB would otherwise be echoed whole in its 404 and logged whole for every
+    request that sends it."""
+    if isinstance(cache_id, str):
+        if len(cache_id) <= SHOWN_ID_CHARS:
+            return repr(cache_id)
+        return f"{cache_id[:SHOWN_ID_CHARS] + '…'!r} ({len(cache_id)} characters)"
+    text = repr(cache_id)
+    return text if len(text) <= SHOWN_ID_CHARS else f"{text[:SHOWN_ID_CHARS]}… ({len(text)} characters)"
+
+
 def cache_id_hint(cache_id: object) -> str:
     """`` (8 characters: a cache id is 32 hex digits, ...)`` for hex digits that cannot be a whole cache id (a prefix
-    of one, as pages print them cut short); ``""`` for anything else."""
+    of one, as pages print them cut short); ``""`` for anything else. Of a longer one, ``shown_id`` gives the length
+    already."""
     if not isinstance(cache_id, str) or not re.fullmatch(r"[0-9a-f]+", cache_id) or len(cache_id) == 32:
         return ""
-    return f" ({len(cache_id)} characters: a cache id is 32 hex digits, the whole id compile returned)"
+    count = f"{len(cache_id)} characters: " if len(cache_id) < SHOWN_ID_CHARS else ""
+    return f" ({count}a cache id is 32 hex digits, the whole id compile returned)"
 
 
 def linked_too_long(num_tokens: int, context: int, model: str, segments) -> ContextLengthError:

@@ -63,7 +63,10 @@ def test_missing_model_is_an_error_message(capsys):
         (["serve", "--policy", "lego:16"], "unknown policy 'lego:16'"),
         (["serve", "--policy", "legolink:16,k=4"], "--policy: policy 'legolink': k given twice"),
         (["serve", "--chat-template", "/nonexistent/chat.jinja"], "cannot read '/nonexistent/chat.jinja'"),
-        (["store", "sweep", "--redis-url", "http://x"], "--redis-url: redis_url='http://x'"),
+        (
+            ["store", "sweep", "--redis-url", "http://x"],
+            "--redis-url: 'http://x' is not a Redis URL: it starts with redis://",
+        ),
         (["store", "sweep", "--redis-url", "redis://:secret@127.0.0.1:99999"], "the port is not a number"),
     ],
 )

@@ -20,8 +20,11 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from pic.engine import PIC
 from pic.engine import Request as PicRequest
+from pic.errors import shown_id
 from pic.link.chat import has_chat_template
+from pic.serve.bodies import OffLoopRoute
 from pic.serve.handlers import install_error_handlers
+from pic.serve.hosts import AllowedHosts
 from pic.serve.http import Guard, error_response, pic_error_response
 from pic.serve.loop import AsyncEngine
 from pic.serve.metrics import CONTENT_TYPE, EngineFigures, Metrics, RequestCounter
@@ -44,9 +47,12 @@ def build_app(
     api_key: str | None = None,
     max_body_bytes: int = 8 << 20,
     body_timeout_s: float = 30.0,
+    allowed_hosts: AllowedHosts | None = None,
 ) -> FastAPI:
     """The app over ``engine``; ``app.state.engine`` is its ``AsyncEngine``, ``app.state.metrics`` its counters.
-    ``body_timeout_s``: the longest wait for the next piece of a request body (then a 408)."""
+    ``body_timeout_s``: the longest wait for the next piece of a request body (then a 408). ``allowed_hosts``: without
+    ``api_key``, the names besides the server's own address that a request's ``Host`` and ``Origin`` may name
+    (``--allowed-host``; see ``pic.serve.hosts``)."""
     aengine = AsyncEngine(engine)
 
     def figures() -> EngineFigures:
@@ -58,10 +64,14 @@ def build_app(
 
     metrics = Metrics(figures)
     app = FastAPI(title="pic")
+    app.router.route_class = OffLoopRoute  # large bodies parsed off the loop (before the routes are added)
     app.state.engine, app.state.metrics = aengine, metrics
     install_error_handlers(app)
     install_openapi(app, secured=api_key is not None, model_name=model_name)
-    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s)
+    app.add_middleware(
+        Guard, api_key=api_key, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s,
+        allowed_hosts=allowed_hosts,
+    )  # fmt: skip
     app.add_middleware(RequestCounter, metrics=metrics)  # outermost: 401s and 413s are counted too
 
     @app.get("/health", response_model=None, responses=responses(Health, *_OPEN))
@@ -95,7 +105,7 @@ def build_app(
     @app.delete("/v1/chunks/{cache_id}", response_model=None, responses=responses(Deleted, 404, *_GUARDED, 500, 503))
     async def delete_chunk(cache_id: str) -> dict:
         if not await aengine.store(engine.store.expire, cache_id):  # a tier that fails: StoreUnavailableError, 503
-            return error_response(404, f"unknown cache id {cache_id!r}", kind="not_found_error")
+            return error_response(404, f"unknown cache id {shown_id(cache_id)}", kind="not_found_error")
         return {"id": cache_id, "deleted": True}
 
     @app.post("/v1/completions", response_model=None, responses=responses(Completion, 404, *_WORK, stream=True))

@@ -1,9 +1,10 @@
-"""HTTP plumbing of the server: OpenAI-style error bodies, the bearer-key check, the body-size limit, the
-body-read timeout, and JSON bodies sent without their content-type.
+"""HTTP plumbing of the server: OpenAI-style error bodies, the bearer-key check (or, without a key, the Host,
+Origin and content-type checks), the body-size limit, the body-read timeout, JSON bodies sent without their
+content-type, and access-log lines with long paths cut.
 
-The guards are plain ASGI middleware, so they run before routing and parsing: an unauthenticated, oversized
-or stalled request never reaches a handler (nor a JSON parser). The header-read timeout comes before any
-ASGI code runs: ``protocol.py``.
+The guards are plain ASGI middleware, so they run before routing and parsing: an unauthenticated, oversized,
+stalled or cross-site request never reaches a handler (nor a JSON parser). The header-read timeout comes before
+any ASGI code runs: ``protocol.py``.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 
 from fastapi.responses import JSONResponse
 
@@ -22,11 +24,16 @@ from pic.errors import (
     PolicyError,
     StoreUnavailableError,
     UnknownCacheIdError,
+    shown_id,
 )
+from pic.serve.hosts import AllowedHosts
 
-# A POST body with no content-type, or curl -d's form type, is taken as JSON: every body this server reads is
-# JSON, and the header is easy to forget (curl -d sends the form type unless told otherwise).
+# On a server with an API key, a POST body with no content-type, or curl -d's form type, is taken as JSON: every
+# body this server reads is JSON, and the header is easy to forget (curl -d sends the form type unless told
+# otherwise). Without a key, only JSON's own type is read (``_not_json``): a web page can send either of these
+# to any site without asking first, and a keyless server would run what it sent.
 _TAKEN_AS_JSON = ("", "application/x-www-form-urlencoded")
+_JSON = "application/json"
 # The scope key under which the Guard keeps a request's content-type as it came (``sent_content_type``).
 _SENT_CONTENT_TYPE = "pic.sent_content_type"
 
@@ -76,6 +83,8 @@ async def _send_json(send, status: int, message: str, kind: str) -> None:
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if status == 401:
         headers.append((b"www-authenticate", b"Bearer"))
+    if status == 415:
+        headers.append((b"accept", _JSON.encode()))  # RFC 9110 15.5.16: the media types that would have been read
     if status == 408:
         headers.append((b"connection", b"close"))  # the rest of the body may still come: no next request
     await send({"type": "http.response.start", "status": status, "headers": headers})
@@ -91,7 +100,7 @@ def sent_content_type(scope: dict) -> str | None:
 def read_as_json(content_type: str | None) -> bool:
     """Whether a body sent with ``content_type`` (``None``: no header) was parsed as JSON: JSON's own type, and
     the ones the ``Guard`` takes as JSON."""
-    return _media_type(content_type) in (*_TAKEN_AS_JSON, "application/json")
+    return _media_type(content_type) in (*_TAKEN_AS_JSON, _JSON)
 
 
 def _media_type(content_type: str | bytes | None) -> str:
@@ -121,23 +130,34 @@ class Guard:
     constant time), request bodies of at most ``max_body_bytes`` (413 otherwise, by the declared length or by
     the bytes actually received), no wait of over ``body_timeout_s`` for the next piece of a body (408,
     and the connection closed: a client trickling nothing holds no handler), and a POST body sent without a
-    content-type (or as curl -d's form) taken as JSON."""
+    content-type (or as curl -d's form) taken as JSON.
 
-    def __init__(self, app, *, api_key: str | None, max_body_bytes: int, body_timeout_s: float = 30.0) -> None:
+    Without an API key (``api_key=None``), a web page must not be able to use the server: every path but
+    ``/health`` needs a ``Host`` naming the server's own address or one of ``allowed_hosts``, and an ``Origin``, when
+    sent, of the same (403 otherwise: ``hosts.AllowedHosts``); and a POST must come as ``application/json``, the one
+    type a page cannot send to another site without the browser asking the server first (415 otherwise)."""
+
+    def __init__(
+        self,
+        app,
+        *,
+        api_key: str | None,
+        max_body_bytes: int,
+        body_timeout_s: float = 30.0,
+        allowed_hosts: AllowedHosts | None = None,
+    ) -> None:
         self.app, self.max_body_bytes, self.body_timeout_s = app, max_body_bytes, body_timeout_s
         self._key = None if api_key is None else f"Bearer {api_key}".encode()
+        self._hosts = allowed_hosts or AllowedHosts()
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        headers = dict(scope["headers"])
-        if self._key is not None and scope["path"] != "/health":
-            if not hmac.compare_digest(headers.get(b"authorization", b""), self._key):
-                return await _send_json(send, 401, "missing or wrong API key (Authorization: Bearer KEY)", "auth_error")
-        declared = headers.get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
-            return await _send_json(send, 413, self._too_large(int(declared)), "invalid_request_error")
-        _take_as_json(scope)
+        refusal = self._refusal(scope)
+        if refusal is not None:
+            return await _send_json(send, *refusal)
+        if self._key is not None:
+            _take_as_json(scope)
         received, refused, body_done = 0, None, False
 
         async def guarded_receive():
@@ -168,11 +188,40 @@ class Guard:
         except _Refused as exc:
             await _send_json(send, exc.status, exc.message, "invalid_request_error")
 
+    def _refusal(self, scope: dict) -> tuple[int, str, str] | None:
+        """What a request gets before the app runs (status, message, error type), or ``None``: a wrong or missing
+        key (401); without a key, a foreign Host or Origin (403) or a POST not sent as JSON (415); a declared
+        length over the limit (413)."""
+        headers, guarded = dict(scope["headers"]), scope["path"] != "/health"
+        if self._key is not None and guarded:
+            if not hmac.compare_digest(headers.get(b"authorization", b""), self._key):
+                return 401, "missing or wrong API key (Authorization: Bearer KEY)", "auth_error"
+        if self._key is None and guarded:
+            foreign = self._hosts.refusal(scope)
+            if foreign is not None:
+                return 403, foreign, "permission_error"
+            if scope["method"] == "POST" and _media_type(headers.get(b"content-type")) != _JSON:
+                return 415, _not_json(headers.get(b"content-type")), "invalid_request_error"
+        declared = headers.get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            return 413, self._too_large(int(declared)), "invalid_request_error"
+        return None
+
     def _too_large(self, num_bytes: int) -> str:
         return f"request body of {num_bytes} bytes is over the limit of {self.max_body_bytes} bytes"
 
     def _stalled(self, num_bytes: int) -> str:
         return f"the request body stalled: nothing more came for {self.body_timeout_s:g} s after {num_bytes} bytes"
+
+
+def _not_json(content_type: bytes | None) -> str:
+    """The 415 of a POST to a keyless server that did not come as ``application/json``."""
+    sent = "no content-type" if content_type is None else f"content-type {content_type.decode('latin-1')!r:.80}"
+    return (
+        f"the request body came with {sent}; a server without an API key reads only bodies sent as content-type: "
+        "application/json (the one type a web page cannot send to another site unasked): send that header "
+        "(curl -H 'content-type: application/json' -d '{...}'), or start the server with --api-key"
+    )
 
 
 class _Refused(Exception):
@@ -181,3 +230,29 @@ class _Refused(Exception):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status, self.message = status, message
+
+
+class CutLongPaths(logging.Filter):
+    """A filter for uvicorn's access log (``uvicorn.access``): a request path over ``limit`` characters is logged
+    cut, with its length (``shown_id``): a client that sends an unknown 16 KB id in a path, again and again, would
+    otherwise write it whole into the log for every request."""
+
+    def __init__(self, limit: int = 96) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) == 5 and isinstance(args[2], str) and len(args[2]) > self.limit:
+            record.args = (*args[:2], cut_path(args[2], self.limit), *args[3:])
+        return True
+
+
+def cut_path(path: str, limit: int = 96) -> str:
+    """``path`` when it has at most ``limit`` characters, else each of its segments over 32 characters cut as
+    ``shown_id`` cuts an id, and the whole cut to ``limit`` (``/v1/chunks/'abcd…' (16000 characters)``)."""
+    if len(path) <= limit:
+        return path
+    segments = [s if len(s) <= 32 else shown_id(s) for s in path.split("/")]
+    cut = "/".join(segments)
+    return cut if len(cut) <= limit else f"{cut[:limit]}… ({len(path)} characters)"

@@ -11,26 +11,28 @@ import socket
 import sys
 
 from pic.cli_args import (
+    allowed_host,
     byte_size,
     chat_template,
-    nonempty,
     policy,
     port,
     positive_float,
     positive_int,
-    redis_url,
     share,
 )
+from pic.serve.secret_flags import STORE_KEY_ENV, add_secret_flags, resolve_secrets
 
 
 def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server with cache ids")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     serve.add_argument("--port", type=port, default=8000)
+    add_secret_flags(serve)  # --api-key(-file), --store-key-file, --redis-url(-file)
     serve.add_argument(
-        "--api-key", type=nonempty, default=None, help="require 'Authorization: Bearer KEY' (all routes but /health)"
-    )
-    serve.add_argument("--redis-url", type=redis_url, default=None, help="a Redis shared by a fleet of servers")
+        "--allowed-host", type=allowed_host, action="append", default=[], metavar="NAME",
+        help="without an API key, a name (NAME: any port; NAME:PORT) clients may address the server by besides its "
+        "own address; repeatable (requests naming another Host, or from another site's page, get a 403)",
+    )  # fmt: skip
     serve.add_argument(
         "--on-redis-error", choices=("raise", "miss"), default="raise",
         help="when Redis fails: raise (503) or miss (serve from the upper tiers, log it)",
@@ -103,6 +105,12 @@ def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     touched, as every other bad option is."""
     from pic.errors import InvalidInputError
 
+    resolve_secrets(parser, args)  # args.api_key, args.store_key, args.redis_url from their one source each
+    if args.allowed_host and args.api_key is not None:
+        parser.error(
+            "--allowed-host is for a server without an API key (with one, a request's Host and Origin are not "
+            "checked: a browser cannot send the key to another site); drop one of them"
+        )
     if (args.disk_path is None) != (args.disk_bytes is None):
         given, needed = ("--disk-path", "--disk-bytes") if args.disk_bytes is None else ("--disk-bytes", "--disk-path")
         parser.error(f"{given} needs {needed}: the disk tier's folder and its size (--disk-path DIR --disk-bytes 200G)")
@@ -125,6 +133,8 @@ def run(args: argparse.Namespace) -> int:
 
         raise MissingDependencyError('pic serve needs FastAPI and uvicorn: pip install "pic-kv[serve]"') from None
     config, store = engine_config(args), store_config(args)  # checked already (check_flags): exit 2 when bad
+    if store is not None and store.store_key is None and (store.redis_url or store.disk_path):
+        print(f"pic: note: {_unkeyed_note(store)}", file=sys.stderr, flush=True)
     sock = listen(args.host, args.port)
     if sock is None:
         return 1
@@ -142,12 +152,14 @@ def _serve(app, sock: socket.socket, args: argparse.Namespace) -> None:
     """Run uvicorn on ``sock`` with ``pic serve``'s protocol (its read deadlines) until interrupted."""
     import uvicorn
 
+    from pic.serve.http import CutLongPaths
     from pic.serve.protocol import KEEP_ALIVE_S, timed_protocol
 
     http = timed_protocol(headers_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout)
     config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level="info", http=http, timeout_keep_alive=KEEP_ALIVE_S
     )  # sets up its logging
+    logging.getLogger("uvicorn.access").addFilter(CutLongPaths())  # a 16 KB path is not logged whole
     # uvicorn names the address only of a socket it binds itself: say it as it would.
     url = f"http://{_address(args.host, args.port)}"
     logging.getLogger("uvicorn.error").info("Uvicorn running on %s (Press CTRL+C to quit)", url)
@@ -173,8 +185,33 @@ def _checked_app(args: argparse.Namespace, config, store):
         return None
     return build_app(
         engine, model_name=name, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
-        body_timeout_s=args.body_timeout,
+        body_timeout_s=args.body_timeout, allowed_hosts=allowed_hosts(args.host, args.port, args.allowed_host),
     )  # fmt: skip
+
+
+def allowed_hosts(host: str, port: int, names: list[str]):
+    """The ``AllowedHosts`` of a keyless server: the ``--allowed-host`` names, and ``--host`` with its port when it
+    is a name (the connection's own address, loopback names included, is always allowed: ``pic.serve.hosts``)."""
+    from pic.serve.hosts import AllowedHosts
+
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+        bound = []
+    except ValueError:
+        bound = [f"{host}:{port}"]  # a name: the server was told its name, and its clients use it
+    return AllowedHosts.parse([*names, *bound])
+
+
+def _unkeyed_note(store) -> str:
+    """The start-up line of a server with a shared tier and no store key."""
+    tiers = " and ".join(
+        name for name, on in (("Redis", store.redis_url), (f"the disk folder {store.disk_path}", store.disk_path)) if on
+    )
+    return (
+        f"no store key: chunks read from {tiers} are trusted as they are (whoever can write there can change what "
+        f"this server answers); set one with --store-key-file PATH or {STORE_KEY_ENV} (hex: openssl rand -hex 32), "
+        "the same on every server of the fleet"
+    )
 
 
 def listen(host: str, port: int) -> socket.socket | None:
@@ -257,7 +294,8 @@ def store_config(args: argparse.Namespace):
 
     fields = {"redis_url": args.redis_url, "disk_path": args.disk_path, "disk_bytes": args.disk_bytes}
     if all(value is None for value in fields.values()):
-        return None
+        return None if args.store_key is None else pic.StoreConfig(store_key=args.store_key)
+    fields["store_key"] = args.store_key
     errors = {"on_redis_error": args.on_redis_error, "on_disk_error": args.on_disk_error}
     timing = {"redis_timeout_s": args.redis_timeout, "tier_retry_s": args.tier_retry}  # None: StoreConfig's default
     return pic.StoreConfig(**fields, **errors, **{key: value for key, value in timing.items() if value is not None})

@@ -20,9 +20,11 @@ _WHY: dict[int, str] = {
     400: "malformed JSON; an unknown field or an unsupported OpenAI parameter; a bad policy; a prompt over the "
     "context; text that is not valid Unicode",
     401: "a missing or wrong API key (a server started with --api-key)",
+    403: "a server without an API key: a Host naming none of its addresses, or another site's Origin",
     404: "an unknown cache id, or a model this server does not serve",
     408: "the request body stalled longer than --body-timeout",
     413: "a body over --max-body-bytes",
+    415: "a server without an API key: a body not sent as content-type: application/json",
     422: "a field of the wrong JSON type or out of range (the message names it and its value)",
     500: "a fault of the server's (a bug, a device error), not the request's",
     503: "the KV pool is full, or the store (Redis) is unavailable",
@@ -77,6 +79,8 @@ def install_openapi(app: FastAPI, *, secured: bool, model_name: str) -> None:
                 for operation in operations.values():
                     if path != "/health":
                         operation["security"] = [{"bearer": []}]
+        else:
+            _keyless_errors(schema)
         app.openapi_schema = schema
         return schema
 
@@ -95,6 +99,19 @@ def _drop_fastapi_422(schema: dict) -> None:
     components = schema.get("components", {}).get("schemas", {})
     for name in ("HTTPValidationError", "ValidationError"):
         components.pop(name, None)
+
+
+def _keyless_errors(schema: dict) -> None:
+    """A keyless server's own refusals (the ``Guard``'s): a 403 on every route but ``/health`` (a foreign Host or
+    Origin) and a 415 on each POST (a body not sent as JSON)."""
+    error = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}
+    for path, operations in schema["paths"].items():
+        for method, operation in operations.items():
+            answers = operation.setdefault("responses", {})
+            if path != "/health":
+                answers["403"] = {"description": _WHY[403], "content": error}
+            if method == "post":
+                answers["415"] = {"description": _WHY[415], "content": error}
 
 
 def _errors_as_json(schema: dict) -> None:

@@ -8,6 +8,11 @@ code runs before the header is complete, so the deadline lives in the protocol: 
 one (``uvicorn.Config(http=timed_protocol(...))``). The body's own timeout is the ``Guard``'s (``http.py``);
 this protocol also bounds a body nobody reads (the rest of an upload after an early 401 or 413), which uvicorn
 would drain for as long as it trickles, to ``body_timeout_s`` in all.
+
+A request framed twice, with both ``Content-Length`` and ``Transfer-Encoding``, is read by its Transfer-Encoding
+(h11's rule) and answered, and its connection closed after the answer (RFC 9112 §6.1): a proxy in front that
+read it by its Content-Length disagrees about where it ends, and what one of them takes for the next request on
+the connection is one the other never checked (request smuggling). uvicorn kept such a connection open.
 """
 
 from __future__ import annotations
@@ -60,7 +65,10 @@ class TimedH11Protocol(H11Protocol):
         super().data_received(data)
 
     def handle_events(self) -> None:
+        cycle = self.cycle
         super().handle_events()
+        if self.cycle is not None and self.cycle is not cycle:  # a new request's header came in
+            _close_if_framed_twice(self.cycle)
         self._settle()
 
     def on_response_complete(self) -> None:
@@ -116,3 +124,13 @@ class TimedH11Protocol(H11Protocol):
         self._disarm()
         if not self.transport.is_closing():
             self.transport.close()
+
+
+def _close_if_framed_twice(cycle) -> None:
+    """Make a request that carries both Content-Length and Transfer-Encoding the connection's last: it is answered
+    with ``Connection: close`` and the connection closed after (uvicorn does both for a request that asks for it:
+    its cycle sees the header before the app's task first runs). ``cycle``: uvicorn's ``RequestResponseCycle``."""
+    names = {name for name, _value in cycle.scope["headers"]}
+    if b"content-length" in names and b"transfer-encoding" in names:
+        cycle.keep_alive = False
+        cycle.scope["headers"].append((b"connection", b"close"))

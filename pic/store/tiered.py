@@ -20,7 +20,7 @@ import logging
 from collections.abc import Collection, Mapping
 
 from pic.config import Quota, StoreConfig
-from pic.errors import StoreUnavailableError, UnknownCacheIdError, cache_id_hint
+from pic.errors import StoreUnavailableError, UnknownCacheIdError, cache_id_hint, shown_id
 from pic.kv import ChunkInfo, ChunkKV
 from pic.store import serde
 from pic.store.backlog import WriteBacklog
@@ -224,7 +224,7 @@ class TieredStore:
     def unknown(self, cache_id: object) -> UnknownCacheIdError:
         failures = [t.last_error for t in self.tiers if t.last_error]
         return UnknownCacheIdError(
-            f"unknown cache id {cache_id!r}{cache_id_hint(cache_id)}: "
+            f"unknown cache id {shown_id(cache_id)}{cache_id_hint(cache_id)}: "
             f"in no tier ({', '.join(t.name for t in self.tiers)}); "
             + (f"{'; '.join(failures)}; " if failures else "")
             + "compile its document first (an evicted chunk compiles again). Ids belong to one model and its compile "
@@ -272,7 +272,7 @@ class TieredStore:
             UnknownCacheIdError: no tier holds it.
         """
         if not self.contains(cache_id):
-            raise UnknownCacheIdError(f"cannot pin unknown cache id {cache_id!r}")
+            raise UnknownCacheIdError(f"cannot pin unknown cache id {shown_id(cache_id)}")
         self._pinned.add(cache_id)
         for tier in self.tiers:
             tier.pin(cache_id)
