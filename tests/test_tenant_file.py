@@ -16,11 +16,13 @@ KEY_A, KEY_B = "alice-key-0123456789", "bobby-key-0123456789"
 def _write(tmp_path, text: str):
     path = tmp_path / "tenants.toml"
     path.write_text(text)
+    path.chmod(0o600)  # (it may hold keys)
     return path
 
 
 def test_keys_come_from_files_the_environment_or_the_file(tmp_path):
     (tmp_path / "a.key").write_text(KEY_A + "\n")
+    (tmp_path / "a.key").chmod(0o600)
     path = _write(
         tmp_path,
         '[tenants.alice]\nkey_file = "a.key"\nreads = ["corpus"]\nkv_share = 0.25\nmax_num_seqs = 4\n'
@@ -65,6 +67,20 @@ def test_a_wrong_file_is_refused_naming_the_tenant_and_never_the_secret(tmp_path
     with pytest.raises(pic.InvalidInputError, match=error) as info:
         load_tenants(_write(tmp_path, text), environ={})
     assert KEY_A not in str(info.value) and KEY_B not in str(info.value)
+
+
+def test_secrets_in_files_others_may_read_are_refused(tmp_path):
+    (tmp_path / "a.key").write_text(KEY_A)
+    (tmp_path / "a.key").chmod(0o644)
+    with pytest.raises(pic.InvalidInputError, match="may be read or written by others"):
+        load_tenants(_write(tmp_path, '[tenants.alice]\nkey_file = "a.key"\n'))
+    path = _write(tmp_path, f'[tenants.alice]\nkey = "{KEY_A}"\n')
+    path.chmod(0o644)
+    with pytest.raises(pic.InvalidInputError, match="holds secrets .*chmod 600") as info:
+        load_tenants(path)
+    assert KEY_A not in str(info.value)
+    path.write_text('[tenants.alice]\nkey_env = "K"\n')  # no secret in it: any mode
+    assert load_tenants(path, environ={"K": KEY_A}).find(KEY_A.encode()).name == "alice"
 
 
 def test_a_huge_file_is_refused_unread(tmp_path):

@@ -15,24 +15,32 @@ import contextlib
 import time
 import uuid
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from pic.engine import PIC
 from pic.engine import Request as PicRequest
-from pic.errors import shown_id
+from pic.errors import InvalidInputError, shown_id
 from pic.link.chat import has_chat_template
 from pic.serve.bodies import OffLoopRoute
 from pic.serve.handlers import install_error_handlers
 from pic.serve.hosts import AllowedHosts
-from pic.serve.http import Guard, error_response, pic_error_response
+from pic.serve.http import Guard, error_response, pic_error_response, tenant_of
 from pic.serve.loop import AsyncEngine
 from pic.serve.metrics import CONTENT_TYPE, EngineFigures, Metrics, RequestCounter
 from pic.serve.openapi import install_openapi, responses
 from pic.serve.replies import completion, events
 from pic.serve.schemas import ChatBody, ChunksBody, CompletionBody, Sampling
 from pic.serve.shapes import CacheIds, ChatCompletion, ChunkInfo, Completion, Deleted, Health, ModelList
+from pic.serve.tenants import Tenant, Tenants
 from pic.text import check_encodable
+
+# Every route but /health takes its caller's tenant (its namespace, its quota) from what the Guard found.
+def _caller(http: Request) -> Tenant:
+    return tenant_of(http)
+
+
+_TENANT = Depends(_caller)
 
 # Statuses every route can answer before its handler runs (the Guard's), with and without the API key.
 _GUARDED, _OPEN = (401, 408, 413), (408, 413)
@@ -45,14 +53,25 @@ def build_app(
     *,
     model_name: str,
     api_key: str | None = None,
+    tenants: Tenants | None = None,
     max_body_bytes: int = 8 << 20,
     body_timeout_s: float = 30.0,
     allowed_hosts: AllowedHosts | None = None,
 ) -> FastAPI:
     """The app over ``engine``; ``app.state.engine`` is its ``AsyncEngine``, ``app.state.metrics`` its counters.
-    ``body_timeout_s``: the longest wait for the next piece of a request body (then a 408). ``allowed_hosts``: without
-    ``api_key``, the names besides the server's own address that a request's ``Host`` and ``Origin`` may name
-    (``--allowed-host``; see ``pic.serve.hosts``)."""
+
+    ``tenants``: who may call it and whose chunks each call's are (``pic.serve.tenants``: every route takes the
+    caller's namespace from its key); ``None``: one tenant, the default namespace, with ``api_key`` (or without a
+    key). ``body_timeout_s``: the longest wait for the next piece of a request body (then a 408). ``allowed_hosts``:
+    without keys, the names besides the server's own address that a request's ``Host`` and ``Origin`` may name
+    (``--allowed-host``; see ``pic.serve.hosts``).
+
+    Raises:
+        InvalidInputError: both ``api_key`` and ``tenants``.
+    """
+    if tenants is not None and api_key is not None:
+        raise InvalidInputError("give the server tenants or one API key, not both (a key is a tenant of the file)")
+    tenants = Tenants.single(api_key) if tenants is None else tenants
     aengine = AsyncEngine(engine)
 
     def figures() -> EngineFigures:
@@ -67,9 +86,9 @@ def build_app(
     app.router.route_class = OffLoopRoute  # large bodies parsed off the loop (before the routes are added)
     app.state.engine, app.state.metrics = aengine, metrics
     install_error_handlers(app)
-    install_openapi(app, secured=api_key is not None, model_name=model_name)
+    install_openapi(app, secured=tenants.keyed, model_name=model_name, rate_limited=tenants.rate_limited)
     app.add_middleware(
-        Guard, api_key=api_key, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s,
+        Guard, tenants=tenants, max_body_bytes=max_body_bytes, body_timeout_s=body_timeout_s,
         allowed_hosts=allowed_hosts,
     )  # fmt: skip
     app.add_middleware(RequestCounter, metrics=metrics)  # outermost: 401s and 413s are counted too
@@ -87,38 +106,41 @@ def build_app(
         return Response(await aengine.store(metrics.render), media_type=CONTENT_TYPE)  # the tiers' figures
 
     @app.post("/v1/chunks", response_model=None, responses=responses(CacheIds, *_WORK))
-    async def compile_chunks(body: ChunksBody) -> dict:
+    async def compile_chunks(body: ChunksBody, tenant: Tenant = _TENANT) -> dict:
         context = body.context
         if body.system is not None:
             system = [{"role": "system", "content": body.system}] if body.system else []
             context = await aengine.cpu(engine.chat_context, system)
         report = await aengine.store(
-            engine.compile_report, body.documents, policy=body.policy, context=context, progress=False
+            engine.compile_report, body.documents, policy=body.policy, context=context, progress=False, **tenant.scope
         )
         return {"cache_ids": report.ids, "tiers": [list(tiers) for tiers in report.tiers]}
 
     @app.get("/v1/chunks/{cache_id}", response_model=None, responses=responses(ChunkInfo, 404, *_GUARDED, 500, 503))
-    async def chunk_info(cache_id: str) -> dict:
-        chunk = await aengine.store(engine.store.describe, cache_id)  # metadata only; UnknownCacheIdError: 404
+    async def chunk_info(cache_id: str, tenant: Tenant = _TENANT) -> dict:
+        # metadata only; UnknownCacheIdError (another namespace's chunk, as one nobody compiled): 404
+        chunk = await aengine.store(engine.store.describe, cache_id, **tenant.scope)
         return {"id": cache_id, "tiers": list(chunk.tiers), "num_tokens": chunk.num_tokens, "bytes": chunk.num_bytes}
 
     @app.delete("/v1/chunks/{cache_id}", response_model=None, responses=responses(Deleted, 404, *_GUARDED, 500, 503))
-    async def delete_chunk(cache_id: str) -> dict:
-        if not await aengine.store(engine.store.expire, cache_id):  # a tier that fails: StoreUnavailableError, 503
+    async def delete_chunk(cache_id: str, tenant: Tenant = _TENANT) -> dict:
+        # a tier that fails: StoreUnavailableError, 503; another namespace's chunk: False, as for one nobody compiled
+        if not await aengine.store(engine.store.expire, cache_id, **tenant.scope):
             return error_response(404, f"unknown cache id {shown_id(cache_id)}", kind="not_found_error")
         return {"id": cache_id, "deleted": True}
 
     @app.post("/v1/completions", response_model=None, responses=responses(Completion, 404, *_WORK, stream=True))
-    async def completions(body: CompletionBody, http: Request):
+    async def completions(body: CompletionBody, http: Request, tenant: Tenant = _TENANT):
         if body.model != model_name:
             return _unknown_model(body.model, model_name)
         check_encodable(body.prompt, "prompt")  # named as the client sent it (the engine calls it the query)
-        return await _respond(await _pic_request(aengine, body, body.prompt), body, http, chat=False)
+        request = await _pic_request(aengine, body, body.prompt, tenant=tenant)
+        return await _respond(request, body, http, chat=False)
 
     @app.post(
         "/v1/chat/completions", response_model=None, responses=responses(ChatCompletion, 404, *_WORK, stream=True)
     )
-    async def chat_completions(body: ChatBody, http: Request):
+    async def chat_completions(body: ChatBody, http: Request, tenant: Tenant = _TENANT):
         if body.model != model_name:
             return _unknown_model(body.model, model_name)
         if not has_chat_template(engine.tokenizer):
@@ -128,7 +150,7 @@ def build_app(
         context = await aengine.cpu(engine.chat_context, messages) if body.pic.documents else None
         if body.max_completion_tokens is not None:
             body.max_tokens = body.max_completion_tokens
-        request = await _pic_request(aengine, body, query, prefix=prefix, context=context)
+        request = await _pic_request(aengine, body, query, prefix=prefix, context=context, tenant=tenant)
         return await _respond(request, body, http, chat=True)
 
     async def _respond(request: PicRequest, body: Sampling, http: Request, *, chat: bool):
@@ -174,18 +196,26 @@ def build_app(
 
 
 async def _pic_request(
-    aengine: AsyncEngine, body: Sampling, prompt: str, *, prefix: str | None = None, context: str | None = None
+    aengine: AsyncEngine,
+    body: Sampling,
+    prompt: str,
+    *,
+    tenant: Tenant,
+    prefix: str | None = None,
+    context: str | None = None,
 ) -> PicRequest:
-    """The engine request of a completion: inline documents compiled first (cached; after ``context``, a chat's,
-    or after the prefix when the policy needs chunks compiled in context), linked after ``cache_ids``."""
+    """The engine request of a completion in the caller's namespaces (``tenant``'s): inline documents compiled first
+    into its own (cached; after ``context``, a chat's, or after the prefix when the policy needs chunks compiled in
+    context), linked after ``cache_ids``."""
     engine, options = aengine.engine, body.pic
     ids = list(options.cache_ids)
     if options.documents:
         if context is None and options.prefix and engine.compile_policy(options.policy).needs_context:
             context = options.prefix
         ids += await aengine.store(
-            engine.compile, options.documents, policy=options.policy, context=context, progress=False, interactive=True
-        )
+            engine.compile, options.documents, policy=options.policy, context=context, progress=False, interactive=True,
+            **tenant.scope,
+        )  # fmt: skip
     return PicRequest(
         ids,
         prompt,
@@ -199,6 +229,7 @@ async def _pic_request(
         top_k=body.top_k,
         seed=body.seed,
         stop=body.stop,
+        **tenant.scope,
     )
 
 

@@ -10,9 +10,10 @@ any ASGI code runs: ``protocol.py``.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
+import math
+from dataclasses import dataclass
 
 from fastapi.responses import JSONResponse
 
@@ -27,6 +28,7 @@ from pic.errors import (
     shown_id,
 )
 from pic.serve.hosts import AllowedHosts
+from pic.serve.tenants import Tenant, Tenants
 
 # On a server with an API key, a POST body with no content-type, or curl -d's form type, is taken as JSON: every
 # body this server reads is JSON, and the header is easy to forget (curl -d sends the form type unless told
@@ -78,9 +80,11 @@ def pic_error_response(exc: Exception) -> JSONResponse:
     return JSONResponse(body, status_code=status)
 
 
-async def _send_json(send, status: int, message: str, kind: str) -> None:
+async def _send_json(send, status: int, message: str, kind: str, *, retry_after_s: float | None = None) -> None:
     body = json.dumps(error_body(status, message, kind=kind)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if retry_after_s is not None:
+        headers.append((b"retry-after", str(max(1, math.ceil(retry_after_s))).encode()))
     if status == 401:
         headers.append((b"www-authenticate", b"Bearer"))
     if status == 415:
@@ -126,13 +130,16 @@ def _take_as_json(scope: dict) -> None:
 
 
 class Guard:
-    """ASGI middleware: ``Authorization: Bearer <api_key>`` on every path but ``/health`` (compared in
-    constant time), request bodies of at most ``max_body_bytes`` (413 otherwise, by the declared length or by
-    the bytes actually received), no wait of over ``body_timeout_s`` for the next piece of a body (408,
-    and the connection closed: a client trickling nothing holds no handler), and a POST body sent without a
-    content-type (or as curl -d's form) taken as JSON.
+    """ASGI middleware: on every path but ``/health``, the caller's tenant (``tenants``: the one whose key
+    ``Authorization: Bearer KEY`` carries, found by the key's SHA-256, so no key is compared byte by byte; a wrong or
+    missing key is a 401), its request rate (a 429 with ``Retry-After`` beyond it), and the tenant set in the
+    request's state (``tenant_of``: the routes take the namespace from there, never from the request); request bodies
+    of at most ``max_body_bytes`` (413 otherwise, by the declared length or by the bytes actually received), no wait
+    of over ``body_timeout_s`` for the next piece of a body (408, and the connection closed: a client trickling
+    nothing holds no handler), and, with keys, a POST body sent without a content-type (or as curl -d's form) taken
+    as JSON.
 
-    Without an API key (``api_key=None``), a web page must not be able to use the server: every path but
+    Without keys (``tenants.keyed`` false), a web page must not be able to use the server: every path but
     ``/health`` needs a ``Host`` naming the server's own address or one of ``allowed_hosts``, and an ``Origin``, when
     sent, of the same (403 otherwise: ``hosts.AllowedHosts``); and a POST must come as ``application/json``, the one
     type a page cannot send to another site without the browser asking the server first (415 otherwise)."""
@@ -141,13 +148,13 @@ class Guard:
         self,
         app,
         *,
-        api_key: str | None,
+        tenants: Tenants,
         max_body_bytes: int,
         body_timeout_s: float = 30.0,
         allowed_hosts: AllowedHosts | None = None,
     ) -> None:
         self.app, self.max_body_bytes, self.body_timeout_s = app, max_body_bytes, body_timeout_s
-        self._key = None if api_key is None else f"Bearer {api_key}".encode()
+        self._tenants = tenants
         self._hosts = allowed_hosts or AllowedHosts()
 
     async def __call__(self, scope, receive, send) -> None:
@@ -155,8 +162,10 @@ class Guard:
             return await self.app(scope, receive, send)
         refusal = self._refusal(scope)
         if refusal is not None:
-            return await _send_json(send, *refusal)
-        if self._key is not None:
+            return await _send_json(
+                send, refusal.status, refusal.message, refusal.kind, retry_after_s=refusal.retry_after_s
+            )
+        if self._tenants.keyed:
             _take_as_json(scope)
         received, refused, body_done = 0, None, False
 
@@ -188,23 +197,28 @@ class Guard:
         except _Refused as exc:
             await _send_json(send, exc.status, exc.message, "invalid_request_error")
 
-    def _refusal(self, scope: dict) -> tuple[int, str, str] | None:
-        """What a request gets before the app runs (status, message, error type), or ``None``: a wrong or missing
-        key (401); without a key, a foreign Host or Origin (403) or a POST not sent as JSON (415); a declared
-        length over the limit (413)."""
+    def _refusal(self, scope: dict) -> _Refusal | None:
+        """What a request gets before the app runs, or ``None`` (its tenant then set in its state): a wrong or
+        missing key (401); without keys, a foreign Host or Origin (403) or a POST not sent as JSON (415); a tenant
+        over its rate (429); a declared length over the limit (413)."""
         headers, guarded = dict(scope["headers"]), scope["path"] != "/health"
-        if self._key is not None and guarded:
-            if not hmac.compare_digest(headers.get(b"authorization", b""), self._key):
-                return 401, "missing or wrong API key (Authorization: Bearer KEY)", "auth_error"
-        if self._key is None and guarded:
-            foreign = self._hosts.refusal(scope)
-            if foreign is not None:
-                return 403, foreign, "permission_error"
-            if scope["method"] == "POST" and _media_type(headers.get(b"content-type")) != _JSON:
-                return 415, _not_json(headers.get(b"content-type")), "invalid_request_error"
+        if guarded:
+            tenant = self._tenants.find(_bearer(headers.get(b"authorization")))
+            if tenant is None:
+                return _Refusal(401, "missing or wrong API key (Authorization: Bearer KEY)", "auth_error")
+            if not self._tenants.keyed:
+                foreign = self._hosts.refusal(scope)
+                if foreign is not None:
+                    return _Refusal(403, foreign, "permission_error")
+                if scope["method"] == "POST" and _media_type(headers.get(b"content-type")) != _JSON:
+                    return _Refusal(415, _not_json(headers.get(b"content-type")), "invalid_request_error")
+            wait_s = 0.0 if tenant.rate is None else tenant.rate.take()
+            if wait_s > 0:
+                return _Refusal(429, _over_rate(tenant, wait_s), "rate_limit_exceeded", retry_after_s=wait_s)
+            scope.setdefault("state", {})[_TENANT] = tenant
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
-            return 413, self._too_large(int(declared)), "invalid_request_error"
+            return _Refusal(413, self._too_large(int(declared)), "invalid_request_error")
         return None
 
     def _too_large(self, num_bytes: int) -> str:
@@ -212,6 +226,40 @@ class Guard:
 
     def _stalled(self, num_bytes: int) -> str:
         return f"the request body stalled: nothing more came for {self.body_timeout_s:g} s after {num_bytes} bytes"
+
+
+# The request state's key of the caller's tenant (set by the ``Guard``, read by ``tenant_of``).
+_TENANT = "pic_tenant"
+
+
+def tenant_of(request) -> Tenant:
+    """The tenant the ``Guard`` found for ``request`` (a FastAPI dependency of every route but ``/health``)."""
+    return request.scope["state"][_TENANT]
+
+
+def _bearer(header: bytes | None) -> bytes | None:
+    """The key of ``Authorization: Bearer KEY`` (``None``: no such header)."""
+    if header is None or not header.startswith(b"Bearer "):
+        return None
+    return header[len(b"Bearer ") :]
+
+
+def _over_rate(tenant: Tenant, wait_s: float) -> str:
+    rate = tenant.rate
+    return (
+        f"too many requests: at most {rate.per_s:g} a second ({rate.burst} at once) for this key; retry in "
+        f"{wait_s:.2f} s (Retry-After)"
+    )
+
+
+@dataclass(frozen=True)
+class _Refusal:
+    """A request the ``Guard`` answers itself: its status, message, OpenAI error type, and a 429's wait."""
+
+    status: int
+    message: str
+    kind: str
+    retry_after_s: float | None = None
 
 
 def _not_json(content_type: bytes | None) -> str:

@@ -29,6 +29,11 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     serve.add_argument("--port", type=port, default=8000)
     add_secret_flags(serve)  # --api-key(-file), --store-key-file, --redis-url(-file)
     serve.add_argument(
+        "--tenants", default=None, metavar="FILE",
+        help="a TOML file of tenants ([tenants.NAME] with key_file / key_env, reads, kv_share, max_num_seqs, "
+        "requests_per_s): each key's chunks in a namespace of its own (docs/security.md); instead of one API key",
+    )  # fmt: skip
+    serve.add_argument(
         "--allowed-host", type=allowed_host, action="append", default=[], metavar="NAME",
         help="without an API key, a name (NAME: any port; NAME:PORT) clients may address the server by besides its "
         "own address; repeatable (requests naming another Host, or from another site's page, get a 403)",
@@ -106,7 +111,17 @@ def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     from pic.errors import InvalidInputError
 
     resolve_secrets(parser, args)  # args.api_key, args.store_key, args.redis_url from their one source each
-    if args.allowed_host and args.api_key is not None:
+    args.tenant_set = None
+    if args.tenants is not None:
+        if args.api_key is not None:
+            parser.error("--tenants and an API key (--api-key, --api-key-file, PIC_API_KEY): give one of them")
+        from pic.serve.tenants import load_tenants
+
+        try:
+            args.tenant_set = load_tenants(args.tenants)
+        except InvalidInputError as exc:
+            parser.error(str(exc))
+    if args.allowed_host and (args.api_key is not None or args.tenant_set is not None):
         parser.error(
             "--allowed-host is for a server without an API key (with one, a request's Host and Origin are not "
             "checked: a browser cannot send the key to another site); drop one of them"
@@ -142,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
         app = _checked_app(args, config, store)
         if app is None:
             return 1
-        if args.api_key is None and not is_loopback(args.host):
+        if args.api_key is None and args.tenant_set is None and not is_loopback(args.host):
             print(f"pic: warning: {_open_warning(args.host, args.port)}", file=sys.stderr, flush=True)
         _serve(app, sock, args)
     return 0
@@ -184,7 +199,7 @@ def _checked_app(args: argparse.Namespace, config, store):
         print("pic: error: refusing to serve a model that fails the check (--skip-check overrides)", file=sys.stderr)
         return None
     return build_app(
-        engine, model_name=name, api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+        engine, model_name=name, api_key=args.api_key, tenants=args.tenant_set, max_body_bytes=args.max_body_bytes,
         body_timeout_s=args.body_timeout, allowed_hosts=allowed_hosts(args.host, args.port, args.allowed_host),
     )  # fmt: skip
 
@@ -280,6 +295,9 @@ def engine_config(args: argparse.Namespace):
     options = {"kv_pool_tokens": args.kv_pool_tokens, "default_policy": args.policy,
                "decode_weights": args.decode_weights, "prefill_order": args.prefill_order,
                "compile_share": args.compile_share}  # fmt: skip
+    tenants = getattr(args, "tenant_set", None)
+    if tenants is not None and tenants.quotas:
+        options["quotas"] = tenants.quotas
     return pic.PICConfig(**{key: value for key, value in options.items() if value is not None})
 
 

@@ -19,13 +19,14 @@ from pic.serve.shapes import ErrorBody
 _WHY: dict[int, str] = {
     400: "malformed JSON; an unknown field or an unsupported OpenAI parameter; a bad policy; a prompt over the "
     "context; text that is not valid Unicode",
-    401: "a missing or wrong API key (a server started with --api-key)",
+    401: "a missing or wrong API key (a server started with an API key or --tenants)",
     403: "a server without an API key: a Host naming none of its addresses, or another site's Origin",
     404: "an unknown cache id, or a model this server does not serve",
     408: "the request body stalled longer than --body-timeout",
     413: "a body over --max-body-bytes",
     415: "a server without an API key: a body not sent as content-type: application/json",
     422: "a field of the wrong JSON type or out of range (the message names it and its value)",
+    429: "the caller's tenant is over its request rate (requests_per_s in --tenants): retry after Retry-After seconds",
     500: "a fault of the server's (a bug, a device error), not the request's",
     503: "the KV pool is full, or the store (Redis) is unavailable",
 }
@@ -57,10 +58,11 @@ def responses(ok: type[BaseModel] | None, *errors: int, stream: bool = False, te
     return declared
 
 
-def install_openapi(app: FastAPI, *, secured: bool, model_name: str) -> None:
+def install_openapi(app: FastAPI, *, secured: bool, model_name: str, rate_limited: bool = False) -> None:
     """Mend what FastAPI writes on its own into ``app``'s schema: its 422 shape is dropped (routes declare
     theirs), error bodies are JSON on every route, integer bounds are integers (FastAPI writes ``minimum: 1.0``,
-    a float, on a strict integer), and with ``secured`` every route but ``/health`` needs the bearer key.
+    a float, on a strict integer), with ``secured`` every route but ``/health`` needs the bearer key, and with
+    ``rate_limited`` (a tenant with a request rate) every such route may answer 429.
     Request examples name ``model_name``, and a compile's ids link to the chunk routes, so a client (or a
     fuzzer) reaches past the 404s."""
     build = app.openapi
@@ -81,6 +83,8 @@ def install_openapi(app: FastAPI, *, secured: bool, model_name: str) -> None:
                         operation["security"] = [{"bearer": []}]
         else:
             _keyless_errors(schema)
+        if rate_limited:
+            _guarded_answer(schema, 429)
         app.openapi_schema = schema
         return schema
 
@@ -99,6 +103,15 @@ def _drop_fastapi_422(schema: dict) -> None:
     components = schema.get("components", {}).get("schemas", {})
     for name in ("HTTPValidationError", "ValidationError"):
         components.pop(name, None)
+
+
+def _guarded_answer(schema: dict, status: int) -> None:
+    """``status`` (an error the ``Guard`` answers) on every route but ``/health``."""
+    error = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}
+    for path, operations in schema["paths"].items():
+        for operation in operations.values():
+            if path != "/health":
+                operation.setdefault("responses", {})[str(status)] = {"description": _WHY[status], "content": error}
 
 
 def _keyless_errors(schema: dict) -> None:

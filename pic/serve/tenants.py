@@ -38,7 +38,8 @@ from pathlib import Path
 
 from pic.config import Quota
 from pic.errors import InvalidInputError
-from pic.namespaces import DEFAULT, NAME_PATTERN, Access, Namespace
+from pic.namespaces import DEFAULT, NAME_PATTERN, OPEN, Access, Namespace
+from pic.secrets import read_secret_file
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -46,7 +47,6 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 MAX_FILE_BYTES = 1 << 20  # a tenants file is a few KB; a megabyte is surely the wrong file
-MAX_SECRET_BYTES = 64 << 10
 _TENANT_FIELDS = frozenset(
     {"key", "key_file", "key_env", "salt", "salt_file", "salt_env", "reads", "kv_share", "store_share",
      "max_num_seqs", "requests_per_s", "burst"}
@@ -94,6 +94,12 @@ class Tenant:
     def namespace(self) -> str:
         return self.access.own.name
 
+    @property
+    def scope(self) -> dict[str, Access]:
+        """The ``namespace=`` keyword of the engine's calls for this tenant: none for the default namespace (the
+        engine's plain calls, as a server without tenants made them), else its access."""
+        return {} if self.access == OPEN else {"namespace": self.access}
+
 
 @dataclass(frozen=True)
 class Tenants:
@@ -122,6 +128,11 @@ class Tenants:
     def keyed(self) -> bool:
         return self.open is None
 
+    @property
+    def rate_limited(self) -> bool:
+        """Some tenant has a request rate (its routes may answer 429)."""
+        return any(t.rate is not None for t in self.by_key_digest.values())
+
     @classmethod
     def single(cls, api_key: str | None) -> Tenants:
         """Today's server: one key (or none) and the default namespace."""
@@ -140,7 +151,7 @@ def load_tenants(path: str | os.PathLike, *, environ: Mapping[str, str] | None =
             shares that sum to more than 1 ...), naming the tenant and the field; never echoing a key or a salt.
     """
     environ = os.environ if environ is None else environ
-    text = _read_bounded(Path(path), "--tenants", MAX_FILE_BYTES).decode("utf-8", "replace")
+    text, mode = _read_bounded(Path(path), "--tenants", MAX_FILE_BYTES)
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -151,6 +162,12 @@ def load_tenants(path: str | os.PathLike, *, environ: Mapping[str, str] | None =
             f"--tenants {str(path)!r}: expected [tenants.NAME] tables (and nothing else); found {sorted(data)}"
         )
     tables: dict = data["tenants"]
+    inline = [f"tenants.{n}.{f}" for n, t in tables.items() if isinstance(t, dict) for f in ("key", "salt") if f in t]
+    if inline and mode & 0o066:
+        raise InvalidInputError(
+            f"--tenants {str(path)!r} holds secrets ({', '.join(inline[:3])}) but others may read it (mode "
+            f"{stat.S_IMODE(mode):04o}): chmod 600 it, or move them to key_file / key_env"
+        )
     base = Path(path).parent
     keys: dict[str, bytes] = {}
     namespaces: dict[str, Namespace] = {}
@@ -219,8 +236,10 @@ def _secret(
         secret = environ[value].encode()
     else:
         file = Path(value).expanduser()
-        secret = _read_bounded(file if file.is_absolute() else base / file, f"tenant {name!r} {source}", MAX_SECRET_BYTES)
-        secret = secret.removesuffix(b"\n").removesuffix(b"\r")
+        try:
+            secret = read_secret_file(str(file if file.is_absolute() else base / file))  # mode 600, bounded
+        except InvalidInputError as exc:
+            raise InvalidInputError(f"tenant {name!r} {source}: {exc}") from None
     if not secret.strip():
         raise InvalidInputError(f"tenant {name!r}: its {kind} ({source}) is empty")
     if kind == "key" and len(secret) < _MIN_KEY_CHARS:
@@ -228,18 +247,23 @@ def _secret(
     return secret
 
 
-def _read_bounded(path: Path, what: str, limit: int) -> bytes:
-    """A file's bytes, refused when larger than ``limit`` (read no further) or not a regular file."""
+def _read_bounded(path: Path, what: str, limit: int) -> tuple[str, int]:
+    """A text file's text and mode, refused when larger than ``limit`` (read no further), not a regular file or not
+    UTF-8."""
     try:
         with open(path, "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            mode = os.fstat(f.fileno()).st_mode
+            if not stat.S_ISREG(mode):
                 raise InvalidInputError(f"{what}: {str(path)!r} is not a regular file")
             data = f.read(limit + 1)
     except OSError as exc:
         raise InvalidInputError(f"{what}: cannot read {str(path)!r}: {exc.strerror or exc}") from None
     if len(data) > limit:
         raise InvalidInputError(f"{what}: {str(path)!r} is over {limit:,} bytes")
-    return data
+    try:
+        return data.decode("utf-8"), mode
+    except UnicodeDecodeError as exc:
+        raise InvalidInputError(f"{what}: {str(path)!r} is not UTF-8 (byte {exc.start})") from None
 
 
 def _all_distinct(kind: str, values: Mapping[str, bytes | None]) -> None:
