@@ -12,12 +12,15 @@ Under a ``suffix`` policy (the default) the documents go in relevance order unle
 the query shares most rare tokens with (BM25 over token ids, or the caller's ``relevance`` scores) last, as
 pic's own engine orders them under ``auto``; vLLM recomputes a suffix of the prompt, so the recomputed tokens
 are those of the most relevant documents.
+
+A tenant (``pic.vllm.tenants``) passes its salt, the ``cache_salt`` of its other requests, as ``tenant_salt``: the
+link's ``cache_salt`` then carries it before the link's part, and the connector links that tenant's chunks only.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pic.errors import InvalidInputError, PicError
 from pic.link.chat import split_chat
@@ -35,16 +38,18 @@ class LinkPrompt:
         ids: the chunks' cache ids in prompt order (after ``order``).
         policy: the connector policy's name.
         order: the order the chunks were put in (``ChunkOrder``: the caller's chunk indices in prompt order).
+        tenant_salt: the tenant's ``cache_salt`` (``None``: the default namespace); a secret, never in ``repr``.
     """
 
     prompt_token_ids: list[int]
     ids: tuple[str, ...]
     policy: str
     order: ChunkOrder
+    tenant_salt: str | None = field(default=None, repr=False)
 
     @property
     def cache_salt(self) -> str:
-        return link_salt(self.ids, self.policy)
+        return link_salt(self.ids, self.policy, tenant_salt=self.tenant_salt)
 
     @property
     def kv_transfer_params(self) -> dict:
@@ -71,6 +76,7 @@ def link_prompt(
     policy: str = DEFAULT_POLICY,
     order: str | Order = Order.POLICY,
     relevance: Sequence[float] | None = None,
+    tenant_salt: str | None = None,
 ) -> LinkPrompt:
     """The linked prompt of ``chunks`` (``(cache id, token ids)``, e.g. from ``compile_result``) and a query.
 
@@ -79,9 +85,15 @@ def link_prompt(
     passed), or ``"policy"`` (the default): relevance under a ``suffix`` policy (vLLM recomputes the last
     chunks: the most relevant), the given order under ``naive`` and ``full``, as pic's engine keeps it for them.
 
+    ``tenant_salt``: the ``cache_salt`` of the tenant whose chunks ``chunks`` are (its compiles'); ``None`` or ``""``:
+    the default namespace's.
+
     Raises:
-        InvalidInputError: no chunks, an empty query, an unknown policy or order, bad relevance scores.
+        InvalidInputError: no chunks, an empty query, an unknown policy or order, bad relevance scores, a
+            ``tenant_salt`` that is not a string.
     """
+    if tenant_salt is not None and not isinstance(tenant_salt, str):
+        raise InvalidInputError(f"tenant_salt is a {type(tenant_salt).__name__}; expected the tenant's cache_salt")
     suffix = parse_policy(policy)
     refuse_text_for_list(chunks, "chunks", "(cache id, token ids) pairs")
     if not chunks:
@@ -96,7 +108,8 @@ def link_prompt(
     ran = chunk_order(chosen, list(query_ids), [list(tokens) for _, tokens in chunks], scores)
     chunks = ran.apply(chunks)
     tokens = list(prefix_ids) + [t for _, chunk in chunks for t in chunk] + list(query_ids)
-    return LinkPrompt(prompt_token_ids=tokens, ids=tuple(cid for cid, _ in chunks), policy=suffix.name, order=ran)
+    return LinkPrompt(prompt_token_ids=tokens, ids=tuple(cid for cid, _ in chunks), policy=suffix.name, order=ran,
+                      tenant_salt=tenant_salt or None)  # fmt: skip
 
 
 def chat_link_prompt(
@@ -107,19 +120,22 @@ def chat_link_prompt(
     policy: str = DEFAULT_POLICY,
     order: str | Order = Order.POLICY,
     relevance: Sequence[float] | None = None,
+    tenant_salt: str | None = None,
 ) -> LinkPrompt:
     """``link_prompt`` with the prefix and query cut from the model's chat template around the documents
     (where a message says ``{documents}``, else at the start of the first user message: ``PIC.link_chat``)."""
     prefix, query = split_chat(tokenizer, messages, strip_bos=False)
     encode = lambda text: list(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])  # noqa: E731
     ids = encode(query)
-    return link_prompt(chunks, ids, prefix_ids=encode(prefix), policy=policy, order=order, relevance=relevance)
+    return link_prompt(chunks, ids, prefix_ids=encode(prefix), policy=policy, order=order, relevance=relevance,
+                       tenant_salt=tenant_salt)  # fmt: skip
 
 
 def compile_prompt(document_ids: Sequence[int], *, bos_token_id: int | None = None) -> tuple[list[int], dict]:
     """The prompt and ``kv_transfer_params`` of a request that stores ``document_ids`` as a chunk through vLLM
     (``bos_token_id``: the model's, when its chunks are compiled after a BOS). Run it with ``max_tokens=1``; its
-    output's ``kv_transfer_params["pic"]["cache_id"]`` is the chunk's id."""
+    output's ``kv_transfer_params["pic"]["cache_id"]`` is the chunk's id. A tenant's compile carries the tenant's
+    salt as its ``cache_salt`` (``{"prompt_token_ids": prompt, "cache_salt": salt}``): the chunk's id hashes it."""
     lead = [] if bos_token_id is None else [bos_token_id]
     return lead + list(document_ids), {PARAMS_KEY: {"compile": True}}
 

@@ -8,7 +8,9 @@ A request names its chunks by cache id (``kv_transfer_params={"pic": {"ids": [..
 ``pic.vllm.params``); the scheduler side checks the prompt holds their tokens and claims the prefix and the
 chunks (less the suffix the policy leaves to vLLM) as an external hit; the worker side loads each chunk's NoPE
 K and V from pic's tiers and writes them, K rotated to the chunk's positions in this prompt, into vLLM's
-paged cache, layer by layer. ``{"pic": {"compile": true}}`` stores a prompt's KV as a pic chunk instead.
+paged cache, layer by layer. ``{"pic": {"compile": true}}`` stores a prompt's KV as a pic chunk instead. A
+request's ``cache_salt`` is its tenant: its pic namespace (``pic.vllm.tenants``), whose chunks alone it stores and
+links.
 
 vLLM builds one instance per role (scheduler, worker), in their own processes; each half lives in its own
 module (``scheduler_side``, ``worker_side``), this class only routes vLLM's calls.

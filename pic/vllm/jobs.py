@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+from pic.config import CompileOptions
+from pic.namespaces import DEFAULT, Namespace
 from pic.vllm.plan import Segment
 
 
@@ -16,23 +18,26 @@ def slots_of(block_ids: list[int], block_size: int, start: int, num_tokens: int)
 
 @dataclass(frozen=True)
 class LoadJob:
-    """Write ``segment``'s stored KV, rotated to its positions, into ``slots`` (one per token)."""
+    """Write ``segment``'s stored KV, rotated to its positions, into ``slots`` (one per token); the chunk is read as
+    ``namespace`` (the request's ``cache_salt``: ``pic.vllm.tenants``) reads it."""
 
     req_id: str
     segment: Segment
     slots: list[int]
+    namespace: Namespace = DEFAULT
 
 
 @dataclass(frozen=True)
 class SaveJob:
     """Read prompt positions ``0 .. len(token_ids) - 1`` from ``slots`` after this step's forward and store
-    them, un-rotated, as chunk ``cache_id`` (its content is ``token_ids[num_lead:]``, compiled with ``add_bos``)."""
+    them, un-rotated, as chunk ``cache_id`` (its content is ``token_ids[num_lead:]``, compiled with ``options``, whose
+    ``namespace`` labels it)."""
 
     req_id: str
     cache_id: str
     token_ids: list[int]
     slots: list[int]
-    add_bos: bool
+    options: CompileOptions
 
 
 @dataclass

@@ -10,6 +10,12 @@ live under one key there::
 A linked request must also carry ``cache_salt = link_salt(ids, policy)`` (``pic.vllm.client`` sets it):
 vLLM's prefix cache keys blocks by the salt and the tokens, so the approximate KV of a link never serves
 a plain prompt with the same tokens, nor a link under another policy (LMCache #3229).
+
+A request's ``cache_salt`` is also its tenant (``pic.vllm.tenants``): a compile's salt ``S`` is the tenant itself, a
+link's is ``f"{S}:{link_salt(ids, policy)}"`` (``link_salt(..., tenant_salt=S)``), and no salt is the default
+namespace. vLLM hashes the whole salt, so two tenants' links of the same ids never share a block; the link's part
+is a tail the connector recomputes from the request's ids and policy, so it splits off any ``S`` (one holding ``:``
+too) and reads the tenant from what is left.
 """
 
 from __future__ import annotations
@@ -105,7 +111,27 @@ class LinkRequest:
 
     @property
     def salt(self) -> str:
+        """The link's part of its ``cache_salt`` (all of it in the default namespace)."""
         return link_salt(self.ids, self.policy.name)
+
+    def tenant_of(self, cache_salt: str | None) -> str | None:
+        """The tenant salt of a request that links these ids and carries ``cache_salt`` (``None``: the default
+        namespace): ``cache_salt`` is ``self.salt``, or ``"<tenant salt>:" + self.salt``.
+
+        Raises:
+            InvalidInputError: any other ``cache_salt`` (none, or another link's); not echoed: it may hold a tenant's
+                secret.
+        """
+        link = self.salt
+        if cache_salt == link:
+            return None
+        if isinstance(cache_salt, str) and len(cache_salt) > len(link) + 1 and cache_salt.endswith(":" + link):
+            return cache_salt[: -len(link) - 1]
+        has = "none" if not cache_salt else "another (not shown: it may hold a tenant's secret)"
+        raise InvalidInputError(
+            f"a linked request must carry cache_salt {link!r} (pic.vllm.params.link_salt), or '<tenant salt>:{link}' "
+            f"for a tenant, so vLLM's prefix cache never serves its KV to other prompts or tenants; it has {has}"
+        )
 
 
 @dataclass(frozen=True)
@@ -140,7 +166,13 @@ def parse_params(kv_transfer_params: object) -> LinkRequest | CompileRequest | N
     return LinkRequest(ids=tuple(ids), policy=parse_policy(entry.get("policy", DEFAULT_POLICY)), order=order)
 
 
-def link_salt(ids: tuple[str, ...] | list[str], policy: str) -> str:
-    """The ``cache_salt`` a link of ``ids`` under ``policy`` carries: its blocks are shared with that link only."""
+def link_salt(ids: tuple[str, ...] | list[str], policy: str, *, tenant_salt: str | None = None) -> str:
+    """The ``cache_salt`` a link of ``ids`` under ``policy`` carries: its blocks are shared with that link only, asked
+    by the same tenant. ``tenant_salt``: the ``cache_salt`` of the tenant's other requests (its compiles: the
+    namespace its chunks' ids hash); ``None`` or ``""``: the default namespace, as vLLM treats an empty salt.
+
+    vLLM's server takes salts of at most 128 characters: a tenant salt of at most 91 leaves room for the link's 37.
+    """
     key = "\0".join([policy, *ids]).encode()
-    return "pic-" + hashlib.sha256(key).hexdigest()[:32]
+    link = "pic-" + hashlib.sha256(key).hexdigest()[:32]
+    return f"{tenant_salt}:{link}" if tenant_salt else link

@@ -1,7 +1,9 @@
 """The connector's scheduler side: per request, decide what pic loads (``plan_link``) or stores, and hand the
 worker side its jobs each step.
 
-It reads chunk metadata only (token ids, from the tiers' metadata records, remembered per id), never KV.
+It reads chunk metadata only (token ids, from the tiers' metadata records, remembered per namespace and id), never
+KV. A request's ``cache_salt`` is its namespace (``pic.vllm.tenants``): its compile is stored under an id that hashes
+the salt, and its link finds only the chunks whose id the salt reproduces, which the connector checks itself.
 Nothing here raises into vLLM's scheduler: a malformed request, an unknown id, a chunk of another model or
 an unreachable store make the request a plain prefill, logged, with the reason in its output's
 ``kv_transfer_params["pic"]`` (``pic.vllm.client`` turns it into a ``PicError`` when asked to).
@@ -15,8 +17,11 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from pic.config import CompileOptions
 from pic.errors import PicError
 from pic.ids import chunk_id
+from pic.namespaces import DEFAULT, Namespace
+from pic.vllm import tenants
 from pic.vllm.jobs import LoadJob, PicConnectorMetadata, SaveJob, slots_of
 from pic.vllm.params import CompileRequest, LinkRequest, parse_params
 from pic.vllm.plan import LinkPlan, find_chunks, plan_link
@@ -42,7 +47,8 @@ class _Tracked:
     """A request the connector acts on: its plan, its blocks, and what it reports when it finishes."""
 
     plan: LinkPlan | None = None
-    save: tuple[str, list[int], bool] | None = None  # (cache id, tokens, add_bos) to store after its prefill
+    save: tuple[str, list[int], CompileOptions] | None = None  # (cache id, tokens, options) to store after its prefill
+    namespace: Namespace = DEFAULT  # whose chunks it links or stores (its cache_salt)
     block_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
     report: dict = field(default_factory=dict)
@@ -56,7 +62,7 @@ class SchedulerSide:
 
     def __init__(self, setup: Setup) -> None:
         self.setup = setup
-        self._tokens: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._tokens: OrderedDict[tuple[Namespace, str], tuple[int, ...]] = OrderedDict()
         self._requests: dict[str, _Tracked] = {}
         self._pending_loads: set[str] = set()
         self._lock = threading.Lock()  # guards _tokens, which lookup threads fill
@@ -75,30 +81,36 @@ class SchedulerSide:
             return 0
         prompt = list(request.prompt_token_ids or [])
         if isinstance(params, CompileRequest):
-            return self._compile(request.request_id, prompt)
+            return self._compile(request.request_id, prompt, request.cache_salt)
         return self._link(request, params, prompt, num_computed)
 
-    def _compile(self, req_id: str, prompt: list[int]) -> int:
-        options, lead = self.setup.options, self._lead()
+    def _compile(self, req_id: str, prompt: list[int], cache_salt: str | None) -> int:
+        """Track a compile: its id hashes the tenant's salt (the request's whole ``cache_salt``), as ``pic serve``'s
+        id of the same document for a tenant of that salt does."""
+        try:
+            namespace = tenants.namespace_of(cache_salt)
+        except PicError as error:
+            self._refuse(req_id, str(error))
+            return 0
+        options, lead = self._options(namespace), self._lead()
         if prompt[: len(lead)] != lead or len(prompt) <= len(lead):
             self._refuse(req_id, f"a compile prompt starts with the model's lead tokens {lead} and holds a document")
             return 0
-        cache_id = chunk_id(self.setup.expected.fingerprint, prompt[len(lead) :], options)
-        self._requests[req_id] = _Tracked(save=(cache_id, prompt, options.add_bos), report={"cache_id": cache_id})
+        cache_id = chunk_id(self.setup.expected.fingerprint, prompt[len(lead) :], options, namespace.salt)
+        self._requests[req_id] = _Tracked(save=(cache_id, prompt, options), namespace=namespace,
+                                          report={"cache_id": cache_id, **_label(namespace)})  # fmt: skip
         return 0
 
     def _link(self, request: object, params: LinkRequest, prompt: list[int], num_computed: int) -> int | None:
         req_id = request.request_id
-        if request.cache_salt != params.salt:
-            reason = (
-                f"a linked request must carry cache_salt {params.salt!r} (pic.vllm.params.link_salt), so vLLM's "
-                f"prefix cache never serves its KV to other prompts; it has {request.cache_salt!r}"
-            )
-            self._refuse(req_id, reason)
+        try:  # the salt is the link's (vLLM's blocks of approximate KV shared with it only) after the tenant's
+            namespace = tenants.namespace_of(params.tenant_of(request.cache_salt))
+        except PicError as error:
+            self._refuse(req_id, str(error))
             return 0
         future = self._lookups.get(req_id)
         if future is None:  # store I/O off vLLM's scheduler loop: a slow tier delays this request only
-            self._lookups[req_id] = self._pool.submit(self._lookup, params, prompt)
+            self._lookups[req_id] = self._pool.submit(self._lookup, params, prompt, namespace)
             return None
         if not future.done():
             return None
@@ -111,27 +123,28 @@ class SchedulerSide:
             num_recomputed=params.policy.num_recomputed([len(c) for c in lookup.chunks]), prefix_id=lookup.prefix_id,
             prefix_stored=lookup.prefix_stored,
         )  # fmt: skip
-        tracked = _Tracked(plan=plan, num_computed=num_computed)
+        tracked = _Tracked(plan=plan, num_computed=num_computed, namespace=namespace)
         tracked.report = {"policy": params.policy.name, "order": params.order, "num_loaded": plan.num_external,
                           "num_prefix": plan.num_prefix, "num_chunk_tokens": plan.num_chunk_tokens,
                           "num_recomputed": plan.num_recomputed, "linked": plan.reason is None,
-                          "reason": plan.reason}  # fmt: skip
+                          "reason": plan.reason, **_label(namespace)}  # fmt: skip
         if plan.save_prefix is not None:
-            tracked.save = (plan.save_prefix, prompt[: lookup.start], False)
+            tracked.save = (plan.save_prefix, prompt[: lookup.start], self._prefix_options(namespace))
         if plan.reason is not None:
             log.warning("pic: request %s is a plain prefill: %s", req_id, plan.reason)
         self._requests[req_id] = tracked
         return plan.num_external
 
-    def _lookup(self, params: LinkRequest, prompt: list[int]) -> _Lookup:
-        """On a lookup thread: the chunks' tokens (each seen in a tier now), where they start in the prompt, and
-        whether a tier holds the prefix before them."""
+    def _lookup(self, params: LinkRequest, prompt: list[int], namespace: Namespace) -> _Lookup:
+        """On a lookup thread: the chunks' tokens (each seen in a tier now, and ``namespace``'s), where they start in
+        the prompt, and whether a tier holds the prefix before them (a chunk of ``namespace`` too)."""
         try:
-            chunks = [self._chunk_tokens(cache_id) for cache_id in params.ids]
+            chunks = [self._chunk_tokens(cache_id, namespace) for cache_id in params.ids]
             start = find_chunks(prompt, chunks)
             if not start:
                 return _Lookup(chunks=chunks, start=start)
-            prefix_id = chunk_id(self.setup.expected.fingerprint, prompt[:start], self._prefix_options())
+            options = self._prefix_options(namespace)
+            prefix_id = chunk_id(self.setup.expected.fingerprint, prompt[:start], options, namespace.salt)
             return _Lookup(chunks=chunks, start=start, prefix_id=prefix_id, prefix_stored=self._stored(prefix_id))
         except PicError as error:
             return _Lookup(error=str(error))
@@ -150,16 +163,17 @@ class SchedulerSide:
         for req_id in sorted(self._pending_loads):
             tracked = self._requests[req_id]
             for seg in tracked.plan.segments:
-                meta.loads.append(LoadJob(req_id, seg, slots_of(tracked.block_ids, bs, seg.start, seg.num_tokens)))
+                slots = slots_of(tracked.block_ids, bs, seg.start, seg.num_tokens)
+                meta.loads.append(LoadJob(req_id, seg, slots, tracked.namespace))
         self._pending_loads.clear()
         for req_id, num_scheduled in scheduler_output.num_scheduled_tokens.items():
             tracked = self._requests.get(req_id)
             if tracked is None or tracked.save is None:
                 continue
-            cache_id, tokens, add_bos = tracked.save
+            cache_id, tokens, options = tracked.save
             if tracked.num_computed + num_scheduled >= len(tokens):  # the prefill holding them all ends this step
                 slots = slots_of(tracked.block_ids, bs, 0, len(tokens))
-                meta.saves.append(SaveJob(req_id, cache_id, tokens, slots, add_bos))
+                meta.saves.append(SaveJob(req_id, cache_id, tokens, slots, options))
                 tracked.save = None
                 tracked.report["stored"] = cache_id
         return meta
@@ -196,15 +210,20 @@ class SchedulerSide:
         log.warning("pic: request %s is a plain prefill: %s", req_id, reason)
         self._requests[req_id] = _Tracked(report={"linked": False, "reason": reason})
 
-    def _chunk_tokens(self, cache_id: str) -> tuple[int, ...]:
-        """The chunk's tokens (remembered), once a tier is seen to hold it now (a tier can lose it, or go down)."""
+    def _chunk_tokens(self, cache_id: str, namespace: Namespace) -> tuple[int, ...]:
+        """The chunk's tokens (remembered per namespace: what one tenant read is never another's), once a tier is
+        seen to hold it now (a tier can lose it, or go down). Another namespace's chunk is an id nobody compiled:
+        the same reason, word for word."""
+        key = (namespace, cache_id)
         with self._lock:
-            tokens = self._tokens.get(cache_id)
+            tokens = self._tokens.get(key)
             if tokens is not None:
-                self._tokens.move_to_end(cache_id)
+                self._tokens.move_to_end(key)
         if tokens is not None and self._stored(cache_id):
             return tokens
-        tokens = next((e.token_ids for t in self.setup.tiers if (e := t.extent(cache_id)) is not None), None)
+        check = {"fingerprint": self.setup.expected.fingerprint, "options": self._options(namespace)}
+        reads = (tenants.read_tokens(tier, cache_id, namespace, **check) for tier in self.setup.tiers)
+        tokens = next((found for found in reads if found is not None), None)
         if tokens is None:
             errors = "; ".join(f"{t.name}: {t.last_error}" for t in self.setup.tiers if t.last_error)
             names = ", ".join(t.name for t in self.setup.tiers)
@@ -212,9 +231,10 @@ class SchedulerSide:
                 f"cache id {cache_id!r} is in no tier of this model ({names})"
                 + (f"; {errors}" if errors else "")
                 + "; ids belong to one model: compile it for this one"
+                + ("" if namespace.is_default else ", under this request's tenant salt (its cache_salt)")
             )
         with self._lock:
-            self._tokens[cache_id] = tokens
+            self._tokens[key] = tokens
             if len(self._tokens) > _MAX_REMEMBERED:
                 self._tokens.popitem(last=False)
         return tokens
@@ -229,5 +249,14 @@ class SchedulerSide:
         bos = self.setup.bos_token_id
         return [bos] if self.setup.options.add_bos and bos is not None else []
 
-    def _prefix_options(self):
-        return self.setup.options.model_copy(update={"add_bos": False})
+    def _options(self, namespace: Namespace) -> CompileOptions:
+        """The options of the chunks the connector compiles in ``namespace`` (the label it stores with them)."""
+        return self.setup.options.model_copy(update={"namespace": namespace.name})
+
+    def _prefix_options(self, namespace: Namespace) -> CompileOptions:
+        return self._options(namespace).model_copy(update={"add_bos": False})
+
+
+def _label(namespace: Namespace) -> dict[str, str]:
+    """A tenant's namespace in its report (its label: a hash of the salt, never the salt); nothing for the default."""
+    return {} if namespace.is_default else {"namespace": namespace.name}

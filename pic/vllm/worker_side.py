@@ -18,10 +18,10 @@ from dataclasses import dataclass
 import torch
 
 from pic.attention.rope import apply_rope
-from pic.config import CompileOptions
 from pic.errors import UnsupportedModelError
 from pic.kv import ChunkKV
-from pic.vllm import kv_io
+from pic.namespaces import Namespace
+from pic.vllm import kv_io, tenants
 from pic.vllm.jobs import PicConnectorMetadata, SaveJob
 from pic.vllm.setup import Setup
 
@@ -84,13 +84,13 @@ class WorkerSide:
         """Fetch this step's chunks; remember the attention layers to write into. (vLLM calls this before the
         forward when the step loads, after it otherwise: saves do not wait for it.)"""
         self._layers = layers
-        fetched: dict[str, ChunkKV | None] = {}
+        fetched: dict[tuple[Namespace, str], ChunkKV | None] = {}
         self._loads = []
         for job in meta.loads:
-            cache_id = job.segment.cache_id
-            if cache_id not in fetched:
-                fetched[cache_id] = self._fetch(cache_id)
-            chunk = fetched[cache_id]
+            key = (job.namespace, job.segment.cache_id)
+            if key not in fetched:
+                fetched[key] = self._fetch(*key)
+            chunk = fetched[key]
             if chunk is None:  # gone since the scheduler looked: vLLM recomputes these blocks
                 self._failed_blocks.update(slot // self.setup.block_size for slot in job.slots)
                 continue
@@ -154,7 +154,7 @@ class WorkerSide:
                 continue
             chunk = ChunkKV(
                 cache_id=job.cache_id, token_ids=torch.tensor(job.token_ids, dtype=torch.long),
-                k=torch.stack(save.ks), v=torch.stack(save.vs), options=CompileOptions(add_bos=job.add_bos),
+                k=torch.stack(save.ks), v=torch.stack(save.vs), options=job.options,
             )  # fmt: skip
             _put(self.setup.tiers, chunk)
         self._saves = []
@@ -163,12 +163,14 @@ class WorkerSide:
         failed, self._failed_blocks = self._failed_blocks, set()
         return failed
 
-    def _fetch(self, cache_id: str) -> ChunkKV | None:
-        """The chunk from the first tier that has it, copied into the tiers above that one (a CPU tier keeps it
-        in this process for the next link; a disk tier keeps what Redis gave), as ``TieredStore.load`` does."""
+    def _fetch(self, namespace: Namespace, cache_id: str) -> ChunkKV | None:
+        """The chunk of ``namespace`` from the first tier that has it, copied into the tiers above that one (a CPU
+        tier keeps it in this process for the next link; a disk tier keeps what Redis gave), as
+        ``TieredStore.load`` does. A tenant's chunk is checked to be its own, by the options it was stored with: one
+        that is not is a miss (the scheduler checked it already; a tier may have changed since)."""
         for level, tier in enumerate(self.setup.tiers):
             try:
-                chunk = tier.get(cache_id)
+                chunk = tenants.read_chunk(tier, cache_id, namespace, fingerprint=self.setup.expected.fingerprint)
             except Exception as error:  # an unreachable tier is a miss here; the scheduler saw the chunk
                 log.warning("pic: the %s tier failed to give chunk %s: %s", tier.name, cache_id, error)
                 continue
