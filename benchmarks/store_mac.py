@@ -136,7 +136,8 @@ def main(argv: list[str] | None = None) -> dict:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     for name, t in median.items():
-        print(f"{name:18s} {t * 1000:8.1f} ms  {report['gb_per_s'][name]:6.2f} GB/s  {report['time_over_xxh3'][name]:6.1f}x")
+        rate, ratio = report["gb_per_s"][name], report["time_over_xxh3"][name]
+        print(f"{name:18s} {t * 1000:8.1f} ms  {rate:6.2f} GB/s  {ratio:6.1f}x")
     print("keyed / unkeyed:", {step: round(ratio, 2) for step, ratio in report["keyed_over_unkeyed"].items()})
     return report
 

@@ -320,8 +320,9 @@ FORGERIES: dict[str, Callable[[World], None]] = {
     "extra BOS tokens added": _options(num_extra_bos=2),
     "the fingerprint changed": lambda w: w.rewrite("north", fingerprint="0" * 32),
     "the dtype changed": lambda w: w.rewrite("north", dtype="bfloat16"),
-    "the shape changed": lambda w: w.rewrite("north", shape=[w.entry("north").meta["shape"][0] + 1,
-                                                             *w.entry("north").meta["shape"][1:]]),
+    "the shape changed": lambda w: w.rewrite(
+        "north", shape=[w.entry("north").meta["shape"][0] + 1, *w.entry("north").meta["shape"][1:]]
+    ),
     "the checksum changed": lambda w: w.rewrite("north", checksum="0" * 32),
     "the part layout changed": _layout,
     "a bit flipped in the metadata": _meta_bit,
@@ -399,7 +400,9 @@ def test_a_forged_entry_is_a_logged_miss_then_unknown(world, case, caplog, hones
         assert world.backend.exists(world.fingerprint, cid)  # the honest entry, back
 
 
-@pytest.mark.parametrize("case", ["North Sea -> Black Sea", "a bit flipped in the last part", "written without the key"])
+@pytest.mark.parametrize(
+    "case", ["North Sea -> Black Sea", "a bit flipped in the last part", "written without the key"]
+)
 def test_a_forged_entry_under_a_compiled_document_is_compiled_again(world, case, caplog, honest):
     """A server that compiles the document while the forged entry is in the tier (its compile finds the id held
     there and prefills nothing) links it: the read is refused, and the engine prefills the document it remembers.
@@ -419,7 +422,9 @@ def test_a_forged_entry_under_a_compiled_document_is_compiled_again(world, case,
     assert warned and "dropping" in warned[0]
     if world.backend.exists(world.fingerprint, cid):  # written back by the recompile: the honest KV
         held = torch.frombuffer(bytearray(b"".join(world.entry("north").parts)), dtype=torch.uint8)
-        expected = torch.cat([t.contiguous().view(torch.uint8).flatten() for t in (honest["north"].k, honest["north"].v)])
+        expected = torch.cat(
+            [t.contiguous().view(torch.uint8).flatten() for t in (honest["north"].k, honest["north"].v)]
+        )
         assert torch.equal(held, expected)
 
 

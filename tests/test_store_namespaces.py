@@ -146,3 +146,13 @@ def test_a_loaded_chunk_is_labelled_with_the_readers_name(shared):
     assert loaded.options.namespace == "alice"  # and so in the CPU tier it was promoted into
     assert store.lower[0].get(loaded.cache_id, readable={"alice": SALT_A}) is not None
     assert store.lower[0].get(loaded.cache_id, readable={"tenant-a": SALT_A}) is None
+
+
+def test_an_unknown_id_is_echoed_cut_to_32_characters():
+    store = _store([LruTier()])
+    huge = "ab" * 2**20
+    with pytest.raises(UnknownCacheIdError) as caught:
+        store.describe(huge, readable={"": b""})
+    message = str(caught.value)
+    assert huge[:32] in message and huge[:33] not in message and f"of {len(huge)} characters" in message
+    assert len(message) < 1000

@@ -170,9 +170,7 @@ def locked(directory: Path) -> Iterator[None]:
         yield
 
 
-def write(
-    path: Path, chunk: ChunkKV, *, fingerprint: str, part_bytes: int, key: StoreKey | None = None
-) -> Path:
+def write(path: Path, chunk: ChunkKV, *, fingerprint: str, part_bytes: int, key: StoreKey | None = None) -> Path:
     """Write ``chunk`` (with ``key``'s MACs when there is one) to a temporary file beside ``path``, ``FILE_MODE``,
     and return that file: the caller renames it to ``path`` (``os.replace``) once it has decided, under its lock,
     that the chunk fits.

@@ -163,7 +163,9 @@ class RedisTier:
     def _parse(self, raw: bytes, cache_id: str, readable: Mapping[str, bytes] | None) -> serde.Meta:
         """Raises: as ``serde.parse_meta`` (a miss logged at DEBUG for ``NotReadable``)."""
         try:
-            return serde.parse_meta(raw, cache_id=cache_id, expected=self._expected, readable=readable, key=self._store_key)
+            return serde.parse_meta(
+                raw, cache_id=cache_id, expected=self._expected, readable=readable, key=self._store_key
+            )
         except serde.NotReadable:
             log.debug("pic: Redis entry %s is no namespace's the caller reads: a miss", cache_id[:32])
             raise

@@ -215,9 +215,11 @@ class TieredStore:
         )
 
     def unknown(self, cache_id: object) -> UnknownCacheIdError:
+        """The error for an id no tier holds (or none of the caller's namespaces'): the id cut to its first 32
+        characters, as long as a cache id is (a caller's may be megabytes)."""
         failures = [t.last_error for t in self.tiers if t.last_error]
         return UnknownCacheIdError(
-            f"unknown cache id {cache_id!r}{cache_id_hint(cache_id)}: "
+            f"unknown cache id {_shown(cache_id)}{cache_id_hint(cache_id)}: "
             f"in no tier ({', '.join(t.name for t in self.tiers)}); "
             + (f"{'; '.join(failures)}; " if failures else "")
             + "compile its document first (an evicted chunk compiles again). Ids belong to one model and its compile "
@@ -268,7 +270,7 @@ class TieredStore:
             UnknownCacheIdError: no tier holds it.
         """
         if not self.contains(cache_id):
-            raise UnknownCacheIdError(f"cannot pin unknown cache id {cache_id!r}")
+            raise UnknownCacheIdError(f"cannot pin unknown cache id {_shown(cache_id)}")
         self._pinned.add(cache_id)
         for tier in self.tiers:
             tier.pin(cache_id)
@@ -329,6 +331,13 @@ class TieredStore:
     def fleet(self) -> FleetLeases | None:
         """Compile-once leases and fleet counters in the shared tier (``None`` without one)."""
         return self._shared[0][1] if self._shared else None
+
+
+def _shown(cache_id: object) -> str:
+    """``cache_id`` for a message: its ``repr``, cut to the 32 characters of a cache id (saying so when cut)."""
+    if isinstance(cache_id, str) and len(cache_id) > 32:
+        return f"{cache_id[:32]!r}... (the first 32 of {len(cache_id)} characters)"
+    return f"{cache_id!r:.80}"
 
 
 def _extent(tier: Tier, cache_id: str, readable: Mapping[str, bytes] | None) -> Extent | None:
