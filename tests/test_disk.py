@@ -320,3 +320,17 @@ def test_a_flipped_bos_is_refused(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="pic.store"):
         assert t.get(honest.cache_id) is None
     assert any("not the model's BOS 1" in r.getMessage() for r in caplog.records)
+
+
+def test_a_folder_others_may_write_is_left_as_it_is_and_named(tmp_path, caplog):
+    """Its mode is the operator's (never changed), but without a store key what other users write there would be
+    served: a warning says so; with a key it is authenticated, and nothing is said."""
+    folder = tmp_path / FINGERPRINT
+    folder.mkdir(mode=0o777)
+    folder.chmod(0o777)
+    with caplog.at_level(logging.WARNING, logger="pic.store"):
+        tier(tmp_path)
+        tier(tmp_path, store_key=b"k" * 16)
+    warned = [r.getMessage() for r in caplog.records if "other users may write" in r.getMessage()]
+    assert len(warned) == 1 and "mode 777" in warned[0]
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o777
