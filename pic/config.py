@@ -18,7 +18,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pic.errors import InvalidInputError
 from pic.redis_url import CLUSTER, SENTINEL, check_single, parse
 
-
 # Fields whose values an error never echoes.
 _SECRET_FIELDS = frozenset({"store_key"})
 

@@ -3,7 +3,10 @@ read as a miss and removed, LRU by bytes shared by two processes, a failing disk
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
+import stat
 import subprocess
 import sys
 import textwrap
@@ -258,3 +261,76 @@ def test_two_processes_writing_the_same_chunks_at_once_leave_one_good_copy_each(
     for i in range(40):
         chunk = make_chunk(i, num_tokens=64)
         assert_same(t.get(chunk.cache_id), chunk)
+
+
+def test_files_are_the_owners_alone(tmp_path):
+    """Chunk, usage and lock files 0600; the folders the tier creates 0700; a folder that exists keeps its mode."""
+    (tmp_path / "shared").mkdir(mode=0o755)
+    (tmp_path / "shared").chmod(0o755)
+    t = tier(tmp_path / "shared" / "new" / "deeper")
+    assert t.put(make_chunk(1))
+    mode = lambda p: stat.S_IMODE(p.stat().st_mode)  # noqa: E731
+    assert mode(tmp_path / "shared") == 0o755  # the user's: not changed
+    assert [mode(p) for p in (tmp_path / "shared" / "new", t.path.parent, t.path)] == [0o700] * 3
+    assert sorted(p.name for p in t.path.iterdir() if p.name.startswith(".")) == [".lock", ".usage"]
+    assert all(mode(p) == 0o600 for p in t.path.iterdir()), {p.name: oct(mode(p)) for p in t.path.iterdir()}
+
+
+def test_files_an_older_version_left_readable_are_tightened_at_start(tmp_path, caplog):
+    t = tier(tmp_path)
+    assert t.put(make_chunk(1))
+    for p in t.path.iterdir():
+        p.chmod(0o644)
+    with caplog.at_level(logging.INFO, logger="pic.store"):
+        again = tier(tmp_path)
+    assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in again.path.iterdir())
+    assert any("readable by their owner only" in r.getMessage() for r in caplog.records)
+    assert again.get(make_chunk(1).cache_id) is not None
+
+
+def test_an_oversized_file_is_removed_at_start_without_evicting_the_rest(tmp_path, caplog):
+    """A sparse file in a chunk's name, larger than the tier's capacity (and than any chunk), made a restart evict
+    every valid chunk file to "make room" beside it, silently. Now it alone goes, logged."""
+    chunks = [make_chunk(i) for i in range(4)]
+    t = tier(tmp_path, capacity=100_000)
+    assert all(t.put(c) for c in chunks)
+    sparse = t.path / f"{'f' * 32}{SUFFIX}"
+    with open(sparse, "wb") as f:
+        f.truncate(3 * 2**30)
+    os.utime(sparse, ns=(2**62, 2**62))  # the most recently used: the LRU evicted everything else first
+    with caplog.at_level(logging.WARNING, logger="pic.store"):
+        again = tier(tmp_path, capacity=100_000)
+    assert not sparse.exists() and sorted(again.ids()) == sorted(c.cache_id for c in chunks)
+    assert any(str(sparse) in r.getMessage() and "removed" in r.getMessage() for r in caplog.records)
+    assert all(again.get(c.cache_id) is not None for c in chunks)
+
+
+def test_a_flipped_bos_is_refused(tmp_path, caplog):
+    """The id hashes the tokens after the chunk's BOS, so a BOS changed in a file's metadata kept its id and was
+    served: it is checked against the model's BOS now (without any store key)."""
+    expected = dataclasses.replace(EXPECTED, bos_token_id=1)
+    t = DiskTier(tmp_path, expected=expected, capacity_bytes=1 << 30, part_bytes=1000)
+    tokens = torch.tensor([1, *range(10, 25)])
+    options = CompileOptions(add_bos=True)
+    k = v = torch.zeros(EXPECTED.num_layers, 16, EXPECTED.num_kv_heads, EXPECTED.head_dim)
+    honest = ChunkKV(chunk_id(FINGERPRINT, tokens[1:].tolist(), options), tokens, k, v, options)
+    flipped = ChunkKV(honest.cache_id, torch.tensor([7, *range(10, 25)]), k, v, options)
+    assert t.put(honest) and t.get(honest.cache_id) is not None
+    assert t.delete(honest.cache_id) and t.put(flipped)
+    with caplog.at_level(logging.WARNING, logger="pic.store"):
+        assert t.get(honest.cache_id) is None
+    assert any("not the model's BOS 1" in r.getMessage() for r in caplog.records)
+
+
+def test_a_folder_others_may_write_is_left_as_it_is_and_named(tmp_path, caplog):
+    """Its mode is the operator's (never changed), but without a store key what other users write there would be
+    served: a warning says so; with a key it is authenticated, and nothing is said."""
+    folder = tmp_path / FINGERPRINT
+    folder.mkdir(mode=0o777)
+    folder.chmod(0o777)
+    with caplog.at_level(logging.WARNING, logger="pic.store"):
+        tier(tmp_path)
+        tier(tmp_path, store_key=b"k" * 16)
+    warned = [r.getMessage() for r in caplog.records if "other users may write" in r.getMessage()]
+    assert len(warned) == 1 and "mode 777" in warned[0]
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o777

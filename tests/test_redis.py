@@ -353,3 +353,28 @@ def test_linking_a_resident_chunk_restores_what_redis_lost(tmp_path, monkeypatch
     generate(never, never_ids)
     assert never.store.lookup(never_ids[0]) == ["device"]
     server.stop()
+
+
+def test_a_key_of_another_type_is_a_damaged_entry_not_a_redis_down(redis_server, redis_url, caplog):
+    """A hash where a chunk's metadata belongs (or a list where a part does) made every ``stats()`` fail with
+    WRONGTYPE, and so ``/metrics`` report Redis down: it is skipped there, and a read of it is a logged miss that
+    drops it, while the tier and its other entries go on."""
+    from tests.test_disk import EXPECTED, make_chunk
+
+    tier = RedisTier(redis_url, expected=EXPECTED, part_bytes=1000)
+    good, bad_meta, bad_part = (make_chunk(i) for i in range(3))
+    assert all(tier.put(c) for c in (good, bad_meta, bad_part))
+    client = redis_server.client()
+    client.delete(tier._key(bad_meta.cache_id))
+    client.hset(tier._key(bad_meta.cache_id), "not", "metadata")
+    client.delete(tier._key(bad_part.cache_id, 1))
+    client.rpush(tier._key(bad_part.cache_id, 1), b"not a part")
+    stats = tier.stats()
+    assert stats.up and stats.writable and stats.num_entries == 2  # the hash skipped; the broken part's counted
+    with caplog.at_level(logging.WARNING, logger="pic.store"):
+        assert tier.get(bad_meta.cache_id) is None and tier.extent(bad_meta.cache_id) is None
+        assert tier.get(bad_part.cache_id) is None
+    dropped = [r.getMessage() for r in caplog.records if "dropping" in r.getMessage()]
+    assert len(dropped) == 2 and all("of another type" in m for m in dropped), dropped
+    assert not client.exists(tier._key(bad_meta.cache_id)) and not client.exists(tier._key(bad_part.cache_id, 1))
+    assert tier.get(good.cache_id) is not None and tier.stats().num_entries == 1 and tier.last_error is None

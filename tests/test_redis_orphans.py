@@ -192,3 +192,15 @@ def test_sweep_reports_and_removes(redis_server, redis_url, capsys):
     assert client.keys(f"pic:*:{ids[2]}:*") == []
     reference = make_engine("stories260K")
     assert generate(redis_engine(redis_url), ids[:2]) == generate(reference, reference.compile(list(DOCS[:2])))
+
+
+def test_sweep_removes_a_key_of_another_type(redis_server, redis_url):
+    """A hash where an entry's metadata belongs is a broken entry for the sweep (it used to fail on WRONGTYPE)."""
+    engine = redis_engine(redis_url)
+    ids = engine.compile(list(DOCS[:2]))
+    tier, client = redis_tier(engine), redis_server.client()
+    client.delete(tier._key(ids[0]))
+    client.hset(tier._key(ids[0]), "not", "metadata")
+    report = sweep(redis_url, fingerprint=engine.fingerprint, remove=True)
+    assert (report.entries, report.broken_entries) == (1, 1) and report.removed_keys >= 2
+    assert not client.exists(tier._key(ids[0])) and tier.get(ids[1]) is not None

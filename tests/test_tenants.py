@@ -52,7 +52,7 @@ def _compile(server, name: str, docs: list[str]) -> list[str]:
     return response.json()["cache_ids"]
 
 
-def _link(http: httpx.Client, ids: list[str], prompt: str = "Repeat the document above word for word.") -> httpx.Response:
+def _link(http: httpx.Client, ids: list[str], prompt: str = "Repeat the document above word for word.") -> httpx.Response:  # noqa: E501
     body = {"model": "stories260K", "prompt": prompt, "max_tokens": 8, "temperature": 0, "pic": {"cache_ids": ids}}
     return http.post("/v1/completions", json=body)
 
@@ -104,7 +104,8 @@ def test_a_chunks_survive_b_filling_the_pool(server):
     kept = _compile(server, "alice", [f"Alice's note {i}: the garden needs water on day {i}." for i in range(3)])
     # bob compiles about four pools' worth, a few documents at a time
     for start in range(0, 64, 8):
-        _compile(server, "bob", [f"Bob's filler {i}: " + "the cat sat on the mat. " * 6 for i in range(start, start + 8)])
+        fillers = [f"Bob's filler {i}: " + "the cat sat on the mat. " * 6 for i in range(start, start + 8)]
+        _compile(server, "bob", fillers)
     with _as(server, "alice") as alice:
         for cid in kept:
             described = alice.get(f"/v1/chunks/{cid}").json()

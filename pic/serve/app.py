@@ -35,6 +35,7 @@ from pic.serve.shapes import CacheIds, ChatCompletion, ChunkInfo, Completion, De
 from pic.serve.tenants import Tenant, Tenants
 from pic.text import check_encodable
 
+
 # Every route but /health takes its caller's tenant (its namespace, its quota) from what the Guard found.
 def _caller(http: Request) -> Tenant:
     return tenant_of(http)

@@ -210,7 +210,9 @@ def _check_table(name: str, table: object) -> None:
         raise InvalidInputError(f"tenants.{name} is not a table ([tenants.{name}] with key_file = ... under it)")
     unknown = set(table) - _TENANT_FIELDS
     if unknown:
-        raise InvalidInputError(f"tenant {name!r}: unknown field(s) {sorted(unknown)}; the fields: {sorted(_TENANT_FIELDS)}")
+        raise InvalidInputError(
+            f"tenant {name!r}: unknown field(s) {sorted(unknown)}; the fields: {sorted(_TENANT_FIELDS)}"
+        )
 
 
 def _secret(
@@ -232,7 +234,9 @@ def _secret(
         secret = value.encode()
     elif source.endswith("_env"):
         if value not in environ or not environ[value]:
-            raise InvalidInputError(f"tenant {name!r}: {source}={value!r} names an environment variable that is not set")
+            raise InvalidInputError(
+                f"tenant {name!r}: {source}={value!r} names an environment variable that is not set (or empty)"
+            )
         secret = environ[value].encode()
     else:
         file = Path(value).expanduser()
@@ -243,7 +247,9 @@ def _secret(
     if not secret.strip():
         raise InvalidInputError(f"tenant {name!r}: its {kind} ({source}) is empty")
     if kind == "key" and len(secret) < _MIN_KEY_CHARS:
-        raise InvalidInputError(f"tenant {name!r}: its key ({source}) has {len(secret)} bytes; use at least {_MIN_KEY_CHARS}")
+        raise InvalidInputError(
+            f"tenant {name!r}: its key ({source}) has {len(secret)} bytes; use at least {_MIN_KEY_CHARS}"
+        )
     return secret
 
 

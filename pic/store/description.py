@@ -15,6 +15,7 @@ class ChunkDescription:
         num_tokens: tokens it contributes to a linked prompt.
         num_bytes: bytes of its K and V together (in each tier that holds it).
         token_ids: those tokens (what a prompt that links the chunk holds: ``pic.vllm.client.link_prompt``).
+        namespace: the namespace it belongs to, by the reader's name for it (``""``: the default one).
     """
 
     cache_id: str
@@ -22,3 +23,4 @@ class ChunkDescription:
     num_tokens: int
     num_bytes: int
     token_ids: tuple[int, ...] = ()
+    namespace: str = ""

@@ -55,16 +55,19 @@ class DeviceTier:
         self._stats.hits += 1
         return info
 
-    def _info(self, cache_id: str) -> ChunkInfo | None:
+    def _info(self, cache_id: str, readable: Mapping[str, bytes] | None = None) -> ChunkInfo | None:
+        """The resident chunk's info if it is of one of ``readable``'s namespaces (by its label: the pool holds
+        only what this process compiled or verified; ``None``: any)."""
         chunk = self._pool.chunks.get(cache_id)
-        return None if chunk is None else chunk.info  # type: ignore[return-value]
+        info: ChunkInfo | None = None if chunk is None else chunk.info  # type: ignore[assignment]
+        return info if info is None or readable is None or info.options.namespace in readable else None
 
-    def extent(self, cache_id: str) -> Extent | None:
-        info = self._info(cache_id)
+    def extent(self, cache_id: str, *, readable: Mapping[str, bytes] | None = None) -> Extent | None:
+        info = self._info(cache_id, readable)
         if info is None:
             return None
         num_bytes = info.num_tokens * self._cache.bytes_per_block // self._cache.block_size
-        return Extent(info.num_tokens, num_bytes, tuple(info.token_ids.tolist()))
+        return Extent(info.num_tokens, num_bytes, tuple(info.token_ids.tolist()), info.options.namespace)
 
     def add(self, info: ChunkInfo, block_ids: list[int]) -> None:
         """Make prefilled blocks resident as ``info``'s chunk (the caller's references become holds)."""
@@ -85,13 +88,13 @@ class DeviceTier:
         self.add(chunk.info, blocks)
         return blocks
 
-    def peek(self, cache_id: str) -> ChunkKV | None:
-        """A copy of a resident chunk's KV out of its blocks (to write it through to lower tiers)."""
-        chunk = self._pool.chunks.get(cache_id)
-        if chunk is None:
+    def peek(self, cache_id: str, *, readable: Mapping[str, bytes] | None = None) -> ChunkKV | None:
+        """A copy of a resident chunk's KV out of its blocks (to write it through to lower tiers); ``None`` also
+        when it is of none of ``readable``'s namespaces."""
+        info = self._info(cache_id, readable)
+        if info is None:
             return None
-        info: ChunkInfo = chunk.info  # type: ignore[assignment]
-        k, v = self._cache.read(chunk.block_ids, info.num_tokens)
+        k, v = self._cache.read(self._pool.chunks[cache_id].block_ids, info.num_tokens)
         return ChunkKV(cache_id=cache_id, token_ids=info.token_ids, k=k, v=v, options=info.options)
 
     def contains(self, cache_id: str) -> bool:

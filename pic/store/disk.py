@@ -9,8 +9,9 @@ or one the call keeps) until its own fits in ``capacity_bytes``, then renames it
 the byte limit holds across processes, and reads take no lock (a file evicted while it is being read
 stays readable through its open descriptor). The byte budget's bookkeeping is ``pic.store.disk_budget``.
 
-A damaged, truncated or foreign file is logged, removed and a miss (a recompile, never a wrong answer), and
-so is anything in a chunk's name that is not a regular file (a FIFO, a symbolic link; a directory is left in
+A damaged, truncated or foreign file is logged, removed and a miss (a recompile, never a wrong answer), so
+is one that fails the fleet's store key (``pic.store.auth``: forged, altered, written without the key), and so
+is anything in a chunk's name that is not a regular file (a FIFO, a symbolic link; a directory is left in
 place): a chunk is read only through ``disk_entry.open_chunk``, which never blocks, never follows a link and
 bounds every length before it allocates.
 
@@ -20,6 +21,11 @@ writes need room, so they alone go through a ``Breaker`` (``self.breaker``), whi
 for want of room (ENOSPC, EDQUOT, EROFS, EIO) opens. While it is open writes fail at once, without writing
 half a file first, and ``stats().writable`` says so; after ``retry_s`` one write probes. A tier that starts on
 such a disk starts with its breaker open rather than not at all, so a restarted server serves the chunks on it.
+
+The folders the tier creates are 0700 and its files 0600 (``disk_file``); files of older versions are tightened at
+start. A file larger than the capacity or than any chunk can be is removed at start, logged, without evicting the
+others (``disk_budget.drop_oversized``). A whole file of none of the reader's namespaces (``readable``) is a plain
+miss, left in place.
 """
 
 from __future__ import annotations
@@ -30,13 +36,14 @@ import errno
 import logging
 import os
 import threading
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Literal
 
 from pic.errors import StoreUnavailableError
 from pic.kv import ChunkKV
 from pic.store import disk_budget, disk_entry, disk_file, serde
+from pic.store.auth import store_key as as_store_key
 from pic.store.breaker import Breaker
 from pic.store.guard import FailureGuard
 from pic.store.lease import FleetLeases
@@ -68,6 +75,8 @@ class DiskTier:
         pin: read chunks into page-locked memory.
         retry_s: after a write fails for want of room (a full or read-only disk), writes fail at once for this
             long (``self.breaker``), then one is tried.
+        store_key: the fleet's store key (``StoreConfig.store_key``): files are written with its MACs and read only
+            when they carry them; ``None``: no MAC written or checked.
 
     Raises:
         StoreUnavailableError: the directory cannot be created or read (whatever ``on_error`` says: a tier that
@@ -87,17 +96,20 @@ class DiskTier:
         part_bytes: int = 8 * 2**20,
         pin: bool = False,
         retry_s: float = 5.0,
+        store_key: bytes | None = None,
     ) -> None:
         self.path = Path(path).expanduser() / expected.fingerprint
         self.capacity_bytes, self._expected, self._on_error = capacity_bytes, expected, on_error
         self._part_bytes, self._pin = part_bytes, pin
+        self._store_key = as_store_key(store_key)
+        self._largest = disk_file.max_file_bytes(expected)
         self._pinned: set[str] = set()
         self._stats = TierStats(name=self.name, capacity_bytes=capacity_bytes)
         self._last_error: str | None = None
         self._lock = threading.Lock()  # the counters and pins; the directory itself is guarded by flock
         self.breaker = Breaker(f"disk tier at {self.path} (writes)", retry_s=retry_s)
         try:
-            self.path.mkdir(parents=True, exist_ok=True)
+            disk_file.make_dirs(self.path)
             self._start()
         except OSError as exc:
             if exc.errno not in _START_DESPITE:
@@ -108,10 +120,23 @@ class DiskTier:
         """Remove dead writers' temporary files, and evict down to ``capacity_bytes`` (a smaller limit than the
         last run's), redoing the usage record: writes, which a full or read-only disk refuses."""
         removed = disk_file.sweep_tmp(self.path)
+        tightened = disk_file.tighten(self.path)
         with disk_file.locked(self.path):
             self._make_room(None, 0, keep=(), rescan=True)
         if removed:
             log.info("pic: removed %d unfinished chunk file(s) of dead writers in %s", removed, self.path)
+        if tightened:
+            log.info("pic: made %d file(s) in %s readable by their owner only (0600)", tightened, self.path)
+        self._warn_if_open()
+
+    def _warn_if_open(self) -> None:
+        """Say so when other users may write the folder and nothing authenticates what they write."""
+        mode = self.path.stat().st_mode
+        if mode & 0o022 and self._store_key is None:
+            log.warning(
+                "pic: other users may write chunk files into %s (mode %o) and no store key authenticates them: "
+                "chmod 700 it, or set a store key", self.path, mode & 0o777,
+            )  # fmt: skip
 
     def _start_without_writes(self, exc: OSError) -> None:
         """Start on a disk that takes no writes (``exc`` said so), with the write breaker open: reads serve the
@@ -139,17 +164,25 @@ class DiskTier:
     def _file(self, cache_id: str) -> Path | None:
         return self.path / f"{cache_id}{disk_file.SUFFIX}" if disk_file.is_cache_id(cache_id) else None
 
-    def get(self, cache_id: str) -> ChunkKV | None:
+    def get(self, cache_id: str, *, readable: Mapping[str, bytes] | None = None) -> ChunkKV | None:
+        """The chunk, or ``None``: a miss, also for a file of none of ``readable``'s namespaces (name -> salt;
+        ``None``: any namespace's, as before tenants). A damaged or forged file is logged, counted and removed."""
         chunk, path = None, self._file(cache_id)
         with self._guard():
-            chunk = None if path is None else self._read(path, cache_id)
+            chunk = None if path is None else self._read(path, cache_id, readable)
         self._count(hits=int(chunk is not None), misses=int(chunk is None))
         return chunk
 
-    def _read(self, path: Path, cache_id: str) -> ChunkKV | None:
+    def _read(self, path: Path, cache_id: str, readable: Mapping[str, bytes] | None) -> ChunkKV | None:
         try:
-            chunk = disk_file.read(path, cache_id=cache_id, expected=self._expected, pin=self._pin)
+            chunk = disk_file.read(
+                path, cache_id=cache_id, expected=self._expected, pin=self._pin, readable=readable,
+                key=self._store_key,
+            )  # fmt: skip
         except FileNotFoundError:  # never written, or evicted (by any process) since
+            return None
+        except serde.NotReadable:  # perhaps another tenant's: as an id nobody stored
+            log.debug("pic: chunk file %s is no namespace's the caller reads: a miss", path)
             return None
         except disk_entry.NotAFileError as exc:
             self._count(errors=1)
@@ -157,12 +190,16 @@ class DiskTier:
             log.warning("pic: %s: a miss (%s)", exc, "removed" if removed else "left in place")
             return None
         except serde.CorruptEntryError as exc:
-            log.warning("pic: dropping chunk file %s: %s", path, exc)
-            self._count(errors=1)
-            self._discard(path, lambda: disk_budget.remove(self.path, path))
+            self._refuse(path, exc)
             return None
         self._touch(path)  # recently used, for every process sharing the directory
         return chunk
+
+    def _refuse(self, path: Path, exc: serde.CorruptEntryError) -> None:
+        """Log, count and remove a file that failed its checks."""
+        log.warning("pic: dropping chunk file %s: %s", path, exc)
+        self._count(errors=1)
+        self._discard(path, lambda: disk_budget.remove(self.path, path))
 
     @staticmethod
     def _discard(path: Path, remove: Callable[[], bool]) -> bool:
@@ -186,9 +223,10 @@ class DiskTier:
             pass
         return True
 
-    def extent(self, cache_id: str) -> Extent | None:
-        """The chunk's size from its file's header and metadata (no payload read); a damaged file is a miss
-        here, left for ``get`` to remove."""
+    def extent(self, cache_id: str, *, readable: Mapping[str, bytes] | None = None) -> Extent | None:
+        """The chunk's size from its file's header and metadata (no payload read; the metadata's MAC checked with
+        a store key). A forged file is removed (as by ``get``); a damaged one is a miss here, left for ``get`` to
+        remove; one of none of ``readable``'s namespaces is a plain miss."""
         path = self._file(cache_id)
         if path is None:
             return None
@@ -196,9 +234,15 @@ class DiskTier:
             try:
                 with disk_entry.open_chunk(path) as f:
                     size = os.fstat(f.fileno()).st_size
-                    meta = disk_file.read_meta(f, cache_id=cache_id, expected=self._expected, file_bytes=size)
-                return Extent(len(meta.token_ids), 2 * meta.tensor_bytes, meta.token_ids)
-            except (FileNotFoundError, serde.CorruptEntryError):
+                    meta = disk_file.read_meta(
+                        f, cache_id=cache_id, expected=self._expected, file_bytes=size, readable=readable,
+                        key=self._store_key,
+                    )  # fmt: skip
+                return Extent(len(meta.token_ids), 2 * meta.tensor_bytes, meta.token_ids, meta.options.namespace)
+            except serde.ForgedEntryError as exc:
+                self._refuse(path, exc)
+                return None
+            except (FileNotFoundError, serde.CorruptEntryError, serde.NotReadable):
                 return None
         return None  # the disk failed and on_error == "miss"
 
@@ -243,7 +287,9 @@ class DiskTier:
 
     def _write(self, path: Path, chunk: ChunkKV, keep: Collection[str]) -> bool:
         """Write ``chunk`` to a temporary file, then rename it to ``path`` if it fits (under the lock)."""
-        tmp = disk_file.write(path, chunk, fingerprint=self._expected.fingerprint, part_bytes=self._part_bytes)
+        tmp = disk_file.write(
+            path, chunk, fingerprint=self._expected.fingerprint, part_bytes=self._part_bytes, key=self._store_key
+        )
         try:
             with disk_file.locked(self.path):
                 fits = self._make_room(chunk.cache_id, tmp.stat().st_size, keep=keep)
@@ -307,7 +353,7 @@ class DiskTier:
         exempt = self._pins().union(keep)
         room = disk_budget.make_room(
             self.path, capacity=self.capacity_bytes, cache_id=cache_id, num_bytes=num_bytes, exempt=exempt,
-            rescan=rescan,
+            rescan=rescan, largest=self._largest,
         )  # fmt: skip
         self._count(evictions=room.num_evicted)
         return room.fits

@@ -8,11 +8,16 @@ into place and released after one is unlinked, so a process that dies between it
 (corrected at the next listing), never low (which could let the files exceed the capacity). A record that cannot
 be rewritten (a full disk) is removed (``disk_file.write_usage``): a missing record is never low either. So an
 unlink, which works on a full disk, is never failed by the record's rewrite after it.
+
+A file in a chunk's name larger than the capacity, or than any chunk of the model can be (a sparse file claims
+gigabytes it does not hold), is never one the budget can keep: a listing removes it first (logged), so that it
+never makes the LRU evict every valid file to "make room" beside it. It would be refused unread anyway.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import stat
 from collections.abc import Collection
@@ -20,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pic.store import disk_file
+
+log = logging.getLogger("pic.store")
 
 
 @dataclass(frozen=True)
@@ -37,22 +44,43 @@ class Room:
 
 def make_room(
     directory: Path, *, capacity: int, cache_id: str | None, num_bytes: int, exempt: Collection[str],
-    rescan: bool = False,
+    rescan: bool = False, largest: int | None = None,
 ) -> Room:  # fmt: skip
     """Reserve ``num_bytes`` for ``cache_id`` in ``directory``'s usage record, evicting least recently used files
     not in ``exempt`` first when they do not fit (under ``disk_file.locked(directory)``). ``rescan``: list the
-    directory whatever the record says (a start)."""
+    directory whatever the record says (a start). A listed file larger than ``capacity`` or ``largest`` (the largest
+    chunk file of the model) is removed first, alone (``drop_oversized``)."""
     used = None if rescan else disk_file.read_usage(directory)
     num_evicted = 0
     if used is None or used + num_bytes > capacity:
         files = disk_file.listing(directory)
         files.pop(cache_id, None)  # another process's copy of it, which the rename replaces
+        drop_oversized(directory, files, limit=capacity if largest is None else min(capacity, largest))
         used, num_evicted = evict(directory, files, capacity=capacity, num_bytes=num_bytes, exempt=exempt)
         if used + num_bytes > capacity:
             disk_file.write_usage(directory, used)
             return Room(fits=False)
     disk_file.write_usage(directory, used + num_bytes)
     return Room(fits=True, num_evicted=num_evicted)
+
+
+def drop_oversized(directory: Path, files: dict[str, tuple[int, int]], *, limit: int) -> int:
+    """Remove the files of ``files`` (``disk_file.listing``, updated) larger than ``limit`` bytes, each logged: no
+    chunk the tier may keep is that large, and counted with the others they would have every valid file evicted.
+    Returns how many. One that cannot be removed (a read-only disk) is left, and not counted in ``files``."""
+    removed = 0
+    for cache_id in [cid for cid, (size, _) in files.items() if size > limit]:
+        path = directory / f"{cache_id}{disk_file.SUFFIX}"
+        size = files.pop(cache_id)[0]
+        try:
+            path.unlink(missing_ok=True)
+            removed += 1
+            log.warning("pic: removed %s: %d bytes, more than any chunk file the disk tier keeps (%d)", path, size,
+                        limit)  # fmt: skip
+        except OSError as exc:
+            log.warning("pic: %s has %d bytes, more than any chunk file the disk tier keeps (%d); ignored (cannot "
+                        "remove it: %s)", path, size, limit, exc)  # fmt: skip
+    return removed
 
 
 def evict(

@@ -13,6 +13,10 @@ Writes go to a temporary file in the same directory that is then renamed over th
 one, and a writer that dies mid-write leaves only a temporary file, which no reader opens (``sweep_tmp``
 removes those of dead processes). Two processes writing the same chunk each rename a whole file; the
 last rename wins and both were good.
+
+What the tier creates is its own user's alone: chunk files (and the usage and lock files) 0600, folders 0700 (a
+folder that exists keeps its mode: never loosened). A chunk file holds a document's tokens and its compile context
+in the clear, and another local user who can read one can decode the document.
 """
 
 from __future__ import annotations
@@ -22,14 +26,16 @@ import fcntl
 import itertools
 import os
 import re
+import stat
 import struct
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import BinaryIO
 
 from pic.kv import ChunkKV
 from pic.store import serde
+from pic.store.auth import StoreKey
 from pic.store.disk_entry import NotAFileError, open_chunk, remove_stray
 
 MAGIC = b"PICKV\x00\x01\x00"
@@ -41,6 +47,8 @@ _counter = itertools.count()
 _ID = re.compile(r"^[0-9a-f]{32}$")  # pic.ids.chunk_id
 _LOCK_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC  # a FIFO named .lock must not hang writers
 _USAGE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
+_NEW_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC  # a temporary chunk file
+FILE_MODE, DIR_MODE = 0o600, 0o700  # what the tier creates: its user's alone
 _USAGE_DIGITS = 20  # a usage record longer than any byte count is not one
 
 
@@ -50,6 +58,42 @@ def max_file_bytes(expected: serde.Expected) -> int:
     per_token = expected.num_layers * expected.num_kv_heads * expected.head_dim * expected.dtype.itemsize
     tensor_bytes = expected.max_tokens * per_token
     return _HEADER_BYTES + serde.MAX_META_BYTES + 2 * tensor_bytes
+
+
+def make_dirs(path: Path) -> None:
+    """Create ``path`` and its missing parents, each ``DIR_MODE`` (less if the umask says so); a folder that exists
+    keeps its mode.
+
+    Raises:
+        OSError: one could not be created (a read-only or full disk, a file in the way).
+    """
+    missing = []
+    while not path.exists():
+        missing.append(path)
+        path = path.parent
+    for folder in reversed(missing):
+        with contextlib.suppress(FileExistsError):  # another process made it meanwhile
+            folder.mkdir(mode=DIR_MODE)
+
+
+def tighten(directory: Path) -> int:
+    """Take group and other permissions off the chunk, usage and lock files of ``directory`` that have them (what
+    versions before 0600 wrote); returns how many. Only regular files, never through a link; never loosens."""
+    tightened = 0
+    for entry in os.scandir(directory):
+        if not (entry.name.endswith(SUFFIX) or entry.name in (".usage", ".lock")):
+            continue
+        with contextlib.suppress(OSError):  # gone meanwhile, or not ours to change: left as it is
+            if entry.is_file(follow_symlinks=False) and entry.stat(follow_symlinks=False).st_mode & 0o077:
+                fd = os.open(entry.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+                try:
+                    mode = os.fstat(fd).st_mode
+                    if stat.S_ISREG(mode):
+                        os.fchmod(fd, stat.S_IMODE(mode) & FILE_MODE)
+                        tightened += 1
+                finally:
+                    os.close(fd)
+    return tightened
 
 
 def is_cache_id(text: object) -> bool:
@@ -107,7 +151,7 @@ def write_usage(directory: Path, num_bytes: int) -> None:
 
 
 def _write_record(record: Path, num_bytes: int) -> None:
-    with os.fdopen(os.open(record, _USAGE_FLAGS, 0o644), "wb") as f:
+    with os.fdopen(os.open(record, _USAGE_FLAGS, FILE_MODE), "wb") as f:
         f.write(str(num_bytes).encode("ascii"))
 
 
@@ -120,23 +164,24 @@ def locked(directory: Path) -> Iterator[None]:
     try:
         fd = os.open(lock_path, _LOCK_FLAGS)  # no O_CREAT: it opens on a read-only disk
     except FileNotFoundError:
-        fd = os.open(lock_path, _LOCK_FLAGS | os.O_CREAT, 0o644)
+        fd = os.open(lock_path, _LOCK_FLAGS | os.O_CREAT, FILE_MODE)
     with os.fdopen(fd, "rb") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield
 
 
-def write(path: Path, chunk: ChunkKV, *, fingerprint: str, part_bytes: int) -> Path:
-    """Write ``chunk`` to a temporary file beside ``path`` and return that file: the caller renames it to
-    ``path`` (``os.replace``) once it has decided, under its lock, that the chunk fits.
+def write(path: Path, chunk: ChunkKV, *, fingerprint: str, part_bytes: int, key: StoreKey | None = None) -> Path:
+    """Write ``chunk`` (with ``key``'s MACs when there is one) to a temporary file beside ``path``, ``FILE_MODE``,
+    and return that file: the caller renames it to ``path`` (``os.replace``) once it has decided, under its lock,
+    that the chunk fits.
 
     Raises:
         OSError: the write failed (the temporary file is removed).
     """
-    encoded = serde.encode(chunk, fingerprint=fingerprint, part_bytes=part_bytes)
+    encoded = serde.encode(chunk, fingerprint=fingerprint, part_bytes=part_bytes, key=key)
     tmp = temporary(path)
     try:
-        with open(tmp, "wb") as f:
+        with os.fdopen(os.open(tmp, _NEW_FLAGS, FILE_MODE), "wb") as f:
             f.write(MAGIC + _LENGTH.pack(len(encoded.meta)) + encoded.meta)
             for part in encoded.parts:
                 f.write(part)
@@ -153,14 +198,25 @@ def temporary(path: Path) -> Path:
     return path.with_name(name)
 
 
-def read_meta(f: BinaryIO, *, cache_id: str, expected: serde.Expected, file_bytes: int) -> serde.Meta:
-    """The validated metadata of an open chunk file, checking first that its size is exactly what the
-    metadata promises (so the payload is never allocated for a truncated or padded file). Every length is
-    bounded before anything is read or allocated: the file by the largest chunk this engine makes
-    (``max_file_bytes``), the metadata record by ``serde``'s limit.
+def read_meta(
+    f: BinaryIO,
+    *,
+    cache_id: str,
+    expected: serde.Expected,
+    file_bytes: int,
+    readable: Mapping[str, bytes] | None = None,
+    key: StoreKey | None = None,
+) -> serde.Meta:
+    """The validated metadata of an open chunk file (``serde.parse_meta``: its MAC checked with a ``key``, its
+    namespace one of ``readable``'s), checking first that its size is exactly what the metadata promises (so the
+    payload is never allocated for a truncated or padded file). Every length is bounded before anything is read or
+    allocated: the file by the largest chunk this engine makes (``max_file_bytes``), the metadata record by
+    ``serde``'s limit.
 
     Raises:
-        serde.CorruptEntryError: not a chunk file, another chunk's, or the wrong size.
+        serde.CorruptEntryError: not a chunk file, another chunk's, the wrong size, or (``ForgedEntryError``) one
+            that fails ``key``'s MAC.
+        serde.NotReadable: a whole chunk file of none of ``readable``'s namespaces.
     """
     largest = max_file_bytes(expected)
     if file_bytes > largest:
@@ -171,24 +227,35 @@ def read_meta(f: BinaryIO, *, cache_id: str, expected: serde.Expected, file_byte
     (meta_bytes,) = _LENGTH.unpack(header[len(MAGIC) :])
     if meta_bytes > min(serde.MAX_META_BYTES, file_bytes - _HEADER_BYTES):
         raise serde.CorruptEntryError(f"metadata of {meta_bytes} bytes in a {file_bytes}-byte file")
-    meta = serde.parse_meta(f.read(meta_bytes), cache_id=cache_id, expected=expected)
+    meta = serde.parse_meta(f.read(meta_bytes), cache_id=cache_id, expected=expected, readable=readable, key=key)
     expected_bytes = _HEADER_BYTES + meta_bytes + 2 * meta.tensor_bytes
     if file_bytes != expected_bytes:
         raise serde.CorruptEntryError(f"file has {file_bytes} bytes; its metadata says {expected_bytes}")
     return meta
 
 
-def read(path: Path, *, cache_id: str, expected: serde.Expected, pin: bool = False) -> ChunkKV:
-    """The chunk in ``path``, read straight into its tensors and checked.
+def read(
+    path: Path,
+    *,
+    cache_id: str,
+    expected: serde.Expected,
+    pin: bool = False,
+    readable: Mapping[str, bytes] | None = None,
+    key: StoreKey | None = None,
+) -> ChunkKV:
+    """The chunk in ``path``, read straight into its tensors and checked (with a ``key``: its MACs too, before it
+    is returned).
 
     Raises:
         FileNotFoundError: no such file (evicted or never written).
         NotAFileError: not a regular file (``open_chunk``).
-        serde.CorruptEntryError: damaged, truncated or foreign.
+        serde.CorruptEntryError: damaged, truncated, foreign or (``ForgedEntryError``) failing ``key``'s MAC.
+        serde.NotReadable: a whole chunk of none of ``readable``'s namespaces.
     """
     with open_chunk(path) as f:
-        meta = read_meta(f, cache_id=cache_id, expected=expected, file_bytes=os.fstat(f.fileno()).st_size)
-        return serde.read_payload(meta, f.readinto, pin=pin)
+        size = os.fstat(f.fileno()).st_size
+        meta = read_meta(f, cache_id=cache_id, expected=expected, file_bytes=size, readable=readable, key=key)
+        return serde.read_payload(meta, f.readinto, pin=pin, key=key)
 
 
 def sweep_tmp(directory: Path) -> int:

@@ -66,9 +66,15 @@ class LruTier:
         """Always ``None``: process memory does not fail."""
         return None
 
-    @_locked
-    def get(self, cache_id: str) -> ChunkKV | None:
+    def _readable(self, cache_id: str, readable: Mapping[str, bytes] | None) -> ChunkKV | None:
+        """The chunk if held and of one of ``readable``'s namespaces (by its label: this memory holds only what
+        this process compiled or verified; ``None``: any)."""
         chunk = self._chunks.get(cache_id)
+        return chunk if chunk is None or readable is None or chunk.options.namespace in readable else None
+
+    @_locked
+    def get(self, cache_id: str, *, readable: Mapping[str, bytes] | None = None) -> ChunkKV | None:
+        chunk = self._readable(cache_id, readable)
         if chunk is None:
             self._stats.misses += 1
             return None
@@ -82,9 +88,11 @@ class LruTier:
         return self._chunks.get(cache_id)
 
     @_locked
-    def extent(self, cache_id: str) -> Extent | None:
-        chunk = self._chunks.get(cache_id)
-        return None if chunk is None else Extent(chunk.num_tokens, chunk.num_bytes, tuple(chunk.token_ids.tolist()))
+    def extent(self, cache_id: str, *, readable: Mapping[str, bytes] | None = None) -> Extent | None:
+        chunk = self._readable(cache_id, readable)
+        if chunk is None:
+            return None
+        return Extent(chunk.num_tokens, chunk.num_bytes, tuple(chunk.token_ids.tolist()), chunk.options.namespace)
 
     @_locked
     def can_fit(self, num_bytes: int, *, keep: Collection[str] = (), namespace: str = "") -> bool:

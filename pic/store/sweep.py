@@ -158,18 +158,20 @@ def _pttls(client: redis.Redis, keys: list[str]) -> dict[str, int]:
 
 
 def _num_parts(client: redis.Redis, meta_keys: list[str]) -> dict[str, int | None]:
-    """Each metadata record's ``num_parts`` (``None``: gone or unreadable). Bounded unpacking: only
-    the count is needed, and the record is not trusted."""
+    """Each metadata record's ``num_parts`` (``None``: gone, unreadable, or a key of another type). Bounded unpacking:
+    only the count is needed, and the record is not trusted."""
     out: dict[str, int | None] = {}
     for start in range(0, len(meta_keys), _BATCH):
         pipe = client.pipeline(transaction=False)
         batch = meta_keys[start : start + _BATCH]
         for key in batch:
             pipe.get(key)
-        for key, raw in zip(batch, pipe.execute(), strict=True):
+        for key, raw in zip(batch, pipe.execute(raise_on_error=False), strict=True):
+            if isinstance(raw, redis.ResponseError) and not str(raw).startswith("WRONGTYPE"):
+                raise raw  # (a key of another type is a broken entry; any other error reply, a failing Redis)
             try:
                 n = msgpack.unpackb(raw, raw=False, max_bin_len=0, max_ext_len=0).get("num_parts")
-            except Exception:  # garbage of any kind: a broken entry
+            except Exception:  # garbage of any kind, a key of another type: a broken entry
                 n = None
             out[key] = n if isinstance(n, int) and 0 < n < 2**20 else None
     return out

@@ -8,11 +8,17 @@ in-process tiers never fail and carry no leases.
 The lower tiers (CPU, Redis) hold a chunk as a ``ChunkKV`` (``LowerTier``: get, put, can_fit); the
 device tier holds it as canonical blocks of the pool, which the store adds and promotes through
 ``DeviceTier``'s own methods.
+
+Reads take ``readable`` (namespace name -> salt, ``pic.namespaces.Access.readable``): a chunk of none of those
+namespaces is answered as a chunk the tier does not hold. The in-process tiers compare the chunk's
+``options.namespace`` label (they hold only what this process compiled or verified); the shared tiers verify
+that one of the salts reproduces the entry's cache id (``pic.store.serde``). ``None``: every namespace's, as
+before tenants.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -57,11 +63,13 @@ class Extent:
         num_tokens: tokens the chunk contributes to a linked prompt.
         num_bytes: bytes of its K and V together.
         token_ids: those tokens (from the metadata: what the vLLM connector matches a prompt against).
+        namespace: the namespace it belongs to, by the reader's local name (``""``: the default one).
     """
 
     num_tokens: int
     num_bytes: int
     token_ids: tuple[int, ...]
+    namespace: str = ""
 
 
 class Tier(Protocol):
@@ -75,9 +83,9 @@ class Tier(Protocol):
 
     def contains(self, cache_id: str) -> bool: ...
 
-    def extent(self, cache_id: str) -> Extent | None:
-        """The chunk's size from metadata alone (never its KV), or ``None`` when the tier lacks it;
-        counts no hit or miss."""
+    def extent(self, cache_id: str, *, readable: Mapping[str, bytes] | None = None) -> Extent | None:
+        """The chunk's size from metadata alone (never its KV), or ``None`` when the tier lacks it (or it is
+        of none of ``readable``'s namespaces); counts no hit or miss."""
 
     def peek(self, cache_id: str) -> ChunkKV | None:
         """The chunk's KV if this process holds it (a copy out of the pool for the device tier), without
@@ -104,8 +112,9 @@ class LowerTier(Tier, Protocol):
     """A tier below the pool: it holds chunks as ``ChunkKV`` in its own memory. The ``TieredStore``
     moves a chunk from it to the device."""
 
-    def get(self, cache_id: str) -> ChunkKV | None:
-        """The chunk, or ``None`` (a miss)."""
+    def get(self, cache_id: str, *, readable: Mapping[str, bytes] | None = None) -> ChunkKV | None:
+        """The chunk, or ``None`` (a miss, also for a chunk of none of ``readable``'s namespaces). The chunk's
+        ``options.namespace`` is the reader's name of the namespace it belongs to."""
 
     def put(self, chunk: ChunkKV, *, keep: Collection[str] = ()) -> bool:
         """Store ``chunk`` without evicting the chunks in ``keep``; ``False`` when it cannot fit

@@ -12,6 +12,10 @@ is. A write that a tier under ``on_*_error="miss"`` failed is remembered (``Writ
 engine once the tier works again. Threads: the device tier is the engine thread's alone (``add``, ``promote``,
 ``resident``); the lower tiers are safe from any thread, and the engine calls them only from its loader (``load``,
 ``write_lower``), so a slow or hung Redis never stops its steps. Other threads reach the store through ``view``.
+
+Reads by a caller of some namespaces (``readable``: name -> salt, ``pic.namespaces.Access.readable``) see only
+those namespaces' chunks: ``load``, ``get``, ``describe`` and ``expire`` answer for any other chunk exactly as for
+an id nobody stored. ``readable=None`` (every caller before tenants) reads every namespace's, as before.
 """
 
 from __future__ import annotations
@@ -193,18 +197,19 @@ class TieredStore:
         (``None``: any; engine thread; counts a hit or a miss)."""
         return self.device.info(cache_id, readable=readable) if isinstance(cache_id, str) else None
 
-    def describe(self, cache_id: str) -> ChunkDescription:
+    def describe(self, cache_id: str, *, readable: Mapping[str, bytes] | None = None) -> ChunkDescription:
         """What the tiers know of ``cache_id`` from metadata alone: no KV is read, nothing is promoted
-        and no hit or miss is counted (a Redis-only chunk costs one small GET, not a download).
+        and no hit or miss is counted (a Redis-only chunk costs one small GET, not a download). With
+        ``readable``, only a chunk of those namespaces is described (``namespace``: the name that reads it).
 
         Raises:
-            UnknownCacheIdError: no tier holds it (as ``resolve``).
+            UnknownCacheIdError: no tier holds it (as ``resolve``), or none of ``readable``'s namespaces'.
             StoreUnavailableError: Redis failed (``on_redis_error="raise"``).
         """
         held, failed = [], None
         for tier in self.tiers if isinstance(cache_id, str) else ():
             try:
-                extent = tier.extent(cache_id)
+                extent = tier.extent(cache_id, readable=readable)
             except StoreUnavailableError as exc:  # described by the tiers that answer, if any holds it
                 failed = failed or exc
                 continue
@@ -219,9 +224,12 @@ class TieredStore:
             num_tokens=first.num_tokens,
             num_bytes=first.num_bytes,
             token_ids=first.token_ids,
+            namespace=first.namespace,
         )
 
     def unknown(self, cache_id: object) -> UnknownCacheIdError:
+        """The error for an id no tier holds (or none of the caller's namespaces'): the id cut to its first 32
+        characters, as long as a cache id is (a caller's may be megabytes)."""
         failures = [t.last_error for t in self.tiers if t.last_error]
         return UnknownCacheIdError(
             f"unknown cache id {shown_id(cache_id)}{cache_id_hint(cache_id)}: "
@@ -231,15 +239,16 @@ class TieredStore:
             "options: an id that a server of another model returned is unknown here"
         )
 
-    def load(self, cache_id: str) -> ChunkKV | None:
-        """The chunk from the first lower tier that has it, promoted into the lower tiers above that one
-        (``None``: none has it). Any thread: the engine runs it on a loader.
+    def load(self, cache_id: str, *, readable: Mapping[str, bytes] | None = None) -> ChunkKV | None:
+        """The chunk from the first lower tier that has it (of one of ``readable``'s namespaces, by whose name its
+        ``options.namespace`` is labelled), promoted into the lower tiers above that one (``None``: none has it).
+        Any thread: the engine runs it on a loader.
 
         Raises:
             StoreUnavailableError: Redis failed (``on_redis_error="raise"``).
         """
         for level, tier in enumerate(self.lower):
-            chunk = tier.get(cache_id)
+            chunk = tier.get(cache_id, readable=readable)
             if chunk is not None:
                 for upper in reversed(self.lower[:level]):
                     if upper.put(chunk):
@@ -249,12 +258,14 @@ class TieredStore:
                 return chunk
         return None
 
-    def get(self, cache_id: str) -> ChunkKV | None:
+    def get(self, cache_id: str, *, readable: Mapping[str, bytes] | None = None) -> ChunkKV | None:
         """The chunk's KV from the fastest tier that holds it (a copy out of the pool for the device
-        tier), on the engine's device, without promoting it; ``None`` when no tier does."""
-        chunk = self.device.peek(cache_id)
+        tier), on the engine's device, without promoting it; ``None`` when no tier does (of ``readable``'s
+        namespaces)."""
+        chunk = self.device.peek(cache_id, readable=readable)
         if chunk is None:
-            chunk = next((c for c in (t.get(cache_id) for t in self.lower) if c is not None), None)
+            found = (t.get(cache_id, readable=readable) for t in self.lower)
+            chunk = next((c for c in found if c is not None), None)
         return None if chunk is None else chunk.to(self.device.kv_device)
 
     def contains(self, cache_id: str) -> bool:
@@ -282,9 +293,10 @@ class TieredStore:
         for tier in self.tiers:
             tier.unpin(cache_id)
 
-    def expire(self, cache_id: str) -> bool:
+    def expire(self, cache_id: str, *, readable: Mapping[str, bytes] | None = None) -> bool:
         """Remove ``cache_id`` from every tier (pinned or not); ``True`` if any held it. Live requests that link it
-        keep its blocks until they are released.
+        keep its blocks until they are released. With ``readable``: only a chunk of one of those namespaces (one
+        tier's metadata says so: ``describe``); any other answers ``False``, as an id nobody holds, and stays.
 
         The lowest tier goes first, and a tier that fails stops the removal there, whatever its ``on_*_error``
         says (under "miss" the delete would answer "deleted" and the chunk would be back once the tier is: a
@@ -292,8 +304,14 @@ class TieredStore:
         may or may not (a command that timed out may still run when the server wakes): delete it again.
 
         Raises:
-            StoreUnavailableError: a tier failed; the tiers above it still hold the chunk.
+            StoreUnavailableError: a tier failed; the tiers above it still hold the chunk (or, with ``readable``,
+                a tier failed while no other could say whose the chunk is).
         """
+        if readable is not None:
+            try:
+                self.describe(cache_id, readable=readable)
+            except UnknownCacheIdError:
+                return False
         found = []
         for tier in reversed(self.tiers):
             found.append(tier.delete(cache_id))
@@ -353,6 +371,7 @@ def lower_tiers(
             part_bytes=config.part_bytes,
             pin=pin,
             retry_s=config.tier_retry_s,
+            store_key=config.store_key,
         )
         lower.append(disk)
     if config.redis_url is not None:
@@ -367,6 +386,7 @@ def lower_tiers(
             pin=pin,
             read_from_replicas=config.redis_read_from_replicas,
             retry_s=config.tier_retry_s,
+            store_key=config.store_key,
         )
         lower.append(redis)
     return lower

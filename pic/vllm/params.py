@@ -25,9 +25,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pic.errors import InvalidInputError, PicError
-from pic.link.policies import Auto
+from pic.link.policies import Auto, resolve
 from pic.link.policies import Suffix as SuffixPolicy
-from pic.link.policies import resolve
 
 PARAMS_KEY = "pic"
 DEFAULT_POLICY = "auto"  # pic's default, as vLLM can run it: the most relevant chunks last, recomputed whole

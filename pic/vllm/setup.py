@@ -77,6 +77,7 @@ def build_setup(vllm_config: object) -> Setup:
         dtype=dtype,
         max_tokens=model_config.max_model_len,
         vocab_size=hf_config.vocab_size,
+        bos_token_id=getattr(tokenizer, "bos_token_id", None),  # what a chunk compiled with add_bos starts with
     )
     pin = torch.cuda.is_available()
     return Setup(

@@ -98,7 +98,7 @@ def build_core(
     spec = runner.spec
     expected = Expected(
         fingerprint=fingerprint, num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-        dtype=spec.dtype, max_tokens=spec.max_context, vocab_size=spec.vocab_size,
+        dtype=spec.dtype, max_tokens=spec.max_context, vocab_size=spec.vocab_size, bos_token_id=bos_token_id,
     )  # fmt: skip
     pool, cache = build_kv_pool(
         num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, dtype=spec.dtype,

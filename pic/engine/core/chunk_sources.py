@@ -194,7 +194,8 @@ def check_context(chunk: ChunkInfo | ChunkKV, prefix_ids: list[int]) -> None:
     context = chunk.options.context
     if not context or tuple(prefix_ids[: len(context)]) == context:
         return
-    same = next((i for i, (a, b) in enumerate(zip(context, prefix_ids)) if a != b), min(len(context), len(prefix_ids)))
+    pairs = zip(context, prefix_ids, strict=False)  # (the prefix may be shorter)
+    same = next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(context), len(prefix_ids)))
     raise CompileOptionsMismatchError(
         f"chunk {chunk.cache_id} was compiled after a context of {len(context)} tokens that this prompt does not start "
         f"with (its prefix of {len(prefix_ids)} tokens departs from it at token {same}): a chunk compiled in context "
