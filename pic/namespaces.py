@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import re
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -124,3 +125,30 @@ def access_of(value: str | Namespace | Access | None) -> Access:
     if isinstance(value, str):
         return Access(own=Namespace(value))
     raise InvalidInputError(f"namespace is {value!r:.80}; expected a name, a pic.Namespace or a pic.Access")
+
+
+class Names:
+    """One engine's rule that a name stands for one namespace: the salt each name was first used with (its digest),
+    so that a caller naming ``"a"`` without ``"a"``'s salt is refused rather than reading ``"a"``'s resident chunks
+    (the engine checks resident chunks by name; the shared tiers by salt). Thread-safe: callers' threads share it."""
+
+    def __init__(self) -> None:
+        self._digests: dict[str, bytes] = {}
+        self._lock = threading.Lock()
+
+    def check(self, access: Access) -> Access:
+        """``access``, once every namespace in it has the salt its name had before in this engine.
+
+        Raises:
+            InvalidInputError: a name used before with another salt (named; no salt shown).
+        """
+        with self._lock:
+            for namespace in (access.own, *access.reads):
+                digest = hashlib.sha256(namespace.salt).digest()
+                known = self._digests.setdefault(namespace.name, digest)
+                if not hmac.compare_digest(known, digest):
+                    raise InvalidInputError(
+                        f"namespace {namespace.name!r} was used in this engine with another salt: a name stands for "
+                        "one namespace (give each namespace its own name)"
+                    )
+        return access

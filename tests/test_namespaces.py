@@ -15,13 +15,14 @@ B = pic.Namespace("b", salt=b"b" * 32)
 
 
 def test_the_same_document_gets_another_id_in_every_namespace(stories):
-    default, named, a, b = (stories.compile([DOC], namespace=ns)[0] for ns in (None, "a", A, B))
+    default, named, a, b = (stories.compile([DOC], namespace=ns)[0] for ns in (None, "plain", A, B))
     assert len({default, named, a, b}) == 4
     assert stories.compile([DOC])[0] == default  # the default namespace: the plain content address, unchanged
     tokens = stories.tokenizer(DOC, add_special_tokens=False)["input_ids"]
     options = stories.compile_options().model_copy(update={"namespace": "a"})
     assert chunk_id(stories.fingerprint, tokens, options, A.salt) == a  # computable only with the salt
-    assert chunk_id(stories.fingerprint, tokens, options) == named != a
+    named_options = options.model_copy(update={"namespace": "plain"})
+    assert chunk_id(stories.fingerprint, tokens, named_options) == named  # a name alone: anyone can compute it
 
 
 def test_a_salted_id_does_not_depend_on_the_label(stories):
@@ -42,7 +43,7 @@ def test_a_chunk_of_another_namespace_is_answered_as_one_nobody_compiled(stories
     (mine,) = stories.compile([DOC], namespace=A)
     never = chunk_id(stories.fingerprint, [5, 6, 7], stories.compile_options(), B.salt)
     assert stories.link([mine], "One day", namespace=A).generate(max_new_tokens=2).text is not None
-    for ns in (B, None, "a"):  # another salt, the default namespace, and A's name without its salt
+    for ns in (B, None):  # another namespace, the default one
         foreign = _unknown(lambda ns=ns: stories.link([mine], "One day", namespace=ns))
         assert foreign == _unknown(lambda ns=ns: stories.link([never], "One day", namespace=ns)).replace(never, mine)
         assert _unknown(lambda ns=ns: stories.store.describe(mine, namespace=ns))
@@ -83,6 +84,19 @@ def test_a_chunk_compiled_in_context_links_only_after_that_context(stories):
     with pytest.raises(pic.CompileOptionsMismatchError, match="compiled after a context of"):
         stories.link([in_context], "Then")
     assert stories.link([alone], "Then", prefix="A different start.").generate(max_new_tokens=1).token_ids
+
+
+def test_a_name_stands_for_one_namespace(stories):
+    """The engine checks resident chunks by their namespace's name: a caller naming ``a`` without ``a``'s salt (or
+    with another) is refused, never let read ``a``'s chunks."""
+    (mine,) = stories.compile([DOC], namespace=A)
+    for impostor in ("a", pic.Namespace("a", salt=b"x" * 32), pic.Access(own=B, reads=(pic.Namespace("a"),))):
+        with pytest.raises(pic.InvalidInputError, match="namespace 'a' was used in this engine with another salt"):
+            stories.link([mine], "One day", namespace=impostor)
+        with pytest.raises(pic.InvalidInputError, match="another salt"):
+            stories.store.describe(mine, namespace=impostor)
+        with pytest.raises(pic.InvalidInputError, match="another salt"):
+            stories.compile([OTHER], namespace=impostor)
 
 
 def test_namespace_arguments_are_checked(stories):

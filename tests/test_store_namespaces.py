@@ -154,5 +154,5 @@ def test_an_unknown_id_is_echoed_cut_to_32_characters():
     with pytest.raises(UnknownCacheIdError) as caught:
         store.describe(huge, readable={"": b""})
     message = str(caught.value)
-    assert huge[:32] in message and huge[:33] not in message and f"of {len(huge)} characters" in message
+    assert huge[:32] in message and huge[:33] not in message and f"({len(huge)} characters)" in message
     assert len(message) < 1000

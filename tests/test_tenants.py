@@ -112,8 +112,8 @@ def test_a_chunks_survive_b_filling_the_pool(server):
             assert "device" in described["tiers"], described  # still resident: B never evicted it
         assert _link(alice, kept).status_code == 200
     with engine.paused() as core:
-        assert core.pool.usage("alice") <= core.pool.num_blocks  # charged to her, and B's own chunks went first
-        assert core.pool.evictions_of("alice") == 0 if hasattr(core.pool, "evictions_of") else True
+        assert core.pool.num_evicted_chunks > 0  # B's compiles did fill the pool: they evicted B's own chunks
+        assert core.pool.usage("alice") <= core.pool.share("alice")  # within the share that kept them
 
 
 def test_a_shared_namespace_is_read_by_its_readers_and_written_by_its_owner(server):
@@ -146,4 +146,4 @@ def test_keys_are_checked_and_rates_held(server, tmp_path):
         assert int(refused.headers["retry-after"]) >= 1
         assert refused.json()["error"]["type"] == "rate_limit_exceeded"
         assert http.get("/health").status_code == 200  # not counted
-        assert "429" in http.get("/openapi.json").json()["paths"]["/v1/models"]["get"]["responses"] or True
+    assert "429" in app.openapi()["paths"]["/v1/models"]["get"]["responses"]  # declared where a tenant has a rate

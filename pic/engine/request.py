@@ -23,7 +23,7 @@ from pic.link.order import ChunkOrder, Order, parse_order, relevance_scores
 from pic.link.policies import Policy
 from pic.link.probe import Probe
 from pic.model import ModelSpec
-from pic.namespaces import OPEN, Access, Namespace, access_of
+from pic.namespaces import OPEN, Access, Namespace, Names, access_of
 
 
 class Request:
@@ -85,10 +85,20 @@ class Request:
 class Preparer:
     """Turns a ``Request`` into the ``NewRequest`` the core runs, in the caller's thread, so a bad input fails there
     before any command reaches the engine. One per engine (``PIC`` and its ``Stepper``); ``compile`` takes its chunks'
-    options from here too. ``bos_token_id``: the tokenizer's BOS (``None``: none)."""
+    options from here too. ``bos_token_id``: the tokenizer's BOS (``None``: none); ``names``: the engine's rule of one
+    salt per namespace name, checked for every request and compile."""
 
-    def __init__(self, tokenizer: object, spec: ModelSpec, *, config: PICConfig, bos_token_id: int | None) -> None:
+    def __init__(
+        self,
+        tokenizer: object,
+        spec: ModelSpec,
+        *,
+        config: PICConfig,
+        bos_token_id: int | None,
+        names: Names | None = None,
+    ) -> None:
         self.tokenizer, self.spec, self.config, self.bos_token_id = tokenizer, spec, config, bos_token_id
+        self.names = Names() if names is None else names
         self.default_policy = policies.resolve(config.default_policy)
         # Longer text cannot fit the context, so it is refused untokenized (twice the bound: a normalizer may
         # compose characters, "e" + U+0301 -> "é", before the tokens are counted).
@@ -116,8 +126,10 @@ class Preparer:
         one) first, on the prefix, or on the query when there is neither a prefix nor a chunk (a chunk brings its own).
 
         Raises:
-            InvalidInputError: a bad token id or text, a query of no tokens. PolicyError: as ``compile_options``.
+            InvalidInputError: a bad token id or text, a query of no tokens, a namespace name used with another salt.
+            PolicyError: as ``compile_options``.
         """
+        self.names.check(request.access)
         query_ids, prefix_ids = self.encode(request.query, "query"), self.encode(request.prefix, "prefix")
         if not query_ids:  # text that tokenizes to nothing (``Request`` refused the empty query itself)
             raise InvalidInputError(f"query {request.query!r} has no tokens; link needs at least one query token")

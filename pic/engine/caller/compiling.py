@@ -122,7 +122,7 @@ class CompileMethods:
         Raises:
             as ``compile``.
         """
-        own = access_of(namespace).own
+        own = self._prepare.names.check(access_of(namespace)).own
         context_ids = () if context is None else self._context_ids(context)
         options = self._prepare.compile_options(self.compile_policy(policy), context_ids)
         options = options.model_copy(update={"namespace": own.name}) if own.name else options

@@ -37,7 +37,7 @@ from pic.model import ModelSpec
 from pic.model.dtypes import DtypeChoice, choose_dtype
 from pic.model.inputs import AttentionObserver
 from pic.model.loading import EMBEDDED_MODEL, load_pretrained, model_name, resolve_device
-from pic.namespaces import Access, Namespace
+from pic.namespaces import Access, Namespace, Names
 from pic.text import refuse_text_for_list
 
 
@@ -72,9 +72,12 @@ class PIC(CompileMethods, ChatMethods, RunMethods):
         self.spec: ModelSpec = started.spec
         self.attention_backend: str = started.attention_backend  # "torch" or "triton"
         self._channel = started.channel
-        self.store = StoreView(self._channel, started.store)
+        self.names = Names()  # one salt per namespace name, in this engine (``pic.namespaces.Names``)
+        self.store = StoreView(self._channel, started.store, names=self.names)
         self._finalizer = weakref.finalize(self, self._channel.close)
-        self._prepare = Preparer(self.tokenizer, self.spec, config=self.config, bos_token_id=self.bos_token_id)
+        self._prepare = Preparer(
+            self.tokenizer, self.spec, config=self.config, bos_token_id=self.bos_token_id, names=self.names
+        )
         self._stepper = Stepper(self._channel, self._prepare)
         self.default_policy = self._prepare.default_policy
         # why the model runs in its dtype: ``from_pretrained`` says what it chose; a model given runs in its own

@@ -11,7 +11,7 @@ import torch
 from pic.engine.commands import Channel
 from pic.errors import InvalidInputError
 from pic.kv import ChunkKV
-from pic.namespaces import Access, Namespace, access_of
+from pic.namespaces import Access, Namespace, Names, access_of
 from pic.store import TieredStore
 from pic.store.description import ChunkDescription
 from pic.store.lease import FleetLeases
@@ -71,8 +71,9 @@ class StoreView:
         fleet: compile-once leases in the Redis tier (``None`` without one); safe from any thread.
     """
 
-    def __init__(self, channel: Channel, store: TieredStore) -> None:
+    def __init__(self, channel: Channel, store: TieredStore, *, names: Names | None = None) -> None:
         self._store = store.view(_DeviceOnCore(channel, store.device.kv_device))
+        self._names = Names() if names is None else names
         self.fleet: FleetLeases | None = store.fleet
 
     def _id(self, cache_id: object) -> str:
@@ -80,6 +81,10 @@ class StoreView:
         if not isinstance(cache_id, str):
             raise InvalidInputError(f"cache id {cache_id!r:.80} is not a string (an id compile returned)")
         return cache_id
+
+    def _access(self, namespace: str | Namespace | Access | None) -> Access:
+        """Raises: InvalidInputError: a bad namespace, or a name used in this engine with another salt."""
+        return self._names.check(access_of(namespace))
 
     def lookup(self, cache_id: str) -> list[str]:
         """Names of the tiers that hold ``cache_id``, fastest first."""
@@ -91,7 +96,7 @@ class StoreView:
         Raises:
             UnknownCacheIdError: no tier holds it in the namespaces ``namespace`` may read.
         """
-        return self._store.describe(self._id(cache_id), readable=access_of(namespace).readable)
+        return self._store.describe(self._id(cache_id), readable=self._access(namespace).readable)
 
     def contains(self, cache_id: str) -> bool:
         return self._store.contains(self._id(cache_id))
@@ -99,7 +104,7 @@ class StoreView:
     def get(self, cache_id: str, *, namespace: str | Namespace | Access | None = None) -> ChunkKV | None:
         """The chunk's KV from the fastest tier that holds it in the namespaces ``namespace`` may read (a copy), on
         the engine's device; ``None`` when no tier does."""
-        return self._store.get(self._id(cache_id), readable=access_of(namespace).readable)
+        return self._store.get(self._id(cache_id), readable=self._access(namespace).readable)
 
     def pin(self, cache_id: str) -> None:
         """Never evict ``cache_id`` from the pool and the CPU tier (also once promoted into them).
@@ -116,7 +121,7 @@ class StoreView:
         """Remove ``cache_id`` from every tier, if it is a chunk of ``namespace``'s own namespace; ``True`` if any
         held it (``False`` for a chunk of another namespace, as for an id nobody compiled). Live requests that link
         it keep its blocks until they are released."""
-        own = access_of(namespace).own
+        own = self._access(namespace).own
         return self._store.expire(self._id(cache_id), readable={own.name: own.salt})
 
     def ids(self) -> list[str]:
