@@ -4,7 +4,6 @@ link split from the link's part), the ids a tenant's compile gets, and the reads
 
 from __future__ import annotations
 
-import inspect
 import re
 
 import pytest
@@ -121,14 +120,6 @@ def test_a_tenant_reads_none_of_another_namespaces_chunks(disk):
     assert read_tokens(disk, "f" * 32, a, **read) is None  # an id nobody compiled: the same answer
 
 
-STORE_READS_BY_NAMESPACE = "readable" in inspect.signature(DiskTier.extent).parameters
-
-
-@pytest.mark.xfail(
-    not STORE_READS_BY_NAMESPACE, strict=True,
-    reason="pic's store refuses every entry whose id hashes a salt until its reads take readable= (issue 63's store "
-    "part, not on main yet): the connector passes it where a tier takes it",
-)  # fmt: skip
 def test_a_tenant_reads_its_own_chunks(disk):
     a = namespace_of("A")
     assert read_tokens(disk, _id(a), a, fingerprint=FINGERPRINT, options=OPTIONS) == tuple(TOKENS)

@@ -4,13 +4,10 @@ gets two ids), nor vLLM's blocks of a link; the same salt links the chunk it com
 
 from __future__ import annotations
 
-import inspect
-
 import pytest
 
 from pic.config import CompileOptions
 from pic.ids import chunk_id
-from pic.store import DiskTier
 from pic.vllm.client import chat_link_prompt, compile_prompt, link_report
 from pic.vllm.tenants import namespace_of
 from tests_vllm.conftest import DOCS, MESSAGES
@@ -19,7 +16,6 @@ pytestmark = pytest.mark.vllm
 A, B, C = "tenant-A-7f3c9e1d", "tenant-B-0a5b6c2e", "tenant-C-d41e88b0"  # set per tenant by a server before vLLM
 DOC = "The Rhine rises in the Swiss Alps and flows into the North Sea at Rotterdam.\n\n"
 OPTIONS = CompileOptions(add_bos=False)  # SmolLM2's tokenizer writes no BOS: the connector compiles without one
-STORE_READS_BY_NAMESPACE = "readable" in inspect.signature(DiskTier.extent).parameters
 
 
 def _generate(llm, prompt: dict, extra_args: dict | None = None, max_tokens: int = 8):
@@ -72,11 +68,6 @@ def test_two_salts_linking_the_same_ids_share_no_block_of_vllms(llm, engine):
     assert _link(llm, engine, cache_id, tokens, A, reset=False)[1].num_cached_tokens > 0  # A's own, asked again
 
 
-@pytest.mark.xfail(
-    not STORE_READS_BY_NAMESPACE, strict=True,
-    reason="pic's store refuses every entry whose id hashes a salt until its reads take readable= (issue 63's store "
-    "part, not on main yet); the connector passes it where a tier takes it",
-)  # fmt: skip
 def test_the_same_salt_links_the_chunk_it_compiled(llm, engine):
     doc = "The Elbe rises in the Krkonose mountains and flows into the North Sea at Cuxhaven.\n\n"
     tokens = engine.tokenizer(doc, add_special_tokens=False)["input_ids"]

@@ -18,9 +18,7 @@ ids hash the salt, never the label, so a pic server that names the tenant otherw
 
 from __future__ import annotations
 
-import functools
 import hashlib
-import inspect
 import logging
 from collections.abc import Sequence
 
@@ -96,18 +94,6 @@ def read_chunk(tier: object, cache_id: str, namespace: Namespace, *, fingerprint
 
 
 def _read(tier: object, method: str, cache_id: str, namespace: Namespace) -> object:
-    """``tier.extent(cache_id)`` or ``tier.get(cache_id)`` as ``namespace`` reads it: with ``readable`` where the
-    tier takes it (pic's store checks there whose an entry is, and answers another namespace's as a plain miss),
-    else as tiers read without namespaces (where an entry whose id hashes a salt reads as damaged: a miss)."""
-    call = getattr(tier, method)
-    if _takes_readable(type(tier), method):
-        return call(cache_id, readable={namespace.name: namespace.salt})
-    return call(cache_id)
-
-
-@functools.cache
-def _takes_readable(kind: type, method: str) -> bool:
-    try:
-        return "readable" in inspect.signature(getattr(kind, method)).parameters
-    except (TypeError, ValueError):  # no signature to read: call it as every tier is called without namespaces
-        return False
+    """``tier.extent(cache_id)`` or ``tier.get(cache_id)`` as ``namespace`` reads it: pic's store checks there whose
+    an entry is, and answers another namespace's as a plain miss."""
+    return getattr(tier, method)(cache_id, readable={namespace.name: namespace.salt})
