@@ -514,6 +514,59 @@ def vllm_ttft_sentence() -> str:
     )
 
 
+@figure
+def serve_big_bodies_sentence() -> str:
+    """docs/serve.md: ``/health`` during a flood of 5.6 MB bodies of numbers, before and after they were parsed off the
+    event loop (serve_big_bodies.json)."""
+    runs = {r["tree"]: r for r in results("serve_big_bodies.json")["results"] if r["kind"] == "numbers"}
+    before, after = runs["before"], runs["after"]
+    return (
+        f"`/health`'s longest answer {before['during']['max_ms'] / 1e3:.1f} s before, "
+        f"{after['during']['max_ms'] / 1e3:.1f} s after (its median {before['during']['p50_ms']:.0f} ms and "
+        f"{after['during']['p50_ms']:.0f} ms; the floods took {before['flood_s']:.0f} s and {after['flood_s']:.0f} s"
+    )
+
+
+_MAC_ROWS = (
+    ("xxh3-128 checksum (always)", "xxh3_128", None),
+    ("HMAC-SHA256 (the store key's MAC)", "hmac_sha256", None),
+    ("keyed BLAKE2b (not chosen)", "blake2b_keyed", None),
+    ("decode of a chunk from in-memory parts, no key / key", "decode", "decode"),
+    ("Redis tier put, no key / key", "redis_put", "redis_put"),
+    ("Redis tier get, no key / key", "redis_get", "redis_get"),
+)
+
+
+@figure
+def store_mac_table() -> str:
+    """docs/store.md's cost of the store key: each hash's time on 64 MiB, and keyed against unkeyed reads and writes
+    (store_mac.json)."""
+    mac = results("store_mac.json")
+    med, rate, over, keyed = mac["median_s"], mac["gb_per_s"], mac["time_over_xxh3"], mac["keyed_over_unkeyed"]
+    lines = ["| 64 MiB | median | / xxh3 | keyed / unkeyed |", "|---|---:|---:|---:|"]
+    for label, name, pair in _MAC_ROWS:
+        if pair is None:
+            lines.append(f"| {label} | {med[name] * 1e3:.1f} ms ({rate[name]:.2f} GB/s) | {over[name]:.1f}x | |")
+        else:
+            times = f"{med[name + '_unkeyed'] * 1e3:.0f} / {med[name + '_keyed'] * 1e3:.0f} ms"
+            lines.append(f"| {label} | {times} | | {keyed[pair]:.2f}x |")
+    return "\n".join(lines)
+
+
+@figure
+def store_mac_sentence() -> str:
+    """docs/store.md: the MAC's rate and its cost beside the checksum and in a Redis tier (store_mac.json)."""
+    mac = results("store_mac.json")
+    gb, keyed = mac["gb_per_s"]["hmac_sha256"], mac["keyed_over_unkeyed"]
+    return (
+        f"The MAC runs at {gb:.2f} GB/s here ({2**20 / (gb * 1e9) * 1e3:.2f} ms per MiB), "
+        f"{mac['time_over_xxh3']['hmac_sha256']:.0f} times the xxh3 checksum's cost, paid once per write and once per "
+        f"read of a shared tier (a metadata-only read tags only the record, a few bytes per token). It makes decoding "
+        f"a chunk {keyed['decode']:.2f}x as costly, and a local Redis tier's 64 MiB put {keyed['redis_put']:.2f}x and "
+        f"get {keyed['redis_get']:.2f}x as slow"
+    )
+
+
 _VLLM_ANSWERS = (
     ("SmolLM2-135M", "RULER's needles, ~1.7K tokens", "vllm_connector_smollm2_niah_auto.json"),
     ("Qwen2.5-Coder-0.5B", "paragraphs with competing facts", "vllm_connector_qwen0.5b_profiles_auto.json"),

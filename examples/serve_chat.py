@@ -1,6 +1,6 @@
 import os
 
-from openai import OpenAI  # against `pic serve --model smollm2 --api-key KEY`
+from openai import OpenAI  # against `PIC_API_KEY=KEY pic serve --model smollm2`
 
 client = OpenAI(base_url=os.environ.get("PIC_BASE_URL", "http://127.0.0.1:8000/v1"), api_key="KEY")
 docs = [

@@ -62,11 +62,17 @@ def run_demo(engine: PIC | None = None, *, max_new_tokens: int = 48) -> None:
     print(f"query: {QUERY!r}\n")
     for order_name, order in (("stories 1,2,3", [0, 1, 2]), ("stories 3,2,1", [2, 1, 0])):
         print(f"== linked {order_name} + query ==")
-        reference = engine.link([ids[i] for i in order], QUERY, policy="full").generate(max_new_tokens)
+        references = {}  # Full Recompute of the same prompt, per prefix
         for name in policies.available():
             context = STORY_CONTEXT if policies.resolve(name).needs_context else None  # APE
             policy_ids = engine.compile(list(STORIES), policy=name, context=context)  # LegoLink-0: its own way
-            linked = engine.link([policy_ids[i] for i in order], QUERY, policy=name)
+            # a chunk compiled in context links only after that context: APE's prompt starts with it
+            prefix = context or ""
+            if prefix not in references:
+                full = engine.link([ids[i] for i in order], QUERY, prefix=prefix, policy="full")
+                references[prefix] = full.generate(max_new_tokens)
+            reference = references[prefix]
+            linked = engine.link([policy_ids[i] for i in order], QUERY, prefix=prefix, policy=name)
             out = linked.generate(max_new_tokens)
             same = _common_prefix(out.token_ids, reference.token_ids)
             label = _label(name, linked, order)

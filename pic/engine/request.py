@@ -23,7 +23,7 @@ from pic.link.order import ChunkOrder, Order, parse_order, relevance_scores
 from pic.link.policies import Policy
 from pic.link.probe import Probe
 from pic.model import ModelSpec
-from pic.namespaces import OPEN, Access, Namespace, Names, access_of
+from pic.namespaces import OPEN, Access, Names, Namespace, access_of
 
 
 class Request:

@@ -37,7 +37,7 @@ from pic.model import ModelSpec
 from pic.model.dtypes import DtypeChoice, choose_dtype
 from pic.model.inputs import AttentionObserver
 from pic.model.loading import EMBEDDED_MODEL, load_pretrained, model_name, resolve_device
-from pic.namespaces import Access, Namespace, Names
+from pic.namespaces import Access, Names, Namespace
 from pic.text import refuse_text_for_list
 
 

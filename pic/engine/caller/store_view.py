@@ -11,7 +11,7 @@ import torch
 from pic.engine.commands import Channel
 from pic.errors import InvalidInputError
 from pic.kv import ChunkKV
-from pic.namespaces import Access, Namespace, Names, access_of
+from pic.namespaces import Access, Names, Namespace, access_of
 from pic.store import TieredStore
 from pic.store.description import ChunkDescription
 from pic.store.lease import FleetLeases
