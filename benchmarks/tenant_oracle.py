@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import math
 import os
 import random
@@ -170,58 +169,80 @@ def classify(rounds: list[dict]) -> dict:
     return out
 
 
-def first_token_s(client: httpx.Client, model: str, prompt: str) -> float:
-    """Seconds to the first event of a streaming completion of ``prompt`` (one new token)."""
+def engine_steps(client: httpx.Client) -> int:
+    """The server's engine forwards so far (``/metrics``' ``pic_engine_steps_total``)."""
+    text = client.get("/metrics").text
+    return int(float(next(line.split()[1] for line in text.splitlines() if line.startswith("pic_engine_steps_total"))))
+
+
+def first_token(client: httpx.Client, model: str, prompt: str) -> tuple[float, int]:
+    """Seconds to the first event of a streaming completion of ``prompt``, and the engine's forwards from just before
+    it was sent to just after that event (its wait in steps: what the scheduling decides, whatever a step costs)."""
     body = {"model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0, "stream": True}
+    before = engine_steps(client)
     start = time.perf_counter()
     with client.stream("POST", "/v1/completions", json=body) as response:
         response.raise_for_status()
         for line in response.iter_lines():
             if line.startswith("data: "):
-                return time.perf_counter() - start
-    raise RuntimeError("the stream ended without an event")
+                seconds = time.perf_counter() - start
+                break
+        else:
+            raise RuntimeError("the stream ended without an event")
+    return seconds, engine_steps(client) - before
 
 
 def starvation(a: httpx.Client, b: httpx.Client, model: str, *, streams: int, tokens: int, reps: int) -> dict:
-    """A's first token alone, right after B sends ``streams`` long streams, and while they all decode."""
+    """A's first token alone, right after B sends ``streams`` long streams, and while they all decode; with B's
+    median gap between tokens while A waited (a step's time with B's decodes in it)."""
     prompt = "Tell me about the harbour."
-    alone = [first_token_s(a, model, prompt) for _ in range(reps)]
+    alone = [first_token(a, model, prompt) for _ in range(reps)]
     long_prompt = " ".join(["The lantern by the river glowed."] * max(1, tokens // 7))
-    cases = {"after_b_sent": [], "while_b_decodes": []}
+    cases: dict[str, list] = {"after_b_sent": [], "while_b_decodes": []}
+    gaps: dict[str, list[float]] = {case: [] for case in cases}
     for case in cases:
         for _ in range(reps):
             decoding = threading.Barrier(streams + 1)
             stop = threading.Event()
+            events: list[list[float]] = [[] for _ in range(streams)]
 
-            def stream(stop=stop, decoding=decoding) -> None:
+            def stream(i: int, stop=stop, decoding=decoding, events=events) -> None:
                 body = {"model": model, "prompt": long_prompt, "max_tokens": tokens, "temperature": 0, "stream": True}
-                told = False
                 with b.stream("POST", "/v1/completions", json=body) as response:
                     for line in response.iter_lines():
-                        if line.startswith("data: ") and not told:
-                            told = True
+                        if not line.startswith("data: "):
+                            continue
+                        events[i].append(time.perf_counter())
+                        if len(events[i]) == 1:
                             decoding.wait()
                         if stop.is_set():
                             break
-                if not told:
+                if not events[i]:
                     decoding.wait()
 
-            threads = [threading.Thread(target=stream, daemon=True) for _ in range(streams)]
+            threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(streams)]
             for t in threads:
                 t.start()
             if case == "while_b_decodes":
                 decoding.wait()
             else:
                 time.sleep(0.05)  # B's requests are in: their prompts prefill
-            cases[case].append(first_token_s(a, model, prompt))
+            sent = time.perf_counter()
+            cases[case].append(first_token(a, model, prompt))
+            answered = time.perf_counter()
             stop.set()
             if case == "after_b_sent":
                 decoding.wait()
             for t in threads:
                 t.join(600)
-    base = statistics.median(alone)
-    return {"alone_s": alone, **{f"{c}_s": v for c, v in cases.items()},
-            **{f"{c}_over_alone": statistics.median(v) / base for c, v in cases.items()}}  # fmt: skip
+            gaps[case] += [y - x for ts in events for x, y in itertools.pairwise(ts) if sent <= y <= answered]
+    base = statistics.median(s for s, _ in alone)
+    out: dict[str, object] = {"alone_s": [s for s, _ in alone], "alone_steps": [n for _, n in alone]}
+    for case, runs in cases.items():
+        out[f"{case}_s"], out[f"{case}_steps"] = [s for s, _ in runs], [n for _, n in runs]
+        out[f"{case}_over_alone"] = statistics.median(s for s, _ in runs) / base
+        out[f"{case}_b_token_gap_s"] = statistics.median(gaps[case]) if gaps[case] else None
+    return out
 
 
 def run_case(name: str, args, redis_url: str, workdir: Path) -> dict:
@@ -284,9 +305,10 @@ def main() -> None:
         print(
             f"{name}: classifier (leave one out) from B's compile {c['b_compile_s']['loo_accuracy']:.0%}, from B's "
             f"inline chat {c['b_inline_s']['loo_accuracy']:.0%}; A's first token {s['after_b_sent_over_alone']:.1f}x "
-            f"alone right after B's {args.streams} streams, {s['while_b_decodes_over_alone']:.1f}x while they decode"
+            f"alone right after B's {args.streams} streams ({statistics.median(s['after_b_sent_steps'])} steps), "
+            f"{s['while_b_decodes_over_alone']:.1f}x while they decode ({statistics.median(s['while_b_decodes_steps'])}"
+            f" steps; alone {statistics.median(s['alone_steps'])})"
         )
-    json.dumps(report)
 
 
 if __name__ == "__main__":
