@@ -28,6 +28,7 @@ import difflib
 import json
 import math
 import re
+import statistics
 import sys
 from collections import Counter
 from collections.abc import Callable
@@ -565,6 +566,40 @@ def store_mac_sentence() -> str:
         f"a chunk {keyed['decode']:.2f}x as costly, and a local Redis tier's 64 MiB put {keyed['redis_put']:.2f}x and "
         f"get {keyed['redis_get']:.2f}x as slow"
     )
+
+
+def _pct(share: float) -> str:
+    return f"{100 * share:.0f}%"
+
+
+@figure
+def tenant_oracle_table() -> str:
+    """docs/security.md: the timing probe and the starvation case, one key against tenants (tenant_oracle.json)."""
+    run = results("tenant_oracle.json")
+    lines = [
+        "| | one key (A and B in one namespace: before) | tenants (each in its own) |",
+        "|---|---:|---:|",
+    ]
+    cases = [run["cases"]["one_key"], run["cases"]["tenants"]]
+    for kind, label in (("b_compile_s", "B's compile"), ("b_inline_s", "B's chat with the document inline")):
+        cells = []
+        for case in cases:
+            c = case["classifier"][kind]
+            low, high = c["loo_wilson95"]
+            cells.append(f"{_pct(c['loo_accuracy'])} ({_pct(low)}-{_pct(high)})")
+        lines.append(f"| \"A compiled it\" told from {label} (leave one out, 95% interval) | {' | '.join(cells)} |")
+    for kind, label in (("after_b_sent", "right after B sent its streams"), ("while_b_decodes", "while they decode")):
+        cells = []
+        for case in cases:
+            s = case["starvation"]
+            steps = statistics.median(s[f"{kind}_steps"])
+            cells.append(f"{s[f'{kind}_over_alone']:.1f}x ({statistics.median(s[f'{kind}_s']):.2f} s, {steps:g} steps)")
+        lines.append(f"| A's first token {label}, over A's alone | {' | '.join(cells)} |")
+    cells = [f"{statistics.median(c['starvation']['alone_s']):.2f} s" for c in cases]
+    lines.append(f"| A's first token alone (median) | {' | '.join(cells)} |")
+    cells = [f"{c['starvation']['while_b_decodes_b_token_gap_s']:.2f} s" for c in cases]
+    lines.append(f"| B's time between tokens while A waited (one step with B's decodes) | {' | '.join(cells)} |")
+    return "\n".join(lines)
 
 
 _VLLM_ANSWERS = (

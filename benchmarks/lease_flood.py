@@ -11,7 +11,8 @@ id; that document's compile then waited up to 300 s, and 64 such compiles filled
 
 - *planted*: leases with no expiry (the issue's probe; also an hour's, and a key of another type);
 - *renewed*: leases that look live (a TTL within the fleet's lease life), renewed by the attacker every half second,
-  so that each compile of them waits as on a live worker.
+  so that each compile of them waits as on a live worker;
+- *none*: the same compiles with no lease planted, the control: what the compiles' own work costs the probes.
 
 During each, ``--probes`` times each: ``GET /metrics``, ``GET /v1/chunks/{id}`` of a chunk compiled before, and a
 compile of a new document (no lease). Reported: each probe's median and longest answer, the flood's compiles' wall
@@ -47,7 +48,10 @@ KEY = "lease-flood-key-0123456789"
 
 
 def plant(client: redis.Redis, prefix: str, ids: list[str], how: str) -> None:
-    """Lease keys for ``ids``: no expiry, an hour, another type, or (``renewed``) a live-looking two seconds."""
+    """Lease keys for ``ids``: none (``none``: the control), no expiry, an hour, another type, or (``renewed``) a
+    live-looking two seconds."""
+    if how == "none":
+        return
     for i, cid in enumerate(ids):
         key = f"{prefix}lease:{cid}"
         if how == "renewed":
@@ -120,7 +124,9 @@ def main() -> None:
         try:
             with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=600) as http:
                 known = http.post("/v1/chunks", json={"documents": ["A known document."]}).json()["cache_ids"][0]
-            floods = [flood(server, engine, local.client(), how, args, known, how) for how in ("planted", "renewed")]
+            floods = [
+                flood(server, engine, local.client(), how, args, known, how) for how in ("none", "planted", "renewed")
+            ]
         finally:
             server.close()
     engine.close()

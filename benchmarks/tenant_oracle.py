@@ -12,10 +12,17 @@ time), and B sends a chat with it inline (``pic.documents``; its time to the ans
 out), so its accuracy is what an attacker would get on a new document; reported with a Wilson 95% interval, and
 the in-sample best threshold besides (an optimistic bound). 50% is a coin.
 
+The same rounds again **with decoys**: in the other half A compiles two other new documents instead of nothing, so A
+is as busy in every round and only *which* documents it compiled differs (what an existence oracle must tell; the
+first probe also tells whether A was busy at all, through the server's shared threads, which tenants do not hide).
+
 **Starvation**: A's first token (a streaming completion of one short prompt: the time to its first event) alone,
 then while B runs ``--streams`` streams of ``--stream-tokens`` prompt tokens and as many new tokens: once right
 after B sent them (their prompts still prefilling: the issue's case) and once when all of them are decoding.
-Reported as medians of ``--reps`` and the ratio to alone.
+Reported as medians of ``--reps``, the ratio to alone, the engine steps A's wait spanned (``/metrics``) and B's
+median time between tokens meanwhile (a step's time with B's decodes in it). And the scheduling alone, in this
+process, counted in engine steps (``PIC.stepper``: no HTTP, no clock): the steps from A's request to its first
+token, one namespace against two.
 
 The server: ``OMP_NUM_THREADS=1`` (one torch thread), ``--skip-check``, a Redis tier, B's tenant with
 ``max_num_seqs`` at its stream count; the same model and Redis for both cases (each case its own Redis key prefix).
@@ -107,11 +114,15 @@ def _client(url: str, key: str) -> httpx.Client:
     return httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=600)
 
 
-def probe_round(a: httpx.Client, b: httpx.Client, model: str, docs: tuple[str, str], a_first: bool) -> dict:
-    """One round: A compiles both documents or neither; then B compiles the first and chats with the second inline,
-    each timed (two documents: B's compile of the first would otherwise make its chat a hit of B's own)."""
-    if a_first:
-        a.post("/v1/chunks", json={"documents": list(docs)}).raise_for_status()
+def probe_round(
+    a: httpx.Client, b: httpx.Client, model: str, docs: tuple[str, str], a_first: bool, decoys: tuple[str, str] | None
+) -> dict:
+    """One round: A compiles both documents, or (``decoys``) two other documents, or nothing; then B compiles the
+    first and chats with the second inline, each timed (two documents: B's compile of the first would otherwise make
+    its chat a hit of B's own). With decoys A is as busy either way, and only *which* documents it compiled differs:
+    what an existence oracle must tell."""
+    if a_first or decoys is not None:
+        a.post("/v1/chunks", json={"documents": list(docs if a_first else decoys)}).raise_for_status()
     start = time.perf_counter()
     b.post("/v1/chunks", json={"documents": [docs[0]]}).raise_for_status()
     compile_s = time.perf_counter() - start
@@ -154,6 +165,7 @@ def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
 
 
 def classify(rounds: list[dict]) -> dict:
+    """The classifiers of one probe's rounds (see ``loo_accuracy``)."""
     labels = [r["a_compiled"] for r in rounds]
     out = {}
     for kind in ("b_compile_s", "b_inline_s"):
@@ -245,6 +257,43 @@ def starvation(a: httpx.Client, b: httpx.Client, model: str, *, streams: int, to
     return out
 
 
+def scheduled_steps(model: str, *, streams: int, tokens: int) -> dict:
+    """The scheduling alone, in this process and counted in engine steps (``PIC.stepper``: no HTTP, no clock): B's
+    ``streams`` requests of ``tokens`` prompt tokens, then A's one short request, once right after B's were added
+    and once when all of B's decode; the steps until A's first token, without tenants (A and B in one namespace) and
+    with them (each in its own)."""
+    import pic
+
+    engine = pic.load() if model == "stories260K" else pic.load(model)
+    long_prompt = " ".join(["The lantern by the river glowed."] * max(1, tokens // 7))
+    out: dict[str, dict[str, int]] = {}
+    for name, (ns_a, ns_b) in {"one_key": (None, None), "tenants": ("a", "b")}.items():
+        out[name] = {}
+        for case in ("after_b_sent", "while_b_decodes"):
+            stepper = engine.stepper()
+            b_ids = {
+                stepper.add_request(pic.Request([], long_prompt, max_new_tokens=tokens, namespace=ns_b))
+                for _ in range(streams)
+            }
+            if case == "while_b_decodes":
+                started: set[int] = set()
+                while started != b_ids:
+                    started |= {o.request_id for o in stepper.step() if o.request_id in b_ids and o.token_ids}
+            a_id = stepper.add_request(pic.Request([], "Tell me about the harbour.", max_new_tokens=2, namespace=ns_a))
+            steps = 0
+            while True:
+                steps += 1
+                if any(o.request_id == a_id and o.token_ids for o in stepper.step()):
+                    break
+            out[name][case] = steps
+            for request_id in [*b_ids, a_id]:
+                stepper.abort(request_id)
+            while stepper.has_unfinished():
+                stepper.step()
+    engine.close()
+    return out
+
+
 def run_case(name: str, args, redis_url: str, workdir: Path) -> dict:
     key_a, key_b = secrets.token_hex(16), secrets.token_hex(16)
     tenants = None
@@ -262,13 +311,16 @@ def run_case(name: str, args, redis_url: str, workdir: Path) -> dict:
         with _client(server.url, key_a) as a, _client(server.url, key_b) as b:
             order = [True] * (args.rounds // 2) + [False] * (args.rounds - args.rounds // 2)
             random.Random(0).shuffle(order)
-            pair = lambda i: (document(2 * i, args.doc_words), document(2 * i + 1, args.doc_words))  # noqa: E731
-            probe_round(a, b, model["id"], pair(-1), True)  # warm up both paths
-            rounds = [probe_round(a, b, model["id"], pair(i), a_first) for i, a_first in enumerate(order)]
+            pair = lambda i: (document(4 * i, args.doc_words), document(4 * i + 1, args.doc_words))  # noqa: E731
+            decoys = lambda i: (document(4 * i + 2, args.doc_words), document(4 * i + 3, args.doc_words))  # noqa: E731
+            probe_round(a, b, model["id"], pair(-1), True, None)  # warm up both paths
+            rounds = [probe_round(a, b, model["id"], pair(i), y, None) for i, y in enumerate(order)]
+            matched = [probe_round(a, b, model["id"], pair(100 + i), y, decoys(100 + i)) for i, y in enumerate(order)]
             starved = starvation(
                 a, b, model["id"], streams=args.streams, tokens=args.stream_tokens, reps=args.reps
             )
-        return {"rounds": rounds, "classifier": classify(rounds), "starvation": starved}
+        return {"rounds": rounds, "classifier": classify(rounds), "decoy_rounds": matched,
+                "classifier_with_decoys": classify(matched), "starvation": starved}  # fmt: skip
     finally:
         server.close()
 
@@ -294,14 +346,20 @@ def main() -> None:
             }
         finally:
             redis.stop()
+    steps = scheduled_steps(args.model, streams=args.streams, tokens=args.stream_tokens)
     report = {
         "command": " ".join(["python", *sys.argv]), "machine": machine(), "model": args.model,
         "rounds": args.rounds, "streams": args.streams, "stream_tokens": args.stream_tokens, "cases": cases,
+        "scheduled_steps": steps,
         "wall_s": time.perf_counter() - started,
     }  # fmt: skip
     write_report(report, args.out)
     for name, case in cases.items():
-        c, s = case["classifier"], case["starvation"]
+        c, s, m = case["classifier"], case["starvation"], case["classifier_with_decoys"]
+        print(
+            f"{name}: with decoys, from B's compile {m['b_compile_s']['loo_accuracy']:.0%}, inline "
+            f"{m['b_inline_s']['loo_accuracy']:.0%}; A's first token in {steps[name]} engine steps (in process)"
+        )
         print(
             f"{name}: classifier (leave one out) from B's compile {c['b_compile_s']['loo_accuracy']:.0%}, from B's "
             f"inline chat {c['b_inline_s']['loo_accuracy']:.0%}; A's first token {s['after_b_sent_over_alone']:.1f}x "
