@@ -572,33 +572,60 @@ def _pct(share: float) -> str:
     return f"{100 * share:.0f}%"
 
 
+def _classified(case: dict, probe: str, kind: str) -> str:
+    c = case[probe][kind]
+    low, high = c["loo_wilson95"]
+    return f"{_pct(c['loo_accuracy'])} ({_pct(low)}-{_pct(high)})"
+
+
 @figure
 def tenant_oracle_table() -> str:
     """docs/security.md: the timing probe and the starvation case, one key against tenants (tenant_oracle.json)."""
     run = results("tenant_oracle.json")
+    cases = [run["cases"]["one_key"], run["cases"]["tenants"]]
     lines = [
         "| | one key (A and B in one namespace: before) | tenants (each in its own) |",
         "|---|---:|---:|",
     ]
-    cases = [run["cases"]["one_key"], run["cases"]["tenants"]]
-    for kind, label in (("b_compile_s", "B's compile"), ("b_inline_s", "B's chat with the document inline")):
-        cells = []
-        for case in cases:
-            c = case["classifier"][kind]
-            low, high = c["loo_wilson95"]
-            cells.append(f"{_pct(c['loo_accuracy'])} ({_pct(low)}-{_pct(high)})")
-        lines.append(f"| \"A compiled it\" told from {label} (leave one out, 95% interval) | {' | '.join(cells)} |")
+    probes = (("classifier", "A compiled it or nothing"), ("classifier_with_decoys", "A compiled it or two others"))
+    for probe, arm in probes:
+        for kind, label in (("b_compile_s", "B's compile"), ("b_inline_s", "B's chat with it inline")):
+            cells = " | ".join(_classified(case, probe, kind) for case in cases)
+            lines.append(f"| \"{arm}\" told from {label} (leave one out, 95% interval) | {cells} |")
     for kind, label in (("after_b_sent", "right after B sent its streams"), ("while_b_decodes", "while they decode")):
         cells = []
         for case in cases:
             s = case["starvation"]
             steps = statistics.median(s[f"{kind}_steps"])
             cells.append(f"{s[f'{kind}_over_alone']:.1f}x ({statistics.median(s[f'{kind}_s']):.2f} s, {steps:g} steps)")
-        lines.append(f"| A's first token {label}, over A's alone | {' | '.join(cells)} |")
+        lines.append(f"| A's first token {label}, over A's alone (median; engine steps) | {' | '.join(cells)} |")
     cells = [f"{statistics.median(c['starvation']['alone_s']):.2f} s" for c in cases]
     lines.append(f"| A's first token alone (median) | {' | '.join(cells)} |")
     cells = [f"{c['starvation']['while_b_decodes_b_token_gap_s']:.2f} s" for c in cases]
-    lines.append(f"| B's time between tokens while A waited (one step with B's decodes) | {' | '.join(cells)} |")
+    lines.append(f"| B's time between tokens while A waited (a step with B's decodes) | {' | '.join(cells)} |")
+    steps = run["scheduled_steps"]
+    for kind, label in (("after_b_sent", "right after B's requests"), ("while_b_decodes", "while B decodes")):
+        cells = " | ".join(str(steps[name][kind]) for name in ("one_key", "tenants"))
+        lines.append(f"| the scheduling alone: steps to A's first token {label} (in process) | {cells} |")
+    return "\n".join(lines)
+
+
+@figure
+def lease_flood_table() -> str:
+    """docs/security.md: what a flood of leased compiles leaves of the server's other answers (lease_flood.json)."""
+    run = results("lease_flood.json")
+    names = {"none": "no lease (the control)", "planted": "planted leases", "renewed": "leases kept live"}
+    lines = [
+        f"| {run['floods'][0]['num_compiles']} concurrent compiles of | their wall time | longest `/metrics` | "
+        "longest `GET /v1/chunks/{id}` | longest other compile |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for f in run["floods"]:
+        p = f["probes_s"]
+        lines.append(
+            f"| {names[f['how']]} | {f['flood_wall_s']:.1f} s | {p['metrics']['max']:.2f} s | "
+            f"{p['describe']['max']:.2f} s | {p['compile_other']['max']:.2f} s |"
+        )
     return "\n".join(lines)
 
 

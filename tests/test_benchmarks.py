@@ -493,3 +493,29 @@ def test_dtype_answers_pairs_cases_of_two_folders(tmp_path):
     assert cell["rows"]["full"]["diff"] == 0.0 and cell["rows"]["auto"]["fp32"] == 0.5
     assert cell["rows"]["auto"]["diff"] == 0.0 and cell["rows"]["auto"]["num_changed"] == 2
     assert cell["rows"]["auto"]["speedup_bf16"] == 4.0
+
+
+def test_tenant_oracle_quick(tmp_path):
+    """The tenants' probe end to end on stories260K: both servers, both probes, the starvation case and the
+    scheduling in steps; the classifiers' figures are what their rounds say."""
+    out = tmp_path / "tenant_oracle.json"
+    quick = ["--model", "stories260K", "--rounds", "6", "--doc-words", "20", "--streams", "3", "--stream-tokens", "24"]
+    args = [sys.executable, str(BENCHMARKS / "tenant_oracle.py"), *quick, "--reps", "1", "--out", str(out)]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    spec = importlib.util.spec_from_file_location("tenant_oracle", BENCHMARKS / "tenant_oracle.py")
+    oracle = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(oracle)
+    loo_accuracy = oracle.loo_accuracy
+
+    for case in report["cases"].values():
+        for probe, rounds in (("classifier", "rounds"), ("classifier_with_decoys", "decoy_rounds")):
+            labels = [r["a_compiled"] for r in case[rounds]]
+            assert sum(labels) == 3  # balanced
+            for kind in ("b_compile_s", "b_inline_s"):
+                times = [r[kind] for r in case[rounds]]
+                assert case[probe][kind]["loo_accuracy"] == loo_accuracy(times, labels)
+        assert case["starvation"]["alone_steps"] and case["starvation"]["while_b_decodes_steps"]
+    assert set(report["scheduled_steps"]) == {"one_key", "tenants"}
+    assert all(n >= 1 for steps in report["scheduled_steps"].values() for n in steps.values())

@@ -9,6 +9,7 @@ import re
 import pytest
 import torch
 
+import pic
 from pic.config import CompileOptions
 from pic.errors import InvalidInputError
 from pic.ids import chunk_id
@@ -140,3 +141,25 @@ def test_link_prompt_carries_the_tenants_salt_the_connector_splits_off():
     assert parse_params(plain.kv_transfer_params).tenant_of(plain.cache_salt) is None
     with pytest.raises(InvalidInputError, match="tenant_salt"):
         link_prompt(LINKED, [21], tenant_salt=b"hunter2")
+
+
+def test_the_connector_takes_the_fleets_store_key_from_a_file_or_the_environment(tmp_path):
+    """As ``pic serve`` takes it (hex; a file of mode 600, or ``PIC_STORE_KEY``), never from the JSON config vLLM
+    prints."""
+    from pic.vllm.setup import fleet_store_key
+
+    key = "ab" * 32
+    path = tmp_path / "store.key"
+    path.write_text(key + "\n")
+    path.chmod(0o600)
+    assert fleet_store_key(str(path), environ={}) == bytes.fromhex(key)
+    assert fleet_store_key(None, environ={"PIC_STORE_KEY": key}) == bytes.fromhex(key)
+    assert fleet_store_key(None, environ={}) is None
+    with pytest.raises(pic.InvalidInputError, match="given twice"):
+        fleet_store_key(str(path), environ={"PIC_STORE_KEY": key})
+    path.chmod(0o644)
+    with pytest.raises(pic.InvalidInputError, match="chmod 600"):
+        fleet_store_key(str(path), environ={})
+    with pytest.raises(pic.InvalidInputError, match="not hex") as info:
+        fleet_store_key(None, environ={"PIC_STORE_KEY": "not-a-hex-key-" * 4})
+    assert "not-a-hex-key" not in str(info.value)

@@ -4,11 +4,14 @@ Configured through ``kv_connector_extra_config`` (every key optional)::
 
     {"store": {"disk_path": "/srv/pic", "redis_url": "redis://cache:6379", ...},   # pic.StoreConfig's fields
      "fingerprint": "...",   # pic's fingerprint of the model (default: read from the checkpoint folder)
-     "add_bos": false}       # compile options (default: whether the tokenizer writes a BOS, as pic.load decides)
+     "add_bos": false,       # compile options (default: whether the tokenizer writes a BOS, as pic.load decides)
+     "store_key_file": "/etc/pic/store.key"}  # the fleet's store key (hex, mode 600), or PIC_STORE_KEY
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +42,25 @@ class Setup:
     tiers: list[LowerTier]
 
 
+def fleet_store_key(path: object, environ: Mapping[str, str] = os.environ) -> bytes | None:
+    """The fleet's store key (``StoreConfig.store_key``) as ``pic serve`` takes it: from ``store_key_file`` (hex, mode
+    600) or ``PIC_STORE_KEY`` (hex), one of them; ``None``: neither (the shared tiers trusted as they are).
+
+    Raises:
+        InvalidInputError: both given, an unreadable or open file, not hex, too short (never echoing the key).
+    """
+    from pic.secrets import read_secret_file, store_key
+
+    given = environ.get("PIC_STORE_KEY")
+    if path is not None and given is not None:
+        raise InvalidInputError("the store key is given twice: by store_key_file and by PIC_STORE_KEY; keep one")
+    if path is not None:
+        if not isinstance(path, str):
+            raise InvalidInputError(f"kv_connector_extra_config['store_key_file'] is {path!r:.80}; expected a path")
+        return store_key(read_secret_file(path), f"store_key_file {path!r}")
+    return None if given is None else store_key(given, "PIC_STORE_KEY")
+
+
 def build_setup(vllm_config: object) -> Setup:
     """The connector's setup from vLLM's config (``kv_transfer_config.kv_connector_extra_config``).
 
@@ -47,12 +69,22 @@ def build_setup(vllm_config: object) -> Setup:
         ModelLoadError: no local checkpoint folder to fingerprint and no ``fingerprint`` given.
     """
     extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
-    unknown = set(extra) - {"store", "fingerprint", "add_bos"}
+    unknown = set(extra) - {"store", "fingerprint", "add_bos", "store_key_file"}
     if unknown:
         raise InvalidInputError(
-            f"kv_connector_extra_config has unknown keys {sorted(unknown)}; pic reads store, fingerprint, add_bos"
+            f"kv_connector_extra_config has unknown keys {sorted(unknown)}; pic reads store, fingerprint, add_bos, "
+            "store_key_file"
         )
-    store = StoreConfig.model_validate(extra.get("store", {}))
+    store_fields = dict(extra.get("store", {}))
+    if "store_key" in store_fields:  # (vLLM prints its config, and JSON holds no bytes)
+        raise InvalidInputError(
+            "kv_connector_extra_config['store'] holds store_key: give the fleet's store key by PIC_STORE_KEY or "
+            "kv_connector_extra_config['store_key_file'] (hex, a file of mode 600), never in the config vLLM prints"
+        )
+    store = StoreConfig.model_validate(store_fields)
+    key = fleet_store_key(extra.get("store_key_file"))
+    if key is not None:
+        store = store.model_copy(update={"store_key": key})
     if store.cpu_bytes == 0 and store.disk_path is None and store.redis_url is None:
         raise InvalidInputError(
             "kv_connector_extra_config['store'] names no tier; give disk_path and/or redis_url (the tiers pic's "
