@@ -191,14 +191,3 @@ def _secret(read: Callable[[bytes], _T], path: str) -> _T:
         return read(read_secret_file(path))
     except InvalidInputError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def allowed_host(text: str) -> str:
-    """A host name a keyless server answers to (``NAME`` or ``NAME:PORT``, an IPv6 address in brackets)."""
-    from pic.serve.hosts import AllowedHosts
-
-    try:
-        AllowedHosts.parse([text])
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text

@@ -16,6 +16,7 @@ connection also ``localhost``, ``127.0.0.1`` and ``[::1]`` with that port; and t
 
 from __future__ import annotations
 
+import argparse
 import ipaddress
 import re
 from collections.abc import Iterable
@@ -149,3 +150,12 @@ class AllowedHosts:
         if self.names:
             named.append("a name --allowed-host allows")
         return ", ".join(named) or "none"
+
+
+def allowed_host(text: str) -> str:
+    """A host name a keyless server answers to (``NAME`` or ``NAME:PORT``, an IPv6 address in brackets)."""
+    try:
+        AllowedHosts.parse([text])
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text

@@ -11,7 +11,6 @@ import socket
 import sys
 
 from pic.cli_args import (
-    allowed_host,
     byte_size,
     chat_template,
     policy,
@@ -20,6 +19,7 @@ from pic.cli_args import (
     positive_int,
     share,
 )
+from pic.serve.hosts import allowed_host
 from pic.serve.secret_flags import STORE_KEY_ENV, add_secret_flags, resolve_secrets
 
 
