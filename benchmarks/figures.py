@@ -575,7 +575,7 @@ def _pct(share: float) -> str:
 def _classified(case: dict, probe: str, kind: str) -> str:
     c = case[probe][kind]
     low, high = c["loo_wilson95"]
-    return f"{_pct(c['loo_accuracy'])} ({_pct(low)}-{_pct(high)})"
+    return f"{_pct(c['loo_accuracy'])} ({_pct(low)}-{_pct(high)}; in sample {_pct(c['in_sample_best_accuracy'])})"
 
 
 @figure
@@ -591,7 +591,7 @@ def tenant_oracle_table() -> str:
     for probe, arm in probes:
         for kind, label in (("b_compile_s", "B's compile"), ("b_inline_s", "B's chat with it inline")):
             cells = " | ".join(_classified(case, probe, kind) for case in cases)
-            lines.append(f"| \"{arm}\" told from {label} (leave one out, 95% interval) | {cells} |")
+            lines.append(f"| \"{arm}\" told from {label} (leave one out, 95% interval; best threshold) | {cells} |")
     for kind, label in (("after_b_sent", "right after B sent its streams"), ("while_b_decodes", "while they decode")):
         cells = []
         for case in cases:
@@ -601,8 +601,12 @@ def tenant_oracle_table() -> str:
         lines.append(f"| A's first token {label}, over A's alone (median; engine steps) | {' | '.join(cells)} |")
     cells = [f"{statistics.median(c['starvation']['alone_s']):.2f} s" for c in cases]
     lines.append(f"| A's first token alone (median) | {' | '.join(cells)} |")
-    cells = [f"{c['starvation']['while_b_decodes_b_token_gap_s']:.2f} s" for c in cases]
-    lines.append(f"| B's time between tokens while A waited (a step with B's decodes) | {' | '.join(cells)} |")
+    for kind, label in (("alone", "alone"), ("while_b_decodes", "while B decodes")):
+        cells = []
+        for case in cases:
+            s = case["starvation"]
+            cells.append(f"{statistics.median(s[f'{kind}_s']) / statistics.median(s[f'{kind}_steps']):.3f} s")
+        lines.append(f"| seconds per engine step of A's wait, {label} | {' | '.join(cells)} |")
     steps = run["scheduled_steps"]
     for kind, label in (("after_b_sent", "right after B's requests"), ("while_b_decodes", "while B decodes")):
         cells = " | ".join(str(steps[name][kind]) for name in ("one_key", "tenants"))
