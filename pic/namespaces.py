@@ -13,10 +13,12 @@ before namespaces existed, and anyone who knows the model can compute them.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import re
 import threading
+import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -92,17 +94,15 @@ class Access:
         if len(set(names)) != len(names):
             raise InvalidInputError(f"namespaces {names} name one namespace twice")
 
-    @property
+    @functools.cached_property
     def readable(self) -> Mapping[str, bytes]:
-        """Namespace name -> salt, for every namespace this caller may read (its own first)."""
-        return {n.name: n.salt for n in (self.own, *self.reads)}
+        """Namespace name -> salt, for every namespace this caller may read (its own first); made once (a link asks
+        for each of its chunks)."""
+        return types.MappingProxyType({n.name: n.salt for n in (self.own, *self.reads)})
 
     def may_read(self, namespace: str) -> bool:
-        return namespace == self.own.name or any(n.name == namespace for n in self.reads)
+        return namespace in self.readable
 
-    def may_delete(self, namespace: str) -> bool:
-        """Only a namespace's own caller deletes its chunks (a shared namespace's readers do not)."""
-        return namespace == self.own.name
 
 
 OPEN = Access()  # the caller of an engine without tenants: the default namespace, nothing else

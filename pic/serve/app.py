@@ -113,20 +113,21 @@ def build_app(
             system = [{"role": "system", "content": body.system}] if body.system else []
             context = await aengine.cpu(engine.chat_context, system)
         report = await aengine.store(
-            engine.compile_report, body.documents, policy=body.policy, context=context, progress=False, **tenant.scope
-        )
+            engine.compile_report, body.documents, policy=body.policy, context=context, progress=False,
+            namespace=tenant.access,
+        )  # fmt: skip
         return {"cache_ids": report.ids, "tiers": [list(tiers) for tiers in report.tiers]}
 
     @app.get("/v1/chunks/{cache_id}", response_model=None, responses=responses(ChunkInfo, 404, *_GUARDED, 500, 503))
     async def chunk_info(cache_id: str, tenant: Tenant = _TENANT) -> dict:
         # metadata only; UnknownCacheIdError (another namespace's chunk, as one nobody compiled): 404
-        chunk = await aengine.store(engine.store.describe, cache_id, **tenant.scope)
+        chunk = await aengine.store(engine.store.describe, cache_id, namespace=tenant.access)
         return {"id": cache_id, "tiers": list(chunk.tiers), "num_tokens": chunk.num_tokens, "bytes": chunk.num_bytes}
 
     @app.delete("/v1/chunks/{cache_id}", response_model=None, responses=responses(Deleted, 404, *_GUARDED, 500, 503))
     async def delete_chunk(cache_id: str, tenant: Tenant = _TENANT) -> dict:
         # a tier that fails: StoreUnavailableError, 503; another namespace's chunk: False, as for one nobody compiled
-        if not await aengine.store(engine.store.expire, cache_id, **tenant.scope):
+        if not await aengine.store(engine.store.expire, cache_id, namespace=tenant.access):
             return error_response(404, f"unknown cache id {shown_id(cache_id)}", kind="not_found_error")
         return {"id": cache_id, "deleted": True}
 
@@ -215,7 +216,7 @@ async def _pic_request(
             context = options.prefix
         ids += await aengine.store(
             engine.compile, options.documents, policy=options.policy, context=context, progress=False, interactive=True,
-            **tenant.scope,
+            namespace=tenant.access,
         )  # fmt: skip
     return PicRequest(
         ids,
@@ -230,7 +231,7 @@ async def _pic_request(
         top_k=body.top_k,
         seed=body.seed,
         stop=body.stop,
-        **tenant.scope,
+        namespace=tenant.access,
     )
 
 

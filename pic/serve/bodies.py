@@ -1,8 +1,8 @@
 """Large JSON request bodies parsed off the event loop.
 
-FastAPI parses a route's JSON body with ``json.loads`` on the event loop: a 5.6 MB body of small numbers takes
-0.18 s to parse (on a 2-core machine), and 16 of them arriving together held ``GET /health`` for 2.5 s, and every
-stream's next token with it. Routes of ``OffLoopRoute`` parse a body over ``OFF_LOOP_BYTES`` on a thread of their
+FastAPI parses a route's JSON body with ``json.loads`` on the event loop: a few megabytes of small numbers take a
+good part of a second, and a flood of them held ``GET /health``, and every stream's next token with it (measured in
+docs/serve.md). Routes of ``OffLoopRoute`` parse a body over ``OFF_LOOP_BYTES`` on a thread of their
 own pool instead (``json.loads`` holds the GIL while it runs, so the loop still waits for the parse under way, but
 for one parse at most, not for every queued one). A small body is parsed where it is: a thread's hand-off costs more
 than its parse.

@@ -177,7 +177,8 @@ def _sent_as(request: Request) -> str:
 _MAX_PROBLEMS, _MAX_ECHO = 8, 80
 
 
-# Never the whole repr of a large value: a list of 1.4 million numbers took 0.36 s to repr, on the event loop.
+# Never the whole repr of a large value: a list of a million numbers takes a good part of a second to repr, on the
+# event loop.
 _SHORT = reprlib.Repr()
 _SHORT.maxstring = _SHORT.maxother = _MAX_ECHO + 2
 _SHORT.maxlist = _SHORT.maxtuple = _SHORT.maxdict = _SHORT.maxset = 8

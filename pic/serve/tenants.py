@@ -38,7 +38,7 @@ from pathlib import Path
 
 from pic.config import Quota
 from pic.errors import InvalidInputError
-from pic.namespaces import DEFAULT, NAME_PATTERN, OPEN, Access, Namespace
+from pic.namespaces import DEFAULT, NAME_PATTERN, Access, Namespace
 from pic.secrets import read_secret_file
 
 if sys.version_info >= (3, 11):
@@ -94,11 +94,6 @@ class Tenant:
     def namespace(self) -> str:
         return self.access.own.name
 
-    @property
-    def scope(self) -> dict[str, Access]:
-        """The ``namespace=`` keyword of the engine's calls for this tenant: none for the default namespace (the
-        engine's plain calls, as a server without tenants made them), else its access."""
-        return {} if self.access == OPEN else {"namespace": self.access}
 
 
 @dataclass(frozen=True)

@@ -46,9 +46,7 @@ class DeviceTier:
     def info(self, cache_id: str, *, readable: Mapping[str, bytes] | None = None) -> ChunkInfo | None:
         """The resident chunk's description, counting a hit or a miss; a chunk of a namespace not in ``readable``
         (names; ``None``: any) is a miss, as if it were not resident."""
-        info = self._info(cache_id)
-        if info is not None and readable is not None and info.options.namespace not in readable:
-            info = None
+        info = self._info(cache_id, readable)
         if info is None:
             self._stats.misses += 1
             return None

@@ -221,8 +221,7 @@ class SchedulerSide:
                 self._tokens.move_to_end(key)
         if tokens is not None and self._stored(cache_id):
             return tokens
-        check = {"fingerprint": self.setup.expected.fingerprint, "options": self._options(namespace)}
-        reads = (tenants.read_tokens(tier, cache_id, namespace, **check) for tier in self.setup.tiers)
+        reads = (tenants.read_tokens(tier, cache_id, namespace) for tier in self.setup.tiers)
         tokens = next((found for found in reads if found is not None), None)
         if tokens is None:
             errors = "; ".join(f"{t.name}: {t.last_error}" for t in self.setup.tiers if t.last_error)

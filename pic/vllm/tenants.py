@@ -19,16 +19,11 @@ ids hash the salt, never the label, so a pic server that names the tenant otherw
 from __future__ import annotations
 
 import hashlib
-import logging
-from collections.abc import Sequence
 
-from pic.config import CompileOptions
 from pic.errors import InvalidInputError
-from pic.ids import chunk_id
 from pic.kv import ChunkKV
 from pic.namespaces import DEFAULT, Namespace
 
-log = logging.getLogger("pic.vllm")
 _LABEL = b"pic vllm cache_salt label\0"  # the label is a hash of the salt, never the salt
 
 
@@ -48,49 +43,18 @@ def namespace_of(tenant_salt: str | None) -> Namespace:
     return Namespace("salt-" + hashlib.sha256(_LABEL + salt).hexdigest()[:12], salt)
 
 
-def owns(
-    namespace: Namespace, cache_id: str, *, fingerprint: str, token_ids: Sequence[int], options: CompileOptions
-) -> bool:
-    """Whether ``cache_id`` is the id, in ``namespace``, of the chunk of ``token_ids`` (every token a tier's metadata
-    lists, the BOS too) compiled by the model ``fingerprint`` with ``options``.
-
-    The connector's own check of whose a chunk it read is, whatever the tier checked: an entry is a namespace's
-    when that namespace's salt reproduces its id (``pic.ids.chunk_id``), so nobody without the salt can make one.
-    """
-    content = list(token_ids)[int(options.add_bos) :]  # the id hashes the tokens after the chunk's BOS (serde's rule)
-    labelled = options.model_copy(update={"namespace": namespace.name})
-    return chunk_id(fingerprint, content, labelled, namespace.salt) == cache_id
-
-
-def read_tokens(
-    tier: object, cache_id: str, namespace: Namespace, *, fingerprint: str, options: CompileOptions
-) -> tuple[int, ...] | None:
+def read_tokens(tier: object, cache_id: str, namespace: Namespace) -> tuple[int, ...] | None:
     """The tokens ``tier``'s metadata holds for ``cache_id`` (the scheduler side's read) if the chunk is
-    ``namespace``'s; ``None``: the tier holds none, or another namespace's.
-
-    A tenant's chunk is checked here whatever the tier checked, against ``options`` (those of the chunks the
-    connector compiles: the metadata read tells no options); the default namespace's is the tier's own check of the
-    id, as before tenants (so chunks of any options, a context's too, link there)."""
+    ``namespace``'s (the store checks whose: its salt must reproduce the id); ``None``: the tier holds none, or
+    another namespace's, alike."""
     extent = _read(tier, "extent", cache_id, namespace)
-    if extent is None:
-        return None
-    if namespace.is_default or owns(namespace, cache_id, fingerprint=fingerprint, token_ids=extent.token_ids,
-                                    options=options):  # fmt: skip
-        return extent.token_ids
-    log.info("pic: chunk %s in the %s tier is not %s's: an unknown id to it", cache_id, tier.name, namespace.name)
-    return None
+    return None if extent is None else extent.token_ids
 
 
-def read_chunk(tier: object, cache_id: str, namespace: Namespace, *, fingerprint: str) -> ChunkKV | None:
-    """``tier``'s chunk ``cache_id`` (the worker side's read) if it is ``namespace``'s, checked by the options it was
-    stored with; ``None``: the tier holds none, or another namespace's."""
-    chunk = _read(tier, "get", cache_id, namespace)
-    if chunk is None or namespace.is_default:
-        return chunk
-    if owns(namespace, cache_id, fingerprint=fingerprint, token_ids=chunk.token_ids.tolist(), options=chunk.options):
-        return chunk
-    log.warning("pic: chunk %s in the %s tier is not %s's: a miss", cache_id, tier.name, namespace.name)
-    return None
+def read_chunk(tier: object, cache_id: str, namespace: Namespace) -> ChunkKV | None:
+    """``tier``'s chunk ``cache_id`` (the worker side's read) if it is ``namespace``'s (checked by the store, as
+    ``read_tokens``); ``None``: the tier holds none, or another namespace's."""
+    return _read(tier, "get", cache_id, namespace)
 
 
 def _read(tier: object, method: str, cache_id: str, namespace: Namespace) -> object:

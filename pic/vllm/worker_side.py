@@ -166,11 +166,11 @@ class WorkerSide:
     def _fetch(self, namespace: Namespace, cache_id: str) -> ChunkKV | None:
         """The chunk of ``namespace`` from the first tier that has it, copied into the tiers above that one (a CPU
         tier keeps it in this process for the next link; a disk tier keeps what Redis gave), as
-        ``TieredStore.load`` does. A tenant's chunk is checked to be its own, by the options it was stored with: one
-        that is not is a miss (the scheduler checked it already; a tier may have changed since)."""
+        ``TieredStore.load`` does. The store checks that it is the namespace's (its salt reproduces the id):
+        another's is a miss."""
         for level, tier in enumerate(self.setup.tiers):
             try:
-                chunk = tenants.read_chunk(tier, cache_id, namespace, fingerprint=self.setup.expected.fingerprint)
+                chunk = tenants.read_chunk(tier, cache_id, namespace)
             except Exception as error:  # an unreachable tier is a miss here; the scheduler saw the chunk
                 log.warning("pic: the %s tier failed to give chunk %s: %s", tier.name, cache_id, error)
                 continue
