@@ -10,8 +10,12 @@ and the invariants that hold after any such run are checked. Shared by the in-pr
   the engine never takes a parked link's blocks back: ``Linked`` holds its KV until generated from or released;
   such a request may also end early with ``FinishReason.KV_POOL``, with the first tokens of its alone output);
 - every greedy output equals the same request run alone (afterwards, on the same engine);
-- the pool is back at rest: no block in use, its bookkeeping consistent;
+- the pool is back at rest: no block in use, its bookkeeping consistent (the owners' charges too);
 - the engine still serves a new request.
+
+With ``namespaces`` each thread is a tenant of its own (thread ``i`` the ``i``-th namespace, in turn), linking the
+base documents compiled in its namespace; its bad requests also link another tenant's chunk, which must be unknown
+to it.
 """
 
 from __future__ import annotations
@@ -117,6 +121,7 @@ class Outcome:
     start: float
     end: float
     thread: int = field(default_factory=threading.get_ident)
+    namespace: pic.Namespace | None = None
 
 
 @dataclass(frozen=True)
@@ -126,6 +131,7 @@ class Failure:
     start: float
     end: float
     thread: int = field(default_factory=threading.get_ident)
+    namespace: pic.Namespace | None = None
 
 
 @dataclass
@@ -133,9 +139,10 @@ class Fuzz:
     """One engine under ``plan``'s operations; what happened, for ``check``.
 
     Attributes:
-        ids: the base documents' cache ids.
+        ids: the base documents' cache ids (in the default namespace).
         outcomes, failures: greedy results and the operations that raised.
         parked: ``(thread, start, end)`` of every operation that held links (``held``).
+        namespaces: the tenants the threads are, in turn (none: every thread in the default namespace).
     """
 
     engine: pic.PIC
@@ -144,11 +151,36 @@ class Fuzz:
     failures: list[Failure] = field(default_factory=list)
     parked: list[tuple[int, float, float]] = field(default_factory=list)
     seed: int = 0
+    namespaces: tuple[pic.Namespace, ...] = ()
+    _ids_of: dict[str, list[str]] = field(default_factory=dict)
+    _local: threading.local = field(default_factory=threading.local)
+
+    def __post_init__(self) -> None:
+        for namespace in self.namespaces:  # the base documents, in each tenant's namespace
+            self._ids_of[namespace.name] = self.engine.compile(list(BASE_DOCS), namespace=namespace)
+
+    @property
+    def namespace(self) -> pic.Namespace | None:
+        """The tenant of the calling thread (``None``: the default namespace)."""
+        return getattr(self._local, "namespace", None)
+
+    @contextlib.contextmanager
+    def as_tenant(self, namespace: pic.Namespace | None) -> Iterator[None]:
+        before, self._local.namespace = self.namespace, namespace
+        try:
+            yield
+        finally:
+            self._local.namespace = before
 
     def run(self, threads: list[list[Op]], *, op: Callable[[Fuzz, Op], None] | None = None) -> None:
-        """Run each thread's operations in a thread of its own (``op``: how one runs, default ``run_op``)."""
+        """Run each thread's operations in a thread of its own (``op``: how one runs, default ``run_op``), each as
+        its tenant when there are ``namespaces``."""
         op = op or run_op
-        workers = [threading.Thread(target=self._thread, args=(ops, op), daemon=True) for ops in threads]
+        tenant = lambda i: self.namespaces[i % len(self.namespaces)] if self.namespaces else None  # noqa: E731
+        workers = [
+            threading.Thread(target=self._thread, args=(ops, op, tenant(i)), daemon=True)
+            for i, ops in enumerate(threads)
+        ]
         for worker in workers:
             worker.start()
         deadline = time.monotonic() + RUN_S
@@ -156,20 +188,33 @@ class Fuzz:
             worker.join(timeout=max(0.0, deadline - time.monotonic()))
         assert not any(w.is_alive() for w in workers), f"seed {self.seed}: a thread still runs after {RUN_S} s"
 
-    def _thread(self, ops: list[Op], op: Callable[[Fuzz, Op], None]) -> None:
+    def _thread(self, ops: list[Op], op: Callable[[Fuzz, Op], None], namespace: pic.Namespace | None) -> None:
+        self._local.namespace = namespace
         for one in ops:
             start = time.monotonic()
             try:
                 op(self, one)
             except Exception as exc:
-                self.failures.append(Failure(one, exc, start, time.monotonic()))
+                self.failures.append(Failure(one, exc, start, time.monotonic(), namespace=namespace))
+
+    def base_ids(self) -> list[str]:
+        """The base documents' ids in the calling thread's namespace."""
+        namespace = self.namespace
+        return self.ids if namespace is None else self._ids_of[namespace.name]
 
     def cache_ids(self, ask: Ask) -> list[str]:
-        return [self.ids[i] for i in ask.chunks]
+        base = self.base_ids()
+        return [base[i] for i in ask.chunks]
+
+    def foreign_id(self) -> str | None:
+        """A base chunk of another tenant's (``None`` without tenants): an id the calling thread may not link."""
+        others = [ids for name, ids in self._ids_of.items() if self.namespace is None or name != self.namespace.name]
+        return others[0][0] if self.namespaces and others else None
 
     def record(self, ids: list[str], ask: Ask, out: pic.Generation, start: float) -> None:
+        finish = out.stats.finish_reason.value
         self.outcomes.append(
-            Outcome(tuple(ids), ask, tuple(out.token_ids), out.text, out.stats.finish_reason.value, start, now())
+            Outcome(tuple(ids), ask, tuple(out.token_ids), out.text, finish, start, now(), namespace=self.namespace)
         )
 
     @contextlib.contextmanager
@@ -182,7 +227,7 @@ class Fuzz:
             self.parked.append((threading.get_ident(), start, now()))
 
     def link(self, ask: Ask, ids: list[str] | None = None) -> pic.Linked:
-        return self.engine.link(ids or self.cache_ids(ask), ask.query, policy=ask.policy)
+        return self.engine.link(ids or self.cache_ids(ask), ask.query, policy=ask.policy, namespace=self.namespace)
 
     def new_document(self, seed: int) -> str:
         rng = random.Random(seed * 7919 + self.seed)
@@ -200,9 +245,8 @@ class Fuzz:
         for out in self.outcomes:
             key = (out.ids, out.ask.query, out.ask.policy, out.ask.max_new_tokens)
             if key not in alone:
-                alone[key] = self.engine.link(list(out.ids), out.ask.query, policy=out.ask.policy).generate(
-                    out.ask.max_new_tokens
-                )
+                linked = self.engine.link(list(out.ids), out.ask.query, policy=out.ask.policy, namespace=out.namespace)
+                alone[key] = linked.generate(out.ask.max_new_tokens)
             self._same(out, alone[key])
         self.check_rest()
         assert self.engine.link(self.ids, "The end").generate(4).stats.num_generated_tokens >= 1
@@ -220,8 +264,9 @@ class Fuzz:
             return False
         if self._beside_parked(failure.thread, failure.start, failure.end):
             return True
-        try:  # the same operation alone, in process
-            run_op(self, failure.op)
+        try:  # the same operation alone, in process, as the same tenant
+            with self.as_tenant(failure.namespace):
+                run_op(self, failure.op)
         except KVPoolExhaustedError:
             return True
         return False
@@ -319,7 +364,7 @@ def _release(fuzz: Fuzz, op: Op) -> None:
 
 def _compile(fuzz: Fuzz, op: Op) -> None:
     ask, start = op.asks[0], now()
-    (new,) = fuzz.engine.compile([fuzz.new_document(op.arg)], policy=ask.policy)
+    (new,) = fuzz.engine.compile([fuzz.new_document(op.arg)], policy=ask.policy, namespace=fuzz.namespace)
     ids = [*fuzz.cache_ids(ask)[:1], new]
     with fuzz.held():
         out = fuzz.link(ask, ids).generate(ask.max_new_tokens)
@@ -328,8 +373,10 @@ def _compile(fuzz: Fuzz, op: Op) -> None:
 
 def _many(fuzz: Fuzz, op: Op) -> None:
     start = now()
+    options = {"namespace": fuzz.namespace}
     requests = [
-        pic.Request(fuzz.cache_ids(a), a.query, policy=a.policy, max_new_tokens=a.max_new_tokens) for a in op.asks
+        pic.Request(fuzz.cache_ids(a), a.query, policy=a.policy, max_new_tokens=a.max_new_tokens, **options)
+        for a in op.asks
     ]
     for ask, out in zip(op.asks, fuzz.engine.generate_many(requests, progress=False), strict=True):
         fuzz.record(fuzz.cache_ids(ask), ask, out, start)
@@ -341,13 +388,16 @@ def unknown_id(engine: pic.PIC, seed: int) -> str:
 
 
 def _bad(fuzz: Fuzz, op: Op) -> None:
-    """A request that must fail with its own error (and disturb nobody)."""
-    ask = op.asks[0]
+    """A request that must fail with its own error (and disturb nobody): an id nobody compiled, or (with tenants,
+    every other time) another tenant's chunk, or an empty query."""
+    ask, namespace = op.asks[0], fuzz.namespace
+    foreign = fuzz.foreign_id() if op.arg % 4 == 1 else None
     try:
         if op.arg % 2:
-            fuzz.engine.link([*fuzz.cache_ids(ask), unknown_id(fuzz.engine, op.arg)], ask.query).generate(4)
+            bad = foreign or unknown_id(fuzz.engine, op.arg)
+            fuzz.engine.link([*fuzz.cache_ids(ask), bad], ask.query, namespace=namespace).generate(4)
         else:
-            fuzz.engine.link(fuzz.cache_ids(ask), "").generate(4)
+            fuzz.engine.link(fuzz.cache_ids(ask), "", namespace=namespace).generate(4)
     except (InvalidInputError, UnknownCacheIdError):
         return
     raise AssertionError("a bad request was served")

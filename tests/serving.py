@@ -39,3 +39,18 @@ def serving(app, *, headers_timeout_s: float = 10.0, body_timeout_s: float = 30.
     finally:
         srv.should_exit = True
         thread.join(10)
+
+
+def wait_healthy(proc, port: int, *, timeout_s: float = 180.0) -> None:
+    """Return once the ``pic serve`` process ``proc`` answers ``/health`` on ``port`` (its output in the failure
+    when it exits first; ``timeout_s``: a bound on start-up, generous for a loaded machine, not a measurement)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stdout.read()
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+                return
+        time.sleep(0.2)
+    raise AssertionError("pic serve did not come up")

@@ -517,5 +517,5 @@ def test_tenant_oracle_quick(tmp_path):
                 times = [r[kind] for r in case[rounds]]
                 assert case[probe][kind]["loo_accuracy"] == loo_accuracy(times, labels)
         assert case["starvation"]["alone_steps"] and case["starvation"]["while_b_decodes_steps"]
-    assert set(report["scheduled_steps"]) == {"one_key", "tenants"}
-    assert all(n >= 1 for steps in report["scheduled_steps"].values() for n in steps.values())
+    steps = report["scheduled_steps"]  # counted by the stepper: no clock in it
+    assert all(steps["tenants"][case] <= steps["one_key"][case] for case in ("after_b_sent", "while_b_decodes"))

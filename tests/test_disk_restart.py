@@ -18,8 +18,8 @@ import torch
 import pic
 from pic.cli import main
 from pic.errors import StoreUnavailableError
-from tests.serving import free_port
-from tests.test_serve import DOCS, KEY, QUERY, _wait_healthy
+from tests.serving import free_port, wait_healthy
+from tests.test_serve import DOCS, KEY, QUERY
 
 # Not the start-up check's documents (pic.check), so the restarted server has never seen them
 SERVED = ("A little bird flew over the hill to find food.", "Sam and his sister built a tall sand castle.")
@@ -108,7 +108,7 @@ def test_a_restarted_server_answers_by_the_cache_ids_it_compiled_before(tmp_path
     port = free_port()
     proc = _serve(tmp_path, port)
     try:
-        _wait_healthy(proc, port)
+        wait_healthy(proc, port)
         ids = httpx.post(f"http://127.0.0.1:{port}/v1/chunks", json={"documents": list(SERVED)}, headers=headers)
         ids = ids.json()["cache_ids"]
         text = _complete(port, ids)
@@ -123,7 +123,7 @@ def test_a_restarted_server_answers_by_the_cache_ids_it_compiled_before(tmp_path
     port = free_port()
     proc = _serve(tmp_path, port)
     try:
-        _wait_healthy(proc, port)
+        wait_healthy(proc, port)
         info = httpx.get(f"http://127.0.0.1:{port}/v1/chunks/{ids[0]}", headers=headers).json()
         assert info["tiers"] == ["disk"]  # the restarted server holds it only on disk
         missing = httpx.post(

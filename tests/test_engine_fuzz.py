@@ -15,6 +15,7 @@ import threading
 from collections.abc import Callable
 
 import httpx
+import pytest
 
 import pic
 from pic.errors import KVPoolExhaustedError
@@ -39,6 +40,25 @@ def test_a_seeded_fuzz_of_one_engine_keeps_every_invariant():
         fuzz = Fuzz(engine, engine.compile(list(BASE_DOCS)), seed=seed)
         fuzz.run(plan(seed, num_threads=NUM_THREADS, num_ops=NUM_OPS, max_tokens=MAX_TOKENS))
         fuzz.check()
+        engine.close()
+
+
+def test_the_fuzz_with_tenants_keeps_every_invariant_and_their_chunks_apart():
+    """The same load with each thread a tenant of its own over pools that preempt: two with shares of the pool and
+    one a cap on its running requests, one without a quota. The owners' charges come back to rest with the blocks,
+    every output equals its request alone (its tenant's), and a link of another tenant's chunk is unknown to it."""
+    tenants = tuple(pic.Namespace(name, salt=name.encode() * 8) for name in ("t0", "t1", "t2"))
+    quotas = {"t0": pic.Quota(kv_share=0.3), "t1": pic.Quota(kv_share=0.2, max_num_seqs=2)}
+    for pool, seed in ((256, 11), (640, 12)):
+        engine = make_engine("stories260K", kv_pool_tokens=pool, block_size=16, eos_token_ids=(), quotas=quotas)
+        fuzz = Fuzz(engine, engine.compile(list(BASE_DOCS)), seed=seed, namespaces=tenants)
+        fuzz.run(plan(seed, num_threads=NUM_THREADS, num_ops=NUM_OPS, max_tokens=MAX_TOKENS))
+        fuzz.check()
+        assert {o.namespace.name for o in fuzz.outcomes} == {"t0", "t1", "t2"}  # every tenant was served
+        with fuzz.as_tenant(tenants[0]):
+            foreign = fuzz.foreign_id()
+        with pytest.raises(pic.UnknownCacheIdError):  # another tenant's base chunk, resident: unknown to t0
+            engine.link([foreign], "The end", namespace=tenants[0])
         engine.close()
 
 

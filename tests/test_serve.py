@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import collections
-import contextlib
 import json
 import random
 import subprocess
@@ -18,7 +17,7 @@ import pytest
 import pic
 from pic.serve.app import build_app
 from tests.models import DOCS, QUERY, model
-from tests.serving import free_port, serving
+from tests.serving import free_port, serving, wait_healthy
 from tests.test_chat import CHATML, chat_tokenizer
 from tests.test_check import break_attention_scale
 
@@ -423,16 +422,6 @@ def _serve_process(redis_url: str, port: int) -> subprocess.Popen:
     return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def _wait_healthy(proc: subprocess.Popen, port: int) -> None:
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.stdout.read()
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return
-        time.sleep(0.2)
-    raise AssertionError("pic serve did not come up")
-
 
 def test_two_servers_share_chunks_through_redis(redis_url, server):
     """Two ``pic serve`` processes on one real redis-server: what one compiles, the other links (its pool
@@ -441,7 +430,7 @@ def test_two_servers_share_chunks_through_redis(redis_url, server):
     procs = [_serve_process(redis_url, port) for port in ports]
     try:
         for proc, port in zip(procs, ports, strict=True):
-            _wait_healthy(proc, port)
+            wait_healthy(proc, port)
         headers = {"Authorization": f"Bearer {KEY}"}
         made = httpx.post(f"http://127.0.0.1:{ports[0]}/v1/chunks", json={"documents": list(DOCS)}, headers=headers)
         ids = made.json()["cache_ids"]

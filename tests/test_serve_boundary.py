@@ -5,7 +5,6 @@ connection, large bodies parsed off the event loop. Real servers: ``pic serve`` 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -29,7 +28,7 @@ from pic.serve.app import build_app
 from pic.serve.hosts import AllowedHosts
 from pic.serve.http import CutLongPaths, cut_path
 from tests.models import QUERY, model, tokenizer
-from tests.serving import free_port, serving
+from tests.serving import free_port, serving, wait_healthy
 
 KEY = "boundary-key-0123456789"
 STORE_KEY = "a1" * 32  # 32 bytes, hex
@@ -62,16 +61,6 @@ def _serve(port: int, *args: str, env: dict[str, str] | None = None) -> subproce
     return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environ)
 
 
-def _wait_healthy(proc: subprocess.Popen, port: int) -> None:
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.stdout.read()
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
-                return
-        time.sleep(0.2)
-    raise AssertionError("pic serve did not come up")
-
 
 def test_keys_from_a_file_and_from_the_environment_stay_off_the_command_line(tmp_path):
     """Accepted-when item 4: two real servers, one with the API key and the store key from files, one from the
@@ -92,7 +81,7 @@ def test_keys_from_a_file_and_from_the_environment_stay_off_the_command_line(tmp
     long_id = "ab" * 5000
     try:
         for proc, port in zip(procs, ports, strict=True):
-            _wait_healthy(proc, port)
+            wait_healthy(proc, port)
             cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
             assert "serve" in cmdline and KEY not in cmdline and STORE_KEY not in cmdline, cmdline
             with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as http:

@@ -176,7 +176,7 @@ def test_a_server_fault_is_a_json_500(server, monkeypatch):
     uvicorn's text/plain "Internal Server Error" the schema does not declare."""
     engine = server[1]
 
-    def broken(cache_id):
+    def broken(cache_id, **_):
         raise RuntimeError("injected")
 
     monkeypatch.setattr(engine.store, "describe", broken)

@@ -18,7 +18,7 @@ from pic.namespaces import DEFAULT, NAME_PATTERN, Namespace
 from pic.store import DiskTier, serde
 from pic.vllm.client import link_prompt
 from pic.vllm.params import LinkRequest, Suffix, link_salt, parse_params
-from pic.vllm.tenants import namespace_of, owns, read_chunk, read_tokens
+from pic.vllm.tenants import namespace_of, read_chunk, read_tokens
 
 FINGERPRINT = "0123456789abcdef0123456789abcdef"
 EXPECTED = serde.Expected(FINGERPRINT, num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32,
@@ -83,16 +83,6 @@ def _id(namespace: Namespace, tokens: list[int] = TOKENS, options: CompileOption
     return chunk_id(FINGERPRINT, tokens, options.model_copy(update={"namespace": namespace.name}), namespace.salt)
 
 
-def test_owns_is_true_of_the_namespaces_own_ids_only():
-    a, b = namespace_of("A"), namespace_of("B")
-    check = dict(fingerprint=FINGERPRINT, token_ids=TOKENS, options=OPTIONS)
-    assert owns(a, _id(a), **check) and owns(DEFAULT, _id(DEFAULT), **check)
-    assert not owns(b, _id(a), **check) and not owns(a, _id(DEFAULT), **check) and not owns(DEFAULT, _id(a), **check)
-    assert not owns(a, _id(a), **{**check, "token_ids": [11, 12, 13, 14, 16]})  # other tokens under its id
-    with_bos = CompileOptions(add_bos=True)  # a tier lists the BOS among the tokens; the id hashes those after it
-    assert owns(a, _id(a, options=with_bos), fingerprint=FINGERPRINT, token_ids=[1, *TOKENS], options=with_bos)
-
-
 def _chunk(cache_id: str, namespace: Namespace) -> ChunkKV:
     g = torch.Generator().manual_seed(0)
     shape = (EXPECTED.num_layers, len(TOKENS), EXPECTED.num_kv_heads, EXPECTED.head_dim)
@@ -112,19 +102,19 @@ def disk(tmp_path) -> DiskTier:
 
 def test_a_tenant_reads_none_of_another_namespaces_chunks(disk):
     a, b = namespace_of("A"), namespace_of("B")
-    read = dict(fingerprint=FINGERPRINT, options=OPTIONS)
-    assert read_tokens(disk, _id(DEFAULT), DEFAULT, **read) == tuple(TOKENS)  # the default namespace: as before
-    for namespace in (a, b):  # the tier gives the default's chunk; the connector's own check refuses it to tenants
-        assert read_tokens(disk, _id(DEFAULT), namespace, **read) is None
-        assert read_chunk(disk, _id(DEFAULT), namespace, fingerprint=FINGERPRINT) is None
-    assert read_tokens(disk, _id(a), b, **read) is None and read_tokens(disk, _id(a), DEFAULT, **read) is None
-    assert read_tokens(disk, "f" * 32, a, **read) is None  # an id nobody compiled: the same answer
+    assert read_tokens(disk, _id(DEFAULT), DEFAULT) == tuple(TOKENS)  # the default namespace: as before
+    for namespace in (a, b):  # the default namespace's chunk is no tenant's
+        assert read_tokens(disk, _id(DEFAULT), namespace) is None
+        assert read_chunk(disk, _id(DEFAULT), namespace) is None
+    assert read_tokens(disk, _id(a), b) is None and read_tokens(disk, _id(a), DEFAULT) is None
+    assert read_chunk(disk, _id(a), b) is None
+    assert read_tokens(disk, "f" * 32, a) is None  # an id nobody compiled: the same answer
 
 
 def test_a_tenant_reads_its_own_chunks(disk):
     a = namespace_of("A")
-    assert read_tokens(disk, _id(a), a, fingerprint=FINGERPRINT, options=OPTIONS) == tuple(TOKENS)
-    assert read_chunk(disk, _id(a), a, fingerprint=FINGERPRINT).token_ids.tolist() == TOKENS
+    assert read_tokens(disk, _id(a), a) == tuple(TOKENS)
+    assert read_chunk(disk, _id(a), a).token_ids.tolist() == TOKENS
 
 
 LINKED = [("b", [5, 20, 21]), ("a", [5, 10, 11])]
