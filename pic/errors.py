@@ -57,6 +57,21 @@ class EngineClosedError(PicError):
     """The engine was closed (``PIC.close``) while a call waited on it, or before the call."""
 
 
+class EngineStepError(PicError, RuntimeError):
+    """Something raised inside an engine step that was no request's own error (a bug, a device fault): the
+    requests and compile calls the step had under way fail with it (its cause is ``__cause__``); the engine goes on
+    serving new ones, or, when its state no longer adds up, closes (``EngineClosedError`` from then on)."""
+
+    @classmethod
+    def of(cls, exc: Exception) -> PicError:
+        """What a request that ``exc`` stopped gets: a ``PicError`` as it is, anything else as the error it caused."""
+        if isinstance(exc, PicError):
+            return exc
+        error = cls(f"an engine step failed: {type(exc).__name__}: {first_line(exc)}")
+        error.__cause__ = exc
+        return error
+
+
 class SequenceStateError(PicError):
     """A request's sequence inside the engine broke its state machine (a transition its status does not allow,
     or a status where its queue holds no such sequence): that request fails with it, the engine goes on."""

@@ -23,11 +23,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import pic
 import pic.kv.memory
 from pic.config import CompileOptions
+from pic.engine.core.kv_manager import KVManager
 from pic.engine.sampling import SamplingParams, _multinomial_one, sample_rows, sample_tokens
 from pic.kv import BlockPool, ChunkInfo, ChunkKV, KVCache
 from pic.kv.transfer import long_tensor, sync_sites
 from pic.link.recompute import RecomputePass
-from pic.store import DeviceTier, LruTier, TieredStore
+from pic.store import LruTier, TieredStore
 from pic.store.serde import Expected
 from tests.conftest import make_target_engine
 from tests.device import target
@@ -58,8 +59,11 @@ def make_store(device: torch.device) -> tuple[TieredStore, BlockPool, KVCache]:
         KVCache(num_blocks=16, block_size=4, dtype=target().dtype, device=device, **SHAPE),
     )
     expected = Expected("f", dtype=target().dtype, max_tokens=64, vocab_size=512, **SHAPE)
-    store = TieredStore.from_config(pic.StoreConfig(cpu_bytes=None), device=DeviceTier(pool, cache), expected=expected)
-    return store, pool, cache
+    kv = KVManager(
+        pool, cache, block_size=4, kv_bytes_per_token=0,
+        store_over=lambda d: TieredStore.from_config(pic.StoreConfig(cpu_bytes=None), device=d, expected=expected),
+    )  # fmt: skip
+    return kv.store, pool, cache
 
 
 def test_the_cpu_tier_is_page_locked_only_for_an_engine_on_cuda():

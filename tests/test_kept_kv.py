@@ -63,14 +63,12 @@ def test_kept_kv_is_the_gathered_and_rotated_kv_bit_for_bit(window):
 
 def test_released_request_kv_drops_its_scratch():
     from pic.kv import KVCache, RequestKV
-    from pic.kv.block_pool import BlockPool
 
     cache = KVCache(num_layers=1, num_blocks=4, block_size=BS, num_kv_heads=HKV, head_dim=D,
                     dtype=torch.float32, device=torch.device("cpu"))  # fmt: skip
-    pool = BlockPool(4, block_size=BS)
-    kv = RequestKV(pool, cache, pool.allocate(1), num_slots=2)
+    kv = RequestKV(cache, [0], num_slots=2)
     kv.scratch["x"] = torch.zeros(3)
-    kv.release()
+    assert kv.release() == [0] and kv.release() == []  # (its blocks, to free, once)
     assert kv.scratch == {}
 
 

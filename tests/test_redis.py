@@ -17,9 +17,10 @@ import torch
 
 import pic
 from pic.config import CompileOptions
+from pic.engine.core.kv_manager import KVManager
 from pic.ids import chunk_id
 from pic.kv import BlockPool, ChunkKV, KVCache
-from pic.store import ChunkDescription, DeviceTier, RedisTier, TieredStore
+from pic.store import ChunkDescription, RedisTier, TieredStore
 from pic.store.serde import Expected
 from tests.conftest import make_engine
 from tests.models import DOCS, QUERY, model, tokenizer
@@ -83,7 +84,9 @@ def test_describe_reads_metadata_not_kv(redis_server, redis_url):
     redis = RedisTier(redis_url, expected=expected, part_bytes=2**16)
     assert redis.put(chunk)
     pool = BlockPool(32, block_size=16)
-    store = TieredStore(DeviceTier(pool, KVCache(num_blocks=32, block_size=16, device="cpu", **shape)), [redis])
+    cache = KVCache(num_blocks=32, block_size=16, device="cpu", **shape)
+    kv = KVManager(pool, cache, block_size=16, kv_bytes_per_token=0, store_over=lambda d: TieredStore(d, [redis]))
+    store = kv.store
     client = redis_server.client()
 
     def bytes_sent(call):

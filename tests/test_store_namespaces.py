@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from pic.config import CompileOptions
+from pic.engine.core.kv_manager import KVManager
 from pic.errors import UnknownCacheIdError
 from pic.ids import chunk_id
 from pic.kv import BlockPool, ChunkKV, KVCache
-from pic.store import DeviceTier, DiskTier, LruTier, RedisTier, TieredStore
+from pic.store import DiskTier, LruTier, RedisTier, TieredStore
 from tests.test_disk import EXPECTED, FINGERPRINT
 
 SALT_A, SALT_B = b"tenant a's secret salt", b"tenant b's secret salt"
@@ -105,7 +106,7 @@ def test_the_in_process_tiers_compare_the_label():
 def _store(lower) -> TieredStore:
     pool = BlockPool(32, block_size=16)
     cache = KVCache(num_blocks=32, block_size=16, device="cpu", dtype=torch.float32, **SHAPE)
-    return TieredStore(DeviceTier(pool, cache), lower)
+    return KVManager(pool, cache, block_size=16, kv_bytes_per_token=0, store_over=lambda d: TieredStore(d, lower)).store
 
 
 def test_the_store_answers_another_namespace_s_chunk_as_one_nobody_stored(shared):

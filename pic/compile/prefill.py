@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from pic.config import CompileOptions
-from pic.kv import BlockPool, ChunkInfo, KVCache, RequestKV, blocks_for
+from pic.kv import ChunkInfo, KVCache, RequestKV, blocks_for
 from pic.model import SeqInput
 
 
@@ -84,17 +84,13 @@ class ChunkPrefill:
         """Blocks ``start`` takes (canonical plus lead)."""
         return sum(prefill_blocks(len(self.token_ids), num_dropped=self.num_dropped, block_size=block_size))
 
-    def start(self, pool: BlockPool, cache: KVCache) -> None:
-        """Take the chunk's blocks, charged to its namespace (``options.namespace``: its work evicts its own chunks
-        first).
-
-        Raises:
-            KVPoolExhaustedError: the pool cannot hold it (nothing is taken).
-        """
-        bs, owner = cache.block_size, self.options.namespace
+    def start(self, blocks: list[int], cache: KVCache) -> None:
+        """Prefill into ``blocks`` (``num_blocks`` of them, taken for it by the KV manager: charged to the chunk's
+        namespace, ``options.namespace``)."""
+        bs = cache.block_size
         num_canonical, self._num_lead = prefill_blocks(len(self.token_ids), num_dropped=self.num_dropped, block_size=bs)
-        blocks = pool.allocate(self._num_lead + num_canonical, owner=owner)
-        self.kv = RequestKV(pool, cache, blocks, num_slots=len(blocks) * bs, owner=owner)
+        assert len(blocks) == self._num_lead + num_canonical, (len(blocks), self._num_lead, num_canonical)
+        self.kv = RequestKV(cache, blocks, num_slots=len(blocks) * bs)
         num_kept, lead_end = len(self.token_ids) - self.num_dropped, self._num_lead * bs
         kept_start = len(blocks) * bs - num_kept  # after the front padding
         self._slots = torch.cat(
@@ -113,18 +109,18 @@ class ChunkPrefill:
             slots=self._slots[start:end].to(device),
         )
 
-    def finish(self) -> tuple[ChunkInfo, list[int]]:
-        """After the last piece: the chunk's info and its canonical blocks (the lead blocks are freed)."""
+    def finish(self) -> tuple[ChunkInfo, list[int], list[int]]:
+        """After the last piece: the chunk's info, its canonical blocks and its lead blocks (the caller frees those)."""
         assert self.is_done and self.kv is not None
         blocks, self.kv.blocks = self.kv.blocks, []
-        self.kv.pool.free(blocks[: self._num_lead])
+        self.kv.release()
         kept = torch.tensor(self.token_ids[self.num_dropped :], dtype=torch.long)
-        return ChunkInfo(cache_id=self.cache_id, token_ids=kept, options=self.options), blocks[self._num_lead :]
+        info = ChunkInfo(cache_id=self.cache_id, token_ids=kept, options=self.options)
+        return info, blocks[self._num_lead :], blocks[: self._num_lead]
 
-    def abort(self) -> None:
-        """Free the blocks taken (idempotent)."""
-        if self.kv is not None:
-            self.kv.release()
+    def abort(self) -> list[int]:
+        """The blocks it took, to free (once; then ``[]``)."""
+        return [] if self.kv is None else self.kv.release()
 
     def __repr__(self) -> str:
         return f"ChunkPrefill({self.cache_id[:12]}, {self.num_done}/{len(self.token_ids)} tokens)"

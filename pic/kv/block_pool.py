@@ -370,6 +370,30 @@ class BlockPool:
         """Start ``peak_used_blocks`` again from the blocks in use now."""
         self._peak_used = self.num_blocks - len(self.free_queue)
 
+    def audit(self, references: Counter[int]) -> str | None:
+        """Whether the pool adds up with ``references`` (block id -> the references its holders know of: block
+        tables, holds, blocks set aside, prefills): every block's count equal to them, every chunk's ``num_refs`` the
+        sum of its blocks', the free queue exactly the unreferenced blocks, each owner charged its blocks. ``None``
+        when it does, else the first thing that does not (a failed step's check: ``EngineCore``). O(blocks)."""
+        charged: Counter[str] = Counter()
+        for block in self.blocks:
+            if block.ref_cnt != (known := references[block.block_id]):
+                return f"block {block.block_id} has {block.ref_cnt} references, its holders {known}"
+            chunk = block.chunk
+            if chunk is not None and self.chunks.get(chunk.key) is not chunk:
+                return f"block {block.block_id} belongs to chunk {chunk.key[:12]}, which is not resident"
+            unused = block.ref_cnt == 0 and (chunk is None or chunk.is_evictable)
+            if unused != block.is_queued:
+                state = ("unused", "not queued") if unused else ("in use", "queued")
+                return f"block {block.block_id} is {state[0]} but {state[1]}"
+            if block.ref_cnt or chunk is not None:
+                charged[block.owner] += 1
+        for chunk in self.chunks.values():
+            if chunk.num_refs != sum(b.ref_cnt for b in chunk.blocks):
+                return f"chunk {chunk.key[:12]} counts {chunk.num_refs} references, its blocks others"
+        usage = Counter({name: entry.usage for name, entry in self.owners.items() if entry.usage})
+        return None if usage == charged else f"owners are charged {dict(usage)}, their blocks {dict(charged)}"
+
     def stats(self) -> KVStats:
         """Counts of the pool now (O(blocks of resident chunks))."""
         chunks = self.chunks.values()

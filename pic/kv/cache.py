@@ -11,7 +11,6 @@ import torch
 
 from pic.attention.ape import ContextScaling
 from pic.config import CompileOptions
-from pic.kv.block_pool import BlockPool
 from pic.kv.transfer import long_tensor, to_device
 
 
@@ -86,22 +85,13 @@ class RequestKV:
     of the token in request slot ``s`` (-1: padding, or not yet written: masked in attention); ``physical(slots)``
     maps slots to rows of the cache's flattened K/V. The request owns one reference to every block of its table
     (``block_ids``) and, while it is being linked, ``held`` references to its chunks' canonical blocks, which a
-    dynamic policy reads in the recompute pass (``release_held`` drops them after it). ``num_slots``: slots in use
-    (written or padding); decoding appends after them. ``owner``: the namespace its new blocks are charged to (the
-    pool's owners)."""
+    dynamic policy reads in the recompute pass (``release_held`` hands them back after it). ``num_slots``: slots in
+    use (written or padding); decoding appends after them. It keeps no pool: the KV manager takes and frees its
+    blocks (``pic.engine.core.kv_manager``), and every method here that lets references go returns them to free."""
 
-    def __init__(
-        self,
-        pool: BlockPool,
-        cache: KVCache,
-        block_ids: list[int],
-        *,
-        num_slots: int,
-        held: Sequence[int] = (),
-        owner: str = "",
-    ) -> None:
+    def __init__(self, cache: KVCache, block_ids: list[int], *, num_slots: int, held: Sequence[int] = ()) -> None:
         assert len(block_ids) * cache.block_size >= num_slots, (len(block_ids), num_slots)
-        self.pool, self.cache, self.owner = pool, cache, owner
+        self.cache = cache
         self.blocks: list[int] = list(block_ids)
         device = cache.device
         self.block_table = long_tensor(self.blocks, device)  # [num_blocks], no host sync
@@ -114,57 +104,64 @@ class RequestKV:
         # APE (pic.attention.ape): the request's context scaling and its chunk slots, [num_blocks * block_size] bool.
         self.context: tuple[ContextScaling, torch.Tensor] | None = None
 
+    @property
+    def references(self) -> list[int]:
+        """The blocks it holds a reference to, once per reference (its table's and its held chunk blocks)."""
+        return [] if self._released else self.blocks + self._held
+
     def physical(self, slots: torch.Tensor) -> torch.Tensor:
         """Request slots ``[n]`` int64 -> rows of the cache's ``[num_blocks * block_size, ...]`` views."""
         bs = self.cache.block_size
         return self.block_table[slots // bs] * bs + slots % bs
 
-    def append_slot(self) -> int:
-        """Reserve the next slot (one more private block when the last is full); returns its index.
+    @property
+    def is_full(self) -> bool:
+        """Every slot of its blocks is in use: the next one needs a block more (``add_block``)."""
+        return self.num_slots == len(self.blocks) * self.cache.block_size
 
-        Raises:
-            KVPoolExhaustedError: no block is free or evictable for its owner.
-        """
-        bs = self.cache.block_size
-        if self.num_slots == len(self.blocks) * bs:
-            (block,) = self.pool.allocate(1, owner=self.owner)
-            self.blocks.append(block)
-            device = self.block_table.device
-            self.block_table = torch.cat((self.block_table, long_tensor([block], device)))
-            self.kv_positions = torch.cat((self.kv_positions, torch.full((bs,), -1, dtype=torch.long, device=device)))
-            if self.context is not None:
-                grown = torch.cat((self.context[1], torch.zeros(bs, dtype=torch.bool, device=device)))
-                self.context = (self.context[0], grown)
+    def add_block(self, block: int) -> None:
+        """Append a private block (taken for this request) to the table."""
+        bs, device = self.cache.block_size, self.block_table.device
+        self.blocks.append(block)
+        self.block_table = torch.cat((self.block_table, long_tensor([block], device)))
+        self.kv_positions = torch.cat((self.kv_positions, torch.full((bs,), -1, dtype=torch.long, device=device)))
+        if self.context is not None:
+            grown = torch.cat((self.context[1], torch.zeros(bs, dtype=torch.bool, device=device)))
+            self.context = (self.context[0], grown)
+
+    def append_slot(self) -> int:
+        """Reserve the next slot (the caller added a block when ``is_full``); returns its index."""
+        assert not self.is_full, "append_slot on a full table: add_block first"
         self.num_slots += 1
         return self.num_slots - 1
 
-    def copy_on_write(self, indices: Sequence[int], fresh: Sequence[int]) -> None:
+    def copy_on_write(self, indices: Sequence[int], fresh: Sequence[int]) -> list[int]:
         """Give the request private copies of the blocks at table ``indices``: each block's KV is copied into
-        the matching ``fresh`` block (taken for this request), which takes its place in the table; the
-        request's reference to the old block is dropped."""
+        the matching ``fresh`` block (taken for this request), which takes its place in the table; returns the old
+        blocks, whose references the request let go (the caller frees them)."""
         if not indices:
-            return
+            return []
         old = [self.blocks[i] for i in indices]
         self.cache.copy_blocks(old, list(fresh))
         for i, block in zip(indices, fresh, strict=True):
             self.blocks[i] = block
         self.block_table = long_tensor(self.blocks, self.block_table.device)
         self.scratch.clear()  # whatever a backend derived from the old blocks
-        self.pool.free(old)
+        return old
 
-    def release_held(self) -> None:
-        """Drop the references to chunk blocks the request does not map (after the recompute pass)."""
+    def release_held(self) -> list[int]:
+        """Let the references to chunk blocks the request does not map go (after the recompute pass); returns them."""
         held, self._held = self._held, []
-        self.pool.free(held)
+        return held
 
-    def release(self) -> None:
-        """Drop every reference the request owns (idempotent): private blocks become free, shared
-        chunk blocks lose one reference and stay resident."""
-        if not self._released:
-            self._released = True
-            self.scratch.clear()
-            self.release_held()
-            self.pool.free(self.blocks)
+    def release(self) -> list[int]:
+        """Let every reference the request owns go; returns them, once (then ``[]``): freed, private blocks become
+        free and shared chunk blocks lose one reference and stay resident."""
+        if self._released:
+            return []
+        self._released = True
+        self.scratch.clear()
+        return self.release_held() + self.blocks
 
 
 @dataclass(frozen=True)

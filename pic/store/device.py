@@ -4,14 +4,15 @@ A chunk is resident when ``compile`` prefilled it into the pool, or when ``link`
 lower tier into fresh blocks. Requests map its blocks directly; the pool evicts unreferenced chunks,
 least recently used first, when it needs their blocks, and never evicts pinned ones.
 
-The tier keeps the pool and the KV tensors to itself: whoever allocates blocks (the linker, the
-compiler) is handed the pool by the engine that built both, not reached through the store.
+The tier reads the pool and writes nothing itself: it makes chunks resident, promotes, drops and pins them through
+the KV manager (``ResidentChunks``), the pool's one writer, which builds it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from typing import Protocol
 
 import torch
 
@@ -20,14 +21,28 @@ from pic.store.lease import FleetLeases
 from pic.store.tier import Extent, TierStats
 
 
+class ResidentChunks(Protocol):
+    """The writes of the pool's resident chunks the device tier asks for (``pic.engine.core.kv_manager.KVManager``,
+    the pool's one writer), and the pool it reads."""
+
+    pool: BlockPool
+
+    def add_chunk(self, info: ChunkInfo, block_ids: list[int]) -> None: ...
+    def promote(self, chunk: ChunkKV, *, owner: str) -> list[int]: ...
+    def drop(self, cache_id: str) -> bool: ...
+    def pin(self, cache_id: str) -> bool: ...
+    def unpin(self, cache_id: str) -> None: ...
+
+
 class DeviceTier:
-    """The store's view of the resident chunks of a ``BlockPool`` whose KV lives in a ``KVCache``."""
+    """The store's view of the resident chunks of a ``BlockPool`` whose KV lives in a ``KVCache``, written through
+    ``kv``."""
 
     name = "device"
 
-    def __init__(self, pool: BlockPool, cache: KVCache) -> None:
-        self._pool, self._cache = pool, cache
-        self._stats = TierStats(name=self.name, capacity_bytes=pool.num_blocks * cache.bytes_per_block)
+    def __init__(self, kv: ResidentChunks, cache: KVCache) -> None:
+        self._kv, self._pool, self._cache = kv, kv.pool, cache
+        self._stats = TierStats(name=self.name, capacity_bytes=kv.pool.num_blocks * cache.bytes_per_block)
 
     @property
     def kv_device(self) -> torch.device:
@@ -70,21 +85,13 @@ class DeviceTier:
     def add(self, info: ChunkInfo, block_ids: list[int]) -> None:
         """Make prefilled blocks resident as ``info``'s chunk (the caller's references become holds)."""
         assert len(block_ids) == self.num_blocks_for(info.num_tokens)
-        self._pool.add_chunk(info.cache_id, block_ids, info)
+        self._kv.add_chunk(info, block_ids)
 
     def promote(self, chunk: ChunkKV, *, owner: str | None = None) -> list[int]:
         """Load a chunk from a lower tier into fresh canonical blocks and make it resident (charged to its namespace);
         returns its blocks, held once for the caller. ``owner``: whose work it is (whose chunks are evicted first for
         it: the linking request's namespace; ``None``: the chunk's). The caller checked that the pool has room."""
-        owner = chunk.options.namespace if owner is None else owner
-        blocks = self._pool.allocate(self.num_blocks_for(chunk.num_tokens), owner=owner)
-        try:
-            self._cache.write(blocks, chunk.k, chunk.v)
-        except BaseException:
-            self._pool.free(blocks)
-            raise
-        self.add(chunk.info, blocks)
-        return blocks
+        return self._kv.promote(chunk, owner=chunk.options.namespace if owner is None else owner)
 
     def peek(self, cache_id: str, *, readable: Mapping[str, bytes] | None = None) -> ChunkKV | None:
         """A copy of a resident chunk's KV out of its blocks (to write it through to lower tiers); ``None`` also
@@ -99,13 +106,13 @@ class DeviceTier:
         return cache_id in self._pool.chunks
 
     def delete(self, cache_id: str) -> bool:
-        return self._pool.drop(cache_id)
+        return self._kv.drop(cache_id)
 
     def pin(self, cache_id: str) -> bool:
-        return self._pool.pin(cache_id)
+        return self._kv.pin(cache_id)
 
     def unpin(self, cache_id: str) -> None:
-        self._pool.unpin(cache_id)
+        self._kv.unpin(cache_id)
 
     def ids(self) -> list[str]:
         return list(self._pool.chunks)

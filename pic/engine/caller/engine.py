@@ -220,7 +220,7 @@ class PIC(CompileMethods, ChatMethods, RunMethods):
 
     def reset_peak(self) -> None:
         """Restart ``KVStats.peak_used_blocks`` from the blocks in use now."""
-        self._channel.ask(lambda core: core.pool.reset_peak())
+        self._channel.ask(lambda core: core.kv.reset_peak())
 
     def paused(self) -> contextlib.AbstractContextManager[Any]:
         """Stop the engine between two steps and lend its core (``pic.engine.core.EngineCore``) to the caller (tests

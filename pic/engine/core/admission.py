@@ -85,7 +85,8 @@ class Admission:
     def schedule(self, batch: ScheduledBatch, *, budget: int) -> None:
         """Give ``budget`` tokens to prefill work: the work under way first, then new work in the order of
         ``prefill_order``, the namespaces taking turns."""
-        self.sources.drop_abandoned()
+        for prefill in self.sources.drop_abandoned():
+            self.kv.abort(prefill)
         self._active = Counter(owner_of(seq) for seq in (*self.queues.running, *self.queues.prefilling))
         self._start_resumed(batch)
         under_way = list(self.queues.prefilling)

@@ -19,7 +19,6 @@ from pic.link.linker import Linker
 from pic.model import ModelRunner, ModelSpec
 from pic.model.loading import model_eos_ids
 from pic.store import TieredStore
-from pic.store.device import DeviceTier
 from pic.store.serde import Expected
 
 # A step's token budget by default: on a GPU a step's time barely grows with its tokens up to thousands; on a
@@ -106,8 +105,11 @@ def build_core(
         memory_fraction=config.kv_memory_fraction, kv_shares={n: q.kv_share for n, q in config.quotas.items()},
     )  # fmt: skip
     runner.attention_backend.precompile(cache.k[0], cache.v[0])  # every kernel variant, before any request
-    tiers = TieredStore.from_config(store, device=DeviceTier(pool, cache), expected=expected, quotas=config.quotas)
-    kv = KVManager(pool, cache, tiers, block_size=config.block_size, kv_bytes_per_token=spec.kv_bytes_per_token)
+    quotas = config.quotas
+    kv = KVManager(
+        pool, cache, block_size=config.block_size, kv_bytes_per_token=spec.kv_bytes_per_token,
+        store_over=lambda device: TieredStore.from_config(store, device=device, expected=expected, quotas=quotas),
+    )  # fmt: skip
     linker = Linker(
         spec, is_resident=kv.is_resident, block_size=config.block_size, share_chunk_blocks=config.share_chunk_blocks,
         attention_backend=runner.attention_backend.name,

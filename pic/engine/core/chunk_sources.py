@@ -40,12 +40,13 @@ class ChunkSources:
         self._recipes: OrderedDict[str, ChunkInfo] = OrderedDict()
         self._num_recipe_tokens = 0
 
-    def drop_abandoned(self) -> None:
-        """Stop the prefills whose waiters all ended (a request that failed meanwhile), freeing their blocks."""
-        for cid, prefill in list(self.prefills.items()):
-            if all(w.is_finished for w in prefill.waiters):
-                prefill.abort()
-                del self.prefills[cid]
+    def drop_abandoned(self) -> list[ChunkPrefill]:
+        """Take the prefills whose waiters all ended (a request that failed meanwhile) off the queue; returns them
+        (the KV manager frees their blocks: ``KVManager.abort``)."""
+        dropped = [p for p in self.prefills.values() if all(w.is_finished for w in p.waiters)]
+        for prefill in dropped:
+            del self.prefills[prefill.cache_id]
+        return dropped
 
     def compile(self, cache_id: str, content: list[int], options: CompileOptions) -> ChunkPrefill:
         """The prefill of ``cache_id``: a new one, queued, unless one is under way (whoever waits for it joins its

@@ -19,7 +19,7 @@ from pic.engine.core.chunk_sources import ChunkSources
 from pic.engine.core.kv_manager import KVManager
 from pic.engine.core.sequence import Sequence
 from pic.engine.request import CompileJob, Stored
-from pic.kv import BlockPool
+from pic.errors import EngineStepError
 from pic.store import TieredStore
 
 
@@ -53,20 +53,20 @@ class CompileCall:
         return self.error is not None or not (self.checks or self.prefilling or self.writes)
 
     def fail(self, error: Exception) -> None:
-        self.error = self.error or error
+        self.error = self.error or EngineStepError.of(error)
 
-    def end(self, pool: BlockPool, store: TieredStore) -> None:
+    def end(self, kv: KVManager, store: TieredStore) -> None:
         """Answer the call (where its chunks are in ``store``, or its error) and release its holds."""
         if self.error is not None:
             self.reply.set_exception(self.error)
         else:  # (before the holds go: every chunk of the call is resident)
             tiers = {cid: self._tiers(cid, store) for cid in self.job.tokens}
             self.reply.set_result(Stored(compiled=self.compiled, tiers=tiers))
-        self.release(pool)
+        self.release(kv)
 
-    def release(self, pool: BlockPool) -> None:
+    def release(self, kv: KVManager) -> None:
         for blocks in self.held.values():
-            pool.free(blocks)
+            kv.free_blocks(blocks)
         self.held = {}
 
     def _tiers(self, cache_id: str, store: TieredStore) -> tuple[str, ...]:
@@ -81,7 +81,7 @@ class CompileCalls:
     and fail only if they still do not fit once nothing runs."""
 
     def __init__(self, sources: ChunkSources, *, kv: KVManager, busy: Callable[[], bool]) -> None:
-        self.sources, self.loader, self.store, self.pool = sources, sources.loader, sources.store, kv.pool
+        self.sources, self.loader, self.store = sources, sources.loader, sources.store
         self.kv, self.busy = kv, busy
         self.open: list[CompileCall] = []
 
@@ -94,7 +94,7 @@ class CompileCalls:
             self.sources.remember_content(cid, content, job.options)
         for cid in call.keep:  # every resident chunk of the call's documents stays for its length
             if self.store.device.contains(cid):
-                call.held[cid] = self.pool.hold(cid)
+                call.held[cid] = self.kv.hold_chunk(cid)
         for cid in dict.fromkeys(job.todo):  # which lower tiers lack each: write back, or compile
             if self.loader.has_lower_tiers and job.lower_tiers:
                 call.checks[cid] = self.loader.missing(cid)
@@ -112,7 +112,7 @@ class CompileCalls:
             if not self.busy():
                 self.kv.check_compile(call.job, call.new, bos_token_id=self.sources.bos_token_id)
         except Exception:
-            call.release(self.pool)  # not answered: the caller raises
+            call.release(self.kv)  # not answered: the caller raises
             raise
         for cid in call.new:
             self.sources.compile(cid, call.job.tokens[cid], call.job.options).calls.append(call)
@@ -140,13 +140,13 @@ class CompileCalls:
                         continue
                     call.lower[cid].update(tiers)
                     if tiers and cid in call.held:
-                        self.pool.free(call.held.pop(cid))
+                        self.kv.free_blocks(call.held.pop(cid))
         self._end_done()
 
     def _end_done(self) -> None:
         for call in [c for c in self.open if c.done]:
             self.open.remove(call)
-            call.end(self.pool, self.store)
+            call.end(self.kv, self.store)
 
     def _checked(self, call: CompileCall, cid: str, check: Future) -> None:
         """The lower tiers that lack ``cid`` are known: a resident chunk is written back to them (copied out of the
@@ -158,7 +158,7 @@ class CompileCalls:
             return
         call.lower[cid].update(t.name for t in self.store.lower if t not in missing)
         if cid not in call.held and self.store.device.contains(cid):  # compiled meanwhile
-            call.held[cid] = self.pool.hold(cid)
+            call.held[cid] = self.kv.hold_chunk(cid)
         if cid in call.held:
             if missing:
                 copy = self.store.copy_for_lower(cid)
@@ -179,7 +179,7 @@ class CompileCalls:
     def chunk_done(self, prefill: ChunkPrefill) -> list[Sequence]:
         """A prefill's last piece ran: make the chunk resident, hand each call waiting for it a hold on it, write it
         through; returns the requests that waited for it (the engine holds it for them)."""
-        info, blocks = prefill.finish()
+        info, blocks = self.kv.finish(prefill)
         del self.sources.prefills[prefill.cache_id]
         calls = prefill.calls
         through = [call for call in calls if call.job.lower_tiers]
@@ -196,17 +196,17 @@ class CompileCalls:
             self.loader.write_back(self.store.copy_for_lower(info.cache_id))
         for call in calls:
             call.prefilling.discard(info.cache_id)
-            call.held[info.cache_id] = self.pool.hold(info.cache_id)
+            call.held[info.cache_id] = self.kv.hold_chunk(info.cache_id)
             call.compiled.append(info.cache_id)
             call.job.on_chunk()
             if write is not None and call.job.lower_tiers:
                 call.writes[info.cache_id] = write
-        self.pool.free(blocks)  # (resident: the requests that waited for it hold it next, before any allocation)
+        self.kv.free_blocks(blocks)  # (resident: the requests that waited for it hold it next, before any allocation)
         return prefill.requests
 
     def prefill_failed(self, prefill: ChunkPrefill, error: Exception) -> list[Sequence]:
         """A prefill cannot run: its blocks go, its calls fail; returns the requests that waited for it."""
-        prefill.abort()
+        self.kv.abort(prefill)
         self.sources.prefills.pop(prefill.cache_id, None)
         for call in prefill.calls:
             call.prefilling.discard(prefill.cache_id)
@@ -216,5 +216,5 @@ class CompileCalls:
     def fail_all(self, error: Exception) -> None:
         for call in self.open:
             call.fail(error)
-            call.end(self.pool, self.store)
+            call.end(self.kv, self.store)
         self.open = []

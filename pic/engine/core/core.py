@@ -34,7 +34,7 @@ from pic.engine.core.sequence import Sequence, Status, Transition
 from pic.engine.generation import FinishReason
 from pic.engine.request import CompileJob, NewRequest, OutputSink
 from pic.engine.sampling import SamplingParams
-from pic.errors import EngineClosedError
+from pic.errors import EngineClosedError, EngineStepError
 from pic.link.linker import Linker
 from pic.model import ModelRunner
 from pic.model.inputs import AttentionObserver
@@ -67,6 +67,7 @@ class EngineCore:
         self.scheduler = Scheduler(kv, linker, self.sources, self.compiles, self.decoder, config=config)
         self.num_steps = self.num_batched_seqs = 0  # steps that ran a forward, and the sequences in them
         self.closed = False  # ``close`` ran: the core thread ends
+        self.closed_error: Exception | None = None  # why (refused to every later command)
         self.wake = lambda: None  # called from a loader thread when store I/O is done (the core thread sets it)
 
     def add(self, new: NewRequest) -> None:
@@ -99,25 +100,40 @@ class EngineCore:
 
     def step_once(self, *, paced: bool = True) -> None:
         """One step, if any work can run (``paced=False``: not counting requests that wait for ``Step``). A step
-        fails only its own requests; anything that escapes it is a bug, which fails every open request."""
+        fails only its own requests (``_step_failed``)."""
         if not self.scheduler.has_work(paced=paced):
             return
         try:
             self.step()
         except Exception as exc:
-            log.exception("pic: an engine step failed; failing the open requests")
-            self.fail_all(exc)
+            log.exception("pic: an engine step failed")
+            self._step_failed(exc)
+
+    def _step_failed(self, exc: Exception) -> None:
+        """The one rule for a step that fails: what escaped it (a bug: a request's own errors fail it inside the
+        step) fails the work the step may have touched, every open request but the parked links and every compile
+        call, with an ``EngineStepError``; the loader, the writer and the pool go on, and the next request is
+        served. Then the KV manager audits the pool against what still holds blocks: where it does not add up, the
+        state cannot be trusted, and the engine closes (every later call: ``EngineClosedError``)."""
+        error = EngineStepError.of(exc)
+        for seq in list(self.scheduler.queues.requests.values()):
+            if seq.status is not Status.PARKED:
+                self.scheduler.fail(seq, error, quiet=True)
+        self.compiles.fail_all(error)
+        for prefill in self.sources.drop_abandoned():
+            self.kv.abort(prefill)
+        problem = self.kv.audit(self.scheduler.queues.requests.values(), self.sources.prefills.values())
+        if problem is not None:
+            log.error("pic: the KV pool does not add up after a failed step (%s): closing the engine", problem)
+            self.close(EngineClosedError(f"the engine closed: a failed step left its KV pool inconsistent ({problem})"))
 
     def close(self, error: Exception) -> None:
-        self.fail_all(error)
-        self.closed = True
-
-    def fail_all(self, error: Exception) -> None:
-        """End every sequence and compile call with ``error`` and free their blocks."""
+        """Fail every open request and compile call with ``error``, stop the loader, and end the core thread."""
         for seq in list(self.scheduler.queues.requests.values()):
             self.scheduler.fail(seq, error, quiet=True)
         self.compiles.fail_all(error)
         self.loader.close()
+        self.closed, self.closed_error = True, error
 
     def forget_chunk(self, cache_id: str) -> bool:
         """Drop a chunk from the pool and from the engine's memory of its tokens; whether the pool held it."""
@@ -146,7 +162,7 @@ class EngineCore:
             hidden = self.runner.forward(inputs)
         except Exception as exc:
             log.exception("pic: a forward failed")
-            return ForwardOutput(error=exc)
+            return ForwardOutput(error=EngineStepError.of(exc))
         self.num_steps += 1
         self.num_batched_seqs += len(inputs)
         return ForwardOutput(hidden)
@@ -158,6 +174,7 @@ class CoreThread:
 
     def __init__(self, core: EngineCore) -> None:
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self._core = core
         core.wake = lambda: self._commands.put(Wake())
         self._thread = threading.Thread(target=run, args=(core, self._commands), name="pic-engine", daemon=True)
         self._closed = False
@@ -174,6 +191,8 @@ class CoreThread:
         """Queue ``command`` (``EngineClosedError`` once the engine is closed)."""
         if self._closed:
             raise EngineClosedError("the engine was closed; build a new one")
+        if self._core.closed:  # (closed itself: a failed step left it inconsistent)
+            raise EngineClosedError(f"{self._core.closed_error}; build a new one")
         self._commands.put(command)
 
     def call(self, make: Callable[[Future], Command]) -> object:
@@ -232,7 +251,7 @@ def run(core: EngineCore, commands: queue.SimpleQueue[Command]) -> None:
             command = _next(commands) if not core.closed else None
         if not core.closed:
             core.step_once(paced=False)
-    error = EngineClosedError("the engine was closed")
+    error = core.closed_error or EngineClosedError("the engine was closed")
     while (command := _next(commands)) is not None:  # no client waits forever
         command.refuse(error)
 

@@ -1,7 +1,10 @@
-"""``KVManager``: the one owner of the KV pool's blocks (vLLM's KVCacheManager), for linked requests and chunk
-compiles alike. The scheduler decides *who* runs; the KV manager does the pool work its decisions need and writes
-each sequence's ``SeqBlocks`` (nothing else does); the ``Linker`` asks it ``is_resident`` when it counts what a
-request takes.
+"""``KVManager``: the one owner of the KV pool's blocks (vLLM's KVCacheManager in front of its BlockPool), for linked
+requests, chunk compiles and the store's device tier alike: nothing else calls a method of ``BlockPool`` that
+changes it (a test walks pic/ for one). The scheduler decides *who* runs; the KV manager does the pool work its
+decisions need and writes each sequence's ``SeqBlocks`` (nothing else does); compile calls hold and free their
+chunks through it; the device tier (``pic.store.device``, which it builds) makes chunks resident, promotes, drops
+and pins them through it; a ``RequestKV`` or a ``ChunkPrefill`` keeps no pool and hands back the blocks it lets go.
+The ``Linker`` asks it ``is_resident`` when it counts what a request takes.
 
 Whose blocks: a request's work is its namespace's (``seq.request.access.own.name``), a compile's the namespace of its
 chunks (``options.namespace``): the pool charges them their blocks and evicts their own chunks first for them
@@ -9,24 +12,36 @@ chunks (``options.namespace``): the pool charges them their blocks and evicts th
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Callable, Iterable
+
 from pic.compile import ChunkPrefill, lead_tokens, prefill_blocks
 from pic.engine.core.sequence import SeqBlocks, Sequence
 from pic.engine.request import CompileJob
-from pic.kv import BlockPool, KVCache, RequestKV, blocks_for
+from pic.kv import BlockPool, ChunkInfo, ChunkKV, KVCache, RequestKV, blocks_for
 from pic.link.assemble import Assembly, AssemblyPlan, block_table, source_rows
 from pic.link.linker import LinkPlan
 from pic.store import TieredStore
+from pic.store.device import DeviceTier
 
 
 class KVManager:
-    """Block-level work on sequences and chunk prefills; ``store`` promotes chunks from the lower tiers into
-    ``pool``; ``kv_bytes_per_token``: K and V bytes of one token (what a chunk takes in a lower tier)."""
+    """Block-level work on sequences, chunk prefills and resident chunks; ``store_over`` builds the chunk store over
+    the device tier this manager writes (``self.store``: it promotes chunks from the lower tiers into ``pool``);
+    ``kv_bytes_per_token``: K and V bytes of one token (what a chunk takes in a lower tier)."""
 
     def __init__(
-        self, pool: BlockPool, cache: KVCache, store: TieredStore, *, block_size: int, kv_bytes_per_token: int
+        self,
+        pool: BlockPool,
+        cache: KVCache,
+        *,
+        store_over: Callable[[DeviceTier], TieredStore],
+        block_size: int,
+        kv_bytes_per_token: int,
     ) -> None:
-        self.store, self.pool, self.cache, self._block_size = store, pool, cache, block_size
+        self.pool, self.cache, self._block_size = pool, cache, block_size
         self._kv_bytes_per_token = kv_bytes_per_token
+        self.store = store_over(DeviceTier(self, cache))
 
     def can_allocate(self, seq: Sequence, plan: LinkPlan) -> bool:
         """Whether the pool holds ``plan`` (and the blocks its probe's second pass may copy)."""
@@ -82,7 +97,7 @@ class KVManager:
             pool.free(b for blocks in taken.values() for b in blocks)
             raise
         all_held = [b for blocks in held.values() for b in blocks]
-        req = RequestKV(pool, self.cache, table, num_slots=layout.num_slots, held=all_held, owner=owner)
+        req = RequestKV(self.cache, table, num_slots=layout.num_slots, held=all_held)
         rows = source_rows(layout, canonical, self.cache)
         return Assembly(req, rows, num_shared_blocks=len(plan.shared), num_private_blocks=plan.num_private)
 
@@ -94,23 +109,26 @@ class KVManager:
         fresh, rest = blocks.reserved[: len(shared)], blocks.reserved[len(shared) :]
         blocks.reserved = []
         self.pool.free(rest)
-        blocks.kv.copy_on_write(shared, fresh)
+        self.pool.free(blocks.kv.copy_on_write(shared, fresh))
         blocks.shared -= set(shared)
         blocks.num_shared -= len(shared)
         blocks.num_private += len(shared)
 
     def pass_done(self, seq: Sequence) -> None:
         """After the forward that ended its pass: the canonical blocks the request copied are no longer read."""
-        seq.blocks.kv.release_held()
+        self.pool.free(seq.blocks.kv.release_held())
 
     def can_append(self, seq: Sequence) -> bool:
         """Whether ``append`` can take the slot of the sequence's next token."""
-        kv = seq.blocks.kv
-        return kv.num_slots < len(kv.blocks) * self._block_size or self.pool.num_available(owner=kv.owner) >= 1
+        return not seq.blocks.kv.is_full or self.pool.num_available(owner=owner_of(seq)) >= 1
 
     def append(self, seq: Sequence) -> None:
-        """Reserve the slot of the next token (a new private block when the last is full)."""
-        seq.blocks.next_slot = seq.blocks.kv.append_slot()
+        """Reserve the slot of the next token (a new private block when the last is full: ``KVPoolExhaustedError``
+        when none is free or evictable for its owner)."""
+        kv = seq.blocks.kv
+        if kv.is_full:
+            kv.add_block(*self.pool.allocate(1, owner=owner_of(seq)))
+        seq.blocks.next_slot = kv.append_slot()
 
     def preempt(self, seq: Sequence) -> None:
         """Free the sequence's blocks but keep its chunks resident (held) until it is admitted again."""
@@ -132,7 +150,7 @@ class KVManager:
     def _release(self, blocks: SeqBlocks) -> None:
         """Free its table's blocks and those set aside for a probe's copies (its holds stay)."""
         if blocks.kv is not None:
-            blocks.kv.release()
+            self.pool.free(blocks.kv.release())
             blocks.kv = None
         reserved, blocks.reserved = blocks.reserved, []
         self.pool.free(reserved)
@@ -165,8 +183,73 @@ class KVManager:
     def start(self, prefill: ChunkPrefill) -> None:
         """Take a chunk prefill's blocks (``KVPoolExhaustedError``: the pool cannot hold them; nothing is taken)."""
         what = f"compiling chunk {prefill.cache_id} ({len(prefill.token_ids)} tokens)"
-        self.pool.check_available(prefill.num_blocks(self._block_size), what=what, owner=prefill.options.namespace)
-        prefill.start(self.pool, self.cache)
+        num_blocks, owner = prefill.num_blocks(self._block_size), prefill.options.namespace
+        self.pool.check_available(num_blocks, what=what, owner=owner)
+        prefill.start(self.pool.allocate(num_blocks, owner=owner), self.cache)
+
+    def finish(self, prefill: ChunkPrefill) -> tuple[ChunkInfo, list[int]]:
+        """A prefill's last piece ran: its chunk's info and canonical blocks (held once for the caller: ``add_chunk``
+        makes them resident); its lead blocks are freed."""
+        info, canonical, lead = prefill.finish()
+        self.pool.free(lead)
+        return info, canonical
+
+    def abort(self, prefill: ChunkPrefill) -> None:
+        """Free the blocks a prefill took (idempotent)."""
+        self.pool.free(prefill.abort())
+
+    # -- resident chunks: the device tier's writes (``pic.store.device.ResidentChunks``) and compile calls' holds
+
+    def add_chunk(self, info: ChunkInfo, block_ids: list[int]) -> None:
+        """Make prefilled blocks resident as ``info``'s chunk (the caller's references become holds)."""
+        self.pool.add_chunk(info.cache_id, block_ids, info)
+
+    def promote(self, chunk: ChunkKV, *, owner: str) -> list[int]:
+        """Write a chunk read from a lower tier into fresh blocks taken for ``owner`` and make it resident; returns its
+        blocks, held once for the caller (who checked that the pool has room)."""
+        blocks = self.pool.allocate(blocks_for(chunk.num_tokens, self._block_size), owner=owner)
+        try:
+            self.cache.write(blocks, chunk.k, chunk.v)
+        except BaseException:
+            self.pool.free(blocks)
+            raise
+        self.add_chunk(chunk.info, blocks)
+        return blocks
+
+    def drop(self, cache_id: str) -> bool:
+        return self.pool.drop(cache_id)
+
+    def pin(self, cache_id: str) -> bool:
+        return self.pool.pin(cache_id)
+
+    def unpin(self, cache_id: str) -> None:
+        self.pool.unpin(cache_id)
+
+    def hold_chunk(self, cache_id: str) -> list[int]:
+        """A reference to every block of a resident chunk (nothing evicts it until ``free_blocks``)."""
+        return self.pool.hold(cache_id)
+
+    def free_blocks(self, block_ids: Iterable[int]) -> None:
+        """Let one reference to each block go (a hold, or blocks taken for work that ended)."""
+        self.pool.free(block_ids)
+
+    def reset_peak(self) -> None:
+        self.pool.reset_peak()
+
+    def audit(self, seqs: Iterable[Sequence], prefills: Iterable[ChunkPrefill]) -> str | None:
+        """Whether the pool adds up with the blocks ``seqs`` (the open requests) and ``prefills`` (the queued chunk
+        prefills) hold, when no compile call is open (``BlockPool.audit``: ``None``, or what does not)."""
+        references: Counter[int] = Counter()
+        for seq in seqs:
+            blocks = seq.blocks
+            references.update(b for held in blocks.held.values() for b in held)
+            references.update(blocks.reserved)
+            if blocks.kv is not None:
+                references.update(blocks.kv.references)
+        for prefill in prefills:
+            if prefill.kv is not None:
+                references.update(prefill.kv.references)
+        return self.pool.audit(references)
 
 
 def owner_of(seq: Sequence) -> str:

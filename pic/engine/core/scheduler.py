@@ -27,7 +27,7 @@ from pic.engine.core.kv_manager import KVManager
 from pic.engine.core.sequence import Queues, Sequence, Status, Transition
 from pic.engine.generation import FinishReason
 from pic.engine.request import RequestOutput
-from pic.errors import PicError, SequenceStateError
+from pic.errors import EngineStepError, PicError, SequenceStateError
 from pic.link.linker import Linker
 
 log = logging.getLogger("pic")
@@ -221,7 +221,7 @@ class Scheduler:
         elif not quiet:  # (a bug, or a policy's own error: with its traceback)
             trace = None if isinstance(why, PicError) else why
             log.error("pic: request %d failed: %s", seq.request_id, why, exc_info=trace)
-        self.finish(seq, why)
+        self.finish(seq, why if why is FinishReason.KV_POOL else EngineStepError.of(why))
 
     def finish(self, seq: Sequence, why: FinishReason | Exception, *, text: str = "", token: int | None = None) -> None:
         """End the sequence (out of its queue, FINISHED), free its blocks, and put its last output (with ``text`` and
