@@ -107,32 +107,44 @@ def lay_out(
     lexical: Sequence[float] | None = None,
 ) -> Layout:
     """Place prefix, chunks and query in slots (the module docstring); ``relevance``, one score per chunk, is
-    kept in its segment."""
+    kept in its segment. Per segment, not per token: the token ids are the chunks' own tensors concatenated, and
+    slots and ``cached`` come from one ``repeat_interleave`` over the segments (a 32K-token link of 64 chunks
+    builds them in a few torch calls, not from lists of 32K Python ints)."""
     scores = list(relevance) if relevance is not None else [None] * len(chunks)
-    parts = [(SegmentKind.PREFIX, list(prefix), None, None)] if prefix else []
-    parts += [(SegmentKind.CHUNK, c.token_ids.tolist(), c.cache_id, r) for c, r in zip(chunks, scores, strict=True)]
-    parts.append((SegmentKind.QUERY, list(query), None, None))
-    segments, token_ids, slots, cached = [], [], [], []
-    num_slots = 0
+    parts = [(SegmentKind.PREFIX, _ids(prefix), None, None)] if prefix else []
+    parts += [(SegmentKind.CHUNK, _ids(c.token_ids), c.cache_id, r) for c, r in zip(chunks, scores, strict=True)]
+    parts.append((SegmentKind.QUERY, _ids(query), None, None))
+    segments, lengths, shifts = [], [], []
+    num_slots = num_tokens = 0
     for kind, ids, cache_id, score in parts:
-        padding = 0 if kind is SegmentKind.QUERY else -len(ids) % block_size
+        n = ids.shape[0]
+        padding = 0 if kind is SegmentKind.QUERY else -n % block_size
         slot_start = num_slots + padding
-        segments.append(Segment(kind, len(token_ids), len(ids), slot_start, padding, cache_id, score))
-        token_ids += ids
-        cached += [kind is SegmentKind.CHUNK] * len(ids)
-        num_slots = slot_start + len(ids)
-        slots += range(slot_start, num_slots)
+        segments.append(Segment(kind, num_tokens, n, slot_start, padding, cache_id, score))
+        lengths.append(n)
+        shifts.append(slot_start - num_tokens)  # a segment's slots: its tokens' indices, shifted
+        num_tokens += n
+        num_slots = slot_start + n
+    counts = torch.tensor(lengths)
+    kinds = torch.tensor([kind is SegmentKind.CHUNK for kind, *_ in parts])
     return Layout(
         block_size=block_size,
         segments=tuple(segments),
-        token_ids=torch.tensor(token_ids, dtype=torch.long),
-        positions=_parallel_positions(segments) if parallel else torch.arange(len(token_ids)),
-        slots=torch.tensor(slots, dtype=torch.long),
-        cached=torch.tensor(cached, dtype=torch.bool),
+        token_ids=torch.cat([ids for _, ids, *_ in parts]).long(),
+        positions=_parallel_positions(segments) if parallel else torch.arange(num_tokens),
+        slots=torch.arange(num_tokens) + torch.tensor(shifts).repeat_interleave(counts, output_size=num_tokens),
+        cached=kinds.repeat_interleave(counts, output_size=num_tokens),
         num_slots=num_slots,
         num_generated=num_generated,
         lexical=None if lexical is None else tuple(lexical),
     )
+
+
+def _ids(tokens: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    """``[n]`` int64 (CPU) token ids."""
+    if isinstance(tokens, torch.Tensor):
+        return tokens.reshape(-1).long().cpu()
+    return torch.tensor(list(tokens), dtype=torch.long)
 
 
 def _parallel_positions(segments: list[Segment]) -> torch.Tensor:
