@@ -11,6 +11,7 @@ keeps its chunks' order and its probe's choice.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -20,7 +21,7 @@ from pic.errors import PolicyError, linked_too_long
 from pic.kv import ChunkInfo, ChunkKV, RequestKV
 from pic.link.assemble import AssemblyPlan, plan_assembly
 from pic.link.layout import Layout, lay_out
-from pic.link.order import ChunkOrder, Order, bm25, chunk_order
+from pic.link.order import ChunkOrder, Order, TermStats, bm25, chunk_order, term_stats
 from pic.link.policies import Policy
 from pic.link.recompute import PassResult, RecomputePass
 from pic.model import ModelSpec
@@ -91,6 +92,9 @@ class Linker:
     ) -> None:
         self.spec, self.is_resident, self.block_size = spec, is_resident, block_size
         self._share, self._backend = share_chunk_blocks, attention_backend
+        # id(a chunk's token_ids) -> (a weak reference to it, its BM25 terms): made once while the tensor lives (a
+        # resident chunk's ``ChunkInfo`` keeps it), not per link
+        self._terms: dict[int, tuple[weakref.ref, TermStats]] = {}
 
     def plan(
         self,
@@ -175,11 +179,12 @@ class Linker:
         first = link.chunk_order is None
         if first:
             order = link.policy.order if link.order is Order.POLICY else link.order
-            tokens = [c.token_ids.tolist() for c in chunks]
             asked = query[: len(query) - num_generated]  # the caller's query, not the tokens generated before
+            units: list = [()] * len(chunks)  # (only BM25 reads the chunks' tokens)
             if order is Order.RELEVANCE and relevance is None:
-                link.lexical = tuple(bm25(asked, tokens))
-            link.chunk_order = chunk_order(order, asked, tokens, relevance if relevance is not None else link.lexical)
+                units = [self._term_stats(c.token_ids) for c in chunks]
+                link.lexical = tuple(bm25(asked, units))
+            link.chunk_order = chunk_order(order, asked, units, relevance if relevance is not None else link.lexical)
         order = link.chunk_order
         layout = link.layout = lay_out(
             prefix=prefix, chunks=order.apply(chunks), query=query, block_size=self.block_size,
@@ -193,6 +198,17 @@ class Linker:
             self._specialise(link)
         link.laid_out = (chunks, len(query))
         link.selected = self._selection(link)
+
+    def _term_stats(self, tokens: torch.Tensor) -> TermStats:
+        """A chunk's BM25 terms (``[L]`` token ids), kept as long as the tensor is."""
+        key = id(tokens)
+        entry = self._terms.get(key)
+        if entry is not None and entry[0]() is tokens:
+            return entry[1]
+        stats = term_stats(tokens)
+        terms = self._terms
+        self._terms[key] = (weakref.ref(tokens, lambda _, key=key: terms.pop(key, None)), stats)
+        return stats
 
     def _specialise(self, link: LinkState) -> None:
         """The policy's choice for the first layout (``Policy.for_layout``), once, before anything is planned with it.

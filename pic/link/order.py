@@ -83,30 +83,60 @@ class ChunkOrder:
 
 
 def chunk_order(
-    order: Order, query: Sequence[int], chunks: Sequence[Sequence[int]], relevance: Sequence[float] | None = None
+    order: Order,
+    query: Sequence[int],
+    chunks: Sequence[Sequence[int] | TermStats],
+    relevance: Sequence[float] | None = None,
 ) -> ChunkOrder:
     """The order ``order`` gives (``POLICY`` is resolved by the linker first). ``RELEVANCE``: the chunks least
-    relevant first (a stable sort) by ``relevance`` (higher: more relevant), else by BM25 against ``query``."""
+    relevant first (a stable sort) by ``relevance`` (higher: more relevant), else by BM25 against ``query`` (a chunk
+    given as its tokens or its ``TermStats``)."""
     if order is Order.GIVEN:
         return ChunkOrder(Order.GIVEN, tuple(range(len(chunks))))
     if order is not Order.RELEVANCE:
         raise InvalidInputError(f"order {order.value!r} must be resolved by the link's policy first")
-    scores = list(relevance) if relevance is not None else bm25(list(query), [list(c) for c in chunks])
+    scores = list(relevance) if relevance is not None else bm25(list(query), list(chunks))
     return ChunkOrder(Order.RELEVANCE, tuple(sorted(range(len(chunks)), key=lambda i: scores[i])))
 
 
-def bm25(query: Sequence[int], units: Sequence[Sequence[int]], *, corpus: Sequence[Sequence[int]] | None = None):
+@dataclass(frozen=True)
+class TermStats:
+    """What BM25 reads of one unit (``term_stats``), made once per chunk, not once per link: its length, each
+    distinct token's count, and each distinct token's place in ``set(tokens)``'s iteration order (the order
+    ``bm25`` meets the terms in, which fixes the order its sums add in)."""
+
+    length: int
+    counts: Counter
+    order: dict[int, int]
+
+
+def term_stats(tokens: Sequence[int] | torch.Tensor) -> TermStats:
+    """``tokens``' ``TermStats`` (a tensor: its ``[L]`` token ids)."""
+    tokens = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
+    return TermStats(len(tokens), Counter(tokens), {t: i for i, t in enumerate(set(tokens))})
+
+
+def bm25(
+    query: Sequence[int],
+    units: Sequence[Sequence[int] | TermStats],
+    *,
+    corpus: Sequence[Sequence[int] | TermStats] | None = None,
+):
     """BM25 of each unit (a chunk, or a window of one) against the query's distinct tokens: ``list[float]``, 0 for a
     unit sharing no token with it. The terms' rarity (IDF) is counted over ``corpus`` (default: ``units``): windows
-    of chunks are scored with the chunks' IDF, so a word every chunk has counts for little in any window."""
-    corpus = units if corpus is None else corpus
+    of chunks are scored with the chunks' IDF, so a word every chunk has counts for little in any window. A unit may
+    be its ``TermStats`` (a chunk's, kept between links): then its cost is the query's terms, not its tokens."""
+    units = [u if isinstance(u, TermStats) else term_stats(u) for u in units]
+    corpus = units if corpus is None else [u if isinstance(u, TermStats) else term_stats(u) for u in corpus]
     terms = set(query)
-    df = Counter(t for doc in corpus for t in set(doc) if t in terms)
+    df: Counter = Counter()
+    for doc in corpus:  # the terms each doc holds, in its set's order (as iterating ``set(doc)`` meets them)
+        df.update(sorted((t for t in terms if t in doc.order), key=doc.order.__getitem__))
     idf = {t: math.log(1 + (len(corpus) - n + 0.5) / (n + 0.5)) for t, n in df.items()}
-    mean_len = sum(len(u) for u in units) / max(len(units), 1)
+    mean_len = sum(u.length for u in units) / max(len(units), 1)
     scores = []
     for unit in units:
-        counts, norm = Counter(unit), _K1 * (1 - _B + _B * len(unit) / max(mean_len, 1e-9))
+        counts, norm = unit.counts, _K1 * (1 - _B + _B * unit.length / max(mean_len, 1e-9))
         scores.append(sum(w * counts[t] * (_K1 + 1) / (counts[t] + norm) for t, w in idf.items() if counts[t]))
     return scores
 

@@ -30,7 +30,7 @@ import torch
 from pydantic import Field
 
 from pic.link.layout import Layout, Segment
-from pic.link.order import bm25
+from pic.link.order import bm25, term_stats
 from pic.link.policies.base import Policy
 from pic.link.policies.heads import chunk_heads
 from pic.link.policies.scoring import top_chunk_tokens
@@ -86,7 +86,7 @@ class Regions(Policy):
         return int(self.budget * sum(seg.num_tokens for seg in layout.chunks))
 
     def _lexical(self, layout: Layout, limit: int) -> torch.Tensor:
-        units = [layout.token_ids[seg.tokens].tolist() for seg in layout.chunks]
+        units = [term_stats(layout.token_ids[seg.tokens]) for seg in layout.chunks]  # (every window's corpus)
         query = layout.query_ids
         return self._choose(layout, lambda seg, windows: bm25(query, windows, corpus=units), _relevance(layout), limit)
 
