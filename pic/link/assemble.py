@@ -14,12 +14,14 @@ manager's (``KVManager.allocate``), the pool's one owner.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from pic.kv import ChunkInfo, ChunkKV, KVCache, RequestKV, blocks_for
+from pic.kv.transfer import to_device
 from pic.link.layout import Layout
 
 
@@ -36,13 +38,27 @@ class Assembly:
 
 
 @dataclass(frozen=True)
+class ChunkBlocks:
+    """The chunk blocks of a layout's table, in prompt order (every chunk segment's blocks, first to last):
+    ``index``, ``[n]`` int64 (CPU), each one's request block; ``sizes``, each chunk segment's number of blocks
+    (``sum(sizes) == n``). Tensors, not a dict per block: a 32K-token link has 2,048 of them."""
+
+    index: torch.Tensor
+    sizes: tuple[int, ...]
+
+    def __len__(self) -> int:
+        return self.index.shape[0]
+
+
+@dataclass(frozen=True)
 class AssemblyPlan:
     """What a linked request needs from the pool, counted before anything is taken (no tensors touched).
 
     Attributes:
         chunks: what ``ChunkSources.resolve`` found for the layout's chunks.
-        chunk_blocks: request block -> (chunk segment index, block within the chunk), for every chunk block.
-        shared: the chunk blocks mapped as they are (no recomputed token in them).
+        chunk_blocks: the request blocks of every chunk block (``ChunkBlocks``).
+        shared: the request blocks (indices into its table, increasing) mapped as they are: chunk blocks with no
+            recomputed token in them.
         to_promote: chunks to load from a lower tier into fresh canonical blocks.
         resident: resident chunks the request holds while it links, in prompt order.
         num_private: blocks the request owns (prefix, query, copy-on-write chunk blocks).
@@ -50,8 +66,8 @@ class AssemblyPlan:
 
     layout: Layout
     chunks: tuple[ChunkInfo | ChunkKV, ...]
-    chunk_blocks: dict[int, tuple[int, int]]
-    shared: dict[int, tuple[int, int]]
+    chunk_blocks: ChunkBlocks
+    shared: tuple[int, ...]
     to_promote: dict[str, ChunkKV]
     resident: tuple[str, ...]
     num_private: int
@@ -74,11 +90,13 @@ def plan_assembly(
     """Count what the KV manager will take (the module docstring). ``chunks``: what ``ChunkSources.resolve``
     found for each chunk segment of ``layout``, in order (a resident one must still be resident). ``dirty``:
     ``[T]`` bool (CPU), tokens whose KV the request writes: the blocks holding a dirty chunk token are private
-    copies (all True: every request its own copy of everything)."""
+    copies (all True: every request its own copy of everything). Per chunk and in tensors, not per block."""
     num_blocks = blocks_for(layout.num_slots, layout.block_size)
     chunk_blocks = _chunk_blocks(layout)
-    dirty_blocks = set((layout.slots[dirty & layout.cached] // layout.block_size).tolist())
-    shared = {i: where for i, where in chunk_blocks.items() if i not in dirty_blocks}
+    clean = torch.zeros(num_blocks, dtype=torch.bool)
+    clean[chunk_blocks.index] = True
+    clean[layout.slots[dirty & layout.cached] // layout.block_size] = False
+    shared = tuple(clean.nonzero().squeeze(1).tolist())
     to_promote = {c.cache_id: c for c in chunks if isinstance(c, ChunkKV) and not is_resident(c.cache_id)}
     resident = tuple(cid for cid in dict.fromkeys(c.cache_id for c in chunks) if cid not in to_promote)
     return AssemblyPlan(
@@ -95,36 +113,51 @@ def plan_assembly(
 
 def block_table(
     num_blocks: int,
-    shared: dict[int, tuple[int, int]],
-    chunk_blocks: dict[int, tuple[int, int]],
+    shared: Sequence[int],
+    chunk_blocks: ChunkBlocks,
     canonical: list[list[int]],
     private: list[int],
 ) -> tuple[list[int], list[tuple[int, int]]]:
-    """The block table, and the (canonical, private) block pairs to copy for dirty chunk blocks."""
-    table, copies, fresh = [], [], iter(private)
-    for i in range(num_blocks):
-        if i in shared:
-            seg, j = shared[i]
-            table.append(canonical[seg][j])
-            continue
-        table.append(next(fresh))
-        if i in chunk_blocks:
-            seg, j = chunk_blocks[i]
-            copies.append((canonical[seg][j], table[-1]))
-    return table, copies
+    """The block table, and the (canonical, private) block pairs to copy for dirty chunk blocks: the ``shared``
+    request blocks name their chunk's canonical block, the others take the ``private`` blocks in table order, and
+    a chunk block among those copies its canonical block in. ``canonical``: each chunk segment's blocks."""
+    table = torch.full((num_blocks,), -1, dtype=torch.long)
+    table[chunk_blocks.index] = _flat(canonical, chunk_blocks)
+    is_shared = torch.zeros(num_blocks, dtype=torch.bool)
+    is_shared[torch.tensor(shared, dtype=torch.long)] = True
+    source = table[~is_shared]  # each private block's canonical block (-1: prefix, query)
+    fresh = torch.tensor(private, dtype=torch.long)
+    assert fresh.shape == source.shape, (len(private), source.shape)
+    table[~is_shared] = fresh
+    copied = source >= 0
+    copies = list(zip(source[copied].tolist(), fresh[copied].tolist(), strict=True))
+    return table.tolist(), copies
 
 
-def _chunk_blocks(layout: Layout) -> dict[int, tuple[int, int]]:
+def _chunk_blocks(layout: Layout) -> ChunkBlocks:
     bs = layout.block_size
-    return {
-        (seg.slot_start - seg.num_padding) // bs + j: (index, j)
-        for index, seg in enumerate(layout.chunks)
-        for j in range((seg.num_padding + seg.num_tokens) // bs)
-    }
+    firsts = [(seg.slot_start - seg.num_padding) // bs for seg in layout.chunks]
+    sizes = [(seg.num_padding + seg.num_tokens) // bs for seg in layout.chunks]
+    counts = torch.tensor(sizes, dtype=torch.long)
+    total = sum(sizes)
+    starts = torch.tensor(firsts, dtype=torch.long) - (counts.cumsum(0) - counts)  # first block, less those before
+    index = torch.arange(total) + starts.repeat_interleave(counts, output_size=total)
+    return ChunkBlocks(index, tuple(sizes))
+
+
+def _flat(canonical: list[list[int]], chunk_blocks: ChunkBlocks) -> torch.Tensor:
+    """``[n]`` int64 (CPU), every chunk segment's canonical blocks in ``chunk_blocks``' order."""
+    assert tuple(map(len, canonical)) == chunk_blocks.sizes, (tuple(map(len, canonical)), chunk_blocks.sizes)
+    return torch.tensor(list(itertools.chain.from_iterable(canonical)), dtype=torch.long)
 
 
 def source_rows(layout: Layout, canonical: list[list[int]], cache: KVCache) -> torch.Tensor:
-    rows = torch.full((layout.num_tokens,), -1, dtype=torch.long, device=cache.device)
-    for seg, blocks in zip(layout.chunks, canonical, strict=True):
-        rows[seg.tokens] = cache.rows(blocks, seg.num_tokens)
-    return rows
+    """``[T]`` int64 on the cache's device: each prompt token's row in its chunk's canonical blocks (-1: prefix and
+    query), computed for every token at once from the chunk blocks' canonical ids."""
+    bs = layout.block_size
+    chunk_blocks = _chunk_blocks(layout)
+    canon = torch.full((blocks_for(layout.num_slots, bs),), -1, dtype=torch.long)
+    canon[chunk_blocks.index] = _flat(canonical, chunk_blocks)
+    slots = layout.slots
+    rows = torch.where(layout.cached, canon[slots // bs] * bs + slots % bs, -1)
+    return to_device(rows, cache.device)
