@@ -130,7 +130,7 @@ def lay_out(
     return Layout(
         block_size=block_size,
         segments=tuple(segments),
-        token_ids=torch.cat([ids for _, ids, *_ in parts]).long(),
+        token_ids=torch.cat([ids for _, ids, *_ in parts]),  # (a copy: never a chunk's own tensor)
         positions=_parallel_positions(segments) if parallel else torch.arange(num_tokens),
         slots=torch.arange(num_tokens) + torch.tensor(shifts).repeat_interleave(counts, output_size=num_tokens),
         cached=kinds.repeat_interleave(counts, output_size=num_tokens),
@@ -142,8 +142,9 @@ def lay_out(
 
 def _ids(tokens: Sequence[int] | torch.Tensor) -> torch.Tensor:
     """``[n]`` int64 (CPU) token ids."""
-    if isinstance(tokens, torch.Tensor):
-        return tokens.reshape(-1).long().cpu()
+    if isinstance(tokens, torch.Tensor):  # (a chunk's: int64 on the CPU already, as it is, no dispatch)
+        ok = tokens.dtype is torch.long and tokens.dim() == 1 and not tokens.is_cuda
+        return tokens if ok else tokens.reshape(-1).long().cpu()
     return torch.tensor(list(tokens), dtype=torch.long)
 
 
