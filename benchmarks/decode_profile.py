@@ -34,6 +34,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import pic
+from pic.engine.commands import OnCoreThread
 from pic.evaluation.workload import cache_argument
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -195,7 +196,7 @@ def measure_pic(engine: pic.PIC, link: Callable[[], pic.Linked], num_steps: int)
 
     run(4)  # warm-up
     plain = statistics.median(run(num_steps) for _ in range(3))
-    import pic.engine.core.decoding as decoding
+    import pic.model.executor as executor
 
     with engine.paused() as core:
         backend, products = core.runner.attention_backend, core.runner._decode
@@ -203,10 +204,10 @@ def measure_pic(engine: pic.PIC, link: Callable[[], pic.Linked], num_steps: int)
     try:
         with contextlib.ExitStack() as stack:
             stack.enter_context(int8_ranges(products, engine.model.get_output_embeddings()))
-            stack.enter_context(wrapped(decoding, "sample_rows", "sampling"))
+            stack.enter_context(wrapped(executor, "sample_rows", "sampling"))
             for method in ("plan", "store", "attend"):
                 stack.enter_context(wrapped(backend, method, "attention"))
-            on_engine = lambda fn: engine._channel.ask(lambda _core: fn())  # noqa: E731  (the engine thread)
+            on_engine = lambda fn: engine._channel.call(lambda reply: OnCoreThread(fn, reply))  # noqa: E731
             short, long = profiled(lambda: run(0), on_engine), profiled(lambda: run(num_steps), on_engine)
     finally:
         for handle in handles:

@@ -58,9 +58,10 @@ class EngineClosedError(PicError):
 
 
 class EngineStepError(PicError, RuntimeError):
-    """Something raised inside an engine step that was no request's own error (a bug, a device fault): the
-    requests and compile calls the step had under way fail with it (its cause is ``__cause__``); the engine goes on
-    serving new ones, or, when its state no longer adds up, closes (``EngineClosedError`` from then on)."""
+    """Something raised inside the engine that was no request's own error (a bug, a device fault) in a step, its
+    forward or sampling, or its store I/O: the work it stopped fails with it (the fault is ``__cause__``); the engine
+    goes on serving, or, when its state no longer adds up after a failed step, closes (``EngineClosedError`` from
+    then on). The server answers it as the fault it wraps: a 500."""
 
     @classmethod
     def of(cls, exc: Exception) -> PicError:

@@ -24,10 +24,11 @@ import pic
 import pic.kv.memory
 from pic.config import CompileOptions
 from pic.engine.core.kv_manager import KVManager
-from pic.engine.sampling import SamplingParams, _multinomial_one, sample_rows, sample_tokens
 from pic.kv import BlockPool, ChunkInfo, ChunkKV, KVCache
 from pic.kv.transfer import long_tensor, sync_sites
 from pic.link.recompute import RecomputePass
+from pic.model.sampler import _multinomial_one, sample_rows, sample_tokens
+from pic.sampling import SamplingParams
 from pic.store import LruTier, TieredStore
 from pic.store.serde import Expected
 from tests.conftest import make_target_engine

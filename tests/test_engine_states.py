@@ -98,9 +98,9 @@ def test_a_transition_its_status_does_not_allow_raises_a_named_error_and_changes
     queues.add(seq)
     with pytest.raises(SequenceStateError, match="request 7 cannot preempt while waiting"):
         queues.move(seq, Transition.PREEMPT)
-    assert seq.status is Status.WAITING and seq.num_preemptions == 0 and list(queues.waiting) == [seq]
+    assert seq.status is Status.WAITING and seq.num_preemptions == 0 and list(queues.to_admit) == [seq]
     queues.move(seq, Transition.ADMIT)
-    assert queues.prefilling == [seq] and not queues.waiting and seq.times.scheduled_s is not None
+    assert queues.prefilling == [seq] and not queues.to_admit and seq.times.scheduled_s is not None
     with pytest.raises(SequenceStateError, match="cannot resume while prefilling"):
         queues.move(seq, Transition.RESUME)
     assert queues.prefilling == [seq]
@@ -203,13 +203,13 @@ def test_fail_moves_status_queue_and_blocks_together(where):
     with engine.paused() as core:
         scheduler = core.scheduler
         seq = scheduler.queues.requests[linked._request_id if linked else rid]
-        queue = {"running": scheduler.queues.running, "waiting": scheduler.queues.waiting, "parked": []}[where]
+        queue = {"running": scheduler.queues.running, "waiting": scheduler.queues.to_admit, "parked": []}[where]
         assert seq.status.value == where and (seq in queue or where == "parked")
         assert (seq.blocks.kv is not None) == (where != "waiting")
         scheduler.fail(seq, pic.PicError("broken on purpose"))
         assert seq.status is Status.FINISHED and seq.request_id not in scheduler.queues.requests
         queues = scheduler.queues
-        assert all(seq not in q for q in (queues.running, queues.prefilling, queues.waiting))
+        assert all(seq not in q for q in (queues.running, queues.prefilling, queues.to_admit))
         assert seq.blocks.kv is None and not seq.blocks.held and not seq.blocks.reserved
         scheduler.fail(seq, pic.PicError("again"))  # (ended already: left as it is)
         assert str(seq.error) == "broken on purpose"

@@ -1,7 +1,8 @@
 """The KV manager is the one writer of the block pool (issue 64), checked two ways: statically, no module of pic/ but
 the KV manager (and the pool itself) calls a method of ``BlockPool`` that changes it, on anything; at run time, every
 call of one during real work (compiles, links with a lower tier, probes, decoding, preemption, eviction, promotion,
-pins, deletes) comes from the KV manager's frames."""
+pins, deletes) comes from the KV manager's frames. And the scheduler's module imports no torch: it decides who
+runs; the tensors live behind the core's executor."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import ast
 import inspect
 import sys
 from pathlib import Path
+
+import pytest
 
 import pic
 from pic.kv.block_pool import BlockPool
@@ -80,3 +83,16 @@ def test_every_pool_write_at_run_time_comes_from_the_kv_manager(tmp_path, monkey
     assert {"allocate", "free", "hold", "add_chunk", "pin", "unpin", "drop", "reset_peak"} <= set(seen), set(seen)
     outside = {name: sorted(str(f) for f in files if f != OWNER.resolve()) for name, files in seen.items()}
     assert all(not files for files in outside.values()), outside
+
+
+@pytest.mark.parametrize("module", ["pic.engine.core.scheduler"])
+def test_the_scheduler_imports_no_torch(module):
+    """Its module's own imports (at any depth of the file, TYPE_CHECKING ones too) name no torch."""
+    path = Path(sys.modules[module].__file__ if module in sys.modules else __import__(module, fromlist=["_"]).__file__)
+    names = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names.append(node.module or "")
+    assert names and not [n for n in names if n.split(".")[0] == "torch"], names

@@ -430,7 +430,8 @@ def active(engine: pic.PIC) -> Counter[str]:
         seqs = core.scheduler.queues.requests.values()
         return Counter(s.request.access.own.name for s in seqs if s.status.value in ("running", "prefilling"))
 
-    return engine._channel.ask(count)
+    with engine.paused() as core:
+        return count(core)
 
 
 @pytest.mark.parametrize("prefill_order", ["interactive", "arrival"])
@@ -493,7 +494,8 @@ def documents(num: int, *, seed: int, num_tokens: int = 60) -> list[list[int]]:
 
 
 def resident(engine: pic.PIC, ids: list[str]) -> list[bool]:
-    return engine._channel.ask(lambda core: [core.pool.is_resident(cid) for cid in ids])
+    with engine.paused() as core:
+        return [core.pool.is_resident(cid) for cid in ids]
 
 
 @pytest.mark.parametrize("quota", [True, False])
@@ -520,7 +522,8 @@ def test_a_tenants_chunks_survive_another_tenant_compiling_far_more_than_the_poo
         step(engine)
         step(engine)
         assert finished(sink) == [rid] and resident(engine, a) == [True, True]  # its private blocks: b's chunks'
-        assert engine._channel.ask(lambda core: core.store.device.stats().misses) == 0  # linked, not loaded
+        with engine.paused() as core:
+            assert core.store.device.stats().misses == 0  # linked, not loaded
     else:
         compile_in(engine, "b", big)
         assert False in resident(engine, a)  # (the least recently used of them was enough)

@@ -6,22 +6,25 @@ Every change to engine state arrives as one of these commands, in the order sent
 the core thread: ``command.run(core)``, each command doing its own part (the core thread does not look at its
 type). A command that answers carries a ``Future`` (``reply``) that it completes, with the result or (``refuse``)
 the exception; outputs of requests go to their sinks instead (``RequestStream``). ``Core`` is what the commands ask
-of the core; ``Channel`` is what a caller holds of the thread that runs it.
+of the core, all of it: a caller reads the core through typed queries (``ReadKV``, ``ReadSteps``, ``Logits``,
+``OnDevice``), never by running code of its own there; ``PIC.paused`` (tests, debugging) is the one way to look
+inside. ``Channel`` is what a caller holds of the thread that runs it.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, TypeVar
 
 from pic.engine.request import CompileJob, LinkOutput, NewRequest, OutputSink, RequestOutput
-from pic.engine.sampling import SamplingParams
 from pic.errors import EngineClosedError, LinkedReleasedError
+from pic.sampling import SamplingParams
 
 log = logging.getLogger("pic")
 _T = TypeVar("_T")
@@ -47,11 +50,51 @@ class Core(Protocol):
     def compile(self, job: CompileJob, reply: Future) -> None:
         """Start compiling ``job``'s chunks; ``reply`` is answered once they are stored."""
 
-    def step_once(self, *, paced: bool = True) -> None:
-        """Run one step if any work can run (``paced=False``: not for requests that wait for ``Step``)."""
+    def step_once(self, *, include_paced: bool = True) -> None:
+        """Run one step if any work can run (``include_paced=False``: not for requests that wait for ``Step``)."""
 
     def close(self, error: Exception) -> None:
         """Fail every open request with ``error``; ``closed`` from now on."""
+
+    def kv_stats(self) -> Any:
+        """The KV pool's ``KVStats``."""
+
+    def reset_peak(self) -> None:
+        """Restart the pool's peak from the blocks in use now."""
+
+    def step_counts(self) -> StepCounts:
+        """The forwards run so far and the sequences they carried."""
+
+    def logits(self, hidden: Any) -> Any:
+        """``[N, vocab_size]`` float32 logits of final hidden states ``[N, hidden_size]``."""
+
+    def on_device(self, op: DeviceOp, cache_id: str, readable: Mapping[str, bytes] | None) -> object:
+        """``op`` of the store's device tier."""
+
+    def observe_attention(self, observer: Any) -> None:
+        """Every layer of every forward calls ``observer`` from now on (``None``: none)."""
+
+
+@dataclass(frozen=True)
+class StepCounts:
+    """The engine's forwards so far (``num_steps``) and the sequences they carried (``num_batched_seqs``)."""
+
+    num_steps: int
+    num_batched_seqs: int
+
+
+class DeviceOp(enum.Enum):
+    """A call of the store's device tier (``pic.store.device.DeviceTier``) that another thread makes (``OnDevice``):
+    its methods of these names; ``FORGET`` drops the chunk from the pool and the engine's memory of its tokens."""
+
+    CONTAINS = enum.auto()
+    EXTENT = enum.auto()
+    PEEK = enum.auto()
+    PIN = enum.auto()
+    UNPIN = enum.auto()
+    IDS = enum.auto()
+    STATS = enum.auto()
+    FORGET = enum.auto()
 
 
 class Command:
@@ -139,15 +182,63 @@ class Step(Command):
 
 
 @dataclass(frozen=True)
-class Ask(Command):
-    """Run ``read(core)`` between two steps and answer its result: a read of engine state (pool statistics,
-    the device tier of the store, logits)."""
+class ReadKV(Command):
+    """The KV pool's statistics (``PIC.kv_stats``); ``reset``: restart its peak first (``PIC.reset_peak``)."""
 
-    read: Callable[[Any], object]
+    reply: Future
+    reset: bool = False
+
+    def run(self, core: Core) -> None:
+        if self.reset:
+            core.reset_peak()
+        self.reply.set_result(core.kv_stats())
+
+
+@dataclass(frozen=True)
+class ReadSteps(Command):
+    """The engine's ``StepCounts`` (``Stepper.num_steps``, ``/metrics``)."""
+
     reply: Future
 
     def run(self, core: Core) -> None:
-        self.reply.set_result(self.read(core))
+        self.reply.set_result(core.step_counts())
+
+
+@dataclass(frozen=True)
+class Logits(Command):
+    """A parked link's next-token logits from its query's final hidden states (``Linked.logits``)."""
+
+    hidden: Any  # [num_query_tokens, hidden_size]
+    reply: Future
+
+    def run(self, core: Core) -> None:
+        self.reply.set_result(core.logits(self.hidden))
+
+
+@dataclass(frozen=True)
+class OnDevice(Command):
+    """One call of the store's device tier for another thread (``StoreView``): ``op`` of ``cache_id`` (no id for
+    ``IDS`` and ``STATS``), reading the namespaces ``readable`` names (``EXTENT``, ``PEEK``)."""
+
+    op: DeviceOp
+    reply: Future
+    cache_id: str = ""
+    readable: Mapping[str, bytes] | None = None
+
+    def run(self, core: Core) -> None:
+        self.reply.set_result(core.on_device(self.op, self.cache_id, self.readable))
+
+
+@dataclass(frozen=True)
+class ObserveAttention(Command):
+    """Install an attention observer on the core's runner (``None``: remove it; ``PIC.observe_attention``)."""
+
+    observer: Any
+    reply: Future
+
+    def run(self, core: Core) -> None:
+        core.observe_attention(self.observer)
+        self.reply.set_result(None)
 
 
 @dataclass(frozen=True)
@@ -163,6 +254,18 @@ class Pause(Command):
 
     def refuse(self, error: Exception) -> None:
         self.entered.set_exception(error)
+
+
+@dataclass(frozen=True)
+class OnCoreThread(Command):
+    """Run ``fn()`` on the core thread between two steps and answer its result: for profilers, which record the thread
+    that starts them (``benchmarks/decode_profile.py``). ``fn`` gets nothing of the core."""
+
+    fn: Callable[[], object]
+    reply: Future
+
+    def run(self, core: Core) -> None:
+        self.reply.set_result(self.fn())
 
 
 @dataclass(frozen=True)
@@ -197,9 +300,6 @@ class Channel(Protocol):
 
     def call(self, make: Callable[[Future], Command]) -> object:
         """Send ``make(reply)`` and wait for its answer (re-raising its exception)."""
-
-    def ask(self, read: Callable[[Any], _T]) -> _T:
-        """``read(core)``, run on the core thread between two steps."""
 
     def paused(self) -> Any:
         """A context manager: the core stopped between two steps, lent to the caller."""

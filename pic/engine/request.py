@@ -15,7 +15,6 @@ from typing_extensions import Unpack
 from pic.compile import TextOrTokens, encode, max_token_chars
 from pic.config import CompileOptions, PICConfig
 from pic.engine.generation import Generation
-from pic.engine.sampling import SamplingOptions, SamplingParams, sampling_params
 from pic.errors import InvalidInputError, PolicyError
 from pic.ids import cache_id_list
 from pic.link import Layout, policies
@@ -24,6 +23,7 @@ from pic.link.policies import Policy
 from pic.link.probe import Probe
 from pic.model import ModelSpec
 from pic.namespaces import OPEN, Access, Names, Namespace, access_of
+from pic.sampling import SamplingOptions, SamplingParams, sampling_params
 
 
 class Request:

@@ -55,7 +55,7 @@ class AssemblyPlan:
     """What a linked request needs from the pool, counted before anything is taken (no tensors touched).
 
     Attributes:
-        chunks: what ``ChunkSources.resolve`` found for the layout's chunks.
+        chunks: what ``ChunkSources.fetch`` found for the layout's chunks.
         chunk_blocks: the request blocks of every chunk block (``ChunkBlocks``).
         shared: the request blocks (indices into its table, increasing) mapped as they are: chunk blocks with no
             recomputed token in them.
@@ -87,7 +87,7 @@ class AssemblyPlan:
 def plan_assembly(
     layout: Layout, chunks: Sequence[ChunkInfo | ChunkKV], dirty: torch.Tensor, *, is_resident: Callable[[str], bool]
 ) -> AssemblyPlan:
-    """Count what the KV manager will take (the module docstring). ``chunks``: what ``ChunkSources.resolve``
+    """Count what the KV manager will take (the module docstring). ``chunks``: what ``ChunkSources.fetch``
     found for each chunk segment of ``layout``, in order (a resident one must still be resident). ``dirty``:
     ``[T]`` bool (CPU), tokens whose KV the request writes: the blocks holding a dirty chunk token are private
     copies (all True: every request its own copy of everything). Per chunk and in tensors, not per block."""

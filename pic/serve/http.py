@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse
 
 from pic.errors import (
     ContextLengthError,
+    EngineStepError,
     InvalidInputError,
     KVPoolExhaustedError,
     PicError,
@@ -66,6 +67,8 @@ def exception_error(exc: Exception) -> tuple[int, dict]:
     (any other one is a 400); any other exception is a bug or a device fault of the server's, not the client's
     doing: a 500. One mapping whether the failure comes before the response (a JSON error) or after its
     first token (a stream's error event), so the client reads the same status either way."""
+    if isinstance(exc, EngineStepError) and isinstance(exc.__cause__, Exception):
+        exc = exc.__cause__  # (a bug or a device fault of the server's: answered as the fault)
     if not isinstance(exc, PicError):
         status, message, kind = 500, f"the request failed: {type(exc).__name__}: {exc}", "server_error"
     else:

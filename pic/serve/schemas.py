@@ -15,8 +15,8 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from pic.engine.sampling import GREEDY_TEMPERATURE, GREEDY_TOP_P
 from pic.link.order import Order
+from pic.sampling import GREEDY_TEMPERATURE, GREEDY_TOP_P
 from pic.serve.openai_params import openai_properties, unknown_fields, unsupported_parameters
 
 # What the schema says of an integer field: JSON Schema's "integer" takes 4.0 too; this server does not.

@@ -26,7 +26,7 @@ from pic.engine.caller.compiling import CompileMethods
 from pic.engine.caller.linked import Linked
 from pic.engine.caller.stepper import RunMethods, Stepper
 from pic.engine.caller.store_view import StoreView
-from pic.engine.commands import Abort, RequestStream, Submit
+from pic.engine.commands import Abort, ReadKV, RequestStream, Submit
 from pic.engine.core.build import start_core
 from pic.engine.request import LinkOutput, NewRequest, Preparer, Request, RequestOutput
 from pic.errors import InvalidInputError
@@ -216,11 +216,11 @@ class PIC(CompileMethods, ChatMethods, RunMethods):
     def kv_stats(self) -> KVStats:
         """Blocks of the KV pool by state (empty, evictable, held chunk, private; they sum to ``num_blocks``),
         shared references, resident chunks, peak use: see ``KVStats``."""
-        return self._channel.ask(lambda core: core.pool.stats())
+        return self._channel.call(ReadKV)
 
     def reset_peak(self) -> None:
         """Restart ``KVStats.peak_used_blocks`` from the blocks in use now."""
-        self._channel.ask(lambda core: core.kv.reset_peak())
+        self._channel.call(lambda reply: ReadKV(reply, reset=True))
 
     def paused(self) -> contextlib.AbstractContextManager[Any]:
         """Stop the engine between two steps and lend its core (``pic.engine.core.EngineCore``) to the caller (tests

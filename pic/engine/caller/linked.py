@@ -8,11 +8,11 @@ from collections.abc import Generator, Iterator, Sequence
 import torch
 from typing_extensions import Unpack
 
-from pic.engine.commands import Abort, Channel, RequestStream, Resume
+from pic.engine.commands import Abort, Channel, Logits, RequestStream, Resume
 from pic.engine.generation import Generation
 from pic.engine.request import LinkOutput, RequestOutput
-from pic.engine.sampling import SamplingOptions, SamplingParams, sampling_params
 from pic.errors import EngineClosedError, InvalidInputError, LinkedReleasedError
+from pic.sampling import SamplingOptions, SamplingParams, sampling_params
 
 
 class Linked:
@@ -70,7 +70,7 @@ class Linked:
         """``[num_query_tokens, vocab_size]`` float32, next-token logits at every query position (the
         last row predicts the first new token); computed on first access."""
         if self._logits is None:
-            self._logits = self._channel.ask(lambda core, hidden=self._hidden: core.logits(hidden))
+            self._logits = self._channel.call(lambda reply: Logits(self._hidden, reply))
         return self._logits
 
     def generate(

@@ -9,7 +9,7 @@ import queue
 from collections.abc import Callable, Sequence
 
 from pic.engine.caller.compiling import PROGRESS_MIN
-from pic.engine.commands import Abort, Channel, Step, Submit
+from pic.engine.commands import Abort, Channel, ReadSteps, Step, Submit
 from pic.engine.generation import Generation
 from pic.engine.request import NewRequest, OutputSink, Preparer, Request, RequestOutput
 from pic.errors import InvalidInputError
@@ -71,12 +71,12 @@ class Stepper:
     @property
     def num_steps(self) -> int:
         """Steps the engine ran a forward in (for every caller's requests, these and others)."""
-        return self._channel.ask(lambda core: core.num_steps)
+        return self._channel.call(ReadSteps).num_steps
 
     @property
     def num_batched_seqs(self) -> int:
         """Sequences those forwards carried (``num_batched_seqs / num_steps``: the mean batch)."""
-        return self._channel.ask(lambda core: core.num_batched_seqs)
+        return self._channel.call(ReadSteps).num_batched_seqs
 
 
 class RunMethods:

@@ -4,11 +4,12 @@ delays only its caller, never the engine's steps."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
-from pic.engine.commands import Channel
+from pic.engine.commands import Channel, DeviceOp, OnDevice
 from pic.errors import InvalidInputError
 from pic.kv import ChunkKV
 from pic.namespaces import Access, Names, Namespace, access_of
@@ -27,33 +28,33 @@ class _DeviceOnCore:
     def __init__(self, channel: Channel, kv_device: torch.device) -> None:
         self._channel, self.kv_device = channel, kv_device
 
-    def _run(self, call: Callable) -> object:
-        return self._channel.ask(lambda core: call(core.store.device))
+    def _run(self, op: DeviceOp, cache_id: str = "", readable: Mapping[str, bytes] | None = None) -> Any:
+        return self._channel.call(lambda reply: OnDevice(op, reply, cache_id, readable))
 
     def contains(self, cache_id: str) -> bool:
-        return self._run(lambda d: d.contains(cache_id))
+        return self._run(DeviceOp.CONTAINS, cache_id)
 
     def extent(self, cache_id: str, *, readable: Mapping[str, bytes] | None = None) -> Extent | None:
-        return self._run(lambda d: d.extent(cache_id, readable=readable))
+        return self._run(DeviceOp.EXTENT, cache_id, readable)
 
     def peek(self, cache_id: str, *, readable: Mapping[str, bytes] | None = None) -> ChunkKV | None:
-        return self._run(lambda d: d.peek(cache_id, readable=readable))
+        return self._run(DeviceOp.PEEK, cache_id, readable)
 
     def delete(self, cache_id: str) -> bool:
         """Drop the chunk from the pool and the engine's memory of its tokens (an expired id is unknown)."""
-        return self._channel.ask(lambda core: core.forget_chunk(cache_id))
+        return self._run(DeviceOp.FORGET, cache_id)
 
     def pin(self, cache_id: str) -> bool:
-        return self._run(lambda d: d.pin(cache_id))
+        return self._run(DeviceOp.PIN, cache_id)
 
     def unpin(self, cache_id: str) -> None:
-        self._run(lambda d: d.unpin(cache_id))
+        self._run(DeviceOp.UNPIN, cache_id)
 
     def ids(self) -> list[str]:
-        return self._run(lambda d: d.ids())
+        return self._run(DeviceOp.IDS)
 
     def stats(self) -> TierStats:
-        return self._run(lambda d: d.stats())
+        return self._run(DeviceOp.STATS)
 
     def leases(self, lease_s: float) -> FleetLeases | None:
         return None

@@ -37,7 +37,6 @@ from pic.engine.core.chunk_sources import ChunkSources
 from pic.engine.core.kv_manager import KVManager, owner_of
 from pic.engine.core.sequence import Queues, Sequence, Status, Transition
 from pic.engine.core.turns import Turns
-from pic.engine.generation import FinishReason
 from pic.errors import KVPoolExhaustedError, PicError
 from pic.link.linker import Linker
 
@@ -65,11 +64,13 @@ class Admission:
         linker: Linker,
         sources: ChunkSources,
         *,
-        fail: Callable[[Sequence, Exception | FinishReason], None],
+        fail: Callable[[Sequence, Exception], None],
+        out_of_blocks: Callable[[Sequence], None],
         frees_soon: Callable[[], bool],
         config: PICConfig,
     ) -> None:
         self.queues, self.kv, self.linker, self.sources, self.fail = queues, kv, linker, sources, fail
+        self.out_of_blocks = out_of_blocks
         self.frees_soon, self.config = frees_soon, config
         self.turns, self.compile_turns = Turns(), Turns()  # requests' (all work's under ARRIVAL), bulk compiles'
         self._active: Counter[str] = Counter()  # namespace -> its sequences running or prefilling (this step)
@@ -78,7 +79,7 @@ class Admission:
         """Start fetching every waiting sequence's missing chunks, failing those that cannot run."""
         for seq in self.queues.of(Status.WAITING):  # (a resuming one has its KV)
             try:
-                self.sources.resolve(seq)
+                self.sources.fetch(seq)
             except PicError as exc:
                 self.fail(seq, exc)
 
@@ -208,7 +209,7 @@ class Admission:
     def _new_pass(self, seq: Sequence, batch: ScheduledBatch, *, budget: int, busy: bool) -> int | None:
         """Admit a waiting sequence: plan its link, take its blocks, set up its pass, place its first piece."""
         try:
-            if not self.sources.resolve(seq):  # (again: this step's admissions may have evicted a chunk)
+            if not self.sources.fetch(seq):  # (again: this step's admissions may have evicted a chunk)
                 return 0
             request, generated = seq.request, seq.output_ids
             plan = self.linker.plan(
@@ -224,8 +225,10 @@ class Admission:
                 self.drop_holds(keep=seq)  # (then a KVPoolExhaustedError from allocate if it still does not fit)
             assembly = self.kv.allocate(seq, plan)
         except PicError as exc:
-            out_of_blocks = isinstance(exc, KVPoolExhaustedError) and seq.output_ids
-            self.fail(seq, FinishReason.KV_POOL if out_of_blocks else exc)
+            if isinstance(exc, KVPoolExhaustedError) and seq.output_ids:
+                self.out_of_blocks(seq)
+            else:
+                self.fail(seq, exc)
             return 0
         num_rows = 1 if seq.sampling else len(seq.request.query_ids)
         self.linker.start(seq.link, plan, seq.blocks.kv, assembly=assembly, num_output_rows=num_rows)
@@ -245,7 +248,7 @@ class Admission:
     def drop_holds(self, *, keep: Sequence | None) -> bool:
         """Release the chunks waiting sequences keep resident (all but ``keep``'s); whether any were."""
         dropped = False
-        for seq in self.queues.waiting:
+        for seq in self.queues.to_admit:
             if seq is not keep:
                 dropped |= self.kv.drop_holds(seq)
         return dropped

@@ -1,6 +1,6 @@
-"""One step's work as the scheduler chose it (``ScheduledBatch``), the forward's inputs built from it, what the
-runner gave back (``ForwardOutput``) and the results by work item (``StepOutput``), all in one order, written
-once here."""
+"""One step's work as the scheduler chose it (``ScheduledBatch``), the executor's plain plan made from it (the forward's
+inputs, the rows it samples: ``pic.model.executor.StepPlan``), what came back (``ForwardOutput``) and the results by
+work item (``StepOutput``), all in one order, written once here."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ from dataclasses import dataclass, field
 import torch
 
 from pic.compile import ChunkPrefill
-from pic.engine.core.sequence import Sequence
+from pic.engine.core.sequence import Sequence, Status
 from pic.kv.transfer import to_device
 from pic.model import SeqInput
+from pic.model.executor import SampleRow, StepPlan
 
 
 @dataclass(frozen=True, eq=False)
@@ -44,6 +45,25 @@ class ScheduledBatch:
     def has_forward(self) -> bool:
         return bool(self.decodes) or self.has_prefill_work
 
+    def plan(self, device: torch.device) -> tuple[StepPlan, list[int]]:
+        """The executor's plan, and the request id of each row it samples: each resumed link's last query row, the
+        last row of each pass that ends here and then generates (not a probe's: its second pass follows), each
+        decode's; none for a generation of ``max_new_tokens=0``. It synchronizes when a link parks with its pass
+        done."""
+        inputs = self.inputs(device) if self.has_forward else []
+        rows = [
+            (seq, SampleRow(seq.sampling, seq.decoding.generator, hidden=seq.query_hidden[-1])) for seq in self.resumed
+        ]
+        num_passes, num_pieces = len(self.passes), len(self.pieces)
+        for i, piece in enumerate(self.passes):
+            if _generates_after(piece):
+                rows.append((piece.seq, SampleRow(piece.seq.sampling, piece.seq.decoding.generator, input_index=i)))
+        for i, seq in enumerate(self.decodes, start=num_passes + num_pieces):
+            rows.append((seq, SampleRow(seq.sampling, seq.decoding.generator, input_index=i, decode=True)))
+        rows = [(seq, row) for seq, row in rows if seq.sampling.max_new_tokens > 0]
+        parks = any(p.ends and p.seq.sampling is None and not p.seq.link.pass_.is_probe for p in self.passes)
+        return StepPlan(inputs, [row for _, row in rows], sync=parks), [seq.request_id for seq, _ in rows]
+
     def inputs(self, device: torch.device) -> list[SeqInput]:
         """The forward's sequences: the passes' pieces, the chunk prefills' pieces, the decode steps, in this order
         (``outputs`` reads the forward's results back in the same)."""
@@ -60,12 +80,20 @@ class ScheduledBatch:
         return StepOutput(passes, [prefill for prefill, _ in self.pieces], decodes)
 
 
+def _generates_after(piece: PassPiece) -> bool:
+    """Whether the pass ends with this piece and its request then generates (its first token from the last row)."""
+    seq = piece.seq
+    return piece.ends and seq.status is Status.PREFILLING and seq.sampling is not None and not seq.link.pass_.is_probe
+
+
 @dataclass(frozen=True)
 class ForwardOutput:
-    """What the runner gave back for a batch: ``hidden``, one tensor per sequence of ``ScheduledBatch.inputs``
-    (none without a forward), or the ``error`` the forward raised (the batch's work fails, nothing else)."""
+    """What the executor gave back for a batch: ``hidden``, one tensor per sequence of ``ScheduledBatch.inputs``
+    (none without a forward), ``sampled``, request id -> the token sampled for it (``ScheduledBatch.plan``), or the
+    ``error`` the forward or the sampling raised (the batch's work fails, nothing else)."""
 
     hidden: list[torch.Tensor] = field(default_factory=list)
+    sampled: dict[int, int] = field(default_factory=dict)
     error: Exception | None = None
 
 

@@ -82,9 +82,10 @@ class ChunkSources:
         if info is not None:
             self._num_recipe_tokens -= info.num_tokens
 
-    def resolve(self, seq: Sequence) -> bool:
-        """Whether every chunk of ``seq`` is at hand (then ``seq.fetch.chunks`` holds them: resident ``ChunkInfo``
-        or loaded ``ChunkKV``); else starts fetching those that are not (a prefetch: it runs while others step).
+    def fetch(self, seq: Sequence) -> bool:
+        """Fetch ``seq``'s chunks: whether every one is at hand (then ``seq.fetch.chunks`` holds them: resident
+        ``ChunkInfo`` or loaded ``ChunkKV``); those that are not start loading or compiling (a prefetch: it runs
+        while others step).
 
         Raises:
             UnknownCacheIdError: a chunk no tier holds and the engine never saw.
@@ -113,7 +114,7 @@ class ChunkSources:
 
     def loaded(self, seq: Sequence) -> None:
         """Take in the loader's answers for ``seq``'s chunks (``Scheduler.update_from_output``): a chunk found is
-        kept for its admission, one no tier held is compiled again at its next ``resolve``; ``StoreUnavailableError``
+        kept for its admission, one no tier held is compiled again at its next ``fetch``; ``StoreUnavailableError``
         when a lower tier failed the load (``on_redis_error="raise"``)."""
         fetch = seq.fetch
         for cid, pending in list(fetch.pending.items()):

@@ -19,7 +19,6 @@ from pic.engine.core.chunk_sources import ChunkSources
 from pic.engine.core.kv_manager import KVManager
 from pic.engine.core.sequence import Sequence
 from pic.engine.request import CompileJob, Stored
-from pic.errors import EngineStepError
 from pic.store import TieredStore
 
 
@@ -53,7 +52,7 @@ class CompileCall:
         return self.error is not None or not (self.checks or self.prefilling or self.writes)
 
     def fail(self, error: Exception) -> None:
-        self.error = self.error or EngineStepError.of(error)
+        self.error = self.error or error
 
     def end(self, kv: KVManager, store: TieredStore) -> None:
         """Answer the call (where its chunks are in ``store``, or its error) and release its holds."""

@@ -15,14 +15,14 @@ import contextlib
 import logging
 import queue
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from typing import TypeVar
 
 import torch
 
 from pic.config import PICConfig
-from pic.engine.commands import Ask, Close, Command, Pause, Wake, wait
+from pic.engine.commands import Close, Command, DeviceOp, ObserveAttention, Pause, StepCounts, Wake, wait
 from pic.engine.core.batch import ForwardOutput, ScheduledBatch
 from pic.engine.core.chunk_sources import ChunkSources
 from pic.engine.core.compile_calls import CompileCalls
@@ -33,11 +33,13 @@ from pic.engine.core.scheduler import Scheduler
 from pic.engine.core.sequence import Sequence, Status, Transition
 from pic.engine.generation import FinishReason
 from pic.engine.request import CompileJob, NewRequest, OutputSink
-from pic.engine.sampling import SamplingParams
 from pic.errors import EngineClosedError, EngineStepError
+from pic.kv import KVStats
 from pic.link.linker import Linker
 from pic.model import ModelRunner
+from pic.model.executor import Executor
 from pic.model.inputs import AttentionObserver
+from pic.sampling import SamplingParams
 
 log = logging.getLogger("pic")
 _T = TypeVar("_T")
@@ -63,11 +65,13 @@ class EngineCore:
         self.loader = Loader(self.store, wake=lambda: self.wake())
         self.sources = ChunkSources(self.store, self.loader, bos_token_id=bos_token_id)
         self.compiles = CompileCalls(self.sources, kv=kv, busy=lambda: self.scheduler.queues.num_active > 0)
-        self.decoder = Decoder(runner, tokenizer, eos_token_ids=eos_token_ids)
+        self.executor = Executor(runner)  # the device: forwards, the LM head and sampling
+        max_context, generator = runner.spec.max_context, self.executor.generator
+        self.decoder = Decoder(tokenizer, eos_token_ids=eos_token_ids, max_context=max_context, generator=generator)
         self.scheduler = Scheduler(kv, linker, self.sources, self.compiles, self.decoder, config=config)
-        self.num_steps = self.num_batched_seqs = 0  # steps that ran a forward, and the sequences in them
         self.closed = False  # ``close`` ran: the core thread ends
         self.closed_error: Exception | None = None  # why (refused to every later command)
+        self._observing: contextlib.AbstractContextManager | None = None  # an attention observer installed
         self.wake = lambda: None  # called from a loader thread when store I/O is done (the core thread sets it)
 
     def add(self, new: NewRequest) -> None:
@@ -98,10 +102,10 @@ class EngineCore:
         """Start compiling ``job``'s chunks as scheduled work (``CompileCalls``)."""
         self.compiles.add(job, reply)
 
-    def step_once(self, *, paced: bool = True) -> None:
-        """One step, if any work can run (``paced=False``: not counting requests that wait for ``Step``). A step
+    def step_once(self, *, include_paced: bool = True) -> None:
+        """One step, if any work can run (``include_paced=False``: not counting requests that wait for ``Step``). A step
         fails only its own requests (``_step_failed``)."""
-        if not self.scheduler.has_work(paced=paced):
+        if not self.scheduler.has_work(include_paced=include_paced):
             return
         try:
             self.step()
@@ -140,13 +144,54 @@ class EngineCore:
         self.sources.forget(cache_id)
         return self.store.device.delete(cache_id)
 
+    # -- the typed queries of the callers (``pic.engine.commands``) --------------------------------------------
+
+    def step_counts(self) -> StepCounts:
+        return StepCounts(self.executor.num_steps, self.executor.num_batched_seqs)
+
+    def kv_stats(self) -> KVStats:
+        return self.pool.stats()
+
+    def reset_peak(self) -> None:
+        self.kv.reset_peak()
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, vocab_size]`` float32 logits of final hidden states ``hidden`` ``[N, hidden_size]``."""
-        return self.runner.logits(hidden)
+        return self.executor.logits(hidden)
+
+    def on_device(self, op: DeviceOp, cache_id: str, readable: Mapping[str, bytes] | None) -> object:
+        device = self.store.device
+        match op:
+            case DeviceOp.CONTAINS:
+                return device.contains(cache_id)
+            case DeviceOp.EXTENT:
+                return device.extent(cache_id, readable=readable)
+            case DeviceOp.PEEK:
+                return device.peek(cache_id, readable=readable)
+            case DeviceOp.PIN:
+                return device.pin(cache_id)
+            case DeviceOp.UNPIN:
+                return device.unpin(cache_id)
+            case DeviceOp.IDS:
+                return device.ids()
+            case DeviceOp.STATS:
+                return device.stats()
+            case DeviceOp.FORGET:
+                return self.forget_chunk(cache_id)
+        raise AssertionError(op)
+
+    def observe_attention(self, observer: AttentionObserver | None) -> None:
+        """``ModelRunner.observe_attention`` from now on (``None``: no more)."""
+        if self._observing is not None:
+            self._observing.__exit__(None, None, None)
+            self._observing = None
+        if observer is not None:
+            self._observing = self.runner.observe_attention(observer)
+            self._observing.__enter__()
 
     def step(self) -> None:
-        """Schedule, run the batch's forward, let the scheduler take its results in (each request's outputs go to
-        its sink), then the second passes of the probes that ended."""
+        """Schedule, let the executor run the batch (forward and sampling), let the scheduler take its results in
+        (each request's outputs go to its sink), then the second passes of the probes that ended."""
         batch = self.scheduler.schedule()
         self.scheduler.update_from_output(batch, self._execute(batch))
         second = self.scheduler.second_passes()
@@ -154,18 +199,17 @@ class EngineCore:
             self.scheduler.update_from_output(second, self._execute(second))
 
     def _execute(self, batch: ScheduledBatch) -> ForwardOutput:
-        """The batch's forward (none without work for one); a forward that raises fails the batch's work only."""
-        if not batch.has_forward:
+        """The batch run by the executor (its forward, then the tokens it samples); a forward or a sampling that
+        raises fails the batch's work only."""
+        if not (batch.has_forward or batch.resumed):
             return ForwardOutput()
         try:
-            inputs = batch.inputs(self.runner.spec.device)
-            hidden = self.runner.forward(inputs)
+            plan, request_ids = batch.plan(self.runner.spec.device)
+            result = self.executor.execute(plan)
         except Exception as exc:
-            log.exception("pic: a forward failed")
+            log.exception("pic: a step's forward or sampling failed")
             return ForwardOutput(error=EngineStepError.of(exc))
-        self.num_steps += 1
-        self.num_batched_seqs += len(inputs)
-        return ForwardOutput(hidden)
+        return ForwardOutput(result.hidden, dict(zip(request_ids, result.tokens, strict=True)))
 
 
 class CoreThread:
@@ -200,9 +244,6 @@ class CoreThread:
         self.send(make(reply))
         return wait(reply, self.alive)
 
-    def ask(self, read: Callable[[EngineCore], _T]) -> _T:
-        return self.call(lambda reply: Ask(read, reply))
-
     @contextlib.contextmanager
     def paused(self) -> Iterator[EngineCore]:
         entered, resume = Future(), threading.Event()
@@ -215,14 +256,11 @@ class CoreThread:
     @contextlib.contextmanager
     def observing(self, observer: AttentionObserver) -> Iterator[None]:
         """``ModelRunner.observe_attention`` on the core's runner while the block runs."""
-        with self.paused() as core:
-            observing = core.runner.observe_attention(observer)
-            observing.__enter__()
+        self.call(lambda reply: ObserveAttention(observer, reply))
         try:
             yield
         finally:
-            with self.paused():
-                observing.__exit__(None, None, None)
+            self.call(lambda reply: ObserveAttention(None, reply))
 
     def close(self) -> None:
         """Close the engine: open requests fail with ``EngineClosedError``; waits for the thread (idempotent)."""
@@ -240,7 +278,7 @@ def run(core: EngineCore, commands: queue.SimpleQueue[Command]) -> None:
     while not core.closed:
         if core.store.lower:  # (only a lower tier fails writes)
             core.loader.retry_writes()
-        idle = not core.scheduler.has_work(paced=False)
+        idle = not core.scheduler.has_work(include_paced=False)
         due_s = core.store.backlog.next_due_s() if idle and core.store.lower else None  # (a retry of failed writes)
         command = _next(commands, wait=idle, timeout_s=due_s)
         while command is not None and not core.closed:
@@ -250,7 +288,7 @@ def run(core: EngineCore, commands: queue.SimpleQueue[Command]) -> None:
                 command.refuse(exc)
             command = _next(commands) if not core.closed else None
         if not core.closed:
-            core.step_once(paced=False)
+            core.step_once(include_paced=False)
     error = core.closed_error or EngineClosedError("the engine was closed")
     while (command := _next(commands)) is not None:  # no client waits forever
         command.refuse(error)

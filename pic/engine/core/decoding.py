@@ -1,23 +1,20 @@
-"""``Decoder``: one sampled token per generating sequence from its final hidden state, detokenized, checked against
-the ways a generation ends (``Sampled``: the scheduler acts on it); and what a sequence puts out, made from its
-state: a link's result (``link_output``), its last output with the ``Generation`` it ends with (``finish_output``,
-called once, as it flushes the detokenizer's held-back text).
+"""``Decoder``: a generating sequence's token (sampled by the executor) appended, detokenized, checked against the
+ways a generation ends (``Sampled``: the scheduler acts on it); and what a sequence puts out, made from its state: a
+link's result (``link_output``), its last output with the ``Generation`` it ends with (``finish_output``, called
+once, as it flushes the detokenizer's held-back text). No tensor is read here.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence as Seq
+from collections.abc import Callable
 from dataclasses import dataclass
-
-import torch
 
 from pic.engine.core.detokenizer import Detokenizer
 from pic.engine.core.sequence import Decoding, Sequence, Status
 from pic.engine.generation import FinishReason, Generation, GenerationStats
 from pic.engine.request import LinkOutput, RequestOutput
-from pic.engine.sampling import SamplingParams, sample_rows, seeded_generator
-from pic.model import ModelRunner
+from pic.sampling import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -32,27 +29,29 @@ class Sampled:
 
 
 class Decoder:
-    def __init__(self, runner: ModelRunner, tokenizer: object, *, eos_token_ids: frozenset[int]) -> None:
-        self.runner, self.tokenizer, self.eos_token_ids = runner, tokenizer, eos_token_ids
+    """``generator``: a seeded generation's own generator (``Executor.generator``); ``max_context``: the model's."""
+
+    def __init__(
+        self,
+        tokenizer: object,
+        *,
+        eos_token_ids: frozenset[int],
+        max_context: int,
+        generator: Callable[[int | None], object],
+    ) -> None:
+        self.tokenizer, self.eos_token_ids, self.max_context = tokenizer, eos_token_ids, max_context
+        self._generator = generator
 
     def start(self, params: SamplingParams) -> Decoding:
         """A generation's state: its detokenizer, and its own generator when seeded."""
-        generator = None if params.seed is None else seeded_generator(params.seed, self.runner.spec.device)
-        return Decoding(Detokenizer(self.tokenizer, stop=params.stop), generator)
+        return Decoding(Detokenizer(self.tokenizer, stop=params.stop), self._generator(params.seed))
 
-    def sample(self, rows: Seq[tuple[Sequence, torch.Tensor]]) -> list[Sampled]:
-        """One token for each ``(sequence, final hidden state [hidden_size])``, appended to the sequence."""
-        done = [Sampled(seq, None, "", FinishReason.LENGTH) for seq, _ in rows if seq.sampling.max_new_tokens == 0]
-        rows = [(seq, h) for seq, h in rows if seq.sampling.max_new_tokens > 0]
-        if not rows:
-            return done
-        decode = all(seq.output_ids for seq, _ in rows)  # every row follows a decode step
-        logits = self.runner.logits(torch.stack([h for _, h in rows]), decode=decode)  # [B, vocab_size] float32
-        generators = [seq.decoding.generator for seq, _ in rows]
-        tokens = sample_rows(logits, [seq.sampling for seq, _ in rows], generators)
-        return done + [self._append(seq, token) for (seq, _), token in zip(rows, tokens, strict=True)]
-
-    def _append(self, seq: Sequence, token: int) -> Sampled:
+    def append(self, seq: Sequence, token: int | None) -> Sampled:
+        """``seq``'s token of this step (``None``: none was sampled, a generation of ``max_new_tokens=0``) appended,
+        and whether the generation ends with it."""
+        if token is None:
+            assert seq.sampling.max_new_tokens == 0, f"no token sampled for request {seq.request_id}"
+            return Sampled(seq, None, "", FinishReason.LENGTH)
         seq.append(token)
         if token in self.eos_token_ids:
             return Sampled(seq, token, "", FinishReason.EOS)
@@ -61,7 +60,7 @@ class Decoder:
             reason = FinishReason.STOP
         elif len(seq.output_ids) >= seq.sampling.max_new_tokens:
             reason = FinishReason.LENGTH
-        elif seq.num_prompt_tokens + len(seq.output_ids) >= self.runner.spec.max_context:
+        elif seq.num_prompt_tokens + len(seq.output_ids) >= self.max_context:
             reason = FinishReason.CONTEXT
         else:
             reason = None

@@ -13,6 +13,7 @@ import logging
 from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from pic.errors import EngineStepError, PicError
 from pic.kv import ChunkKV
 from pic.store import TieredStore
 from pic.store.tier import LowerTier
@@ -92,8 +93,19 @@ class Loader:
         return self._submit(self._writes, lambda _: None, None)
 
     def _submit(self, threads: ThreadPoolExecutor | None, fn: Callable, arg: object) -> Future:
+        """``fn(arg)`` on ``threads``; what it raises that is not a ``PicError`` (a tier's bug, a fault the tier does
+        not map to ``StoreUnavailableError``) comes back as the ``EngineStepError`` it caused."""
         assert threads is not None, "no lower tier to do I/O with"
-        future = threads.submit(fn, arg)
+
+        def run(value: object) -> object:
+            try:
+                return fn(value)
+            except PicError:
+                raise
+            except Exception as exc:
+                raise EngineStepError.of(exc) from exc
+
+        future = threads.submit(run, arg)
         future.add_done_callback(lambda _: self._wake())
         return future
 

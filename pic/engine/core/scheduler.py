@@ -1,5 +1,7 @@
 """``Scheduler``: who runs in the next forward, and the one place a step's results land, in vLLM v1's shape:
-``schedule()`` returns the batch, the runner runs it, ``update_from_output(batch, output)`` takes the results in.
+``schedule()`` returns the batch, the executor runs it (``pic.model.executor``: forward and sampling), and
+``update_from_output(batch, output)`` takes the token ids in. It never touches a tensor (this module imports no
+torch): hidden states it carries (a parked link's) are the executor's, passed through unread.
 
 Each step, running sequences go first: each gets the slot of its next token, in admission order; when the pool
 has no block for one, the most recently admitted running sequence is preempted (its blocks freed, its chunks
@@ -15,8 +17,6 @@ from __future__ import annotations
 import logging
 from concurrent.futures import Future
 
-import torch
-
 from pic.config import PICConfig
 from pic.engine.core.admission import Admission
 from pic.engine.core.batch import ForwardOutput, PassPiece, ScheduledBatch, StepOutput
@@ -27,11 +27,10 @@ from pic.engine.core.kv_manager import KVManager
 from pic.engine.core.sequence import Queues, Sequence, Status, Transition
 from pic.engine.generation import FinishReason
 from pic.engine.request import RequestOutput
-from pic.errors import EngineStepError, PicError, SequenceStateError
+from pic.errors import PicError, SequenceStateError
 from pic.link.linker import Linker
 
 log = logging.getLogger("pic")
-Row = tuple[Sequence, torch.Tensor]  # a sequence and the final hidden state ``[hidden_size]`` to sample from
 
 
 class Scheduler:
@@ -51,14 +50,16 @@ class Scheduler:
         self._probed: list[Sequence] = []  # probes that ended in this step: their second passes run next
         self._preempted = False  # one was preempted in this step: no new prefill work (it would take its blocks)
         self.admission = Admission(
-            self.queues, kv, linker, sources, fail=self.fail, frees_soon=self._frees_soon, config=config
-        )
+            self.queues, kv, linker, sources, fail=self.fail, out_of_blocks=self.out_of_blocks,
+            frees_soon=self._frees_soon, config=config,
+        )  # fmt: skip
 
-    def has_work(self, *, paced: bool = True) -> bool:
-        """Whether a step would do something now (``paced=False``: not counting sequences that run only in steps
-        their client asks for); a waiting sequence counts once its chunks are at hand or a load for it answered."""
+    def has_work(self, *, include_paced: bool = True) -> bool:
+        """Whether a step would do something now (``include_paced=False``: not counting sequences that run only in
+        steps their client asks for); a waiting sequence counts once its chunks are at hand or a load answered."""
         queues = self.queues
-        seqs = [s for s in (*queues.waiting, *queues.prefilling, *queues.running) if paced or not s.request.paced]
+        open_seqs = (*queues.to_admit, *queues.prefilling, *queues.running)
+        seqs = [s for s in open_seqs if include_paced or not s.request.paced]
         if any(s.status is not Status.WAITING or _fetched(s) for s in seqs):
             return True
         writing = self._frees_soon()
@@ -102,7 +103,7 @@ class Scheduler:
             elif batch.decodes:  # the others run this step and will free blocks: wait for them
                 return self._preempt(seq)
             else:  # alone: nothing will free a block
-                return self.fail(seq, FinishReason.KV_POOL)
+                return self.out_of_blocks(seq)
         self.kv.append(seq)
         batch.decodes.append(seq)
 
@@ -133,16 +134,16 @@ class Scheduler:
     def update_from_output(self, batch: ScheduledBatch, output: ForwardOutput) -> None:
         """The one place a step's results land: the passes that ended park their link or start decoding (a probe's
         policy chooses, and its second pass runs next, in the same step: ``second_passes``), the chunks compiled
-        become resident and held for the requests that waited for them, every generating sequence samples a token,
-        every output goes to its request's sink, and the store's answers that came meanwhile are taken in (chunks
-        loaded, compile calls' checks and writes: as vLLM v1 takes a KV connector's finished loads). A failed
-        forward fails its sequences and chunk prefills."""
+        become resident and held for the requests that waited for them, every generating sequence appends the token
+        the executor sampled for it, every output goes to its request's sink, and the store's answers that came
+        meanwhile are taken in (chunks loaded, compile calls' checks and writes: as vLLM v1 takes a KV connector's
+        finished loads). A failed forward or sampling fails its sequences and chunk prefills."""
         if output.error is not None:
-            for seq in [p.seq for p in batch.passes] + batch.decodes:
-                self.fail(seq, output.error, quiet=True)  # (the step logged the forward's error, with its trace)
+            for seq in [p.seq for p in batch.passes] + batch.decodes + batch.resumed:
+                self.fail(seq, output.error, quiet=True)  # (the executor logged the error, with its trace)
             batch.failed_prefills += [(prefill, output.error) for prefill, _ in batch.pieces]
         ran = batch.outputs(output.hidden) if output.error is None else StepOutput()
-        rows = [(seq, seq.query_hidden[-1]) for seq in batch.resumed if seq.status is Status.RUNNING]
+        rows = [seq for seq in batch.resumed if seq.status is Status.RUNNING]  # (those that sample, in order)
         parked: list[Sequence] = []
         for piece, hidden in ran.passes:
             if piece.ends and piece.seq.status is Status.PREFILLING:  # (else it goes on; or it failed in this step)
@@ -153,12 +154,10 @@ class Scheduler:
         for prefill, error in batch.failed_prefills:
             for seq in self.compiles.prefill_failed(prefill, error):
                 self.fail(seq, error)
-        if parked and parked[0].query_hidden.is_cuda:
-            torch.cuda.synchronize(parked[0].query_hidden.device)  # link returns with its pass done (an honest time)
         for seq in parked:
             seq.sink.put(link_output(seq))
-        rows += [(seq, hidden[-1]) for seq, hidden in ran.decodes if seq.status is Status.RUNNING]
-        self._sampled(self.decoder.sample(rows))
+        rows += [seq for seq, _ in ran.decodes if seq.status is Status.RUNNING]
+        self._sampled([self.decoder.append(seq, output.sampled.get(seq.request_id)) for seq in rows])
         self._store_answers()
 
     def _store_answers(self) -> None:
@@ -172,10 +171,11 @@ class Scheduler:
             except Exception as exc:
                 self.fail(seq, exc)
 
-    def _pass_done(self, seq: Sequence, hidden: torch.Tensor, rows: list[Row], parked: list[Sequence]) -> None:
+    def _pass_done(self, seq: Sequence, hidden: object, rows: list[Sequence], parked: list[Sequence]) -> None:
         """A pass ended: after a probe, the policy chooses (its second pass runs next); else a link parks with its
-        query's hidden states (``Linked.logits``) and a generation decodes, its first token sampled from the pass's
-        last row (into ``rows``). A policy's own error fails its request, not the batch."""
+        query's final hidden states (``hidden``, the executor's, for ``Linked.logits``) and a generation decodes,
+        its first token the one the executor sampled from the pass's last row (into ``rows``). A policy's own error
+        fails its request, not the batch."""
         try:
             if seq.link.pass_.is_probe:
                 self.kv.copy_written(seq, self.linker.probe_done(seq.link))
@@ -188,7 +188,7 @@ class Scheduler:
             self.fail(seq, exc)
             return
         if seq.sampling is not None:
-            rows.append((seq, hidden[-1]))
+            rows.append(seq)
         else:
             seq.park(hidden)
             parked.append(seq)
@@ -208,20 +208,24 @@ class Scheduler:
                 continue
             one.seq.sink.put(RequestOutput(one.seq.request_id, text=one.text, token_ids=(one.token,), finished=False))
 
-    def fail(self, seq: Sequence, why: Exception | FinishReason, *, quiet: bool = False) -> None:
-        """The one way a sequence fails: ``why`` is its error, or ``FinishReason.KV_POOL`` (no block for it while
-        nothing else runs: it ends with its tokens so far). Logged (``quiet``: not, logged already or the engine is
-        closing), then ended as ``finish`` ends it: status, queue and blocks together. A sequence that ended already
-        is left."""
+    def fail(self, seq: Sequence, error: Exception, *, quiet: bool = False) -> None:
+        """The one way a sequence fails: with ``error`` (its own: a policy's error reaches the caller as it is).
+        Logged (``quiet``: not, logged already or the engine is closing), then ended as ``finish`` ends it: status,
+        queue and blocks together. A sequence that ended already is left."""
         if seq.is_finished:
             return
-        if why is FinishReason.KV_POOL:
+        if not quiet:  # (a bug, or a policy's own error: with its traceback)
+            trace = None if isinstance(error, PicError) else error
+            log.error("pic: request %d failed: %s", seq.request_id, error, exc_info=trace)
+        self.finish(seq, error)
+
+    def out_of_blocks(self, seq: Sequence) -> None:
+        """End a generation that has no block for its next token while nothing else runs to free one: it ends
+        normally, with its tokens so far (``FinishReason.KV_POOL``), logged as a warning."""
+        if not seq.is_finished:
             num = len(seq.output_ids)
             log.warning("pic: request %d stopped after %d tokens: the KV pool is full", seq.request_id, num)
-        elif not quiet:  # (a bug, or a policy's own error: with its traceback)
-            trace = None if isinstance(why, PicError) else why
-            log.error("pic: request %d failed: %s", seq.request_id, why, exc_info=trace)
-        self.finish(seq, why if why is FinishReason.KV_POOL else EngineStepError.of(why))
+            self.finish(seq, FinishReason.KV_POOL)
 
     def finish(self, seq: Sequence, why: FinishReason | Exception, *, text: str = "", token: int | None = None) -> None:
         """End the sequence (out of its queue, FINISHED), free its blocks, and put its last output (with ``text`` and

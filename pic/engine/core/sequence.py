@@ -32,10 +32,10 @@ from pic.compile import ChunkPrefill
 from pic.engine.core.detokenizer import Detokenizer
 from pic.engine.generation import FinishReason
 from pic.engine.request import NewRequest, OutputSink
-from pic.engine.sampling import SamplingParams
 from pic.errors import SequenceStateError
 from pic.kv import ChunkInfo, ChunkKV, RequestKV
 from pic.link.linker import LinkState
+from pic.sampling import SamplingParams
 
 
 class Status(enum.Enum):
@@ -199,13 +199,13 @@ class Queues:
 
     def __init__(self) -> None:
         self.requests: dict[int, Sequence] = {}  # every one not finished (parked ones included)
-        self.waiting: deque[Sequence] = deque()  # WAITING and RESUMING, in arrival order (a preempted one first)
+        self.to_admit: deque[Sequence] = deque()  # WAITING and RESUMING, in arrival order (a preempted one first)
         self.prefilling: list[Sequence] = []  # in admission order
         self.running: list[Sequence] = []  # in admission order (the last one is preempted first)
 
     def add(self, seq: Sequence) -> None:
         self.requests[seq.request_id] = seq
-        self.waiting.append(seq)
+        self.to_admit.append(seq)
 
     def move(self, seq: Sequence, transition: Transition) -> None:
         """Apply ``transition``: checked against ``TRANSITIONS`` before anything changes (``SequenceStateError``),
@@ -216,14 +216,14 @@ class Queues:
             raise SequenceStateError(
                 f"request {seq.request_id} cannot {transition.value} while {seq.status.value} (only from: {allowed})"
             )
-        for queue in (self.running, self.prefilling, self.waiting):  # (where it is, even where it should not be)
+        for queue in (self.running, self.prefilling, self.to_admit):  # (where it is, even where it should not be)
             if seq in queue:
                 queue.remove(seq)
         seq.enter(target, transition)
         if transition is Transition.PREEMPT:
-            self.waiting.appendleft(seq)
+            self.to_admit.appendleft(seq)
         elif target is Status.RESUMING:
-            self.waiting.append(seq)
+            self.to_admit.append(seq)
         elif target is Status.PREFILLING:
             self.prefilling.append(seq)
         elif target is Status.RUNNING:
@@ -233,7 +233,7 @@ class Queues:
 
     def of(self, status: Status) -> list[Sequence]:
         """The waiting queue's sequences of ``status`` (WAITING or RESUMING), in its order."""
-        return [s for s in self.waiting if s.status is status]
+        return [s for s in self.to_admit if s.status is status]
 
     @property
     def num_active(self) -> int:
