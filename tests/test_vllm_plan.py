@@ -17,8 +17,8 @@ from pic.errors import InvalidInputError, PicError
 from pic.ids import model_fingerprint
 from pic.vllm.client import chat_link_prompt, compile_prompt, link_prompt, link_report
 from pic.vllm.fingerprint import folder_fingerprint
-from pic.vllm.params import CompileRequest, LinkRequest, Suffix, link_salt, parse_params, parse_policy
-from pic.vllm.plan import LinkPlan, Segment, find_chunks, plan_link
+from pic.vllm.params import CompileRequest, LinkRequest, VllmSuffix, link_salt, parse_params, parse_policy
+from pic.vllm.plan import ConnectorPlan, LoadSpan, find_chunks, plan_link
 from tests.models import TINY_FAMILIES, tiny_model
 from tests.smollm2 import MESSAGES, encode
 
@@ -29,7 +29,7 @@ QUERY = [30, 31]
 PROMPT = PREFIX + CHUNKS[0] + CHUNKS[1] + QUERY
 
 
-def plan(num_computed: int = 0, num_recomputed: int = 0, *, stored: bool = True, prefix=PREFIX) -> LinkPlan:
+def plan(num_computed: int = 0, num_recomputed: int = 0, *, stored: bool = True, prefix=PREFIX) -> ConnectorPlan:
     """The plan for ``prefix + CHUNKS + QUERY``, checked to tile ``[num_computed, P + C - R)`` when it links."""
     prompt = prefix + CHUNKS[0] + CHUNKS[1] + QUERY
     start = find_chunks(prompt, CHUNKS)
@@ -39,7 +39,7 @@ def plan(num_computed: int = 0, num_recomputed: int = 0, *, stored: bool = True,
     return result
 
 
-def assert_tiles(result: LinkPlan, prompt: list[int], num_computed: int) -> None:
+def assert_tiles(result: ConnectorPlan, prompt: list[int], num_computed: int) -> None:
     """The segments cover ``[num_computed, P + C - R)`` in order without gap, each with its stored tokens."""
     if result.num_external == 0:
         return
@@ -75,34 +75,34 @@ def test_find_chunks_takes_the_first_occurrence():
 
 def test_plan_from_scratch_loads_the_stored_prefix_then_each_chunk():
     result = plan(0)
-    assert result.segments == (Segment("pre", 0, 0, 4), Segment("a", 4, 0, 4), Segment("b", 8, 0, 6))
+    assert result.segments == (LoadSpan("pre", 0, 0, 4), LoadSpan("a", 4, 0, 4), LoadSpan("b", 8, 0, 6))
     assert (result.num_external, result.num_prefix, result.num_chunk_tokens, result.reason) == (14, 4, 10, None)
     assert result.save_prefix is None
 
 
 def test_plan_after_a_vllm_hit_inside_the_prefix_starts_there():
     result = plan(2)
-    assert result.segments == (Segment("pre", 2, 2, 2), Segment("a", 4, 0, 4), Segment("b", 8, 0, 6))
+    assert result.segments == (LoadSpan("pre", 2, 2, 2), LoadSpan("a", 4, 0, 4), LoadSpan("b", 8, 0, 6))
     assert result.num_external == 12
 
 
 def test_plan_after_a_vllm_hit_inside_a_chunk_needs_no_stored_prefix():
     result = plan(6, stored=False)
-    assert result.segments == (Segment("a", 6, 2, 2), Segment("b", 8, 0, 6))
+    assert result.segments == (LoadSpan("a", 6, 2, 2), LoadSpan("b", 8, 0, 6))
     assert (result.num_external, result.reason, result.save_prefix) == (8, None, None)
 
 
 @pytest.mark.parametrize("num_computed", [0, 2])
 def test_plan_leaves_the_recomputed_tail_of_the_last_chunk_to_vllm(num_computed):
     result = plan(num_computed, num_recomputed=2)
-    assert result.segments[-1] == Segment("b", 8, 0, 4)
+    assert result.segments[-1] == LoadSpan("b", 8, 0, 4)
     assert result.num_recomputed == 2 and result.num_external == 4 + 10 - 2 - num_computed
 
 
 def test_plan_whose_policy_recomputes_whole_chunks():
-    assert plan(0, 6).segments == (Segment("pre", 0, 0, 4), Segment("a", 4, 0, 4))
-    assert plan(0, 10).segments == (Segment("pre", 0, 0, 4),) and plan(0, 10).num_external == 4
-    assert plan(2, 10).segments == (Segment("pre", 2, 2, 2),)
+    assert plan(0, 6).segments == (LoadSpan("pre", 0, 0, 4), LoadSpan("a", 4, 0, 4))
+    assert plan(0, 10).segments == (LoadSpan("pre", 0, 0, 4),) and plan(0, 10).num_external == 4
+    assert plan(2, 10).segments == (LoadSpan("pre", 2, 2, 2),)
     clamped = plan(0, 99)
     assert clamped.num_recomputed == 10 and clamped.num_external == 4
     assert plan(0, -3).num_recomputed == 0 and plan(0, -3).num_external == 14
@@ -118,7 +118,7 @@ def test_plan_without_a_stored_prefix_prefills_and_saves_it():
 
 def test_plan_without_a_prefix_links_the_chunks_from_zero():
     result = plan(0, stored=False, prefix=[])
-    assert result.segments == (Segment("a", 0, 0, 4), Segment("b", 4, 0, 6))
+    assert result.segments == (LoadSpan("a", 0, 0, 4), LoadSpan("b", 4, 0, 6))
     assert (result.num_external, result.reason, result.save_prefix) == (10, None, None)
 
 
@@ -136,13 +136,13 @@ def test_plan_for_a_prompt_without_the_chunks_says_why():
 
 
 def test_parse_policy_reads_the_four_forms():
-    assert parse_policy("naive") == Suffix(0.0) and parse_policy("naive").name == "naive"
-    assert parse_policy("full") == Suffix(1.0) and parse_policy("full").name == "full"
+    assert parse_policy("naive") == VllmSuffix(0.0) and parse_policy("naive").name == "naive"
+    assert parse_policy("full") == VllmSuffix(1.0) and parse_policy("full").name == "full"
     assert parse_policy("suffix:0.2").ratio == 0.2 and parse_policy("suffix:0.2").name == "suffix:0.2"
     auto = parse_policy("auto")  # pic's default, as vLLM runs it: whole chunks under a ceiling
-    assert auto == Suffix(0.05, whole=True, max_share=0.5) and auto.name == "auto:0.05"
-    assert parse_policy("auto:0.1,max_share=0.5") == Suffix(0.1, whole=True, max_share=0.5)
-    assert parse_policy(parse_policy("auto:0.1,max_share=0.5").name) == Suffix(0.1, whole=True, max_share=0.5)
+    assert auto == VllmSuffix(0.05, whole=True, max_share=0.5) and auto.name == "auto:0.05"
+    assert parse_policy("auto:0.1,max_share=0.5") == VllmSuffix(0.1, whole=True, max_share=0.5)
+    assert parse_policy(parse_policy("auto:0.1,max_share=0.5").name) == VllmSuffix(0.1, whole=True, max_share=0.5)
 
 
 @pytest.mark.parametrize(
@@ -154,22 +154,22 @@ def test_parse_policy_refuses_others_naming_them(value):
 
 
 def test_suffix_rounds_its_share_of_the_chunk_tokens():
-    assert [Suffix(0.2).num_recomputed([n]) for n in (10, 7, 8, 0)] == [2, 1, 2, 0]
-    assert Suffix(0.0).num_recomputed([50]) == 0 and Suffix(1.0).num_recomputed([20, 30]) == 50
-    assert Suffix(0.2).num_recomputed([30, 40, 30]) == 20  # the last 20 tokens, inside the last chunk
+    assert [VllmSuffix(0.2).num_recomputed([n]) for n in (10, 7, 8, 0)] == [2, 1, 2, 0]
+    assert VllmSuffix(0.0).num_recomputed([50]) == 0 and VllmSuffix(1.0).num_recomputed([20, 30]) == 50
+    assert VllmSuffix(0.2).num_recomputed([30, 40, 30]) == 20  # the last 20 tokens, inside the last chunk
 
 
 def test_a_whole_suffix_takes_the_chunks_it_would_cut():
-    whole = Suffix(0.2, whole=True)
+    whole = VllmSuffix(0.2, whole=True)
     assert whole.num_recomputed([30, 40, 30]) == 30  # the whole last chunk
     assert whole.num_recomputed([30, 40, 10]) == 50  # 16 tokens reach into the middle chunk: it comes whole
-    assert whole.num_recomputed([100]) == 100 and Suffix(0.001, whole=True).num_recomputed([100]) == 0
+    assert whole.num_recomputed([100]) == 100 and VllmSuffix(0.001, whole=True).num_recomputed([100]) == 0
     assert parse_policy("suffix:0.2,whole=true") == whole and whole.name == "suffix:0.2,whole=true"
     assert parse_policy(whole.name) == whole  # the spelling the salt uses reads back
 
 
 def test_auto_takes_whole_chunks_under_its_ceiling_and_cuts_over_it():
-    auto = Suffix(0.05, whole=True, max_share=0.5)
+    auto = VllmSuffix(0.05, whole=True, max_share=0.5)
     assert auto.num_recomputed([300, 300, 300]) == 300  # the last chunk whole: a third of the chunk tokens
     assert auto.num_recomputed([300, 500]) == 400  # the last chunk, 500 of 800, cut at half the chunk tokens
     assert auto.num_recomputed([10, 12]) == 11 and auto.num_recomputed([12, 10]) == 10
@@ -183,9 +183,9 @@ def test_parse_params_without_pic_is_none(params):
 def test_parse_params_reads_compile_and_link_requests():
     assert parse_params({"pic": {"compile": True}}) == CompileRequest()
     link = parse_params({"pic": {"ids": ["a", "b"]}, "other": 1})
-    default = Suffix(0.05, whole=True, max_share=0.5)  # a request that names no policy: pic's default, auto
+    default = VllmSuffix(0.05, whole=True, max_share=0.5)  # a request that names no policy: pic's default, auto
     assert link == LinkRequest(ids=("a", "b"), policy=default) and link.policy.name == "auto:0.05"
-    assert parse_params({"pic": {"ids": ["a"], "policy": "naive"}}).policy == Suffix(0.0)
+    assert parse_params({"pic": {"ids": ["a"], "policy": "naive"}}).policy == VllmSuffix(0.0)
 
 
 @pytest.mark.parametrize(
@@ -210,7 +210,7 @@ def test_link_salt_differs_by_policy_and_order():
     salt = link_salt(["a", "b"], "naive")
     assert salt.startswith("pic-") and salt == link_salt(("a", "b"), "naive")
     assert len({salt, link_salt(["b", "a"], "naive"), link_salt(["a", "b"], "full"), link_salt(["ab"], "naive")}) == 4
-    request = LinkRequest(ids=("a", "b"), policy=Suffix(0.2))
+    request = LinkRequest(ids=("a", "b"), policy=VllmSuffix(0.2))
     assert request.salt == link_salt(["a", "b"], "suffix:0.2")
 
 

@@ -17,7 +17,7 @@ from pic.kv import ChunkKV
 from pic.namespaces import DEFAULT, NAME_PATTERN, Namespace
 from pic.store import DiskTier, serde
 from pic.vllm.client import link_prompt
-from pic.vllm.params import LinkRequest, Suffix, link_salt, parse_params
+from pic.vllm.params import LinkRequest, VllmSuffix, link_salt, parse_params
 from pic.vllm.tenants import namespace_of, read_chunk, read_tokens
 
 FINGERPRINT = "0123456789abcdef0123456789abcdef"
@@ -38,7 +38,7 @@ def test_a_tenants_link_salt_is_its_salt_then_the_links():
 
 @pytest.mark.parametrize("tenant", ["tenant-A", "a:b", "x" * 91, LINK, "ünï cødé"])
 def test_the_connector_reads_the_tenant_back_from_a_links_salt(tenant):
-    request = LinkRequest(ids=IDS, policy=Suffix(0.0))
+    request = LinkRequest(ids=IDS, policy=VllmSuffix(0.0))
     assert request.tenant_of(link_salt(IDS, "naive", tenant_salt=tenant)) == tenant
     assert request.tenant_of(LINK) is None  # the default namespace
 
@@ -49,7 +49,7 @@ def test_the_connector_reads_the_tenant_back_from_a_links_salt(tenant):
      link_salt(IDS[::-1], "naive")],
 )  # fmt: skip
 def test_a_link_whose_salt_is_not_its_own_is_refused_without_echoing_it(cache_salt):
-    request = LinkRequest(ids=IDS, policy=Suffix(0.0))
+    request = LinkRequest(ids=IDS, policy=VllmSuffix(0.0))
     with pytest.raises(InvalidInputError, match="must carry cache_salt") as error:
         request.tenant_of(cache_salt)
     assert "hunter2" not in str(error.value)  # a tenant's salt is a secret: never in a reason or a log

@@ -31,7 +31,7 @@ from pic.serve.metrics import CONTENT_TYPE, EngineFigures, Metrics, RequestCount
 from pic.serve.openapi import install_openapi, responses
 from pic.serve.replies import completion, events
 from pic.serve.schemas import ChatBody, ChunksBody, CompletionBody, Sampling
-from pic.serve.shapes import CacheIds, ChatCompletion, ChunkInfo, Completion, Deleted, Health, ModelList
+from pic.serve.shapes import CacheIds, ChatCompletion, ChunkEntry, Completion, Deleted, Health, ModelList
 from pic.serve.tenants import Tenant, Tenants
 from pic.text import check_encodable
 
@@ -118,7 +118,7 @@ def build_app(
         )  # fmt: skip
         return {"cache_ids": report.ids, "tiers": [list(tiers) for tiers in report.tiers]}
 
-    @app.get("/v1/chunks/{cache_id}", response_model=None, responses=responses(ChunkInfo, 404, *_GUARDED, 500, 503))
+    @app.get("/v1/chunks/{cache_id}", response_model=None, responses=responses(ChunkEntry, 404, *_GUARDED, 500, 503))
     async def chunk_info(cache_id: str, tenant: Tenant = _TENANT) -> dict:
         # metadata only; UnknownCacheIdError (another namespace's chunk, as one nobody compiled): 404
         chunk = await aengine.store(engine.store.describe, cache_id, namespace=tenant.access)

@@ -48,7 +48,7 @@ class CacheIds(BaseModel):
     tiers: list[list[str]]
 
 
-class ChunkInfo(BaseModel):
+class ChunkEntry(BaseModel):
     id: str
     tiers: list[str]
     num_tokens: int

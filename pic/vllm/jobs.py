@@ -8,7 +8,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 from pic.config import CompileOptions
 from pic.namespaces import DEFAULT, Namespace
-from pic.vllm.plan import Segment
+from pic.vllm.plan import LoadSpan
 
 
 def slots_of(block_ids: list[int], block_size: int, start: int, num_tokens: int) -> list[int]:
@@ -22,7 +22,7 @@ class LoadJob:
     ``namespace`` (the request's ``cache_salt``: ``pic.vllm.tenants``) reads it."""
 
     req_id: str
-    segment: Segment
+    segment: LoadSpan
     slots: list[int]
     namespace: Namespace = DEFAULT
 

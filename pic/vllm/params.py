@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pic.errors import InvalidInputError, PicError
 from pic.link.policies import Auto, resolve
 from pic.link.policies import Suffix as SuffixPolicy
+from pic.link.policies.builtin import auto_suffix_length, suffix_length
 
 PARAMS_KEY = "pic"
 DEFAULT_POLICY = "auto"  # pic's default, as vLLM can run it: the most relevant chunks last, recomputed whole
@@ -34,7 +35,7 @@ _MAX_IDS = 4096
 
 
 @dataclass(frozen=True)
-class Suffix:
+class VllmSuffix:
     """The recompute policy inside vLLM: vLLM's own forward computes the last ``ratio`` of the linked chunks'
     tokens (and everything after them); the rest is loaded from pic's store at its positions (naive).
     ``whole``: the suffix reaches back to the start of the chunk it would cut, so no chunk is part loaded, part
@@ -62,22 +63,16 @@ class Suffix:
         return named or f"suffix:{self.ratio:g}" + (",whole=true" if self.whole else "")
 
     def num_recomputed(self, chunk_lengths: Sequence[int]) -> int:
-        """Chunk tokens left to vLLM, for chunks of ``chunk_lengths`` tokens in prompt order."""
-        total = sum(chunk_lengths)
-        num = round(self.ratio * total)
-        if self.whole and num > 0:
-            tail = 0
-            for length in reversed(chunk_lengths):  # whole chunks from the last, until they hold the suffix
-                tail += length
-                if tail >= num:
-                    break
-            num = min(tail, total)
-        if self.max_share is not None:
-            num = min(num, int(self.max_share * total))
-        return num
+        """Chunk tokens left to vLLM, for chunks of ``chunk_lengths`` tokens in prompt order: pic's engine's rule
+        (``pic.link.policies.builtin``'s ``suffix_length``, ``auto_suffix_length``); where ``auto`` would take
+        regions, the suffix cut at ``max_share`` (vLLM computes a suffix only)."""
+        if self.max_share is None:
+            return suffix_length(chunk_lengths, self.ratio, whole=self.whole)
+        num = auto_suffix_length(chunk_lengths, self.ratio, self.max_share)
+        return int(self.max_share * sum(chunk_lengths)) if num is None else num
 
 
-def parse_policy(value: object) -> Suffix:
+def parse_policy(value: object) -> VllmSuffix:
     """``"naive"``, ``"full"``, pic's ``auto`` spec (``"auto"``, ``"auto:<budget>[,max_share=<share>]"``), or its
     ``suffix`` spec: ``"suffix:<ratio in [0, 1]>"``, with ``",whole=true"``.
 
@@ -85,15 +80,15 @@ def parse_policy(value: object) -> Suffix:
         InvalidInputError: anything else, naming it.
     """
     if value in ("naive", "full"):
-        return Suffix({"naive": 0.0, "full": 1.0}[value])
+        return VllmSuffix({"naive": 0.0, "full": 1.0}[value])
     try:
         policy = resolve(value) if isinstance(value, str) and value.startswith(("suffix:", "auto")) else None
     except PicError:
         policy = None
     if isinstance(policy, SuffixPolicy):
-        return Suffix(policy.ratio, whole=policy.whole)
+        return VllmSuffix(policy.ratio, whole=policy.whole)
     if isinstance(policy, Auto):
-        return Suffix(policy.budget, whole=True, max_share=policy.max_share)
+        return VllmSuffix(policy.budget, whole=True, max_share=policy.max_share)
     raise InvalidInputError(
         f"pic policy {value!r:.80} is not one the vLLM connector runs; expected 'naive', 'full', 'auto[:<budget>]' "
         f"or 'suffix:<ratio in [0, 1]>[,whole=true]' (vLLM recomputes a suffix of the prompt only)"
@@ -105,7 +100,7 @@ class LinkRequest:
     """A request that links ``ids`` (in prompt order) under ``policy``."""
 
     ids: tuple[str, ...]
-    policy: Suffix
+    policy: VllmSuffix
     order: str = "given"  # what the client ordered the ids by (reported back; the ids are in prompt order)
 
     @property

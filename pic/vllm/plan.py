@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
-class Segment:
+class LoadSpan:
     """Tokens of one stored chunk to load: the chunk's tokens ``[offset, offset + num_tokens)`` go to prompt
     positions ``[start, start + num_tokens)``."""
 
@@ -31,7 +31,7 @@ class Segment:
 
 
 @dataclass(frozen=True)
-class LinkPlan:
+class ConnectorPlan:
     """What the connector does for a request.
 
     Attributes:
@@ -45,7 +45,7 @@ class LinkPlan:
         reason: why nothing is linked (``None`` when the plan links).
     """
 
-    segments: tuple[Segment, ...] = ()
+    segments: tuple[LoadSpan, ...] = ()
     num_external: int = 0
     num_prefix: int = 0
     num_chunk_tokens: int = 0
@@ -78,7 +78,7 @@ def plan_link(
     num_recomputed: int,
     prefix_id: str | None,
     prefix_stored: bool,
-) -> LinkPlan:
+) -> ConnectorPlan:
     """The plan for a prompt that should hold ``chunks`` (``ids``' tokens) after a prefix.
 
     Args:
@@ -89,17 +89,17 @@ def plan_link(
         prefix_stored: whether a tier holds ``prefix_id``.
     """
     if start is None:
-        return LinkPlan(
+        return ConnectorPlan(
             reason="the prompt does not hold the chunks' tokens in the order named, followed by a query "
             "(send prompt_token_ids built by pic.vllm.client, or text whose tokenization keeps each document's tokens)"
         )
     num_chunk = sum(len(c) for c in chunks)
     recomputed = min(max(num_recomputed, 0), num_chunk)
     end = start + num_chunk - recomputed
-    base = LinkPlan(num_prefix=start, num_chunk_tokens=num_chunk, num_recomputed=recomputed)
+    base = ConnectorPlan(num_prefix=start, num_chunk_tokens=num_chunk, num_recomputed=recomputed)
     if end <= num_computed:
         return replace(base, reason=None)  # vLLM's own cache already holds all pic would load
-    segments: list[Segment] = []
+    segments: list[LoadSpan] = []
     if num_computed < start:
         if not prefix_stored:
             return replace(
@@ -108,11 +108,11 @@ def plan_link(
                 reason="the prompt's prefix (tokens before the first chunk) is in no tier yet: this request "
                 "prefills it and stores it, and links from the next request with this prefix",
             )
-        segments.append(Segment(prefix_id, num_computed, num_computed, start - num_computed))
+        segments.append(LoadSpan(prefix_id, num_computed, num_computed, start - num_computed))
     position = start
     for cache_id, chunk in zip(ids, chunks, strict=True):
         lo, hi = max(position, num_computed), min(position + len(chunk), end)
         if hi > lo:
-            segments.append(Segment(cache_id, lo, lo - position, hi - lo))
+            segments.append(LoadSpan(cache_id, lo, lo - position, hi - lo))
         position += len(chunk)
     return replace(base, segments=tuple(segments), num_external=end - num_computed)

@@ -24,7 +24,7 @@ from pic.namespaces import DEFAULT, Namespace
 from pic.vllm import tenants
 from pic.vllm.jobs import LoadJob, PicConnectorMetadata, SaveJob, slots_of
 from pic.vllm.params import CompileRequest, LinkRequest, parse_params
-from pic.vllm.plan import LinkPlan, find_chunks, plan_link
+from pic.vllm.plan import ConnectorPlan, find_chunks, plan_link
 from pic.vllm.setup import Setup
 
 log = logging.getLogger("pic.vllm")
@@ -46,7 +46,7 @@ class _Lookup:
 class _Tracked:
     """A request the connector acts on: its plan, its blocks, and what it reports when it finishes."""
 
-    plan: LinkPlan | None = None
+    plan: ConnectorPlan | None = None
     save: tuple[str, list[int], CompileOptions] | None = None  # (cache id, tokens, options) to store after its prefill
     namespace: Namespace = DEFAULT  # whose chunks it links or stores (its cache_salt)
     block_ids: list[int] = field(default_factory=list)

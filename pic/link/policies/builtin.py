@@ -24,6 +24,8 @@ budgets of 5 to 30%, and the grid), what keeps ``auto``'s answers is where the t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from pydantic import Field
 
@@ -56,29 +58,48 @@ class FullRecompute(Policy):
         return torch.ones(layout.num_tokens, dtype=torch.bool)
 
 
+def suffix_length(chunk_lengths: Sequence[int], ratio: float, *, whole: bool) -> int:
+    """The chunk tokens a suffix of ``ratio`` recomputes, over chunks of ``chunk_lengths`` tokens in prompt order:
+    ``round(ratio * total)``, and with ``whole`` reaching back to the start of the chunk that count would cut. The one
+    rule of pic's engine (``Suffix``, ``Auto``) and vLLM's connector (``pic.vllm.params.VllmSuffix``)."""
+    total = sum(chunk_lengths)
+    num = round(ratio * total)
+    if whole and num > 0:
+        tail = 0
+        for length in reversed(chunk_lengths):  # whole chunks from the last, until they hold the suffix
+            tail += length
+            if tail >= num:
+                break
+        num = min(tail, total)
+    return num
+
+
+def auto_suffix_length(chunk_lengths: Sequence[int], budget: float, max_share: float) -> int | None:
+    """What ``Auto`` recomputes as a suffix: the last chunks whole, at least ``budget`` of the chunk tokens, when that
+    is at most ``max_share`` of them (or there are none); ``None`` when it is more (``Auto`` then takes the best
+    regions within ``max_share``)."""
+    num, total = suffix_length(chunk_lengths, budget, whole=True), sum(chunk_lengths)
+    return num if num <= max_share * total or not total else None
+
+
 class Suffix(Policy):
     """Recompute the last ``ratio`` of the chunk tokens (those right before the query), reuse the rest as is;
     ``whole``: extended back to the start of the chunk the cut falls in, so no chunk is part fresh, part cached.
 
     It is what ``PicConnector`` runs inside vLLM, whose forward computes only a suffix of the prompt
-    (``pic.vllm.params.Suffix``, the same count: ``round(ratio * chunk tokens)``); here it lets pic's engine
-    measure that policy beside its own (docs/vllm.md). With the relevance order, the recomputed tokens are the
-    most relevant documents'."""
+    (``pic.vllm.params.VllmSuffix``, the same count: ``suffix_length``); here it lets pic's engine measure that
+    policy beside its own (docs/vllm.md). With the relevance order, the recomputed tokens are the most relevant
+    documents'."""
 
     name = "suffix"
     ratio: float = Field(default=0.2, ge=0.0, le=1.0)
     whole: bool = False
 
     def select(self, layout: Layout) -> torch.Tensor:
-        chunk = layout.cached.nonzero().flatten()  # chunk token indices, in prompt order
         chosen = torch.zeros(layout.num_tokens, dtype=torch.bool)
-        num = round(self.ratio * chunk.numel())
-        if not num:
-            return chosen
-        start = int(chunk[-num])
-        if self.whole:
-            start = next(seg.token_start for seg in layout.chunks if seg.token_start + seg.num_tokens > start)
-        chosen[start:] = True
+        num = suffix_length([seg.num_tokens for seg in layout.chunks], self.ratio, whole=self.whole)
+        if num:
+            chosen[int(layout.cached.nonzero().flatten()[-num]) :] = True  # from the num-th last chunk token
         return chosen & layout.cached
 
 
@@ -93,10 +114,9 @@ class Auto(Policy):
     max_share: float = Field(default=0.5, gt=0.0, le=1.0)
 
     def for_layout(self, layout: Layout) -> Policy:
-        whole = Suffix(ratio=self.budget, whole=True)
-        num_chunk = int(layout.cached.sum())
-        if int(whole.select(layout).sum()) <= self.max_share * num_chunk or not num_chunk:
-            return whole
+        lengths = [seg.num_tokens for seg in layout.chunks]
+        if auto_suffix_length(lengths, self.budget, self.max_share) is not None:
+            return Suffix(ratio=self.budget, whole=True)
         return Regions(budget=self.max_share)
 
     def select(self, layout: Layout) -> torch.Tensor:
