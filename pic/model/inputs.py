@@ -1,11 +1,13 @@
 """What a forward takes: each sequence's part (``SeqInput``), and what its per-layer hooks and attention observers
-see (``LayerView``, ``LayerHook``, ``AttentionObserver``). The engine's passes and the compile build them; the runner
-reads them."""
+see (``LayerView``, ``LayerHook``, ``AttentionObserver``; ``ForwardObserver``: what observes whole forwards). The
+engine's passes and the compile build them; the runner reads them."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -69,3 +71,14 @@ class SeqInput:
     output_rows: torch.Tensor | None = None
     after_layer: LayerHook | None = None
     decode: bool = False
+
+
+class ForwardObserver(Protocol):
+    """What ``ModelRunner.observe_forwards`` calls: counters and profilers observe the runner through it (as
+    ``pic.model.op_count`` does), never by patching the runner's methods."""
+
+    def forward(self, seqs: Sequence[SeqInput]) -> AbstractContextManager[None]:
+        """Entered around each forward over ``seqs``, on the thread that runs it."""
+
+    def layer(self, index: int) -> AbstractContextManager[None]:
+        """Entered around each layer of the forward (``index``: the layer's)."""

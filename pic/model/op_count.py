@@ -2,8 +2,9 @@
 
 A link on an H100 was host-bound (issue 50: 1,343 launches for a naive 16K link, 36.9 ms of wall time for 10.6 ms of
 GPU work), so the operations a layer dispatches are a cost of their own, and a number a test can pin on the CPU.
-``count_ops`` wraps a ``ModelRunner``'s forward (in whatever thread runs it: the engine's core thread) and records,
-per forward, the operations each layer dispatched (views and metadata left out: they launch nothing).
+``count_ops`` observes a ``ModelRunner``'s forwards (``ModelRunner.observe_forwards``, in whatever thread runs them:
+the engine's core thread) and records, per forward, the operations each layer dispatched (views and metadata left
+out: they launch nothing).
 
 Two counts: ``ops``, what the layer dispatches (``pic::rms_norm`` one: one kernel on CUDA), and ``kernels``, with
 pic's own operators counted as the operations their CPU implementation runs (transformers' six for an RMSNorm).
@@ -78,33 +79,37 @@ class _Count(TorchDispatchMode):
         return out
 
 
+class _Counting:
+    """A ``pic.model.inputs.ForwardObserver``: each forward under a fresh ``_Count``, each layer's share of it kept."""
+
+    def __init__(self) -> None:
+        self.forwards: list[ForwardOps] = []
+        self._mode = _Count()
+
+    @contextlib.contextmanager
+    def forward(self, seqs) -> Iterator[None]:
+        num_rows = sum(len(s.token_ids) for s in seqs)
+        self.forwards.append(ForwardOps(decode=all(s.decode for s in seqs), num_rows=num_rows))
+        self._mode = _Count()
+        with self._mode:
+            yield
+
+    @contextlib.contextmanager
+    def layer(self, index: int) -> Iterator[None]:
+        mode = self._mode
+        before_ops, before_kernels = Counter(mode.ops), Counter(mode.kernels)
+        yield
+        self.forwards[-1].layers.append(mode.ops - before_ops)
+        self.forwards[-1].kernels.append(mode.kernels - before_kernels)
+
+
 @contextlib.contextmanager
 def count_ops(runner) -> Iterator[list[ForwardOps]]:
     """Within the block, every forward of ``runner`` (a ``pic.model.ModelRunner``) appends its ``ForwardOps`` to the
-    list yielded. Not reentrant; the runner is restored on exit."""
-    forwards: list[ForwardOps] = []
-    modes: list[_Count] = []  # the running forward's, last
-    layer, forward = runner._layer, runner.forward
-
-    def counted_layer(*args, **kwargs):
-        mode = modes[-1]
-        before_ops, before_kernels = Counter(mode.ops), Counter(mode.kernels)
-        out = layer(*args, **kwargs)
-        forwards[-1].layers.append(mode.ops - before_ops)
-        forwards[-1].kernels.append(mode.kernels - before_kernels)
-        return out
-
-    def counted_forward(seqs):
-        forwards.append(ForwardOps(decode=all(s.decode for s in seqs), num_rows=sum(len(s.token_ids) for s in seqs)))
-        modes.append(_Count())
-        with modes[-1]:
-            return forward(seqs)
-
-    runner._layer, runner.forward = counted_layer, counted_forward
-    try:
-        yield forwards
-    finally:
-        del runner._layer, runner.forward  # the class's methods again
+    list yielded (``ModelRunner.observe_forwards``). Not reentrant."""
+    counting = _Counting()
+    with runner.observe_forwards(counting):
+        yield counting.forwards
 
 
 def link_ops(engine, cache_ids: list[str], query: str, policy: str, *, num_new: int = 4) -> dict[str, ForwardOps]:

@@ -22,11 +22,13 @@ from pic.config import DecodeWeights
 from pic.errors import InvalidInputError
 from pic.kv import KVCache
 from pic.model.graphs import GraphedForwards
-from pic.model.inputs import AttentionObserver, LayerView, SeqInput
+from pic.model.inputs import AttentionObserver, ForwardObserver, LayerView, SeqInput
 from pic.model.norm import norm_eps, rms_norm
 from pic.model.products import INT8_MAX_ROWS, FloatProducts, model_products, products_for
 from pic.model.spec import ModelSpec, inspect_model
 from pic.model.stacked import stack_layers
+
+_NO_OBSERVER = contextlib.nullcontext()  # (reusable: a layer's context when no forward observer is set)
 
 
 class ModelRunner:
@@ -68,6 +70,7 @@ class ModelRunner:
             decode_kv_dtype=torch.float16 if decode_weights == DecodeWeights.INT8 else None,
         )  # fmt: skip
         self._observer: AttentionObserver | None = None
+        self._forwards: ForwardObserver | None = None
         # q/k/v and gate/up as one product each; every Llama-form RMSNorm as one operation (``pic.model.norm``).
         self._float = model_products(self._layers, self._lm_head, stack_layers(self._layers))
         modules = [self._norm, *self._layers.modules()]
@@ -106,6 +109,18 @@ class ModelRunner:
         finally:
             self._observer = None
 
+    @contextlib.contextmanager
+    def observe_forwards(self, observer: ForwardObserver) -> Iterator[None]:
+        """Within the block, every forward runs inside ``observer.forward(seqs)`` and each of its layers inside
+        ``observer.layer(index)`` (counters: ``pic.model.op_count``); forwards run eagerly (no CUDA graph replay)
+        while one is set. Not reentrant; restored on exit."""
+        assert self._forwards is None, "a forward observer is already installed"
+        self._forwards = observer
+        try:
+            yield
+        finally:
+            self._forwards = None
+
     @torch.no_grad()
     def forward(self, seqs: Sequence[SeqInput]) -> list[torch.Tensor]:
         """Run the sequences' tokens through every layer in one batch, writing their K (NoPE) and V.
@@ -114,9 +129,17 @@ class ModelRunner:
             per sequence, ``[m, hidden_size]``: the final (normed) hidden states of its ``output_rows``
             (``m = 0`` without). ``logits`` turns the rows to sample into logits.
         """
+        forwards = self._forwards
+        if forwards is None:
+            return self._forward(seqs, None)
+        with forwards.forward(seqs):
+            return self._forward(seqs, forwards)
+
+    def _forward(self, seqs: Sequence[SeqInput], forwards: ForwardObserver | None) -> list[torch.Tensor]:
         for seq in seqs:
             seq.kv.kv_positions[seq.slots] = seq.positions
-        bucket = self.graphed.bucket(seqs) if self.graphed is not None and self._observer is None else None
+        eager = self._observer is not None or forwards is not None
+        bucket = self.graphed.bucket(seqs) if self.graphed is not None and not eager else None
         if bucket is not None:
             return self.graphed.forward(seqs, bucket)
         lens = [s.token_ids.shape[0] for s in seqs]
@@ -131,7 +154,8 @@ class ModelRunner:
         cache = seqs[0].kv.cache
         products = self._decode_products(len(seqs)) if all(s.decode for s in seqs) else self._float
         for index, layer in enumerate(self._layers):
-            hidden, q = self._layer(index, layer, hidden, cache, batch, plan, rows, products)
+            with forwards.layer(index) if forwards is not None else _NO_OBSERVER:
+                hidden, q = self._layer(index, layer, hidden, cache, batch, plan, rows, products)
             if hooked:
                 view = LayerView(
                     layer=index, alive=alive, rows=rows, q=q, k_cache=cache.k[index],
