@@ -178,8 +178,9 @@ class BlockPool:
     def free(self, block_ids: Iterable[int]) -> None:
         """Drop one reference to each block. A private block with none left is free at once (no longer charged to its
         owner); a chunk with none left becomes evictable, most recently used."""
+        blocks = self.blocks
         for block_id in block_ids:
-            block = self.blocks[block_id]
+            block = blocks[block_id]
             assert block.ref_cnt > 0, f"{block} freed twice"
             block.ref_cnt -= 1
             chunk = block.chunk
@@ -189,13 +190,14 @@ class BlockPool:
                     self._uncharge(block.owner, 1)
                 continue
             chunk.num_refs -= 1
-            if chunk.is_evictable:
+            if chunk.num_refs == 0 and not chunk.pinned:  # (is_evictable, inline: once per block freed)
                 self._enqueue(chunk)
 
     def incref(self, block_ids: Iterable[int]) -> None:
         """One more reference to blocks of chunks the caller holds (mapping them into a block table)."""
+        blocks = self.blocks
         for block_id in block_ids:
-            block = self.blocks[block_id]
+            block = blocks[block_id]
             assert block.chunk is not None and block.chunk.num_refs > 0, f"{block} is not a held chunk block"
             block.ref_cnt += 1
             block.chunk.num_refs += 1
@@ -333,8 +335,7 @@ class BlockPool:
     def _enqueue(self, chunk: ResidentChunk) -> None:
         """A chunk just became evictable: its blocks go to the back, most recently used, together; and to the back of
         its owner's evictable chunks."""
-        for block in chunk.blocks:
-            self.free_queue.append(block)
+        self.free_queue.extend(chunk.blocks)
         self._clock += 1
         chunk.released = self._clock
         entry = self.owners[chunk.owner]
@@ -344,8 +345,7 @@ class BlockPool:
 
     def _dequeue(self, chunk: ResidentChunk) -> None:
         """An evictable chunk is held, pinned or dropped: its blocks leave the queue, wherever they are."""
-        for block in chunk.blocks:
-            self.free_queue.remove(block)
+        self.free_queue.remove_run(chunk.blocks)  # (queued together by _enqueue, taken out together)
         entry = self.owners[chunk.owner]
         del entry.evictable[chunk.key]
         entry.num_evictable -= len(chunk.blocks)

@@ -47,17 +47,18 @@ class ResidentChunk:
     description of the chunk (tokens, options), kept alongside; ``owner``: its namespace, charged for its blocks;
     ``released``: when it last became evictable (the pool's clock: least recently used first across owners)."""
 
-    __slots__ = ("key", "blocks", "num_refs", "pinned", "info", "owner", "released")
+    __slots__ = ("key", "blocks", "num_refs", "pinned", "info", "owner", "released", "_ids")
 
     def __init__(self, key: str, blocks: list[Block], info: object, *, owner: str = "") -> None:
         self.key, self.blocks, self.info, self.owner = key, blocks, info, owner
+        self._ids = [b.block_id for b in blocks]  # (its blocks never change)
         self.num_refs = sum(b.ref_cnt for b in blocks)
         self.pinned = False
         self.released = 0
 
     @property
     def block_ids(self) -> list[int]:
-        return [b.block_id for b in self.blocks]
+        return list(self._ids)
 
     @property
     def is_evictable(self) -> bool:
@@ -122,6 +123,30 @@ class FreeBlockQueue:
 
     def append(self, block: Block) -> None:
         self._insert(block, after=self._tail.prev)
+
+    def extend(self, blocks: list[Block]) -> None:
+        """``append`` each of ``blocks`` (not queued), in order: one pass."""
+        if not blocks:
+            return
+        prev = self._tail.prev
+        for block in blocks:
+            assert block.prev is None, f"{block} queued twice"
+            block.prev, prev.next = prev, block
+            prev = block
+        prev.next, self._tail.prev = self._tail, prev
+        self._len += len(blocks)
+
+    def remove_run(self, blocks: list[Block]) -> None:
+        """``remove`` each of ``blocks``, which are queued one after another in this order (a chunk's): unlinked
+        at both ends at once."""
+        if not blocks:
+            return
+        first, last = blocks[0], blocks[-1]
+        assert first.prev is not None and last.next is not None, f"{first} is not in the free queue"
+        first.prev.next, last.next.prev = last.next, first.prev
+        for block in blocks:
+            block.prev = block.next = None
+        self._len -= len(blocks)
 
     def appendleft(self, block: Block) -> None:
         self._insert(block, after=self._head)

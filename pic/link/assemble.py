@@ -14,6 +14,7 @@ manager's (``KVManager.allocate``), the pool's one owner.
 
 from __future__ import annotations
 
+import functools
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -27,14 +28,22 @@ from pic.link.layout import Layout
 
 @dataclass(frozen=True)
 class Assembly:
-    """A linked request's KV, ready for the recompute pass: ``req`` (the caller releases it), and ``source_rows``,
-    ``[T]`` int64 on the cache's device: each prompt token's cache row in its chunk's canonical blocks (-1: prefix
-    and query tokens). ``num_shared_blocks`` map a chunk's block without a copy; the request owns the others."""
+    """A linked request's KV, ready for the recompute pass: ``req`` (the caller releases it), and ``canonical``, each
+    chunk's canonical blocks in prompt order (read by ``source_rows``). ``num_shared_blocks`` map a chunk's block
+    without a copy; the request owns the others."""
 
     req: RequestKV
-    source_rows: torch.Tensor
+    layout: Layout
+    canonical: list[list[int]]
     num_shared_blocks: int
     num_private_blocks: int
+
+    @functools.cached_property
+    def source_rows(self) -> torch.Tensor:
+        """``[T]`` int64 on the cache's device: each prompt token's cache row in its chunk's canonical blocks (-1:
+        prefix and query tokens). Made on first use: only a policy that reads the chunks' KV as compiled does (a
+        dynamic one's layer steps), and a 32K link has 2,048 blocks of it."""
+        return source_rows(self.layout, self.canonical, self.req.cache)
 
 
 @dataclass(frozen=True)

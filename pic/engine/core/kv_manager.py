@@ -12,6 +12,7 @@ chunks (``options.namespace``): the pool charges them their blocks and evicts th
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from collections.abc import Callable, Iterable
 
@@ -19,7 +20,7 @@ from pic.compile import ChunkPrefill, lead_tokens, prefill_blocks
 from pic.engine.core.sequence import SeqBlocks, Sequence
 from pic.engine.request import CompileJob
 from pic.kv import BlockPool, ChunkInfo, ChunkKV, KVCache, RequestKV, blocks_for
-from pic.link.assemble import Assembly, AssemblyPlan, block_table, source_rows
+from pic.link.assemble import Assembly, AssemblyPlan, block_table
 from pic.link.linker import LinkPlan
 from pic.store import TieredStore
 from pic.store.device import DeviceTier
@@ -88,7 +89,7 @@ class KVManager:
             canonical = [held[c.cache_id] for c in plan.chunks]
             num_blocks = blocks_for(layout.num_slots, layout.block_size)
             table, copies = block_table(num_blocks, plan.shared, plan.chunk_blocks, canonical, private)
-            mapped = [table[i] for i in plan.shared]
+            mapped = list(map(table.__getitem__, plan.shared))
             pool.incref(mapped)
             self.cache.copy_blocks([src for src, _ in copies], [dst for _, dst in copies])
         except BaseException:
@@ -96,10 +97,9 @@ class KVManager:
             pool.free(private)
             pool.free(b for blocks in taken.values() for b in blocks)
             raise
-        all_held = [b for blocks in held.values() for b in blocks]
+        all_held = list(itertools.chain.from_iterable(held.values()))
         req = RequestKV(self.cache, table, num_slots=layout.num_slots, held=all_held)
-        rows = source_rows(layout, canonical, self.cache)
-        return Assembly(req, rows, num_shared_blocks=len(plan.shared), num_private_blocks=plan.num_private)
+        return Assembly(req, layout, canonical, num_shared_blocks=len(plan.shared), num_private_blocks=plan.num_private)
 
     def copy_written(self, seq: Sequence, written: list[int]) -> None:
         """A probe's second pass will write into the request's blocks ``written``: those it maps shared become
