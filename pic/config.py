@@ -101,6 +101,15 @@ class CompileOptions(_Frozen):
         return self.model_copy(update={"context": (), "namespace": ""}) if self.context or self.namespace else self
 
 
+class AttentionBackendName(enum.StrEnum):
+    """An attention backend (``PICConfig.attention_backend``; a backend's ``name``): ``AUTO`` chooses (Triton on CUDA
+    when it can run the model, else torch: ``pic.attention.select_backend``)."""
+
+    AUTO = "auto"
+    TORCH = "torch"  # pic.attention.torch_backend: torch ops, the CPU's path
+    TRITON = "triton"  # pic.attention.triton_backend: the fused-RoPE paged kernel
+
+
 class DecodeWeights(str, enum.Enum):
     """The weights a decode step's matrix products read (``PICConfig.decode_weights``, ``pic.model.products``)."""
 
@@ -176,7 +185,7 @@ class PICConfig(_Frozen):
             get however many requests wait, so a stream of new requests slows a compile but never stops it
             (0: compiles only get what requests leave).
         attention_backend: ``"auto"``: the Triton fused-RoPE kernel on CUDA (when Triton is installed),
-            the torch reference elsewhere; ``"torch"`` or ``"triton"`` force one (``"triton"`` on the CPU
+            the torch backend elsewhere; ``"torch"`` or ``"triton"`` force one (``"triton"`` on the CPU
             runs Triton's interpreter, for tests: ``TRITON_INTERPRET=1`` before Triton is imported).
         decode_weights: ``"model"`` (the default): every product reads the model's own weights, exactly.
             ``"int8"``: decode steps (and their LM head) read int8 copies of the large matrices, made when the
@@ -204,17 +213,19 @@ class PICConfig(_Frozen):
     max_num_batched_tokens: int | None = Field(default=None, ge=1)
     prefill_order: PrefillOrder = PrefillOrder.INTERACTIVE
     compile_share: float = Field(default=0.125, ge=0, lt=1)
-    attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    attention_backend: AttentionBackendName = AttentionBackendName.AUTO
     decode_weights: DecodeWeights = DecodeWeights.MODEL
     cuda_graphs: bool | None = None
     quotas: dict[str, Quota] = Field(default_factory=dict)
 
     _eos_tuple = field_validator("eos_token_ids", mode="before")(as_tuple)
 
-    @field_validator("decode_weights", "prefill_order", mode="before")
+    @field_validator("decode_weights", "prefill_order", "attention_backend", mode="before")
     @classmethod
     def _enum_name(cls, value: object, info) -> object:
-        kind = {"decode_weights": DecodeWeights, "prefill_order": PrefillOrder}[info.field_name]
+        kind = {"decode_weights": DecodeWeights, "prefill_order": PrefillOrder}.get(
+            info.field_name, AttentionBackendName
+        )
         if isinstance(value, str) and not isinstance(value, kind):
             names = [w.value for w in kind]
             if value not in names:

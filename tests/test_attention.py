@@ -14,7 +14,7 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from pic.attention import AttentionShape, RopeTable, TorchBackend, make_batch
-from pic.attention.reference import attention_weights
+from pic.attention.torch_backend import attention_weights
 from tests.attention_cases import make_case
 
 HQ, HKV, D, BS = 8, 2, 16, 4
@@ -159,13 +159,13 @@ def test_query_tiles_skip_only_slots_no_row_attends(shuffled, monkeypatch):
 def test_bool_masks_of_large_groups_attend_as_additive_ones(window, monkeypatch):
     """Groups whose masks exceed ``_ADDITIVE_MAX_ENTRIES`` keep their bool masks (no additive copy held for the
     forward) and attend to the same output, in a batch of a pass, a subset pass and a decode."""
-    import pic.attention.reference as reference
+    import pic.attention.torch_backend as torch_backend
 
     case = make_case(seqs=[(37, "all"), (6, "decode"), (29, "subset")], num_q_heads=4, num_kv_heads=2, head_dim=8,
                      page=4, shuffled=True).cast(torch.float32)  # fmt: skip
     outputs = []
     for limit in (10**9, 0):
-        monkeypatch.setattr(reference, "_ADDITIVE_MAX_ENTRIES", limit)
+        monkeypatch.setattr(torch_backend, "_ADDITIVE_MAX_ENTRIES", limit)
         backend = TorchBackend(case.shape(window))
         plan = backend.plan(case.batch)
         assert all(

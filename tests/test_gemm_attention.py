@@ -85,7 +85,7 @@ def test_bfloat16_full_recompute_near_transformers_bfloat16(family, monkeypatch)
     (``tests/device.py``'s bfloat16 rule: measured 0.09-0.31 for pic, 0.09-0.34 for transformers)."""
     calls = []
     monkeypatch.setattr(gemm, "gemm_attention", lambda *a, **k: calls.append(1) or gemm_attention(*a, **k))
-    monkeypatch.setattr("pic.attention.reference.gemm_attention", gemm.gemm_attention)
+    monkeypatch.setattr("pic.attention.torch_backend.gemm_attention", gemm.gemm_attention)
     engine = make_target_engine(family, dtype=torch.bfloat16)
     linked = engine.link(engine.compile(list(DOCS)), QUERY, policy="full")
     assert calls, "the bfloat16 pass did not attend through the products"

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pic.attention import AttentionShape, TorchBackend, make_batch
-from pic.attention.reference import _KEPT_KV
+from pic.attention.torch_backend import _KEPT_KV
 from tests.attention_cases import rope_table
 
 HQ, HKV, D, BS, LAYERS = 4, 2, 8, 4, 3
@@ -76,9 +76,9 @@ def test_released_request_kv_drops_its_scratch():
 def test_batched_decode_reads_each_sequences_kept_k(window, monkeypatch):
     """Sequences decoding together each keep their own K and V, and each attends over its own (no padding): bit for bit
     what each gets alone, gathering and rotating, through steps together and then one alone."""
-    import pic.attention.reference as reference
+    import pic.attention.torch_backend as torch_backend
 
-    monkeypatch.setattr(reference, "_KEEP_MIN_SLOTS", 8)  # batches of these short sequences keep K and V
+    monkeypatch.setattr(torch_backend, "_KEEP_MIN_SLOTS", 8)  # batches of these short sequences keep K and V
     torch.manual_seed(1)
     rope = rope_table(D, 64, "default", "cpu")
     backend = TorchBackend(AttentionShape(HQ, HKV, D, torch.float32, (window,)))
@@ -104,7 +104,7 @@ def test_batched_decode_reads_each_sequences_kept_k(window, monkeypatch):
         together = step([0, 1], kept=True)
         assert torch.equal(together, alone), (together - alone).abs().amax(dim=(0, 2, 3))
     assert [s[_KEPT_KV].slots.shape[0] for s in scratch] == [13, 18]
-    monkeypatch.setattr(reference, "_KEEP_MIN_SLOTS", 64)  # too short now: batches gather and rotate
+    monkeypatch.setattr(torch_backend, "_KEEP_MIN_SLOTS", 64)  # too short now: batches gather and rotate
     positions[0][13], positions[1][20] = 13, 18
     assert torch.equal(step([0, 1], kept=True), step([0, 1], kept=False))
     assert [s[_KEPT_KV].slots.shape[0] for s in scratch] == [13, 18]  # not advanced

@@ -3,9 +3,9 @@ once and attend per layer."""
 
 from pic.attention.backend import AttentionBackend, AttentionShape
 from pic.attention.batch import AttentionBatch, make_batch
-from pic.attention.reference import TorchBackend, TorchPlan
 from pic.attention.rope import RopeTable, apply_rope
 from pic.attention.select import select_backend
+from pic.attention.torch_backend import TorchBackend, TorchPlan
 
 __all__ = [
     "AttentionBackend",

@@ -6,10 +6,10 @@ per-slot cos/sin and masks, the Triton kernel's int32 tiles and split scratch) i
 it. A backend knows the model's attention shape (``AttentionShape``) from construction, so its plan
 can be complete: every layer's window, the GQA group, the dtype its tables are cast to.
 
-``TorchBackend`` (``reference.py``) is the reference: plain torch, any device, the oracle the tests
-hold the others to. ``TritonBackend`` (``triton_backend.py``) is the fused-RoPE paged kernel, chosen by
-default on CUDA (``select.py``). Both read NoPE K by block table and rotate it at each slot's logical
-position; both write fresh K/V with one store per layer.
+``TorchBackend`` (``torch_backend.py``): torch ops, any device, pic's production path on the CPU (the tests hold
+it, and the Triton kernel beside it, to transformers). ``TritonBackend`` (``triton_backend.py``) is the fused-RoPE
+paged kernel, chosen by default on CUDA (``select.py``). Both read NoPE K by block table and rotate it at each slot's
+logical position; both write fresh K/V with one store per layer.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import ClassVar, Generic, TypeVar
 import torch
 
 from pic.attention.batch import AttentionBatch
+from pic.config import AttentionBackendName
 
 PlanT = TypeVar("PlanT")
 
@@ -54,7 +55,7 @@ class AttentionBackend(ABC, Generic[PlanT]):
         shape: the model's attention shape.
     """
 
-    name: ClassVar[str]  # what ``PICConfig.attention_backend`` calls it: "torch" or "triton"
+    name: ClassVar[AttentionBackendName]  # what ``PICConfig.attention_backend`` calls it: TORCH or TRITON
 
     def __init__(self, shape: AttentionShape) -> None:
         self.shape = shape

@@ -1,4 +1,4 @@
-"""A decoding sequence's rotated K and its V, kept from one step to the next (the reference backend's decode).
+"""A decoding sequence's rotated K and its V, kept from one step to the next (the torch backend's decode).
 
 The pool holds NoPE K so that a chunk's blocks serve every placement; attention rotates K at each slot's
 position. A decoding sequence's slots keep their positions from step to step, so rotating all of them at every

@@ -12,8 +12,9 @@ import os
 import torch
 
 from pic.attention.backend import AttentionBackend, AttentionShape
-from pic.attention.reference import TorchBackend
 from pic.attention.rope import RopeTable
+from pic.attention.torch_backend import TorchBackend
+from pic.config import AttentionBackendName
 from pic.errors import InvalidInputError
 
 
@@ -29,7 +30,7 @@ def triton_unavailable(device: torch.device) -> str | None:
 
 
 def select_backend(
-    requested: str,
+    requested: AttentionBackendName | str,
     shape: AttentionShape,
     *,
     device: torch.device,
@@ -37,11 +38,11 @@ def select_backend(
     decode_kv_dtype: torch.dtype | None = None,
 ) -> AttentionBackend:
     """The backend for ``requested``: ``"auto"`` takes Triton on CUDA when it is installed and can run
-    the model, else the torch reference; ``"torch"`` and ``"triton"`` force one. Triton is imported
+    the model, else the torch backend; ``"torch"`` and ``"triton"`` force one. Triton is imported
     here, only when chosen.
 
     Args:
-        requested: ``"auto"``, ``"torch"`` or ``"triton"``.
+        requested: an ``AttentionBackendName`` or its value: ``"auto"``, ``"torch"`` or ``"triton"``.
         shape: the model's attention shape.
         device: where the model and its KV live.
         rope: the engine's rotary table (the kernel reads the rotate-half layout, ``head_dim`` wide).
@@ -50,7 +51,12 @@ def select_backend(
     Raises:
         InvalidInputError: ``"triton"`` where it cannot run (the message says why).
     """
-    if requested == "torch":
+    try:
+        requested = AttentionBackendName(requested)
+    except ValueError:
+        names = ", ".join(repr(str(n)) for n in AttentionBackendName)
+        raise InvalidInputError(f"attention_backend={requested!r} is none of {names}") from None
+    if requested is AttentionBackendName.TORCH:
         return TorchBackend(shape, decode_kv_dtype=decode_kv_dtype)
     head_dim = shape.head_dim
     reason = triton_unavailable(device)
@@ -58,10 +64,10 @@ def select_backend(
         reason = f"head_dim={head_dim} with a rotary table {rope.head_dim} wide (the kernel rotates whole heads)"
     if reason is None and not rope.halves_equal:
         reason = "the rotary table's halves are not equal (the kernel reads the rotate-half layout)"
-    if requested == "auto" and (reason is not None or device.type != "cuda"):
+    if requested is AttentionBackendName.AUTO and (reason is not None or device.type != "cuda"):
         return TorchBackend(shape, decode_kv_dtype=decode_kv_dtype)
     if reason is not None:
-        raise InvalidInputError(f"attention_backend={requested!r} cannot run: {reason}")
+        raise InvalidInputError(f"attention_backend='{requested}' cannot run: {reason}")
     from pic.attention.triton_backend import TritonBackend
 
     return TritonBackend(shape)

@@ -1,6 +1,6 @@
 """Which slots each query row of a group reads: the written slots, masks by position and window, and query tiles.
 
-Shared by the reference backend's plan (``pic.attention.reference``): none of it reads K or V, only slot
+Shared by the torch backend's plan (``pic.attention.torch_backend``): none of it reads K or V, only slot
 positions (``-1``: unwritten) and query positions.
 """
 

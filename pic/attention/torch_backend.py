@@ -1,4 +1,6 @@
-"""The reference backend: fused-RoPE paged attention in plain torch (CPU tests, and the fallback everywhere).
+"""The torch backend: fused-RoPE paged attention in torch ops, pic's production path on the CPU (kept K and V between
+decode steps, bfloat16 tiles, thresholds tuned by A/B runs) and the fallback where Triton cannot run. It is not the
+oracle: transformers is (the tests hold this backend, and every optimisation in it, to transformers' logits).
 
 Decoding sequences (one query token each) are attended as one group: over K and V each keeps between steps
 (``KeptKV``: one SDPA call per sequence), or, for a batch of short sequences, gathered and padded to the
@@ -22,6 +24,7 @@ from pic.attention.gemm import GemmTile, gemm_attention, gemm_tiles, prefers_gem
 from pic.attention.kept_kv import KeptKV, attend_kept
 from pic.attention.rope import rotary_pair, rotate
 from pic.attention.tiles import causal_masks, is_causal_run, query_tiles, written_slots
+from pic.config import AttentionBackendName
 
 # The key of a sequence's KeptKV in its scratch (AttentionBatch.scratch).
 _KEPT_KV = "torch.kept_kv"
@@ -100,7 +103,7 @@ class TorchGroup:
 
 @dataclass(frozen=True)
 class TorchPlan:
-    """The reference backend's plan of one forward.
+    """The torch backend's plan of one forward.
 
     Attributes:
         decode: the decoding sequences' group, ``None`` when no sequence decodes.
@@ -188,7 +191,7 @@ class TorchBackend(AttentionBackend[TorchPlan]):
             ``None``: the model's (exact). int8 decode weights use float16 (``pic.model.products``).
     """
 
-    name = "torch"
+    name = AttentionBackendName.TORCH
 
     def __init__(self, shape: AttentionShape, *, decode_kv_dtype: torch.dtype | None = None) -> None:
         super().__init__(shape)

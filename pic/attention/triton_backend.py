@@ -31,6 +31,7 @@ from pic.attention.triton_plan import (
     query_tiles,
 )  # fmt: skip
 from pic.attention.triton_split import MIN_TILES_PER_SPLIT, split_limit
+from pic.config import AttentionBackendName
 
 # A launch of passes of 64 rows or fewer has one query tile per sequence: never rotated once by default, so not
 # precompiled that way (``launches``).
@@ -41,7 +42,7 @@ ASSUMED_BLOCKS_PER_SM = {True: 2, False: 1}  # by decode
 
 
 class TritonBackend(AttentionBackend[TritonPlan]):
-    """The fused-RoPE paged kernel (``triton_kernels.py``); same contract as the reference backend.
+    """The fused-RoPE paged kernel (``triton_kernels.py``); same contract as the torch backend.
 
     Tiles: a decode program takes one token's ``GROUP`` query heads (``block_m`` the next power of two, at
     least 16); recompute passes take 128 rows on sm_90 and newer (the configuration of Triton's own flash
@@ -76,7 +77,7 @@ class TritonBackend(AttentionBackend[TritonPlan]):
             query tiles or more and the rotated rows fit ``ROTATE_ONCE_MAX_BYTES``. Decodes always rotate in the loop.
     """
 
-    name = "triton"
+    name = AttentionBackendName.TRITON
 
     def __init__(
         self,

@@ -22,7 +22,7 @@ from typing import TypeVar
 import torch
 
 from pic.attention import AttentionBatch
-from pic.attention.reference import attention_weights
+from pic.attention.torch_backend import attention_weights
 from pic.engine import PIC, Linked
 
 T = TypeVar("T")

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pic.config import AttentionBackendName
 from pic.errors import PolicyError, linked_too_long
 from pic.kv import ChunkInfo, ChunkKV, RequestKV
 from pic.link.assemble import AssemblyPlan, plan_assembly
@@ -88,7 +89,7 @@ class Linker:
         is_resident: Callable[[str], bool],
         block_size: int,
         share_chunk_blocks: bool,
-        attention_backend: str,
+        attention_backend: AttentionBackendName,
     ) -> None:
         self.spec, self.is_resident, self.block_size = spec, is_resident, block_size
         self._share, self._backend = share_chunk_blocks, attention_backend
@@ -96,7 +97,7 @@ class Linker:
         # resident chunk's ``ChunkInfo`` keeps it), not per link
         self._terms: dict[int, tuple[weakref.ref, TermStats]] = {}
 
-    def plan(
+    def specialise_and_plan(
         self,
         link: LinkState,
         *,
@@ -108,7 +109,9 @@ class Linker:
     ) -> LinkPlan:
         """Lay the request out (``query`` ends with the ``num_generated`` tokens it generated before a
         preemption) unless it is already, and count what admitting it takes from the pool. ``chunks`` and
-        ``relevance`` come in the caller's order; the first plan fixes the order they run in and the policy.
+        ``relevance`` come in the caller's order. The first call fixes the order they run in and *replaces the
+        request's policy* (``link.policy``) by the one it chooses for the layout (``Policy.for_layout``: ``auto``
+        becomes a ``suffix`` or ``regions``); later calls (a preempted request) keep both.
 
         Raises:
             ContextLengthError, PolicyError: the request cannot run (nothing was taken).
@@ -173,9 +176,9 @@ class Linker:
         num_generated: int,
         relevance: Sequence[float] | None,
     ) -> None:
-        """``plan``'s layout and the tokens its pass runs. The first plan fixes the chunks' order (``link.order``,
-        or the policy's), ranked once: the order and a policy that ranks the chunks too (``regions``) read the same
-        scores, the caller's or BM25 (``Layout.lexical``); then the policy chooses for the layout."""
+        """``specialise_and_plan``'s layout and the tokens its pass runs. The first call fixes the chunks' order
+        (``link.order``, or the policy's), ranked once: the order and a policy that ranks the chunks too (``regions``)
+        read the same scores, the caller's or BM25 (``Layout.lexical``); then the policy chooses for the layout."""
         first = link.chunk_order is None
         if first:
             order = link.policy.order if link.order is Order.POLICY else link.order
@@ -220,10 +223,10 @@ class Linker:
         if chosen.parallel_positions != link.policy.parallel_positions:
             raise PolicyError(f"policy {link.policy.spec!r} chose {chosen.spec!r}, which lays chunks out otherwise")
         chosen.check_model(num_layers=self.spec.num_layers)
-        if chosen.context_scaling() is not None and self._backend != "torch":
+        if chosen.context_scaling() is not None and self._backend is not AttentionBackendName.TORCH:
             raise PolicyError(
                 f"policy {chosen.spec!r} runs on the torch attention backend only, not on "
-                f"{self._backend!r}; build the engine with PICConfig(attention_backend='torch')"
+                f"'{self._backend}'; build the engine with PICConfig(attention_backend='torch')"
             )
         link.policy = chosen  # once it is known to run here
 

@@ -11,7 +11,7 @@ of the bucket; a plan that differs anyway runs eagerly, counted in ``num_eager``
 
 Padding: a padded decode row is a sequence of its own with no slot written (it attends nothing, writes nothing);
 a padded pass row belongs to the pass at position 0 and writes nothing (cache row ``-1``: the Triton store kernel
-skips it), so real rows never see a padded one. Only the Triton backend takes part (the reference backend's plan is
+skips it), so real rows never see a padded one. Only the Triton backend takes part (the torch backend's plan is
 not of fixed shape), and only forwards without layer hooks, attention observers, APE's context scaling or a dynamic
 rope type (whose tables change with the length).
 

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from pic.attention import AttentionBackend, AttentionBatch, AttentionShape, RopeTable, make_batch, select_backend
-from pic.config import DecodeWeights
+from pic.config import AttentionBackendName, DecodeWeights
 from pic.errors import InvalidInputError
 from pic.kv import KVCache
 from pic.model.graphs import GraphedForwards
@@ -36,7 +36,8 @@ class ModelRunner:
 
     Args:
         model: a supported transformers causal LM (``inspect_model``).
-        attention_backend: ``"auto"``, ``"torch"`` or ``"triton"`` (``select_backend``).
+        attention_backend: an ``AttentionBackendName`` or its value, ``"auto"``, ``"torch"`` or ``"triton"``
+            (``select_backend``).
         decode_weights: what decode steps' matrix products read (``pic.model.products``): the model's own weights
             (exact), or int8 copies (CPU), with which decoding tokens also attend over a float16 copy of their K and
             V (the torch backend's ``decode_kv_dtype``). Every other forward runs the model's own.
@@ -47,7 +48,11 @@ class ModelRunner:
     """
 
     def __init__(
-        self, model: nn.Module, *, attention_backend: str = "auto", decode_weights: DecodeWeights = DecodeWeights.MODEL
+        self,
+        model: nn.Module,
+        *,
+        attention_backend: AttentionBackendName | str = AttentionBackendName.AUTO,
+        decode_weights: DecodeWeights = DecodeWeights.MODEL,
     ) -> None:
         self.spec: ModelSpec = inspect_model(model)
         self.model = model.eval()
@@ -82,9 +87,9 @@ class ModelRunner:
         """Why this runner cannot serve forwards through graphs (``use_graphs``), or ``None`` if it can."""
         if capture and self.spec.device.type != "cuda":
             return f"CUDA graphs need a CUDA model; this one is on {self.spec.device}"
-        if self.attention_backend.name != "triton":
+        if self.attention_backend.name is not AttentionBackendName.TRITON:
             return (
-                f"graphs replay the Triton backend's launches; this engine attends with {self.attention_backend.name!r}"
+                f"graphs replay the Triton backend's launches; this engine attends with '{self.attention_backend.name}'"
                 " (attention_backend='triton')"
             )
         return None

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from pic.compile import TextOrTokens
-from pic.config import PICConfig, StoreConfig
+from pic.config import AttentionBackendName, PICConfig, StoreConfig
 from pic.engine.caller.chat import ChatMethods
 from pic.engine.caller.compiling import CompileMethods
 from pic.engine.caller.linked import Linked
@@ -70,7 +70,7 @@ class PIC(CompileMethods, ChatMethods, RunMethods):
         self.fingerprint, self.bos_token_id = started.fingerprint, started.bos_token_id
         self.eos_token_ids = started.eos_token_ids
         self.spec: ModelSpec = started.spec
-        self.attention_backend: str = started.attention_backend  # "torch" or "triton"
+        self.attention_backend: AttentionBackendName = started.attention_backend  # TORCH or TRITON
         self._channel = started.channel
         self.names = Names()  # one salt per namespace name, in this engine (``pic.namespaces.Names``)
         self.store = StoreView(self._channel, started.store, names=self.names)

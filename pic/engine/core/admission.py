@@ -212,7 +212,7 @@ class Admission:
             if not self.sources.fetch(seq):  # (again: this step's admissions may have evicted a chunk)
                 return 0
             request, generated = seq.request, seq.output_ids
-            plan = self.linker.plan(
+            plan = self.linker.specialise_and_plan(
                 seq.link, prefix=request.prefix_ids, chunks=seq.fetch.chunks, query=request.query_ids + generated,
                 num_generated=len(generated), relevance=request.relevance,
             )  # fmt: skip

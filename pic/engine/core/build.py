@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from pic.compile import SharedTokenizer, tokenizer_adds_bos
-from pic.config import PICConfig, StoreConfig
+from pic.config import AttentionBackendName, PICConfig, StoreConfig
 from pic.engine.commands import Channel
 from pic.engine.core.core import CoreThread, EngineCore
 from pic.engine.core.kv_manager import KVManager
@@ -37,7 +37,7 @@ class Started:
     config: PICConfig
     tokenizer: SharedTokenizer
     spec: ModelSpec
-    attention_backend: str
+    attention_backend: AttentionBackendName
     store: TieredStore
     fingerprint: str
     bos_token_id: int | None
