@@ -1226,6 +1226,24 @@ def cpu_decode_rates() -> str:
 
 
 @figure
+def host_path_sentence() -> str:
+    """docs/internals.md: a link's time outside its forwards, before and after issue 64 (host_path_after.json)."""
+    before, after = results("host_path_after.json")["roots"].values()
+    contexts = sorted({int(cell.split("@")[1]) for cell in after["cells"]})
+
+    def outside(root: dict, policy: str) -> str:
+        return " / ".join(f"{root['cells'][f'{policy}@{n}']['outside_ms']['min']:.1f}" for n in contexts)
+
+    forwards = " / ".join(str(after["cells"][f"auto@{n}"]["forwards"]) for n in contexts)
+    sizes = " / ".join(f"{n // 1024}K" for n in contexts)
+    return (
+        f"a naive link spends {outside(after, 'naive')} ms outside its forwards at {sizes} tokens "
+        f"({before['commit']}: {outside(before, 'naive')}), `auto` {outside(after, 'auto')} ms "
+        f"({outside(before, 'auto')}) over its {forwards} forwards"
+    )
+
+
+@figure
 def cpu_memory_peaks() -> str:
     """docs/cpu.md's peak resident memory of each arm at the longest context (cpu.json)."""
     peak = results("cpu.json")["memory"]["peak_kib"]
