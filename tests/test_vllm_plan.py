@@ -14,6 +14,8 @@ from transformers import LlamaForCausalLM
 
 import pic
 from pic.errors import InvalidInputError, PicError
+from pic.link.order import Order
+from pic.link.policies import Auto
 from pic.ids import model_fingerprint
 from pic.vllm.client import chat_link_prompt, compile_prompt, link_prompt, link_report
 from pic.vllm.fingerprint import folder_fingerprint
@@ -140,9 +142,9 @@ def test_parse_policy_reads_the_four_forms():
     assert parse_policy("full") == VllmSuffix(1.0) and parse_policy("full").name == "full"
     assert parse_policy("suffix:0.2").ratio == 0.2 and parse_policy("suffix:0.2").name == "suffix:0.2"
     auto = parse_policy("auto")  # pic's default, as vLLM runs it: whole chunks under a ceiling
-    assert auto == VllmSuffix(0.05, whole=True, max_share=0.5) and auto.name == "auto:0.05"
-    assert parse_policy("auto:0.1,max_share=0.5") == VllmSuffix(0.1, whole=True, max_share=0.5)
-    assert parse_policy(parse_policy("auto:0.1,max_share=0.5").name) == VllmSuffix(0.1, whole=True, max_share=0.5)
+    assert auto == VllmSuffix(0.05, whole=True, auto=Auto()) and auto.name == "auto:0.05"
+    tenth = VllmSuffix(0.1, whole=True, auto=Auto(budget=0.1, max_share=0.6))
+    assert parse_policy("auto:0.1,max_share=0.6") == tenth and parse_policy(tenth.name) == tenth
 
 
 @pytest.mark.parametrize(
@@ -169,10 +171,12 @@ def test_a_whole_suffix_takes_the_chunks_it_would_cut():
 
 
 def test_auto_takes_whole_chunks_under_its_ceiling_and_cuts_over_it():
-    auto = VllmSuffix(0.05, whole=True, max_share=0.5)
+    auto = VllmSuffix(0.05, whole=True, auto=Auto(min_gain=1.0))  # the ceiling alone
     assert auto.num_recomputed([300, 300, 300]) == 300  # the last chunk whole: a third of the chunk tokens
     assert auto.num_recomputed([300, 500]) == 400  # the last chunk, 500 of 800, cut at half the chunk tokens
     assert auto.num_recomputed([10, 12]) == 11 and auto.num_recomputed([12, 10]) == 10
+    default = parse_policy("auto")  # and a prompt too short to win: a plain prefill, as pic's engine runs it
+    assert default.num_recomputed([300, 300, 300], 40) == 300 and default.num_recomputed([100, 100], 40) == 200
 
 
 @pytest.mark.parametrize("params", [None, {}, {"do_remote_prefill": True}, "pic"])
@@ -183,7 +187,7 @@ def test_parse_params_without_pic_is_none(params):
 def test_parse_params_reads_compile_and_link_requests():
     assert parse_params({"pic": {"compile": True}}) == CompileRequest()
     link = parse_params({"pic": {"ids": ["a", "b"]}, "other": 1})
-    default = VllmSuffix(0.05, whole=True, max_share=0.5)  # a request that names no policy: pic's default, auto
+    default = VllmSuffix(0.05, whole=True, auto=Auto())  # a request that names no policy: pic's default, auto
     assert link == LinkRequest(ids=("a", "b"), policy=default) and link.policy.name == "auto:0.05"
     assert parse_params({"pic": {"ids": ["a"], "policy": "naive"}}).policy == VllmSuffix(0.0)
 
@@ -224,12 +228,13 @@ def test_link_prompt_in_the_given_order():
 
 
 def test_link_prompt_by_relevance_puts_the_chunk_with_the_querys_rare_tokens_last():
-    prompt = link_prompt(LINKED, [21, 21, 5])  # a suffix policy (the default): the relevance order
+    assert link_prompt(LINKED, [21, 21, 5]).order.order is Order.GIVEN  # the default: too short to win, as given
+    prompt = link_prompt(LINKED, [21, 21, 5], policy="suffix:0.2")  # a suffix policy: the relevance order
     assert prompt.ids == ("a", "c", "b") and prompt.order.indices == (1, 2, 0)
     assert prompt.prompt_token_ids == [5, 10, 11, 5, 40, 41, 5, 20, 21, 21, 21, 5]
     assert prompt.kv_transfer_params["pic"]["order"] == "relevance"
     assert link_prompt(LINKED, [21, 21, 5], policy="naive").ids == ("b", "a", "c")  # naive, full: as given
-    assert link_prompt(LINKED, [21, 21, 5], relevance=[3, 2, 1]).ids == ("c", "a", "b")  # the caller's scores
+    assert link_prompt(LINKED, [21, 21, 5], policy="suffix:0.2", relevance=[3, 2, 1]).ids == ("c", "a", "b")
 
 
 @pytest.mark.parametrize(

@@ -38,10 +38,11 @@ def add_parser(
         "accuracy", help="multi-document QA accuracy per policy, beside fidelity, cost and attention sinks"
     )
     accuracy.add_argument(
-        "--workload", choices=("qa", "profiles", "niah"), default="qa",
+        "--workload", choices=("qa", "profiles", "niah", "twohop"), default="qa",
         help="qa: 4 short documents of filler and planted facts (default); profiles: 3 paragraphs of 150-500 "
         "tokens about people, competing facts of the same form; niah: RULER's needle in a haystack of prose, "
-        "cut into chunks",
+        "cut into chunks; twohop: bridge questions over 4 paragraphs (a person's names their birthplace, the "
+        "town's holds the answer; another person and town compete)",
     )  # fmt: skip
     accuracy.add_argument("--cases", type=cases, default=200, help="questions (default 200)")
     accuracy.add_argument(
@@ -129,6 +130,7 @@ def run(args: argparse.Namespace, load: Callable[[], object]) -> int:
     from pic.evaluation.niah import niah_workload
     from pic.evaluation.profiles import profile_workload
     from pic.evaluation.qa import qa_workload
+    from pic.evaluation.twohop import twohop_workload
 
     args.model = accuracy_model(args.model, args.gguf_file)  # `load` reads it
     if args.workload == "niah":
@@ -143,6 +145,12 @@ def run(args: argparse.Namespace, load: Callable[[], object]) -> int:
             num_cases=args.cases, kind=args.niah_kind, haystack_tokens=args.haystack_tokens,
             chunk_tokens=args.chunk_tokens, question_first=not args.question_after_only, seed=args.seed,
         )  # fmt: skip
+    elif args.workload == "twohop":
+        if args.documents not in (None, 4):
+            from pic.errors import InvalidInputError
+
+            raise InvalidInputError(f"--documents {args.documents}: --workload twohop has 4 (two people, two towns)")
+        workload = twohop_workload(num_cases=args.cases, question_first=not args.question_after_only, seed=args.seed)
     elif args.workload == "profiles":
         workload = profile_workload(
             num_cases=args.cases, num_documents=args.documents or 3, question_first=not args.question_after_only,

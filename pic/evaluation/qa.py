@@ -80,6 +80,7 @@ class QAKind(str, enum.Enum):
     FACT = "fact"
     TWO_DOCS = "two-docs"
     PROFILE = "profile"  # pic.evaluation.profiles: one fact about one person, in paragraph documents
+    TWOHOP = "twohop"  # pic.evaluation.twohop: a person's paragraph names a town, the town's holds the answer
     NIAH_SINGLE = "niah-single"  # pic.evaluation.niah: one needle in a haystack of prose
     NIAH_MULTIKEY = "niah-multikey"  # the needle among 3 distractor needles with other keys
     NIAH_MULTIVALUE = "niah-multivalue"  # 4 needles with the same key: all 4 values asked

@@ -23,7 +23,7 @@ from pic.kv import ChunkInfo, ChunkKV, RequestKV
 from pic.link.assemble import AssemblyPlan, plan_assembly
 from pic.link.layout import Layout, lay_out
 from pic.link.order import ChunkOrder, Order, TermStats, bm25, chunk_order, term_stats
-from pic.link.policies import Policy
+from pic.link.policies import FullRecompute, Policy
 from pic.link.recompute import PassResult, RecomputePass
 from pic.model import ModelSpec
 
@@ -178,29 +178,59 @@ class Linker:
     ) -> None:
         """``specialise_and_plan``'s layout and the tokens its pass runs. The first call fixes the chunks' order
         (``link.order``, or the policy's), ranked once: the order and a policy that ranks the chunks too (``regions``)
-        read the same scores, the caller's or BM25 (``Layout.lexical``); then the policy chooses for the layout."""
+        read the same scores, the caller's or BM25 (``Layout.lexical``); then the policy chooses for the layout, and a
+        Full Recompute chosen so (``auto``'s, for a prompt too short to win) is laid out again in the caller's order."""
         first = link.chunk_order is None
+        asked = query[: len(query) - num_generated]  # the caller's query, not the tokens generated before
         if first:
-            order = link.policy.order if link.order is Order.POLICY else link.order
-            asked = query[: len(query) - num_generated]  # the caller's query, not the tokens generated before
-            units: list = [()] * len(chunks)  # (only BM25 reads the chunks' tokens)
-            if order is Order.RELEVANCE and relevance is None:
-                units = [self._term_stats(c.token_ids) for c in chunks]
-                link.lexical = tuple(bm25(asked, units))
-            link.chunk_order = chunk_order(order, asked, units, relevance if relevance is not None else link.lexical)
+            self._order(link, link.policy.order if link.order is Order.POLICY else link.order, asked, chunks, relevance)
+        layout = self._layout(link, prefix, chunks, query, num_generated, relevance)
+        if layout.num_tokens > self.spec.max_context:  # first: a prompt too long is that, whatever its policy
+            raise linked_too_long(layout.num_tokens, self.spec.max_context, self.spec.architecture, layout.segments)
+        if first:
+            self._specialise(link)
+            if link.order is Order.POLICY and isinstance(link.policy, FullRecompute) and link.chunk_order.moved:
+                # Full Recompute chosen for the layout (``auto``'s, for a prompt too short to win) is the model's own
+                # prefill of the caller's prompt: in the caller's order
+                self._order(link, Order.GIVEN, asked, chunks, relevance)
+                self._layout(link, prefix, chunks, query, num_generated, relevance)
+        link.laid_out = (chunks, len(query))
+        link.selected = self._selection(link)
+
+    def _order(
+        self,
+        link: LinkState,
+        order: Order,
+        asked: list[int],
+        chunks: Sequence[ChunkInfo | ChunkKV],
+        relevance: Sequence[float] | None,
+    ) -> None:
+        """Fix the chunks' order, ranked once: the order and a policy that ranks the chunks too (``regions``) read
+        the same scores, the caller's or BM25 (``Layout.lexical``)."""
+        units: list = [()] * len(chunks)  # (only BM25 reads the chunks' tokens)
+        if order is Order.RELEVANCE and relevance is None and link.lexical is None:
+            units = [self._term_stats(c.token_ids) for c in chunks]
+            link.lexical = tuple(bm25(asked, units))
+        link.chunk_order = chunk_order(order, asked, units, relevance if relevance is not None else link.lexical)
+
+    def _layout(
+        self,
+        link: LinkState,
+        prefix: list[int],
+        chunks: Sequence[ChunkInfo | ChunkKV],
+        query: list[int],
+        num_generated: int,
+        relevance: Sequence[float] | None,
+    ) -> Layout:
+        """``link.layout``: the chunks in ``link.chunk_order`` between ``prefix`` and ``query``."""
         order = link.chunk_order
-        layout = link.layout = lay_out(
+        link.layout = lay_out(
             prefix=prefix, chunks=order.apply(chunks), query=query, block_size=self.block_size,
             parallel=link.policy.parallel_positions, num_generated=num_generated,
             relevance=None if relevance is None else order.apply(relevance),
             lexical=None if link.lexical is None else order.apply(link.lexical),
         )  # fmt: skip
-        if layout.num_tokens > self.spec.max_context:  # first: a prompt too long is that, whatever its policy
-            raise linked_too_long(layout.num_tokens, self.spec.max_context, self.spec.architecture, layout.segments)
-        if first:
-            self._specialise(link)
-        link.laid_out = (chunks, len(query))
-        link.selected = self._selection(link)
+        return link.layout
 
     def _term_stats(self, tokens: torch.Tensor) -> TermStats:
         """A chunk's BM25 terms (``[L]`` token ids), kept as long as the tensor is."""

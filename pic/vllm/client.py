@@ -83,7 +83,8 @@ def link_prompt(
     ``order``: ``"relevance"`` (the least relevant chunk first, the most relevant last: by ``relevance``, one
     score per chunk, else BM25 over token ids; ``pic.link.order``, as pic's own engine orders), ``"given"`` (as
     passed), or ``"policy"`` (the default): relevance under a ``suffix`` policy (vLLM recomputes the last
-    chunks: the most relevant), the given order under ``naive`` and ``full``, as pic's engine keeps it for them.
+    chunks: the most relevant), the given order under ``naive`` and ``full``, and under ``auto`` where its rule
+    runs a plain prefill (a prompt too short to win: ``Auto.plan``), as pic's engine keeps it for them.
 
     ``tenant_salt``: the ``cache_salt`` of the tenant whose chunks ``chunks`` are (its compiles'); ``None`` or ``""``:
     the default namespace's.
@@ -103,7 +104,9 @@ def link_prompt(
     chunks = list(chunks)
     chosen = parse_order(order)
     if chosen is Order.POLICY:
-        chosen = Order.RELEVANCE if 0.0 < suffix.ratio < 1.0 else Order.GIVEN
+        lengths = [len(tokens) for _, tokens in chunks]
+        given = suffix.keeps_given_order(lengths, len(prefix_ids) + len(query_ids))
+        chosen = Order.GIVEN if given else Order.RELEVANCE
     scores = relevance_scores(relevance, len(chunks))
     ran = chunk_order(chosen, list(query_ids), [list(tokens) for _, tokens in chunks], scores)
     chunks = ran.apply(chunks)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pic.errors import InvalidInputError, PicError
 from pic.link.policies import Auto, resolve
 from pic.link.policies import Suffix as SuffixPolicy
-from pic.link.policies.builtin import auto_suffix_length, suffix_length
+from pic.link.policies.builtin import AutoChoice, suffix_length
 
 PARAMS_KEY = "pic"
 DEFAULT_POLICY = "auto"  # pic's default, as vLLM can run it: the most relevant chunks last, recomputed whole
@@ -41,8 +41,10 @@ class VllmSuffix:
     ``whole``: the suffix reaches back to the start of the chunk it would cut, so no chunk is part loaded, part
     recomputed (a chunk cut so answers worse than one left whole on Qwen2.5-Coder-0.5B: docs/vllm.md).
 
-    ``max_share``: pic's ``auto`` (the default): whole chunks, at most that share of the chunk tokens; over it, the
-    suffix is cut at the share (pic's engine takes the best regions there, which vLLM cannot run).
+    ``auto``: pic's ``auto`` (the default), whose rule (``Auto.plan``) decides: whole chunks, at most ``max_share``
+    of the chunk tokens; over it, the suffix is cut at the share (pic's engine takes the best regions there, which
+    vLLM cannot run); a prompt less than ``min_gain`` times that is a plain prefill (every chunk token recomputed),
+    as pic's engine runs Full Recompute there.
 
     ``ratio=0`` is ``"naive"`` (every chunk token from the store), ``ratio=1`` is ``"full"`` (none: a plain
     prefill that only checks the chunks). vLLM computes a suffix of the prompt and nothing else, so the
@@ -53,23 +55,30 @@ class VllmSuffix:
 
     ratio: float
     whole: bool = False
-    max_share: float | None = None
+    auto: Auto | None = None
 
     @property
     def name(self) -> str:
-        if self.max_share is not None:
-            return Auto(budget=self.ratio, max_share=self.max_share).spec
+        if self.auto is not None:
+            return self.auto.spec
         named = {0.0: "naive", 1.0: "full"}.get(self.ratio)
         return named or f"suffix:{self.ratio:g}" + (",whole=true" if self.whole else "")
 
-    def num_recomputed(self, chunk_lengths: Sequence[int]) -> int:
-        """Chunk tokens left to vLLM, for chunks of ``chunk_lengths`` tokens in prompt order: pic's engine's rule
-        (``pic.link.policies.builtin``'s ``suffix_length``, ``auto_suffix_length``); where ``auto`` would take
-        regions, the suffix cut at ``max_share`` (vLLM computes a suffix only)."""
-        if self.max_share is None:
+    def num_recomputed(self, chunk_lengths: Sequence[int], num_other_tokens: int = 0) -> int:
+        """Chunk tokens left to vLLM, for chunks of ``chunk_lengths`` tokens in prompt order and ``num_other_tokens``
+        more in the prompt (its prefix and query): pic's engine's rule (``pic.link.policies.builtin``'s
+        ``suffix_length``, ``auto_plan``); where ``auto`` would take regions, the suffix cut at ``max_share`` (vLLM
+        computes a suffix only)."""
+        if self.auto is None:
             return suffix_length(chunk_lengths, self.ratio, whole=self.whole)
-        num = auto_suffix_length(chunk_lengths, self.ratio, self.max_share)
-        return int(self.max_share * sum(chunk_lengths)) if num is None else num
+        return self.auto.plan(chunk_lengths, num_other_tokens).num_recomputed
+
+    def keeps_given_order(self, chunk_lengths: Sequence[int], num_other_tokens: int) -> bool:
+        """Whether the link runs the chunks in the caller's order: ``naive``, ``full``, and ``auto`` where its rule
+        chose a plain prefill (Full Recompute, which pic's engine runs in the caller's order)."""
+        if self.auto is None:
+            return not 0.0 < self.ratio < 1.0
+        return self.auto.plan(chunk_lengths, num_other_tokens).choice is AutoChoice.FULL
 
 
 def parse_policy(value: object) -> VllmSuffix:
@@ -88,7 +97,7 @@ def parse_policy(value: object) -> VllmSuffix:
     if isinstance(policy, SuffixPolicy):
         return VllmSuffix(policy.ratio, whole=policy.whole)
     if isinstance(policy, Auto):
-        return VllmSuffix(policy.budget, whole=True, max_share=policy.max_share)
+        return VllmSuffix(policy.budget, whole=True, auto=policy)
     raise InvalidInputError(
         f"pic policy {value!r:.80} is not one the vLLM connector runs; expected 'naive', 'full', 'auto[:<budget>]' "
         f"or 'suffix:<ratio in [0, 1]>[,whole=true]' (vLLM recomputes a suffix of the prompt only)"

@@ -118,9 +118,10 @@ class SchedulerSide:
         if lookup.error is not None:
             self._refuse(req_id, lookup.error)
             return 0
+        lengths = [len(c) for c in lookup.chunks]
         plan = plan_link(
             prompt, params.ids, lookup.chunks, start=lookup.start, num_computed=num_computed,
-            num_recomputed=params.policy.num_recomputed([len(c) for c in lookup.chunks]), prefix_id=lookup.prefix_id,
+            num_recomputed=params.policy.num_recomputed(lengths, len(prompt) - sum(lengths)), prefix_id=lookup.prefix_id,
             prefix_stored=lookup.prefix_stored,
         )  # fmt: skip
         tracked = _Tracked(plan=plan, num_computed=num_computed, namespace=namespace)

@@ -24,7 +24,9 @@ budgets of 5 to 30%, and the grid), what keeps ``auto``'s answers is where the t
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from pydantic import Field
@@ -34,6 +36,11 @@ from pic.link.layout import Layout
 from pic.link.order import Order
 from pic.link.policies.base import Policy
 from pic.link.policies.regions import Regions
+
+# ``auto`` runs Full Recompute where the prompt is less than this many times the tokens its link would recompute:
+# there a link is not much faster (a short prompt, one document, a budget that is most of the prompt) and it risks
+# answers Full Recompute keeps (docs/policies.md, "Where a link buys no speed").
+MIN_GAIN = 2.5
 
 
 class Naive(Policy):
@@ -74,12 +81,48 @@ def suffix_length(chunk_lengths: Sequence[int], ratio: float, *, whole: bool) ->
     return num
 
 
-def auto_suffix_length(chunk_lengths: Sequence[int], budget: float, max_share: float) -> int | None:
-    """What ``Auto`` recomputes as a suffix: the last chunks whole, at least ``budget`` of the chunk tokens, when that
-    is at most ``max_share`` of them (or there are none); ``None`` when it is more (``Auto`` then takes the best
-    regions within ``max_share``)."""
-    num, total = suffix_length(chunk_lengths, budget, whole=True), sum(chunk_lengths)
-    return num if num <= max_share * total or not total else None
+class AutoChoice(enum.Enum):
+    """What ``auto`` runs for a layout (``auto_plan``)."""
+
+    WHOLE_CHUNKS = "whole chunks"  # the last chunks whole: Suffix(whole=True)
+    REGIONS = "regions"  # the most relevant regions within max_share: Regions
+    FULL = "full"  # Full Recompute in the caller's order: the link would not be much faster
+
+
+@dataclass(frozen=True)
+class AutoPlan:
+    """``auto``'s choice for a layout and the chunk tokens it recomputes (every chunk token under ``FULL``)."""
+
+    choice: AutoChoice
+    num_recomputed: int
+
+
+def auto_plan(
+    chunk_lengths: Sequence[int],
+    num_other_tokens: int,
+    *,
+    budget: float,
+    max_share: float,
+    min_chunks: int = 1,
+    min_gain: float = 1.0,
+) -> AutoPlan:
+    """What ``Auto`` runs over chunks of ``chunk_lengths`` tokens (prompt order) and ``num_other_tokens`` more (the
+    prefix and the query, recomputed under every policy): the last chunks whole, at least ``budget`` of the chunk
+    tokens and at least ``min_chunks`` chunks, when that is at most ``max_share`` of them (or there are none); else
+    the best regions within ``max_share``. Then, read from the counts alone before anything runs: when the prompt is
+    less than ``min_gain`` times the tokens that choice recomputes, the link would buy little speed for what it
+    risks, and Full Recompute runs instead (in the caller's order). The one rule of pic's engine (``Auto``) and vLLM's
+    connector (``pic.vllm.params.VllmSuffix``)."""
+    total = sum(chunk_lengths)
+    num = suffix_length(chunk_lengths, budget, whole=True)
+    if min_chunks > 0 and chunk_lengths:
+        num = max(num, sum(chunk_lengths[-min_chunks:]))
+    plan = AutoPlan(AutoChoice.WHOLE_CHUNKS, num)
+    if num > max_share * total and total:
+        plan = AutoPlan(AutoChoice.REGIONS, min(round(max_share * total), total))
+    if total + num_other_tokens < min_gain * (plan.num_recomputed + num_other_tokens):
+        plan = AutoPlan(AutoChoice.FULL, total)
+    return plan
 
 
 class Suffix(Policy):
@@ -104,20 +147,35 @@ class Suffix(Policy):
 
 
 class Auto(Policy):
-    """The last (most relevant) chunks whole, at least ``budget`` and at most ``max_share`` of the chunk tokens (else
-    the best regions within ``max_share``); the chunks in relevance order (the module docstring). ``Linked.policy``
-    reports the policy it chose for the layout."""
+    """The last (most relevant) chunks whole, at least ``budget`` of the chunk tokens and ``min_chunks`` chunks, at most
+    ``max_share`` of them (else the best regions within ``max_share``), the chunks in relevance order; Full
+    Recompute in the caller's order where the prompt is less than ``min_gain`` times what that recomputes (the
+    module docstring; ``auto_plan``). ``Linked.policy`` reports the policy it chose for the layout."""
 
     name = "auto"
     order = Order.RELEVANCE
     budget: float = Field(default=0.05, ge=0.0, le=1.0)
     max_share: float = Field(default=0.5, gt=0.0, le=1.0)
+    min_chunks: int = Field(default=1, ge=0)
+    min_gain: float = Field(default=MIN_GAIN, ge=1.0)
+
+    def plan(self, chunk_lengths: Sequence[int], num_other_tokens: int) -> AutoPlan:
+        """``auto_plan`` under this policy's settings."""
+        return auto_plan(
+            chunk_lengths, num_other_tokens, budget=self.budget, max_share=self.max_share,
+            min_chunks=self.min_chunks, min_gain=self.min_gain,
+        )  # fmt: skip
 
     def for_layout(self, layout: Layout) -> Policy:
         lengths = [seg.num_tokens for seg in layout.chunks]
-        if auto_suffix_length(lengths, self.budget, self.max_share) is not None:
+        plan = self.plan(lengths, layout.num_tokens - sum(lengths))
+        if plan.choice is AutoChoice.FULL:
+            return FullRecompute()
+        if plan.choice is AutoChoice.REGIONS:
+            return Regions(budget=self.max_share)
+        if plan.num_recomputed == suffix_length(lengths, self.budget, whole=True):
             return Suffix(ratio=self.budget, whole=True)
-        return Regions(budget=self.max_share)
+        return Suffix(ratio=plan.num_recomputed / sum(lengths), whole=True)  # min_chunks reached further back
 
     def select(self, layout: Layout) -> torch.Tensor:
         raise PolicyError(f"policy {self.spec!r} chooses per layout: run for_layout(layout)'s policy (the engine does)")
