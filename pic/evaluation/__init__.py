@@ -5,6 +5,7 @@ from pic.evaluation.accuracy import ACCURACY_POLICIES, evaluate_accuracy
 from pic.evaluation.accuracy_report import AccuracyReport, AccuracyScore
 from pic.evaluation.answers import AnswerScore, score_answer
 from pic.evaluation.fidelity import DEFAULT_POLICIES, evaluate_fidelity
+from pic.evaluation.musique import musique_workload
 from pic.evaluation.niah import niah_workload
 from pic.evaluation.plot import plot_accuracy, plot_fidelity
 from pic.evaluation.profiles import profile_workload
@@ -30,6 +31,7 @@ __all__ = [
     "evaluate_accuracy",
     "evaluate_fidelity",
     "load_workload",
+    "musique_workload",
     "plot_accuracy",
     "plot_fidelity",
     "niah_workload",

@@ -12,6 +12,9 @@ A row may reorder the chunks (``Row.order``: ``spec/relevance``, or ``auto``'s o
 against two references, paired on the same cases: Full Recompute in the caller's order (what the user gets
 without pic: ``diff_vs_full``) and Full Recompute in the order the row's link ran (``diff_vs_link_order``: the
 link's own fidelity, the order's effect left out).
+
+Each row's mean F1 is paired with Full Recompute's too (``f1_diff_vs_full``, with a bootstrap interval): F1 is
+MuSiQue's metric and CacheBlend's comparison (``pic.evaluation.musique``).
 """
 
 from __future__ import annotations
@@ -22,7 +25,13 @@ from dataclasses import dataclass
 
 from pic.engine import PIC, Linked, generate_together
 from pic.errors import PicError
-from pic.evaluation.accuracy_report import AccuracyReport, AccuracyScore, paired_difference, wilson_interval
+from pic.evaluation.accuracy_report import (
+    AccuracyReport,
+    AccuracyScore,
+    paired_bootstrap,
+    paired_difference,
+    wilson_interval,
+)
 from pic.evaluation.answers import AnswerScore, score_answer
 from pic.evaluation.fidelity import LinkMeasurement, checked_policies, measure_link
 from pic.evaluation.qa import QACase, QAKind, QAWorkload, qa_workload
@@ -133,7 +142,8 @@ def evaluate_accuracy(
             reference row, and a policy listed twice is scored once.
         orders: the orders every policy runs in (a spec ``spec/order`` names its own): ``"policy"`` (the
             policy's choice), ``"given"``, ``"relevance"``.
-        max_new_tokens: the longest reply (greedy; a case's stop strings usually end it sooner).
+        max_new_tokens: the longest reply (greedy; a case's stop strings usually end it sooner; MuSiQue's cases
+            have none, and CacheBlend gives them ``pic.evaluation.musique.MAX_NEW_TOKENS``, 32).
         num_sink_cases: cases (the first ones) on which the attention-sink profile is measured.
         on_case: called after every case with the report so far (to save partial results).
         done: the outcomes of cases run before (by case number: ``pic.evaluation.case_log``), not run again.
@@ -252,9 +262,11 @@ def _summarize(spec: str, measured: list[Outcome], full: list[Outcome], cases: l
     pairs = list(zip(measured, full, strict=True))
     diff, diff_low, diff_high = paired_difference([int(m.score.correct) - int(f.score.correct) for m, f in pairs])
     in_order = paired_difference([int(m.score.correct) - int(m.full_in_order) for m in measured])
+    f1_diff = paired_bootstrap([m.score.f1 - f.score.f1 for m, f in pairs])
     kinds = [kind for kind in QAKind if any(c.kind is kind for c in cases)]
     single = [(c.gold[0], m.score.correct) for c, m in zip(cases, measured, strict=True) if len(c.gold) == 1]
-    num_documents = max((len(c.documents) for c in cases), default=0)
+    # no case that knows its gold documents (CacheBlend's MuSiQue file does not say): no positions to score by
+    num_documents = max((len(c.documents) for c in cases), default=0) if any(c.gold for c in cases) else 0
     return AccuracyScore(
         policy=spec,
         accuracy=mean(correct),
@@ -290,4 +302,7 @@ def _summarize(spec: str, measured: list[Outcome], full: list[Outcome], cases: l
         diff_vs_link_order=in_order[0],
         diff_link_order_low=in_order[1],
         diff_link_order_high=in_order[2],
+        f1_diff_vs_full=f1_diff[0],
+        f1_diff_low=f1_diff[1],
+        f1_diff_high=f1_diff[2],
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import dataclass
 
 from pic.evaluation.report import ReportMethods
@@ -20,9 +21,10 @@ class AccuracyScore:
         exact_match: share of replies equal to the reference answer (SQuAD normalization).
         f1: mean token F1 of the replies against the reference.
         accuracy_by_kind: accuracy per question kind (``passkey``, ``fact``, ``two-docs``, ``profile``,
-            ``niah-single``, ``niah-multikey``, ``niah-multivalue``).
+            ``niah-single``, ``niah-multikey``, ``niah-multivalue``, ``musique``).
         accuracy_by_gold_position: for one-document questions, accuracy by the index of the document
-            holding the answer (0: first linked).
+            holding the answer (0: first linked); empty when no case knows its gold documents (MuSiQue's
+            file from CacheBlend).
         num_gained, num_lost: cases this policy answers correctly and Full Recompute does not, and the
             reverse (paired: the same cases).
         diff_vs_full, diff_low, diff_high: the paired difference in accuracy from Full Recompute
@@ -42,6 +44,9 @@ class AccuracyScore:
         full_link_order_accuracy: Full Recompute's accuracy with the chunks in the order this row's links ran.
         diff_vs_link_order, diff_link_order_low, diff_link_order_high: the paired difference from Full Recompute
             in that order, and its 95% interval: the link's own fidelity, the order's effect left out.
+        f1_diff_vs_full, f1_diff_low, f1_diff_high: the mean per-case difference of this policy's F1 from Full
+            Recompute's (in the caller's order, the same cases) and its 95% paired bootstrap interval
+            (``paired_bootstrap``): MuSiQue's metric, and CacheBlend's comparison, F1 against F1.
     """
 
     policy: str
@@ -73,6 +78,9 @@ class AccuracyScore:
     diff_vs_link_order: float = float("nan")
     diff_link_order_low: float = float("nan")
     diff_link_order_high: float = float("nan")
+    f1_diff_vs_full: float = float("nan")
+    f1_diff_low: float = float("nan")
+    f1_diff_high: float = float("nan")
 
 
 @dataclass(frozen=True)
@@ -97,9 +105,9 @@ class AccuracyReport(ReportMethods):
             "| policy | accuracy (95% CI) | "
             + "".join(f"{k} | " for k in kinds)
             + "+/- vs FR | paired diff (95% CI) | reordered | vs FR in its order (95% CI) | same reply as FR "
-            "| KL to FR (answer token) | top-1 agree (answer) "
+            "| F1 (paired F1 diff, 95% bootstrap CI) | KL to FR (answer token) | top-1 agree (answer) "
             "| chunk token-layers recomputed | recomputed token-layers | link ms (speedup vs FR) |",
-            "|---|---:|" + "---:|" * len(kinds) + "---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "|---|---:|" + "---:|" * len(kinds) + "---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for s in self.scores:
             by_kind = "".join(f"{_pct(s.accuracy_by_kind[k])} | " for k in kinds)
@@ -109,6 +117,8 @@ class AccuracyReport(ReportMethods):
                 f"{_signed(s.diff_high)}) | {_pct(s.reordered)} | {_signed(s.diff_vs_link_order)} "
                 f"({_signed(s.diff_link_order_low)} to {_signed(s.diff_link_order_high)}) "
                 f"| {_pct(s.same_reply_as_full)} "
+                f"| {s.f1:.3f} ({_signed_f1(s.f1_diff_vs_full)}: {_signed_f1(s.f1_diff_low)} to "
+                f"{_signed_f1(s.f1_diff_high)}) "
                 f"| {s.mean_kl:.3f} ({s.answer_kl:.3f}) | {_pct(s.top1_agreement)} ({_pct(s.answer_top1)}) "
                 f"| {_pct(s.chunk_recompute_fraction)} | {_pct(s.recompute_fraction)} "
                 f"| {1e3 * s.median_link_s:.0f} ({s.median_speedup_vs_full:.2f}x) |"
@@ -123,6 +133,40 @@ def _pct(value: float) -> str:
 def _signed(value: float) -> str:
     """A difference of proportions in points: ``+1.5``, ``-12.0``."""
     return "n/a" if math.isnan(value) else f"{100 * value:+.1f}"
+
+
+def _signed_f1(value: float) -> str:
+    """A difference of mean F1s, in F1's own units: ``+0.012``."""
+    return "n/a" if math.isnan(value) else f"{value:+.3f}"
+
+
+def paired_bootstrap(
+    diffs: list[float], *, num_resamples: int = 2000, seed: int = 0, confidence: float = 0.95
+) -> tuple[float, float, float]:
+    """The mean of per-case differences (a policy's F1 minus Full Recompute's on the same case) and its paired
+    bootstrap percentile interval: the cases resampled with replacement ``num_resamples`` times from
+    ``random.Random(seed)``, so the same differences give the same interval on every machine. F1 is not a
+    proportion of 0s and 1s and many differences are 0 (identical replies), so a resampled interval, not the normal
+    approximation, says how far the mean can be trusted. The bounds hold the mean itself; all differences equal
+    give that value three times (every resample's mean)."""
+    n = len(diffs)
+    if n == 0:
+        return math.nan, math.nan, math.nan
+    mean = math.fsum(diffs) / n
+    if all(d == diffs[0] for d in diffs):
+        return mean, mean, mean
+    rng = random.Random(seed)
+    means = sorted(sum(rng.choices(diffs, k=n)) / n for _ in range(num_resamples))
+    tail = (1 - confidence) / 2
+    return mean, min(mean, _quantile(means, tail)), max(mean, _quantile(means, 1 - tail))
+
+
+def _quantile(ordered: list[float], q: float) -> float:
+    """The ``q`` quantile of sorted values, interpolated linearly between the two nearest (numpy's default)."""
+    where = q * (len(ordered) - 1)
+    below = math.floor(where)
+    above = min(below + 1, len(ordered) - 1)
+    return ordered[below] + (where - below) * (ordered[above] - ordered[below])
 
 
 def paired_difference(diffs: list[int], *, z: float = 1.96) -> tuple[float, float, float]:

