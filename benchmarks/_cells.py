@@ -21,6 +21,8 @@ WORKLOADS = {
     "profiles": ["--workload", "profiles"],
     "niah-single": [*NIAH, "single"],
     "niah-multikey": [*NIAH, "multikey"],
+    "twohop": ["--workload", "twohop"],
+    "musique": ["--workload", "musique"],
 }  # fmt: skip
 LAYOUTS = {"before": [], "after": ["--question-after-only"]}
 

@@ -17,6 +17,8 @@ messages = [
 ids = engine.compile(docs, context=engine.chat_context(messages))  # in context: after the chat's system turn
 for order in (ids, ids[::-1]):
     for policy in (None, "full"):  # the default (auto), and Full Recompute: the model's own answer
-        out = engine.link_chat(order, messages, policy=policy).generate(max_new_tokens=32)
+        linked = engine.link_chat(order, messages, policy=policy)
+        ran = f"ran {linked.policy}, chunks {list(linked.order.indices)}, whole {list(linked.recomputed_whole)}"
+        out = linked.generate(max_new_tokens=32)
         recomputed = f"{out.stats.num_recomputed_tokens}/{out.stats.num_prompt_tokens} tokens recomputed"
-        print(f"{policy or 'default':>7}: {out.text!r} (TTFT {out.ttft_s * 1e3:.0f} ms, {recomputed})")
+        print(f"{policy or 'default':>7}: {out.text!r} (TTFT {out.ttft_s * 1e3:.0f} ms, {recomputed}; {ran})")

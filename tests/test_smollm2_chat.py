@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -232,12 +233,21 @@ def test_chat_example(smollm2):
     assert [line.split(":")[0].strip() for line in lines] == ["default", "full"] * 2, lines
     assert all("North Sea" in line for line in lines if line.strip().startswith("full")), lines
     recomputed = [int(line.split("TTFT")[1].split(", ")[1].split("/")[0]) for line in lines]
-    assert recomputed[1] == recomputed[3] and recomputed[0] < recomputed[1], lines  # full recomputes every token
+    assert recomputed[1] == recomputed[3] and recomputed[0] == recomputed[1], lines  # every token, both policies
+    # a prompt this short: the default runs Full Recompute in the caller's order (docs/chat.md says so)
+    assert all(line.endswith("ran full, chunks [0, 1, 2], whole [0, 1, 2])") for line in lines), lines
+    page = (EXAMPLES.parent / "docs" / "chat.md").read_text()
+    shown = page.split("It prints", 1)[1].split("```\n", 2)[1].splitlines()
+    times = lambda text: re.sub(r"TTFT \d+ ms", "TTFT _ ms", text)  # noqa: E731
+    assert [times(line) for line in shown] == [times(line) for line in lines]  # the page shows what it prints
 
 
 def test_serve_chat_example(server):
     content, usage = run_example("serve_chat.py", PIC_BASE_URL=f"{server}/v1")
     assert "North Sea" in content and "reused_tokens=" in usage and "recomputed_tokens=" in usage
+    page = (EXAMPLES.parent / "docs" / "serve.md").read_text()
+    shown = page.split("It prints (against that server", 1)[1].split("```\n", 2)[1].splitlines()
+    assert shown == [content, usage]  # what ran (pic_policy, pic_chunk_order, pic_recomputed_chunks) as the page says
 
 
 # 9. What the accuracy evaluation measures, on the real model.

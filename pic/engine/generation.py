@@ -29,7 +29,9 @@ class GenerationStats:
     the link time plus the first token's step); ``decode_s`` the rest of the generation.
     ``num_preemptions`` counts the times the engine freed its blocks to make room and later
     recomputed it (the tokens are the same as without). ``chunk_order`` is the order its chunks ran in
-    (``None``: it failed before it was laid out).
+    (``None``: it failed before it was laid out), ``policy`` the spec of the policy that chose its recomputed tokens
+    (``auto``'s choice for the layout), and ``recomputed_whole`` the chunks it recomputed whole (the caller's chunk
+    indices, in prompt order).
     """
 
     num_prompt_tokens: int
@@ -43,6 +45,8 @@ class GenerationStats:
     queue_s: float = 0.0
     num_preemptions: int = 0
     chunk_order: ChunkOrder | None = None
+    policy: str | None = None
+    recomputed_whole: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

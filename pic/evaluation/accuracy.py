@@ -305,4 +305,9 @@ def _summarize(spec: str, measured: list[Outcome], full: list[Outcome], cases: l
         f1_diff_vs_full=f1_diff[0],
         f1_diff_low=f1_diff[1],
         f1_diff_high=f1_diff[2],
+        gold_last=mean(
+            set(m.order[len(m.order) - len(c.gold) :]) == set(c.gold)
+            for c, m in zip(cases, measured, strict=True)
+            if c.gold and m.order
+        ),
     )

@@ -44,6 +44,8 @@ class AccuracyScore:
         full_link_order_accuracy: Full Recompute's accuracy with the chunks in the order this row's links ran.
         diff_vs_link_order, diff_link_order_low, diff_link_order_high: the paired difference from Full Recompute
             in that order, and its 95% interval: the link's own fidelity, the order's effect left out.
+        gold_last: share of the cases that know their gold documents where the link's order put them all last, next
+            to the query (where ``auto`` recomputes): a ranking's hit rate (NaN: no case knows its gold).
         f1_diff_vs_full, f1_diff_low, f1_diff_high: the mean per-case difference of this policy's F1 from Full
             Recompute's (in the caller's order, the same cases) and its 95% paired bootstrap interval
             (``paired_bootstrap``): MuSiQue's metric, and CacheBlend's comparison, F1 against F1.
@@ -81,6 +83,7 @@ class AccuracyScore:
     f1_diff_vs_full: float = float("nan")
     f1_diff_low: float = float("nan")
     f1_diff_high: float = float("nan")
+    gold_last: float = float("nan")
 
 
 @dataclass(frozen=True)

@@ -89,6 +89,13 @@ class Layout:
         query = self.query
         return self.token_ids[query.token_start : query.token_start + query.num_tokens - self.num_generated].tolist()
 
+    def recomputed_whole(self, recomputed: torch.Tensor) -> tuple[int, ...]:
+        """The prompt-order indices of the chunks ``recomputed`` (``[T]`` bool) covers whole: the documents a link read
+        fresh (``Linked.recomputed_whole`` maps them to the caller's)."""
+        return tuple(
+            i for i, seg in enumerate(self.chunks) if seg.num_tokens and bool(recomputed[seg.tokens].all())
+        )
+
     @property
     def end_position(self) -> int:
         """The logical position of the token that follows the prompt (the first generated one)."""

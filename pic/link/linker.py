@@ -189,7 +189,8 @@ class Linker:
             raise linked_too_long(layout.num_tokens, self.spec.max_context, self.spec.architecture, layout.segments)
         if first:
             self._specialise(link)
-            if link.order is Order.POLICY and isinstance(link.policy, FullRecompute) and link.chunk_order.moved:
+            full = isinstance(link.policy, FullRecompute)
+            if full and link.order is Order.POLICY and link.chunk_order.order is Order.RELEVANCE:
                 # Full Recompute chosen for the layout (``auto``'s, for a prompt too short to win) is the model's own
                 # prefill of the caller's prompt: in the caller's order
                 self._order(link, Order.GIVEN, asked, chunks, relevance)

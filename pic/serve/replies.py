@@ -19,7 +19,9 @@ _FINISH = {FinishReason.EOS: "stop", FinishReason.STOP: "stop"}  # every other r
 def usage(generation: Generation | None) -> dict:
     """OpenAI's usage, with pic's reused and recomputed prompt tokens (what linking saved) and the order the
     chunks ran in: ``pic_order`` (``"given"`` or ``"relevance"``) and ``pic_chunk_order`` (the request's chunk
-    indices, ``cache_ids`` then ``documents``, in prompt order)."""
+    indices, ``cache_ids`` then ``documents``, in prompt order); ``pic_policy``, what chose the recomputed tokens
+    (``auto``'s choice: ``full`` for a prompt too short to win), and ``pic_recomputed_chunks``, the chunks
+    recomputed whole (the request's chunk indices)."""
     if generation is None:
         return {}
     stats = generation.stats
@@ -30,7 +32,10 @@ def usage(generation: Generation | None) -> dict:
         "total_tokens": stats.num_prompt_tokens + stats.num_generated_tokens,
         "reused_tokens": stats.num_reused_tokens,
         "recomputed_tokens": stats.num_recomputed_tokens,
-    } | ({} if order is None else {"pic_order": order.order.value, "pic_chunk_order": list(order.indices)})
+    } | ({} if order is None else {
+        "pic_order": order.order.value, "pic_chunk_order": list(order.indices), "pic_policy": stats.policy,
+        "pic_recomputed_chunks": list(stats.recomputed_whole),
+    })  # fmt: skip
 
 
 def _finish_reason(generation: Generation | None) -> str | None:

@@ -61,8 +61,9 @@ class Deleted(BaseModel):
 
 
 class Usage(BaseModel):
-    """OpenAI's usage, with the prompt tokens linking reused (cached KV) and recomputed, and the order the
-    chunks ran in (``pic_chunk_order``: the request's chunk indices in prompt order)."""
+    """OpenAI's usage, with the prompt tokens linking reused (cached KV) and recomputed, the order the chunks ran in
+    (``pic_chunk_order``: the request's chunk indices in prompt order), the policy that chose the recomputed tokens
+    (``pic_policy``: ``auto``'s choice) and the chunks recomputed whole (``pic_recomputed_chunks``)."""
 
     prompt_tokens: int
     completion_tokens: int
@@ -71,6 +72,8 @@ class Usage(BaseModel):
     recomputed_tokens: int
     pic_order: Literal["given", "relevance"]
     pic_chunk_order: list[int]
+    pic_policy: str
+    pic_recomputed_chunks: list[int]
 
 
 class CompletionChoice(BaseModel):

@@ -29,6 +29,7 @@ class Linked:
         policy: the policy that chose the recomputed tokens.
         order: the order the chunks ran in (``ChunkOrder``: ``order.order`` is ``Order.GIVEN`` or
             ``Order.RELEVANCE``, ``order.indices`` the caller's chunk indices in prompt order).
+        recomputed_whole: the chunks recomputed whole, as the caller's chunk indices in prompt order.
         cache_ids: the chunks' cache ids in prompt order.
         num_chunks, num_tokens: ``len(cache_ids)`` and ``len(input_ids)`` (as ``repr`` shows them).
         link_s: seconds ``link`` took (waiting for the engine included).
@@ -176,6 +177,12 @@ class Linked:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+    @property
+    def recomputed_whole(self) -> tuple[int, ...]:
+        """The chunks recomputed whole (every token, through the last layer), as the caller's chunk indices in prompt
+        order: which documents the link read fresh, e.g. ``auto``'s most relevant one (``order.indices[-1]``)."""
+        return tuple(self.order.indices[i] for i in self.layout.recomputed_whole(self.recomputed))
 
     def __repr__(self) -> str:
         return (

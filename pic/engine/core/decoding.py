@@ -90,6 +90,13 @@ def finish_output(seq: Sequence, *, text: str = "", token: int | None = None) ->
     return RequestOutput(request_id=seq.request_id, text=text, token_ids=tokens, finished=True, generation=generation)
 
 
+def _recomputed_whole(layout, order, first_pass) -> tuple[int, ...]:
+    """The caller's indices of the chunks a link's first pass recomputed whole (none before it ran)."""
+    if layout is None or order is None or first_pass is None:
+        return ()
+    return tuple(order.indices[i] for i in layout.recomputed_whole(first_pass.recomputed))
+
+
 def _generation(seq: Sequence) -> Generation:
     end, times = time.perf_counter(), seq.times
     first = times.first_token_s or end
@@ -108,6 +115,8 @@ def _generation(seq: Sequence) -> Generation:
         num_reused_tokens=num_prompt - num_recomputed, num_generated_tokens=len(seq.output_ids), link_s=link_s,
         ttft_s=ttft_s, decode_s=end - first, finish_reason=seq.finish_reason, queue_s=scheduled - times.arrival_s,
         num_preemptions=seq.num_preemptions, chunk_order=seq.link.chunk_order,
+        policy=seq.link.policy.spec if seq.link.layout is not None else None,
+        recomputed_whole=_recomputed_whole(seq.link.layout, seq.link.chunk_order, first_pass),
     )  # fmt: skip
     text = seq.decoding.detokenizer.text if seq.decoding is not None else ""
     return Generation(text=text, token_ids=list(seq.output_ids), ttft_s=ttft_s, stats=stats)

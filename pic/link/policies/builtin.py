@@ -20,6 +20,11 @@ budgets of 5 to 30%, and the grid), what keeps ``auto``'s answers is where the t
   the link recomputes at most about ``max_share`` of the documents whatever their sizes. The prefix and query are
   not counted: they are recomputed under every policy, and a short prompt whose query is half of it still needs
   its document read (a ceiling on the whole prompt left such links with no document token recomputed).
+- **A floor on the gain.** Where the prompt is less than ``min_gain`` times what that link would recompute (the
+  prefix, the query and the chosen chunk tokens), it runs Full Recompute in the caller's order: a short prompt, one
+  document, two of which one is half, a ceiling's regions of half. There a link is at most a little faster and its
+  answers are another prompt's (the relevance order's, from stale KV); Full Recompute's are the model's own. Read from
+  the counts alone before anything runs, so pic's engine, its server and vLLM's connector choose alike.
 """
 
 from __future__ import annotations
