@@ -95,4 +95,9 @@ def score_fields(score: dict) -> dict:
         "chunk_token_layers": score["chunk_recompute_fraction"],
         "prompt_token_layers": score["recompute_fraction"],
         "speedup": score["median_speedup_vs_full"],
+        "f1": score.get("f1", float("nan")),
+        "f1_diff": score.get("f1_diff_vs_full", float("nan")),
+        "f1_diff_low": score.get("f1_diff_low", float("nan")),
+        "f1_diff_high": score.get("f1_diff_high", float("nan")),
+        "gold_last": score.get("gold_last", float("nan")),
     }

@@ -120,21 +120,37 @@ def test_suffix_policy_recomputes_the_last_chunk_tokens(llm, engine, ids):
     assert out.num_cached_tokens == report["num_loaded"]  # vLLM computed the recomputed chunk tokens and the query
 
 
-def test_the_default_recomputes_whole_chunks_most_relevant_last(llm, engine, ids):
-    """The default, pic's ``auto``: the last chunks whole, at least 5% of the chunk tokens (the most relevant
-    document: a chunk part loaded, part recomputed answers worse than one left whole), over the documents in
-    relevance order, within half the chunk tokens."""
+def test_auto_recomputes_whole_chunks_most_relevant_last(llm, engine, ids):
+    """pic's ``auto``: the last chunks whole, at least 5% of the chunk tokens (the most relevant document: a chunk part
+    loaded, part recomputed answers worse than one left whole), over the documents in relevance order, within half
+    the chunk tokens (``min_gain=1``: linked whatever the prompt's length; the default's floor is the next test)."""
     llm.reset_prefix_cache()
     chunks = _chunks(engine, ids)
-    prompt = chat_link_prompt(engine.tokenizer, chunks, MESSAGES)
-    assert prompt.policy == "auto:0.05" and prompt.order.order.value == "relevance"
+    prompt = chat_link_prompt(engine.tokenizer, chunks, MESSAGES, policy="auto:0.05,min_gain=1.0")
+    assert prompt.policy == "auto:0.05,min_gain=1.0" and prompt.order.order.value == "relevance"
     out = _generate(llm, prompt.tokens_prompt(), extra_args=prompt.extra_args())
     report = link_report(out.kv_transfer_params)
     in_order = [len(tokens) for _, tokens in prompt.order.apply(chunks)]
     whole = next(sum(in_order[-k:]) for k in range(1, len(in_order) + 1) if sum(in_order[-k:]) >= 0.05 * sum(in_order))
     assert report["num_recomputed"] == min(whole, int(0.5 * sum(in_order))) > round(0.05 * report["num_chunk_tokens"])
-    assert report["order"] == "relevance" and report["policy"] == "auto:0.05"
+    assert report["order"] == "relevance" and report["policy"] == "auto:0.05,min_gain=1.0"
     assert out.num_cached_tokens == report["num_loaded"]
+
+
+def test_the_default_on_a_prompt_too_short_to_win_is_a_plain_prefill_as_given(llm, engine, ids):
+    """The default, ``auto``, on three documents of 31-39 tokens in a prompt of 132: the last one whole and the chat
+    around them would be over 40% of it, so, as pic's engine runs Full Recompute in the caller's order there, the
+    client keeps the given order and the connector leaves every chunk token to vLLM (the prefix may still load)."""
+    llm.reset_prefix_cache()
+    chunks = _chunks(engine, ids)
+    prompt = chat_link_prompt(engine.tokenizer, chunks, MESSAGES)
+    assert prompt.policy == "auto:0.05" and prompt.order.order.value == "given" and not prompt.order.moved
+    out = _generate(llm, prompt.tokens_prompt(), extra_args=prompt.extra_args())
+    report = link_report(out.kv_transfer_params)
+    assert report["num_recomputed"] == report["num_chunk_tokens"] == sum(len(t) for _, t in chunks)
+    assert report["num_loaded"] == report["num_prefix"] and out.num_cached_tokens == report["num_loaded"]
+    with engine.link_chat(ids, MESSAGES) as linked:  # pic's engine chose alike
+        assert linked.policy.spec == "full" and not linked.order.moved
 
 
 def _plain_with_reason(llm, prompt: dict, extra_args: dict, reason: str):
