@@ -633,6 +633,8 @@ def test_the_order_a_request_asks_runs_and_the_usage_reports_it(server, client):
         assert out.choices[0].text == expected.text
         assert usage["pic_order"] == order
         assert usage["pic_chunk_order"] == ([0, 1, 2] if order == "given" else [1, 2, 0])
+        assert usage["pic_policy"] == expected.stats.policy and expected.stats.policy is not None
+        assert usage["pic_recomputed_chunks"] == list(expected.stats.recomputed_whole)
     with _http(server) as http:
         body = {"model": "stories260K", "prompt": QUERY, "pic": {"cache_ids": ids, "order": "shuffled"}}
         response = http.post("/v1/completions", json=body)
