@@ -325,6 +325,55 @@ def order_grid_table() -> str:
     return _order_grid().table(results("order_grid/order_grid.json")["cells"])
 
 
+@figure
+def two_document_table() -> str:
+    """docs/policies.md: every row of issue 65's cells (twohop, MuSiQue, and the short documents again under the
+    floor on the gain), as benchmarks/order_grid.py prints them (order_grid_65/order_grid.json)."""
+    return _order_grid().rows_table(results("order_grid_65/order_grid.json")["cells"])
+
+
+@figure
+def ranking_hits_table() -> str:
+    """docs/policies.md: how often the relevance order (BM25) put the gold documents last, per workload, layout and
+    tokenizer (ranking_hits.json, benchmarks/ranking_hits.py)."""
+    cells = results("ranking_hits.json")["cells"]
+    models = list(dict.fromkeys(c["model"] for c in cells))
+    names = _order_grid().MODELS
+    lines = [
+        "| workload | question | " + " | ".join(f"{names[m]}: gold last (one of them last)" for m in models) + " |",
+        "|---|---|" + "---:|" * len(models),
+    ]
+    for workload, layout in dict.fromkeys((c["workload"], c["layout"]) for c in cells):
+        found = {c["model"]: c for c in cells if (c["workload"], c["layout"]) == (workload, layout)}
+        shown = [f"{found[m]['hit']:.0%} ({found[m]['last']:.0%})" for m in models]
+        lines.append(f"| {workload} | {layout} | " + " | ".join(shown) + " |")
+    return "\n".join(lines)
+
+
+@figure
+def gain_floor_table() -> str:
+    """docs/policies.md: the default at other floors on the gain, replayed from the case logs of issue 65's cells
+    (order_grid_65/gain_floor.json, benchmarks/gain_floor.py)."""
+    cells = results("order_grid_65/gain_floor.json")["cells"]
+    floors = list(dict.fromkeys(g for c in cells for g in c["floors"]))
+    lines = [
+        "| cell | cases | " + " | ".join(f"`min_gain={g}`" for g in floors) + " |",
+        "|---|---:|" + "---:|" * len(floors),
+    ]
+    for c in cells:
+        shown = []
+        for g in floors:
+            f = c["floors"].get(g)
+            shown.append(
+                ""
+                if f is None
+                else f"{_points(f['diff'])} ({_points(f['diff_low'])} to {_points(f['diff_high'])}), "
+                f"{f['linked']:.0%} linked, {f['median_speedup']:.2f}x"
+            )
+        lines.append(f"| {c['cell']} | {c['num_cases']} | " + " | ".join(shown) + " |")
+    return "\n".join(lines)
+
+
 _WORKLOAD_NAMES = {"qa": "short documents", "profiles": "paragraphs", "niah-single": "needles (one key)",
                    "niah-multikey": "needles (four keys)"}  # fmt: skip
 
@@ -591,7 +640,7 @@ def tenant_oracle_table() -> str:
     for probe, arm in probes:
         for kind, label in (("b_compile_s", "B's compile"), ("b_inline_s", "B's chat with it inline")):
             cells = " | ".join(_classified(case, probe, kind) for case in cases)
-            lines.append(f"| \"{arm}\" told from {label} (leave one out, 95% interval; best threshold) | {cells} |")
+            lines.append(f'| "{arm}" told from {label} (leave one out, 95% interval; best threshold) | {cells} |')
     for kind, label in (("after_b_sent", "right after B sent its streams"), ("while_b_decodes", "while they decode")):
         cells = []
         for case in cases:

@@ -84,6 +84,7 @@ def cells(folder: Path) -> list[dict]:
                     "num_cases": report["num_cases_evaluated"],
                     "num_prompt_tokens": full["mean_recomputed"],  # Full Recompute runs every prompt token
                     "full": full["accuracy"],
+                    "full_f1": full.get("f1", float("nan")),
                     **score_fields(score),
                 }
             )
@@ -140,15 +141,21 @@ def rows_table(found: list[dict]) -> str:
     order, how often its order put the gold documents last, what it recomputed and how much sooner it linked."""
     lines = [
         "| model | workload | question | prompt tokens | cases | Full Recompute | row | accuracy | "
-        "vs Full Recompute (95% CI) | gold last | prompt recomputed | link speedup |",
-        "|---|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|",
+        "vs Full Recompute (95% CI) | F1: Full Recompute, row (paired diff, 95% CI) | gold last | prompt recomputed | "
+        "link speedup |",
+        "|---|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for c in found:
         gold = "" if c["gold_last"] != c["gold_last"] else f"{c['gold_last']:.0%}"
+        f1 = (
+            f"{c['full_f1']:.3f}, {c['f1']:.3f} ({c['f1_diff']:+.3f}: {c['f1_diff_low']:+.3f} to "
+            f"{c['f1_diff_high']:+.3f})".replace("-", "\u2212")
+            if c["workload"] == "musique" else ""
+        )  # fmt: skip
         lines.append(
             f"| {MODELS[c['model']]} | {c['workload']} | {c['layout']} | {c['num_prompt_tokens']:,.0f} | "
             f"{c['num_cases']} | {c['full']:.1%} | {ROW_NAMES.get(c['row'], c['row'])} | {c['accuracy']:.1%} | "
-            f"{points(c, 'diff')} | {gold} | {c['prompt_token_layers']:.1%} | {c['speedup']:.2f}x |"
+            f"{points(c, 'diff')} | {f1} | {gold} | {c['prompt_token_layers']:.1%} | {c['speedup']:.2f}x |"
         )
     return "\n".join(lines)
 

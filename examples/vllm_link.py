@@ -20,7 +20,7 @@ from vllm.config import KVTransferConfig
 import pic
 from pic.vllm.client import chat_link_prompt, link_report
 
-DOCS = [  # paragraphs, as a retriever returns them (a prompt of a few short lines is too short to win: auto prefills it)
+DOCS = [  # paragraphs, as a retriever returns them (a few short lines are too short to win: auto prefills them)
     "The Baltic Sea is a shallow inland sea of the Atlantic Ocean, enclosed by Sweden, Finland, Russia, Estonia, "
     "Latvia, Lithuania, Poland, Germany and Denmark. Its water is brackish: more than two hundred rivers flow into it, "
     "and it reaches the open ocean only through the narrow Danish straits, so fresh water mixes with salt water that "

@@ -169,7 +169,10 @@ def test_ttft_benchmark_writes_json(tmp_path):
         assert recomputed["full"] == row["prompt_tokens"] and recomputed["naive"] == 8  # the query alone
         assert recomputed["naive"] < recomputed["mepic"] < recomputed["legolink:16"] < row["prompt_tokens"]
         assert row["full_over_link"] == {p: ttft["full"] / ttft[p] for p in ("auto", "mepic", "legolink:16", "naive")}
-        assert recomputed["naive"] < recomputed["auto"] < row["prompt_tokens"]  # its most relevant chunk, whole
+        if row["prompt_tokens"] < 2.5 * (33 + 8):  # too short to win (auto's floor on the gain): Full Recompute
+            assert recomputed["auto"] == row["prompt_tokens"]
+        else:
+            assert recomputed["naive"] < recomputed["auto"] < row["prompt_tokens"]  # its most relevant chunk, whole
         assert row["graphs"] == {}
         assert row["full_first_token_equals_hf"]  # float32: pic's full recompute is transformers' forward
     for p, fit in report["link_scaling"].items():

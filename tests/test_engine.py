@@ -98,7 +98,11 @@ def test_preemption_keeps_outputs_and_frees_every_block():
     recomputed over their prompt and generated tokens; each ends with the tokens it gets alone."""
     big = make_target_engine("stories260K", dtype=EXACT, kv_pool_tokens=4096)
     ids = big.compile(list(DOCS))
-    requests = [pic.Request(ids[i % 3 :] + ids[: i % 3], f"Tom and Lily {i}", max_new_tokens=40) for i in range(8)]
+    linking = "auto:0.05,min_gain=1.0"  # auto without its floor on the gain: these short prompts share chunk blocks
+    requests = [
+        pic.Request(ids[i % 3 :] + ids[: i % 3], f"Tom and Lily {i}", max_new_tokens=40, policy=linking)
+        for i in range(8)
+    ]
     expected = [alone(big, r).token_ids for r in requests]
     small = make_target_engine("stories260K", dtype=EXACT, kv_pool_tokens=16 * 40)
     assert small.compile(list(DOCS)) == ids

@@ -22,6 +22,10 @@ from tests.conftest import make_engine
 from tests.kv_invariants import check_engine_pool
 from tests.models import DOCS, QUERY
 
+# auto without its floor on the gain: the pools are sized for links that share the chunks' blocks, and these short
+# prompts would run Full Recompute under the default
+LINKING = "auto:0.05,min_gain=1.0"
+
 
 def _engine(pool: int) -> tuple[pic.PIC, list[str]]:
     """The embedded model over a ``pool``-token pool, with the same two chunks compiled."""
@@ -59,14 +63,20 @@ def test_six_threads_generating_from_parked_links_all_complete(pool):
     engine, ids = _engine(pool)
 
     def sampled(i: int) -> pic.Generation:
-        return engine.link(ids, f"One day number {i}").generate(max_new_tokens=150, temperature=0.8, seed=i)
+        return engine.link(ids, f"One day number {i}", policy=LINKING).generate(
+            max_new_tokens=150, temperature=0.8, seed=i
+        )
 
     outs = _in_threads(sampled, 6)
     assert all(isinstance(out, pic.Generation) for out in outs), outs
     assert all(out.stats.num_generated_tokens == 150 or out.stats.finish_reason.value == "eos" for out in outs)
-    greedy = _in_threads(lambda i: engine.link(ids, f"One day number {i}").generate(max_new_tokens=150), 6)
+    greedy = _in_threads(
+        lambda i: engine.link(ids, f"One day number {i}", policy=LINKING).generate(max_new_tokens=150), 6
+    )
     assert sum(out.stats.num_preemptions for out in [*outs, *greedy]) > 0  # (the path the issue found)
-    alone = [engine.link(ids, f"One day number {i}").generate(max_new_tokens=150).token_ids for i in range(6)]
+    alone = [
+        engine.link(ids, f"One day number {i}", policy=LINKING).generate(max_new_tokens=150).token_ids for i in range(6)
+    ]
     assert [out.token_ids for out in greedy] == alone
     assert engine.kv_stats().num_used_blocks == 0
     check_engine_pool(engine, {})
@@ -77,10 +87,11 @@ def test_generate_together_of_three_parked_links_completes(pool):
     """Reproduction 2: ``generate_together`` of three links over a small pool; all complete, greedy ones as alone."""
     engine, ids = _engine(pool)
     queries = [f"One day number {i}" for i in range(3)]
-    outs = pic.generate_together([engine.link(ids, q) for q in queries], 150, temperature=0.8, seed=1)
+    link = lambda q: engine.link(ids, q, policy=LINKING)  # noqa: E731
+    outs = pic.generate_together([link(q) for q in queries], 150, temperature=0.8, seed=1)
     assert len(outs) == 3 and all(out.stats.num_generated_tokens >= 1 for out in outs)
-    greedy = pic.generate_together([engine.link(ids, q) for q in queries], 150)
-    alone = [engine.link(ids, q).generate(150).token_ids for q in queries]
+    greedy = pic.generate_together([link(q) for q in queries], 150)
+    alone = [link(q).generate(150).token_ids for q in queries]
     assert [out.token_ids for out in greedy] == alone
     assert engine.kv_stats().num_used_blocks == 0
 
@@ -125,11 +136,11 @@ def test_a_broken_invariant_fails_that_request_alone_and_the_engine_serves_the_n
     ends as it does alone, the pool comes back to rest, and a new request is served."""
     engine = make_engine("stories260K", eos_token_ids=())
     ids = engine.compile(list(DOCS))
-    alone = engine.link(ids, QUERY).generate(60).token_ids
-    victim = engine.link(ids, "The victim").stream(400)
+    alone = engine.link(ids, QUERY, policy=LINKING).generate(60).token_ids
+    victim = engine.link(ids, "The victim", policy=LINKING).stream(400)
     next(victim)  # it runs
     other: dict = {}
-    thread = threading.Thread(target=lambda: other.update(out=engine.link(ids, QUERY).generate(60)))
+    thread = threading.Thread(target=lambda: other.update(out=engine.link(ids, QUERY, policy=LINKING).generate(60)))
     with engine.paused() as core:
         thread.start()  # (its request arrives while the engine is paused)
         (seq,) = [s for s in core.scheduler.queues.running if s.status is Status.RUNNING]
@@ -142,7 +153,7 @@ def test_a_broken_invariant_fails_that_request_alone_and_the_engine_serves_the_n
     assert any("SequenceStateError" in r.getMessage() or "where only running" in r.getMessage() for r in caplog.records)
     assert engine.kv_stats().num_used_blocks == 0
     check_engine_pool(engine, {})
-    assert engine.link(ids, QUERY).generate(60).token_ids == alone
+    assert engine.link(ids, QUERY, policy=LINKING).generate(60).token_ids == alone
 
 
 def test_a_pass_under_way_goes_before_an_earlier_request_that_waits_for_blocks():
@@ -196,7 +207,7 @@ def test_fail_moves_status_queue_and_blocks_together(where):
     engine = make_engine("stories260K", eos_token_ids=())
     ids = engine.compile(list(DOCS))
     stepper = engine.stepper()
-    linked = engine.link(ids, QUERY) if where == "parked" else None
+    linked = engine.link(ids, QUERY, policy=LINKING) if where == "parked" else None
     rid = stepper.add_request(pic.Request(ids, QUERY, policy="naive", max_new_tokens=50))
     if where == "running":
         assert [len(out.token_ids) for out in stepper.step()] == [1]  # its pass ran: it decodes
@@ -233,7 +244,7 @@ def test_a_resume_whose_decoder_fails_leaves_its_link_parked_and_the_others_runn
     engine = make_engine("stories260K")
     try:
         ids = engine.compile(list(DOCS))
-        other, linked = engine.link(ids, QUERY), engine.link(ids, f"{QUERY} again")
+        other, linked = engine.link(ids, QUERY, policy=LINKING), engine.link(ids, f"{QUERY} again", policy=LINKING)
         with engine.paused() as core:
             start, calls = core.decoder.start, []
 
@@ -247,7 +258,7 @@ def test_a_resume_whose_decoder_fails_leaves_its_link_parked_and_the_others_runn
         with pytest.raises(RuntimeError, match="the sampler could not start"):
             linked.generate(max_new_tokens=3)
         assert other.generate(max_new_tokens=3).stats.num_generated_tokens == 3
-        assert engine.link(ids, QUERY).generate(max_new_tokens=3).stats.num_generated_tokens == 3
+        assert engine.link(ids, QUERY, policy=LINKING).generate(max_new_tokens=3).stats.num_generated_tokens == 3
         check_engine_pool(engine)
     finally:
         engine.close()

@@ -35,10 +35,11 @@ def _answer(engine: pic.PIC, policy: str, docs: list[str], query: str) -> str:
 
 
 # naive over the forged chunk alone; auto with a second document that the question ranks first (what the issue's
-# probe ran: with the forged chunk ranked most relevant, auto recomputes it whole and the forged KV reaches no answer)
+# probe ran: with the forged chunk ranked most relevant, auto recomputes it whole and the forged KV reaches no answer),
+# without its floor on the gain (two short documents: the default runs Full Recompute, which reads no cached KV)
 @pytest.mark.parametrize(
     ("policy", "docs", "query"),
-    [("naive", [NORTH], QUERY), ("auto", [NORTH, OTHER], NEAR_OTHER)],
+    [("naive", [NORTH], QUERY), ("auto:0.05,min_gain=1.0", [NORTH, OTHER], NEAR_OTHER)],
     ids=["naive", "auto"],
 )
 def test_the_black_sea_forgery_is_answered_only_without_the_key(smollm2, tmp_path, policy, docs, query, caplog):  # noqa: F811

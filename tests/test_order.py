@@ -62,8 +62,10 @@ def test_every_built_in_policy_but_auto_keeps_the_given_order_by_default(stories
     for policy in ("full", "naive", "mepic", "legolink:4", "regions", "prophetkv:0.2", "suffix:0.2"):
         with stories.link(ids, QUERY, policy=policy) as linked:
             assert linked.order.order is Order.GIVEN and linked.cache_ids == ids, policy
-    with stories.link(ids, QUERY) as linked:  # the default, auto: by relevance
+    with stories.link(ids, QUERY, policy="auto:0.05,min_gain=1.0") as linked:  # auto, linking: by relevance
         assert linked.policy.name != "auto" and linked.order.order is Order.RELEVANCE and linked.order.moved
+    with stories.link(ids, QUERY) as linked:  # the default on a prompt too short to win: Full Recompute, as given
+        assert linked.policy.name == "full" and linked.order.order is Order.GIVEN and linked.cache_ids == ids
     with stories.link(ids, QUERY, order="given") as linked:  # unless the link asks for the caller's order
         assert linked.order.order is Order.GIVEN and linked.cache_ids == ids
 
@@ -80,7 +82,7 @@ def test_a_generation_reports_its_order(stories):
 def test_an_unknown_order_is_refused_naming_it(stories, bad):
     ids = stories.compile(DOCS[:1])
     if bad is None:  # None is the default (the policy's choice: auto's is relevance), not an error
-        assert stories.link(ids, QUERY, order=bad).order.order is Order.RELEVANCE
+        assert stories.link(ids, QUERY, order=bad, policy="auto:0.05,min_gain=1.0").order.order is Order.RELEVANCE
         assert stories.link(ids, QUERY, order=bad, policy="full").order.order is Order.GIVEN
         return
     with pytest.raises(pic.InvalidInputError, match=f"order is {bad!r}"):

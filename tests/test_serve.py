@@ -422,7 +422,6 @@ def _serve_process(redis_url: str, port: int) -> subprocess.Popen:
     return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-
 def test_two_servers_share_chunks_through_redis(redis_url, server):
     """Two ``pic serve`` processes on one real redis-server: what one compiles, the other links (its pool
     never saw the chunks), with the text this process's engine gives."""
@@ -437,11 +436,13 @@ def test_two_servers_share_chunks_through_redis(redis_url, server):
         info = httpx.get(f"http://127.0.0.1:{ports[1]}/v1/chunks/{ids[0]}", headers=headers).json()
         assert info["tiers"] == ["redis"]  # the second server holds it only in the shared tier
         other = openai.OpenAI(base_url=f"http://127.0.0.1:{ports[1]}/v1", api_key=KEY, max_retries=0)
+        linking = "auto:0.05,min_gain=1.0"  # auto without its floor: the toy's short prompt linked, its chunks reused
         out = other.completions.create(
-            model="stories260K", prompt=QUERY, max_tokens=10, temperature=0, extra_body={"pic": {"cache_ids": ids}}
-        )
-        assert out.choices[0].text == server[1].link(_compile(server, DOCS), QUERY).generate(max_new_tokens=10).text
-        assert out.usage.model_extra["reused_tokens"] > 0
+            model="stories260K", prompt=QUERY, max_tokens=10, temperature=0,
+            extra_body={"pic": {"cache_ids": ids, "policy": linking}},
+        )  # fmt: skip
+        here = server[1].link(_compile(server, DOCS), QUERY, policy=linking).generate(max_new_tokens=10)
+        assert out.choices[0].text == here.text and out.usage.model_extra["reused_tokens"] > 0
     finally:
         for proc in procs:
             proc.terminate()

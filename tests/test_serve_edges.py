@@ -398,4 +398,7 @@ def test_readme_compile_then_chat_by_id_answers_from_the_documents(smollm2):
     assert ids == smollm2.compile(body["documents"], context=smollm2.chat_context(messages), progress=False)
     text = answer["choices"][0]["message"]["content"]
     assert "North Sea" in text and "Baltic" not in text, text
-    assert answer["usage"]["reused_tokens"] > 0
+    with smollm2.link_chat(ids, messages) as linked:  # the usage says what ran, as the engine's link does
+        assert answer["usage"]["pic_policy"] == linked.policy.spec and answer["usage"]["reused_tokens"] == int(
+            (~linked.recomputed).sum()
+        )

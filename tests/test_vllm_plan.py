@@ -14,9 +14,9 @@ from transformers import LlamaForCausalLM
 
 import pic
 from pic.errors import InvalidInputError, PicError
+from pic.ids import model_fingerprint
 from pic.link.order import Order
 from pic.link.policies import Auto
-from pic.ids import model_fingerprint
 from pic.vllm.client import chat_link_prompt, compile_prompt, link_prompt, link_report
 from pic.vllm.fingerprint import folder_fingerprint
 from pic.vllm.params import CompileRequest, LinkRequest, VllmSuffix, link_salt, parse_params, parse_policy

@@ -101,9 +101,7 @@ def twohop_workload(
             f"(within 0 to {limit})"
         )
     rng = random.Random(seed)
-    cases = tuple(
-        _case(rng, min_details, max_details, i % len(QUESTIONS), question_first) for i in range(num_cases)
-    )
+    cases = tuple(_case(rng, min_details, max_details, i % len(QUESTIONS), question_first) for i in range(num_cases))
     description = {
         "source": "pic.evaluation.twohop_workload",
         "num_cases": num_cases,
@@ -116,7 +114,9 @@ def twohop_workload(
 
 
 def _case(rng: random.Random, low: int, high: int, question: int, question_first: bool) -> QACase:
-    people = [f"{first} {last}" for first, last in zip(rng.sample(FIRST_NAMES, 2), rng.sample(LAST_NAMES, 2))]
+    people = [
+        f"{first} {last}" for first, last in zip(rng.sample(FIRST_NAMES, 2), rng.sample(LAST_NAMES, 2), strict=True)
+    ]
     towns = [
         Town(name, population, product)
         for name, population, product in zip(
@@ -160,4 +160,3 @@ def _town(rng: random.Random, town: Town, question: int, num_details: int) -> st
     sentences = [fact, *details]
     rng.shuffle(sentences)
     return " ".join([f"{town.name} is a small town in the north of the country.", *sentences]) + "\n"
-

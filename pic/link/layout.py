@@ -92,9 +92,7 @@ class Layout:
     def recomputed_whole(self, recomputed: torch.Tensor) -> tuple[int, ...]:
         """The prompt-order indices of the chunks ``recomputed`` (``[T]`` bool) covers whole: the documents a link read
         fresh (``Linked.recomputed_whole`` maps them to the caller's)."""
-        return tuple(
-            i for i, seg in enumerate(self.chunks) if seg.num_tokens and bool(recomputed[seg.tokens].all())
-        )
+        return tuple(i for i, seg in enumerate(self.chunks) if seg.num_tokens and bool(recomputed[seg.tokens].all()))
 
     @property
     def end_position(self) -> int:

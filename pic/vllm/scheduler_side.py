@@ -121,8 +121,8 @@ class SchedulerSide:
         lengths = [len(c) for c in lookup.chunks]
         plan = plan_link(
             prompt, params.ids, lookup.chunks, start=lookup.start, num_computed=num_computed,
-            num_recomputed=params.policy.num_recomputed(lengths, len(prompt) - sum(lengths)), prefix_id=lookup.prefix_id,
-            prefix_stored=lookup.prefix_stored,
+            num_recomputed=params.policy.num_recomputed(lengths, len(prompt) - sum(lengths)),
+            prefix_id=lookup.prefix_id, prefix_stored=lookup.prefix_stored,
         )  # fmt: skip
         tracked = _Tracked(plan=plan, num_computed=num_computed, namespace=namespace)
         tracked.report = {"policy": params.policy.name, "order": params.order, "num_loaded": plan.num_external,
