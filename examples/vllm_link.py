@@ -39,6 +39,11 @@ DOCS = [  # paragraphs, as a retriever returns them (a few short lines are too s
     "million square kilometres, and more than a thousand rivers join it. No bridge crosses it along its main "
     "course. Ocean ships can sail up it as far as the city of Iquitos in Peru, and its waters hold thousands of "
     "kinds of fish, among them the piranha and the arapaima.\n\n",
+    "The Sahara is the largest hot desert in the world, covering most of North Africa from the Atlantic coast to the "
+    "Red Sea. Only a small part of it is sand dunes; most of it is stony plateau and gravel plain. Its few oases are "
+    "fed by springs and wells, and date palms grow around them. Temperatures can rise above fifty degrees in the day "
+    "and fall below freezing at night. Caravans of camels once carried salt and gold across it between the cities "
+    "of the north and the kingdoms south of the desert, and some of its ancient trading towns still stand.\n\n",
 ]
 MESSAGES = [
     {"role": "system", "content": "Answer from the documents."},

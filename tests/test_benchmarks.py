@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from pic.link.policies.builtin import MIN_GAIN
+
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
@@ -169,7 +171,7 @@ def test_ttft_benchmark_writes_json(tmp_path):
         assert recomputed["full"] == row["prompt_tokens"] and recomputed["naive"] == 8  # the query alone
         assert recomputed["naive"] < recomputed["mepic"] < recomputed["legolink:16"] < row["prompt_tokens"]
         assert row["full_over_link"] == {p: ttft["full"] / ttft[p] for p in ("auto", "mepic", "legolink:16", "naive")}
-        if row["prompt_tokens"] < 2.5 * (33 + 8):  # too short to win (auto's floor on the gain): Full Recompute
+        if row["prompt_tokens"] < MIN_GAIN * (33 + 8):  # too short to win (auto's floor on the gain): Full Recompute
             assert recomputed["auto"] == row["prompt_tokens"]
         else:
             assert recomputed["naive"] < recomputed["auto"] < row["prompt_tokens"]  # its most relevant chunk, whole

@@ -110,8 +110,9 @@ def test_a_preempted_request_keeps_its_order():
     big = make_engine("llama", eos_token_ids=())
     ids = small.compile(docs)
     assert big.compile(docs) == ids
-    requests = [pic.Request(ids, [5, 6, 7, i], order="relevance", relevance=[3, 1, 2], max_new_tokens=60)
-                for i in range(6)]  # fmt: skip
+    linking = "auto:0.05,min_gain=1.0"  # auto without its floor on the gain: the short prompts share chunk blocks
+    requests = [pic.Request(ids, [5, 6, 7, i], order="relevance", relevance=[3, 1, 2], max_new_tokens=60,
+                            policy=linking) for i in range(6)]  # fmt: skip
     alone = [big.generate_many([r])[0].token_ids for r in requests]
     outs = small.generate_many(requests)
     assert sum(o.stats.num_preemptions for o in outs) > 0  # the case exercises a preemption

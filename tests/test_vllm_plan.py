@@ -176,7 +176,7 @@ def test_auto_takes_whole_chunks_under_its_ceiling_and_cuts_over_it():
     assert auto.num_recomputed([300, 500]) == 400  # the last chunk, 500 of 800, cut at half the chunk tokens
     assert auto.num_recomputed([10, 12]) == 11 and auto.num_recomputed([12, 10]) == 10
     default = parse_policy("auto")  # and a prompt too short to win: a plain prefill, as pic's engine runs it
-    assert default.num_recomputed([300, 300, 300], 40) == 300 and default.num_recomputed([100, 100], 40) == 200
+    assert default.num_recomputed([300] * 4, 40) == 300 and default.num_recomputed([300] * 3, 40) == 900
 
 
 @pytest.mark.parametrize("params", [None, {}, {"do_remote_prefill": True}, "pic"])

@@ -139,7 +139,7 @@ def test_auto_recomputes_whole_chunks_most_relevant_last(llm, engine, ids):
 
 def test_the_default_on_a_prompt_too_short_to_win_is_a_plain_prefill_as_given(llm, engine, ids):
     """The default, ``auto``, on three documents of 31-39 tokens in a prompt of 132: the last one whole and the chat
-    around them would be over 40% of it, so, as pic's engine runs Full Recompute in the caller's order there, the
+    around them would be over a third of it, so, as pic's engine runs Full Recompute in the caller's order there, the
     client keeps the given order and the connector leaves every chunk token to vLLM (the prefix may still load)."""
     llm.reset_prefix_cache()
     chunks = _chunks(engine, ids)
