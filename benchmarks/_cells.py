@@ -99,5 +99,5 @@ def score_fields(score: dict) -> dict:
         "f1_diff": score.get("f1_diff_vs_full", float("nan")),
         "f1_diff_low": score.get("f1_diff_low", float("nan")),
         "f1_diff_high": score.get("f1_diff_high", float("nan")),
-        "gold_last": score.get("gold_last", float("nan")),
+        "gold_last": float("nan") if score.get("gold_last") is None else score["gold_last"],  # (JSON has no NaN)
     }

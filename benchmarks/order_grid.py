@@ -128,7 +128,7 @@ def table(found: list[dict]) -> str:
 
 # What each row of a cell that compares choices is, in words (issue 65's rows; any other row shows its spec).
 ROW_NAMES = {
-    "auto:0.05@context": "auto, min_gain=2.5 (as issue 65's cells ran: the default's floor, then)",
+    "auto:0.05@context": "auto at min_gain=2.5 (the floor these cells ran with)",
     "auto:0.05,min_gain=1.0@context": "without the floor on the gain",
     "auto:0.05@context/given": "the caller's order, its last document whole",
     "auto:0.05,max_share=1.0,min_chunks=2,min_gain=1.0@context": "the two most relevant last, both whole",
