@@ -310,10 +310,9 @@ def _grid_cell(model: str, workload: str, layout: str) -> dict:
 def chat_unfloored_qa() -> str:
     """docs/chat.md: the link ``auto`` runs without its floor on SmolLM2's short documents asked about first, against
     Full Recompute (order_grid_65/order_grid.json: the row ``auto:0.05,min_gain=1.0@context``)."""
-    cell = next(
-        c for c in results("order_grid_65/order_grid.json")["cells"]
-        if (c["model"], c["workload"], c["layout"], c["row"]) == ("smollm2", "qa", "before", "auto:0.05,min_gain=1.0@context")
-    )  # fmt: skip
+    want = ("smollm2", "qa", "before", "auto:0.05,min_gain=1.0@context")
+    cells = results("order_grid_65/order_grid.json")["cells"]
+    cell = next(c for c in cells if (c["model"], c["workload"], c["layout"], c["row"]) == want)
     return (
         f"{cell['accuracy']:.1%} of questions against Full Recompute's {cell['full']:.1%} ({cell['num_cases']} cases, "
         f"{cell['speedup']:.2f}x sooner)"
