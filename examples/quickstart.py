@@ -18,7 +18,7 @@ ids = pic.compile(docs)  # each document prefilled alone, once; ids are content 
 print("cache ids:", ", ".join(ids))  # whole ids: link() takes nothing shorter
 
 for order, query in ((ids, "One day, Tom"), (ids[::-1], "Then Lily")):
-    linked = pic.link(order, query)  # default policy auto: the most relevant document last, recomputed whole
+    linked = pic.link(order, query)  # auto: the most relevant last, recomputed whole (or Full Recompute if too short)
     print(f"\n{linked}")
     for piece in linked.stream(max_new_tokens=40):
         print(piece, end="", flush=True)

@@ -37,6 +37,9 @@ def test_quickstart_example():
     lines = _run("quickstart.py")
     # the whole ids, which link() takes (issue "what a new user tripped on", item 4: they were cut to 12)
     assert re.fullmatch(r"cache ids: [0-9a-f]{32}, [0-9a-f]{32}, [0-9a-f]{32}", lines[0]), lines[0]
-    # the default, auto: the documents by relevance, the most relevant last, recomputed whole
-    assert sum("policy='suffix:0.05,whole=True', order='relevance'" in line for line in lines) == 2
+    # the default, auto: the documents by relevance, the most relevant last, recomputed whole, or (a prompt too short
+    # to win: three one-line stories) Full Recompute in the caller's order
+    links = [line for line in lines if line.startswith("Linked(")]
+    ran = ("policy='suffix:0.05,whole=True', order='relevance'", "policy='full', order='given'")
+    assert len(links) == 2 and all(any(form in line for form in ran) for line in links), links
     assert any(line.startswith("Full Recompute") for line in lines)
