@@ -89,10 +89,11 @@ class Layout:
         query = self.query
         return self.token_ids[query.token_start : query.token_start + query.num_tokens - self.num_generated].tolist()
 
-    def recomputed_whole(self, recomputed: torch.Tensor) -> tuple[int, ...]:
-        """The prompt-order indices of the chunks ``recomputed`` (``[T]`` bool) covers whole: the documents a link read
-        fresh (``Linked.recomputed_whole`` maps them to the caller's)."""
-        return tuple(i for i, seg in enumerate(self.chunks) if seg.num_tokens and bool(recomputed[seg.tokens].all()))
+    def recomputed_whole(self, recomputed: torch.Tensor, indices: Sequence[int]) -> tuple[int, ...]:
+        """The chunks ``recomputed`` (``[T]`` bool) covers whole, the documents a link read fresh, as ``indices`` (the
+        caller's index of each chunk in prompt order: ``ChunkOrder.indices``) name them, in prompt order."""
+        chunks = zip(indices, self.chunks, strict=True)
+        return tuple(i for i, seg in chunks if seg.num_tokens and bool(recomputed[seg.tokens].all()))
 
     @property
     def end_position(self) -> int:

@@ -182,7 +182,7 @@ class Linked:
     def recomputed_whole(self) -> tuple[int, ...]:
         """The chunks recomputed whole (every token, through the last layer), as the caller's chunk indices in prompt
         order: which documents the link read fresh, e.g. ``auto``'s most relevant one (``order.indices[-1]``)."""
-        return tuple(self.order.indices[i] for i in self.layout.recomputed_whole(self.recomputed))
+        return self.layout.recomputed_whole(self.recomputed, self.order.indices)
 
     def __repr__(self) -> str:
         return (

@@ -94,7 +94,7 @@ def _recomputed_whole(layout, order, first_pass) -> tuple[int, ...]:
     """The caller's indices of the chunks a link's first pass recomputed whole (none before it ran)."""
     if layout is None or order is None or first_pass is None:
         return ()
-    return tuple(order.indices[i] for i in layout.recomputed_whole(first_pass.recomputed))
+    return layout.recomputed_whole(first_pass.recomputed, order.indices)
 
 
 def _generation(seq: Sequence) -> Generation:
