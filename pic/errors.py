@@ -96,6 +96,11 @@ class KVPoolExhaustedError(StoreFullError):
     message gives both numbers. Nothing was taken."""
 
 
+CALLER_ERRORS = (InvalidInputError, UnknownCacheIdError, PolicyError, CompileOptionsMismatchError, ContextLengthError)
+"""The errors of a caller's own input: the caller gets them and can fix them, so the engine does not log them too
+(at debug only; the server's access log has their status)."""
+
+
 def first_line(exc: BaseException) -> str:
     """The first line of an exception's message (its type's name when it has none), for wrapping a
     third-party error into a ``PicError`` without its multi-line details."""

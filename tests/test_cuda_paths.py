@@ -98,7 +98,7 @@ def test_promotion_from_page_locked_memory_survives_its_source_being_freed():
     store.add(ChunkInfo("c", chunk.token_ids, chunk.options), blocks)
     store.write_lower(store.copy_for_lower("c"))
     pool.free(blocks)
-    assert store.device.delete("c") and store.lookup("c") == ["cpu"]
+    assert store.device.delete("c") and store.lookup("c") == ("cpu",)
     source = store.load("c")
     assert isinstance(source, ChunkKV) and source.k.is_pinned() == CUDA
     busy_gpu()

@@ -47,7 +47,7 @@ def test_a_new_engine_links_what_the_last_one_compiled_and_recompiles_a_damaged_
     fresh = pic.load(store=store(tmp_path))  # never saw the documents: the files are all it has
     path = model_dir(tmp_path) / f"{ids[1]}.kv"
     path.write_bytes(path.read_bytes()[:-7])  # a torn write's leftovers
-    assert fresh.store.lookup(ids[0]) == ["disk"]
+    assert fresh.store.lookup(ids[0]) == ("disk",)
     # promoted from disk into the pool (naive: auto recomputes half of a lone chunk, sharing none of its blocks)
     assert fresh.link([ids[0]], QUERY, policy="naive").num_shared_blocks > 0
     with pytest.raises(pic.UnknownCacheIdError):
@@ -64,7 +64,7 @@ def test_a_new_engine_links_what_the_last_one_compiled_and_recompiles_a_damaged_
     deadline = time.monotonic() + 10
     while not path.exists() and time.monotonic() < deadline:  # written back by the engine's writer thread
         time.sleep(0.01)
-    assert damaged.store.lookup(ids[1]) == ["device", "disk"]
+    assert damaged.store.lookup(ids[1]) == ("device", "disk")
     damaged.close()
     restarted = pic.load(store=store(tmp_path))
     assert restarted.link(ids, QUERY).generate(max_new_tokens=10).text == text

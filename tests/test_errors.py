@@ -158,7 +158,7 @@ def test_pool_exhausted_frees_nothing_it_did_not_take():
         engine.link(ids, "One day,", policy="full")  # its own 2 chunk blocks are not available to it
     stats = engine.kv_stats()
     assert stats.num_available_blocks == 4 and stats.num_resident_chunk_blocks == 2  # evictable, still there
-    assert [engine.store.lookup(i) for i in ids] == [["device"], ["device"]]
+    assert [engine.store.lookup(i) for i in ids] == [("device",), ("device",)]
     assert torch.is_tensor(engine.link(ids, "One day,", policy="naive").logits)  # the cached chunks serve
 
 

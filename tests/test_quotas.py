@@ -404,7 +404,7 @@ def test_turns_interleave_namespaces_and_go_on_across_steps():
 def submit(engine: pic.PIC, namespace: str, query: list[int], sink: queue.SimpleQueue, **kwargs) -> int:
     """Queue a paced request (it runs only in the steps ``step`` asks for) of ``namespace``; returns its id."""
     request = pic.Request(kwargs.pop("cache_ids", []), query, **kwargs)
-    new = engine._prepare.new_request(request, sink=sink, sampling=request.sampling, paced=True)
+    new = engine._prepare.new_request(request, sink=sink, paced=True)
     access = pic.Access(own=pic.Namespace(namespace)) if namespace else OPEN
     engine._channel.send(Submit((dataclasses.replace(new, access=access),)))
     return new.request_id

@@ -62,12 +62,12 @@ def generate(engine: pic.PIC, ids: list[str], policy: str = "legolink:16", *, fr
 def test_round_trip_through_redis(redis_url):
     engine = redis_engine(redis_url)
     ids = engine.compile(list(DOCS))
-    assert all(engine.store.lookup(i) == ["device", "redis"] for i in ids)
+    assert all(engine.store.lookup(i) == ("device", "redis") for i in ids)
     local = make_engine("stories260K")
     assert local.compile(list(DOCS)) == ids  # same content, same ids
     for policy in ("full", "legolink:16", "cacheblend:0.3"):
         assert generate(engine, ids, policy, from_redis=True) == generate(local, ids, policy)
-    assert all(engine.store.lookup(i) == ["device", "redis"] for i in ids)  # promoted into the pool
+    assert all(engine.store.lookup(i) == ("device", "redis") for i in ids)  # promoted into the pool
     redis_stats = engine.store.stats()[-1]
     assert redis_stats.name == "redis" and redis_stats.num_entries == 3 and redis_stats.hits >= 9
     assert redis_stats.num_bytes == sum(local.store.get(i).num_bytes for i in ids)
@@ -99,7 +99,7 @@ def test_describe_reads_metadata_not_kv(redis_server, redis_url):
         chunk.cache_id, ("redis",), num_tokens=256, num_bytes=chunk.num_bytes, token_ids=tuple(chunk.token_ids.tolist())
     )
     assert chunk.num_bytes == 2**21 and sent < chunk.num_bytes / 200, sent  # metadata and the INFO reply only
-    assert store.lookup(chunk.cache_id) == ["redis"]  # nothing was promoted
+    assert store.lookup(chunk.cache_id) == ("redis",)  # nothing was promoted
     got, sent = bytes_sent(lambda: store.get(chunk.cache_id))
     assert torch.equal(got.k, k) and sent > chunk.num_bytes  # the counter sees a download
 
@@ -209,7 +209,7 @@ def test_hostile_entry_with_a_matching_cache_id_is_refused(redis_server, redis_u
         with pytest.raises(pic.UnknownCacheIdError, match=forged):
             engine.link([forged], QUERY)
     assert "outside the 512-token vocabulary" in caplog.text
-    assert client.keys(f"*{forged}*") == [] and engine.store.lookup(real) == ["device", "redis"]
+    assert client.keys(f"*{forged}*") == [] and engine.store.lookup(real) == ("device", "redis")
 
 
 def test_unreachable_redis_raises_naming_the_url(tmp_path, caplog):
@@ -235,7 +235,7 @@ def test_unreachable_redis_raises_naming_the_url(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="pic.store"):
         assert lenient.compile(list(DOCS)) == ids  # Redis down: logged, the chunks live in the device tier
     assert "serving from the other tiers" in caplog.text
-    assert generate(lenient, ids) == expected and lenient.store.lookup(ids[0]) == ["device"]
+    assert generate(lenient, ids) == expected and lenient.store.lookup(ids[0]) == ("device",)
 
     server.start()  # restarted, empty (no persistence)
     time.sleep(RETRY_S)  # the breaker, open since the failures above, lets the next call try Redis again
@@ -300,7 +300,7 @@ def test_a_redis_outage_leaves_monitoring_describing_and_the_device_tier_working
         assert http.delete(f"/v1/chunks/{ids[0]}").status_code == 503
     server.start()  # back (empty: no persistence)
     time.sleep(RETRY_S)  # until the breaker lets a call try Redis again
-    assert engine.store.expire(ids[0]) and engine.store.lookup(ids[0]) == []
+    assert engine.store.expire(ids[0]) and engine.store.lookup(ids[0]) == ()
     server.stop()
 
 
@@ -310,12 +310,12 @@ def test_compiling_again_restores_chunks_that_redis_lost(redis_server, redis_url
     engine = redis_engine(redis_url)
     ids = engine.compile(list(DOCS))
     redis_server.client().flushall()  # what a restart without persistence leaves
-    assert engine.store.lookup(ids[0]) == ["device"]
+    assert engine.store.lookup(ids[0]) == ("device",)
     other = redis_engine(redis_url)
     with pytest.raises(pic.UnknownCacheIdError):
         generate(other, ids)
     assert engine.compile(list(DOCS)) == ids  # nothing to prefill; the lower tier gets its copy back
-    assert all(engine.store.lookup(i) == ["device", "redis"] for i in ids)
+    assert all(engine.store.lookup(i) == ("device", "redis") for i in ids)
     local = make_engine("stories260K")
     assert generate(other, ids) == generate(local, local.compile(list(DOCS)))
 
@@ -332,10 +332,10 @@ def test_linking_a_resident_chunk_restores_what_redis_lost(tmp_path, monkeypatch
     ids = engine.compile(list(DOCS))
     expected = generate(engine, ids)  # compiled just now: nothing to check
     server.client().flushall()  # a restart without persistence
-    assert generate(engine, ids) == expected and engine.store.lookup(ids[0]) == ["device"]  # checked < 30 s ago
+    assert generate(engine, ids) == expected and engine.store.lookup(ids[0]) == ("device",)  # checked < 30 s ago
     clock[0] += 31
     assert generate(engine, ids) == expected
-    assert all(engine.store.lookup(i) == ["device", "redis"] for i in ids)  # written back by the link
+    assert all(engine.store.lookup(i) == ("device", "redis") for i in ids)  # written back by the link
     assert generate(redis_engine(url), ids) == expected  # another worker links them
 
     server.stop()
@@ -345,16 +345,16 @@ def test_linking_a_resident_chunk_restores_what_redis_lost(tmp_path, monkeypatch
     server.start()  # back, empty
     time.sleep(RETRY_S)  # (the tier's breaker, open since the failure, lets a call through again)
     clock[0] += 29  # rechecks paused for 30 s after the failure
-    assert generate(engine, ids) == expected and engine.store.lookup(ids[0]) == ["device"]
+    assert generate(engine, ids) == expected and engine.store.lookup(ids[0]) == ("device",)
     clock[0] += 2
-    assert generate(engine, ids) == expected and engine.store.lookup(ids[0]) == ["device", "redis"]
+    assert generate(engine, ids) == expected and engine.store.lookup(ids[0]) == ("device", "redis")
 
     never = redis_engine(url, shared_recheck_s=None)
     never_ids = never.compile(["A chunk linked but never checked again."])
     server.client().flushall()
     clock[0] += 3600
     generate(never, never_ids)
-    assert never.store.lookup(never_ids[0]) == ["device"]
+    assert never.store.lookup(never_ids[0]) == ("device",)
     server.stop()
 
 

@@ -523,7 +523,7 @@ def test_describing_a_redis_only_chunk_reads_its_metadata_not_its_kv(redis_serve
     [cid] = engine.compile([[(7 * i) % 500 + 3 for i in range(400)]])
     with engine.paused() as core:
         assert core.pool.drop(cid)  # evicted from the pool: only Redis holds it now
-    assert engine.store.lookup(cid) == ["redis"]
+    assert engine.store.lookup(cid) == ("redis",)
     kv_bytes = 401 * engine.spec.kv_bytes_per_token  # its BOS and 400 tokens
     redis = redis_server.client()
     with TestClient(build_app(engine, model_name="stories260K")) as http:
@@ -532,7 +532,7 @@ def test_describing_a_redis_only_chunk_reads_its_metadata_not_its_kv(redis_serve
         sent = redis.info("stats")["total_net_output_bytes"] - before
     assert body == {"id": cid, "tiers": ["redis"], "num_tokens": 401, "bytes": kv_bytes}
     assert kv_bytes > 500_000 and sent < kv_bytes / 100, sent  # the metadata and the INFO reply only
-    assert engine.store.lookup(cid) == ["redis"]  # nothing was promoted
+    assert engine.store.lookup(cid) == ("redis",)  # nothing was promoted
 
 
 def test_a_huge_prompt_is_refused_without_tokenizing_and_the_server_stays_responsive():

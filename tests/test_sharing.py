@@ -270,16 +270,16 @@ def evict_everything(engine: pic.PIC) -> None:
 def test_an_evicted_chunk_comes_back_from_the_cpu_tier():
     engine = small_engine(cpu_bytes=None)
     ids = engine.compile(list(DOCS))
-    assert [engine.store.lookup(cid) for cid in ids] == [["device", "cpu"]] * len(ids)
+    assert [engine.store.lookup(cid) for cid in ids] == [("device", "cpu")] * len(ids)
     expected = [reference(engine, ids, "mepic", link)[:2] for link in (link_first, link_second)]
     old = canonical(engine)
     evict_everything(engine)
-    assert [engine.store.lookup(cid) for cid in ids] == [["cpu"]] * len(ids)
+    assert [engine.store.lookup(cid) for cid in ids] == [("cpu",)] * len(ids)
     poison(engine, range(SMALL_POOL))  # promotion must write every slot it reads
 
     first = link_first(engine, ids, "mepic")  # promoted into fresh canonical blocks
     new = canonical(engine)
-    assert set(new) == set(ids) and [engine.store.lookup(cid) for cid in ids] == [["device", "cpu"]] * len(ids)
+    assert set(new) == set(ids) and [engine.store.lookup(cid) for cid in ids] == [("device", "cpu")] * len(ids)
     assert all(len(new[cid]) == len(old[cid]) for cid in ids)
     second = link_second(engine, ids, "mepic")  # resident now: mapped, not promoted again
     assert canonical(engine) == new
@@ -327,7 +327,7 @@ def test_a_pinned_chunk_survives_pool_pressure():
     before = engine.kv_stats()
     with pytest.raises(pic.KVPoolExhaustedError, match=f"needs {room + 1} blocks of 16 tokens but {room} of 16"):
         engine.link([], long_query(room + 1), policy="naive")
-    assert engine.kv_stats() == before and engine.store.lookup(pinned) == ["device"]
+    assert engine.kv_stats() == before and engine.store.lookup(pinned) == ("device",)
     check_engine_pool(engine, {})
 
     linked = engine.link([pinned], QUERY, policy="mepic")  # the pinned chunk still serves links
@@ -337,7 +337,7 @@ def test_a_pinned_chunk_survives_pool_pressure():
 
     engine.store.unpin(pinned)
     with engine.link([], long_query(room + 1), policy="naive"):  # now it is evicted like any other
-        assert not canonical(engine) and engine.store.lookup(pinned) == []
+        assert not canonical(engine) and engine.store.lookup(pinned) == ()
     check_engine_pool(engine, {})
 
 

@@ -492,7 +492,7 @@ class Soak:
         ids = tuple(self.rng.sample(sorted(self.redis), min(3, len(self.redis))))
         policy, query = self.rng.choice(POLICIES), self.rng.choice(QUERIES)
         live = Live(fresh.link(list(ids), list(query), policy=policy), ids, policy, query, (), self.step)
-        assert all(fresh.store.lookup(cid) == ["device", "redis"] for cid in ids)
+        assert all(fresh.store.lookup(cid) == ("device", "redis") for cid in ids)
         check_engine_pool(fresh, dict(collections.Counter(live.linked.block_ids)))
         out = live.linked.generate(MAX_NEW)
         assert out.token_ids == self.reference(live)[1]

@@ -47,7 +47,7 @@ def reference_logits(ids_docs: list[list[int]], policy: str = "naive") -> torch.
 def test_pool_evicts_least_recently_used_chunks_whole_and_the_cpu_tier_keeps_them():
     engine = engine_with(pool_blocks=6, cpu_chunks=None)
     ids = compile_each(engine, docs(0, 5))
-    assert where(engine, ids) == [["cpu"], ["cpu"], ["device", "cpu"], ["device", "cpu"], ["device", "cpu"]]
+    assert where(engine, ids) == [("cpu",), ("cpu",), ("device", "cpu"), ("device", "cpu"), ("device", "cpu")]
     device = stats(engine)["device"]
     with engine.paused() as core:
         block_bytes = core.cache.bytes_per_block
@@ -60,8 +60,8 @@ def test_pool_evicts_least_recently_used_chunks_whole_and_the_cpu_tier_keeps_the
     # ids[0] comes up from the CPU tier into fresh blocks: the two least recently used chunks make room
     with engine.link(ids[:1], QUERY, policy="naive") as linked:
         assert torch.equal(linked.logits, reference_logits(docs(0, 1)))
-        assert where(engine, ids[:1]) == [["device", "cpu"]]
-        assert where(engine, ids[2:4]) == [["cpu"], ["cpu"]] and engine.store.lookup(ids[4]) == ["device", "cpu"]
+        assert where(engine, ids[:1]) == [("device", "cpu")]
+        assert where(engine, ids[2:4]) == [("cpu",), ("cpu",)] and engine.store.lookup(ids[4]) == ("device", "cpu")
         assert engine.kv_stats().num_used_blocks == BLOCKS_PER_CHUNK + 1  # the chunk (shared) and the query block
     after = stats(engine)
     assert (after["device"].hits, after["device"].misses, after["cpu"].hits) == (0, 1, 1)
@@ -69,7 +69,7 @@ def test_pool_evicts_least_recently_used_chunks_whole_and_the_cpu_tier_keeps_the
 
     engine.link(ids[4:], QUERY).release()  # a link makes ids[4] the most recently used; ids[0] is now the oldest
     new = compile_each(engine, docs(5, 2))  # the first takes the 2 plain free blocks, the second evicts ids[0]
-    assert where(engine, [ids[0], ids[4], *new]) == [["cpu"], *[["device", "cpu"]] * 3]
+    assert where(engine, [ids[0], ids[4], *new]) == [("cpu",), *[("device", "cpu")] * 3]
 
 
 def test_a_chunk_in_use_is_never_evicted():
@@ -80,7 +80,7 @@ def test_a_chunk_in_use_is_never_evicted():
             engine.compile(docs(2, 2))  # would need ids[0]'s blocks
         before = engine.kv_stats()
         (third,) = engine.compile(docs(2, 1))  # fits by evicting ids[1], not ids[0]
-        assert where(engine, [ids[0], ids[1], third]) == [["device"], [], ["device"]]
+        assert where(engine, [ids[0], ids[1], third]) == [("device",), (), ("device",)]
         assert engine.kv_stats().num_evicted_chunks == before.num_evicted_chunks + 1
 
 
@@ -89,8 +89,8 @@ def test_pinned_chunks_are_never_evicted():
     (pinned,) = engine.compile(docs(0, 1))
     engine.store.pin(pinned)
     others = compile_each(engine, docs(1, 4))
-    assert engine.store.lookup(pinned) == ["device", "cpu"]
-    assert where(engine, others) == [[], [], ["device", "cpu"], ["device", "cpu"]]
+    assert engine.store.lookup(pinned) == ("device", "cpu")
+    assert where(engine, others) == [(), (), ("device", "cpu"), ("device", "cpu")]
     assert engine.kv_stats().num_used_blocks == BLOCKS_PER_CHUNK  # pinned blocks are not free
 
     (second,) = engine.compile(docs(5, 1))
@@ -100,22 +100,22 @@ def test_pinned_chunks_are_never_evicted():
         engine.compile(docs(6, 1))
     with pytest.raises(pic.KVPoolExhaustedError):
         engine.link([pinned], QUERY)  # even its query block has no room
-    assert engine.store.lookup(pinned) == ["device", "cpu"] and engine.kv_stats().num_used_blocks == 6
+    assert engine.store.lookup(pinned) == ("device", "cpu") and engine.kv_stats().num_used_blocks == 6
 
     for cid in (pinned, second, others[-1]):
         engine.store.unpin(cid)
     compile_each(engine, docs(7, 3))
-    assert engine.store.lookup(pinned) == []  # evicted from the pool and the CPU tier once unpinned
+    assert engine.store.lookup(pinned) == ()  # evicted from the pool and the CPU tier once unpinned
 
 
 def test_pin_survives_promotion():
     engine = engine_with(pool_blocks=4, cpu_chunks=None)
     ids = compile_each(engine, docs(0, 3))
-    assert where(engine, ids) == [["cpu"], ["device", "cpu"], ["device", "cpu"]]
+    assert where(engine, ids) == [("cpu",), ("device", "cpu"), ("device", "cpu")]
     engine.store.pin(ids[0])  # only in the CPU tier now
     engine.link(ids[:1], QUERY, policy="naive").release()  # promoted into the pool, pinned there too
     compile_each(engine, docs(3, 2))
-    assert engine.store.lookup(ids[0]) == ["device", "cpu"]
+    assert engine.store.lookup(ids[0]) == ("device", "cpu")
 
 
 def test_expire_removes_everywhere_but_live_requests_keep_their_blocks():
@@ -124,7 +124,7 @@ def test_expire_removes_everywhere_but_live_requests_keep_their_blocks():
     engine.store.pin(ids[0])
     linked = engine.link(ids, QUERY, policy="mepic")
     assert engine.store.expire(ids[0]) is True
-    assert engine.store.lookup(ids[0]) == [] and engine.store.expire(ids[0]) is False
+    assert engine.store.lookup(ids[0]) == () and engine.store.expire(ids[0]) is False
     assert engine.store.ids() == sorted(ids[1:])
     with pytest.raises(pic.UnknownCacheIdError):
         engine.link(ids, QUERY)
@@ -139,7 +139,7 @@ def test_expire_removes_everywhere_but_live_requests_keep_their_blocks():
 def test_chunk_that_fits_nowhere():
     engine = engine_with(pool_blocks=1)
     with pytest.raises(
-        pic.StoreFullError, match="the 1 new chunks of this compile call needs 2 blocks .* the pool has 1 in all"
+        pic.StoreFullError, match=r"this compile call \(1 new chunk\) needs 2 blocks .* the pool has 1 in all"
     ):
         engine.compile(docs(0, 1))
     assert engine.store.ids() == []
@@ -150,12 +150,12 @@ def test_compile_keeps_every_id_it_returns():
     work, and the chunks of earlier calls are evicted (least recently used first) to make room."""
     engine = engine_with(pool_blocks=7)
     old = compile_each(engine, docs(0, 2))
-    with pytest.raises(pic.KVPoolExhaustedError, match="the 4 new chunks of this compile call needs 8 blocks"):
+    with pytest.raises(pic.KVPoolExhaustedError, match=r"this compile call \(4 new chunks\) needs 8 blocks"):
         engine.compile(docs(2, 4))
     assert engine.store.ids() == sorted(old)  # nothing compiled, nothing evicted
     ids = engine.compile(docs(0, 1) + docs(2, 2))  # one cached, two new: 3 chunks fit
     assert all(engine.store.contains(i) for i in ids) and not engine.store.contains(old[1])
-    with pytest.raises(pic.KVPoolExhaustedError, match="the 2 new chunks"):  # 3 held by this call + 2 new > 7 blocks
+    with pytest.raises(pic.KVPoolExhaustedError, match=r"this compile call \(2 new chunks\)"):  # 3 held by this call + 2 new > 7 blocks
         engine.compile(docs(0, 1) + docs(2, 2) + docs(4, 2))
     assert engine.link(ids, QUERY, policy="naive").generate(max_new_tokens=2).token_ids
 
@@ -164,7 +164,7 @@ def test_compile_with_a_lower_tier_that_holds_everything():
     """The pool only needs room for one chunk at a time when the CPU tier takes them all."""
     engine = engine_with(pool_blocks=3, cpu_chunks=None)
     ids = engine.compile(docs(0, 4))
-    assert where(engine, ids) == [["cpu"], ["cpu"], ["cpu"], ["device", "cpu"]]
+    assert where(engine, ids) == [("cpu",), ("cpu",), ("cpu",), ("device", "cpu")]
     logits = engine.link(ids[:1], QUERY, policy="naive").logits
     assert torch.equal(logits, reference_logits(docs(0, 1)))
 
@@ -232,8 +232,8 @@ def test_compiling_resident_chunks_again_copies_none_out_of_the_pool_when_every_
     assert sorted(copies) == sorted(ids)  # written through once each
     copies.clear()
     assert engine.compile(docs(0, 3)) == ids and copies == []
-    assert engine.store.lookup(ids[0]) == ["device", "cpu"]
+    assert engine.store.lookup(ids[0]) == ("device", "cpu")
     with engine.paused() as core:
         assert core.store.lower[0].delete(ids[0])  # the CPU tier loses one
     assert engine.compile(docs(0, 3)) == ids and copies == [ids[0]]
-    assert engine.store.lookup(ids[0]) == ["device", "cpu"]
+    assert engine.store.lookup(ids[0]) == ("device", "cpu")

@@ -80,7 +80,7 @@ def test_miss_mode_pays_one_timeout_for_a_stalled_redis_says_so_and_writes_the_c
     num_tried = breaker.num_allowed - allowed
     assert breaker.num_opened == 1 and num_tried <= 3 and breaker.num_refused >= 20, (num_tried, breaker.num_refused)
     paused_redis.resume()
-    wait_until(lambda: all(engine.store.lookup(cid) == ["device", "redis"] for cid in report.ids), "the retried writes")
+    wait_until(lambda: all(engine.store.lookup(cid) == ("device", "redis") for cid in report.ids), "the retried writes")
     with engine.paused() as core:
         assert not breaker.is_open and len(core.store.backlog) == 0
     engine.close()
@@ -111,10 +111,10 @@ def test_a_delete_that_cannot_reach_redis_is_an_error_not_a_deleted_answer(pause
     paused_redis.pause()
     with pytest.raises(pic.StoreUnavailableError, match="could not be deleted from the redis tier"):
         engine.store.expire(cid)
-    assert engine.store.lookup(cid) == ["device"]  # (Redis: refused by its open breaker, as a miss)
+    assert engine.store.lookup(cid) == ("device",)  # (Redis: refused by its open breaker, as a miss)
     paused_redis.resume()
     time.sleep(0.2)  # the breaker's retry_s
-    assert engine.store.expire(cid) and engine.store.lookup(cid) == []
+    assert engine.store.expire(cid) and engine.store.lookup(cid) == ()
     engine.close()
 
 
@@ -128,7 +128,7 @@ def test_the_start_up_check_writes_nothing_into_the_users_tiers(tmp_path, redis_
     assert pic.check(engine).passed  # linked again: a recheck (every link here) would write them to Redis
     assert list(tmp_path.rglob("*.kv")) == [] and redis_tier(engine).ids() == []
     (cid,) = engine.compile([CHECK_DOCS[0]])  # a user's compile of the same text writes it through
-    assert engine.store.lookup(cid) == ["device", "disk", "redis"]
+    assert engine.store.lookup(cid) == ("device", "disk", "redis")
     engine.close()
 
 
@@ -149,10 +149,10 @@ def test_a_full_disk_in_miss_mode_acknowledges_only_what_it_took_and_takes_the_r
     report = engine.compile_report(NEW)
     assert report.tiers == [("device",)] * len(NEW)
     filler.unlink()
-    wait_until(lambda: all(engine.store.lookup(cid) == ["device", "disk"] for cid in report.ids), "the retried writes")
+    wait_until(lambda: all(engine.store.lookup(cid) == ("device", "disk") for cid in report.ids), "the retried writes")
     engine.close()
     restarted = engine_over(store)
-    assert [restarted.store.lookup(cid) for cid in report.ids] == [["disk"]] * len(NEW)
+    assert [restarted.store.lookup(cid) for cid in report.ids] == [("disk",)] * len(NEW)
     assert restarted.link(report.ids, "Pip").generate(max_new_tokens=4).stats.num_generated_tokens == 4
     restarted.close()
 
@@ -171,7 +171,7 @@ def test_a_full_disk_in_raise_mode_fails_the_compile_naming_the_path_and_starts_
     engine.close()
     restarted = engine_over(store)  # on the full disk: its start cannot write the usage record
     assert disk_writable(restarted) is False
-    assert [restarted.store.lookup(cid) for cid in kept] == [["disk"]] * 2
+    assert [restarted.store.lookup(cid) for cid in kept] == [("disk",)] * 2
     filler.unlink()
     time.sleep(0.2)  # the write breaker's retry_s (it opened at the start)
     assert restarted.compile_report(NEW[2:4]).tiers == [("device", "disk")] * 2

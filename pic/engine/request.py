@@ -120,15 +120,18 @@ class Preparer:
         return options
 
     def new_request(
-        self, request: Request, *, sink: OutputSink, sampling: SamplingParams | None, paced: bool = False
+        self, request: Request, *, sink: OutputSink, link_only: bool = False, paced: bool = False
     ) -> NewRequest:
         """``request`` as the core runs it, its outputs going to ``sink``: tokenized, the BOS (when the engine writes
         one) first, on the prefix, or on the query when there is neither a prefix nor a chunk (a chunk brings its own).
+        ``link_only``: its sampling options are not used (``Linked.generate`` takes its own).
 
         Raises:
             InvalidInputError: a bad token id or text, a query of no tokens, a namespace name used with another salt.
             PolicyError: as ``compile_options``.
         """
+        if not isinstance(request, Request):  # (every way in comes here: ``submit``, ``add_request``, ``_submit``)
+            raise InvalidInputError(f"request is {request!r:.80}; expected a pic.Request")
         self.names.check(request.access)
         query_ids, prefix_ids = self.encode(request.query, "query"), self.encode(request.prefix, "prefix")
         if not query_ids:  # text that tokenizes to nothing (``Request`` refused the empty query itself)
@@ -139,8 +142,8 @@ class Preparer:
         return NewRequest(
             request_id=next(self._ids), cache_ids=list(request.cache_ids), prefix_ids=prefix_ids, query_ids=query_ids,
             policy=policy, order=request.order, relevance=request.relevance,
-            compile_options=self.compile_options(policy), sampling=sampling, sink=sink, paced=paced,
-            access=request.access,
+            compile_options=self.compile_options(policy), sampling=None if link_only else request.sampling,
+            sink=sink, paced=paced, access=request.access,
         )  # fmt: skip
 
 

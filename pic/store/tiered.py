@@ -271,9 +271,9 @@ class TieredStore:
     def contains(self, cache_id: str) -> bool:
         return any(tier.contains(cache_id) for tier in self.tiers)
 
-    def lookup(self, cache_id: str) -> list[str]:
-        """Names of the tiers that hold ``cache_id``, fastest first."""
-        return [tier.name for tier in self.tiers if tier.contains(cache_id)]
+    def lookup(self, cache_id: str) -> tuple[str, ...]:
+        """Names of the tiers that hold ``cache_id``, fastest first (as ``CompileReport.tiers`` holds them)."""
+        return tuple(tier.name for tier in self.tiers if tier.contains(cache_id))
 
     def pin(self, cache_id: str) -> None:
         """Never evict ``cache_id`` from the tiers that evict (the pool, the CPU tier), also once promoted

@@ -200,12 +200,10 @@ class PIC(CompileMethods, ChatMethods, RunMethods):
         if not isinstance(requests, Sequence):
             raise InvalidInputError(f"requests is {requests!r:.80}; expected a list of pic.Request")
         bad = next((i for i, r in enumerate(requests) if not isinstance(r, Request)), None)
-        if bad is not None:
+        if bad is not None:  # (named by index, before any is prepared; ``Preparer.new_request`` checks one alone)
             raise InvalidInputError(f"requests[{bad}] is {requests[bad]!r:.80}; expected a pic.Request")
         news = [
-            self._prepare.new_request(
-                r, sink=RequestStream(self._channel.alive, last_only=True), sampling=None if link_only else r.sampling
-            )
+            self._prepare.new_request(r, sink=RequestStream(self._channel.alive, last_only=True), link_only=link_only)
             for r in requests
         ]
         self._channel.send(Submit(tuple(news)))

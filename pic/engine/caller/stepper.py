@@ -37,9 +37,9 @@ class Stepper:
         """Queue a request; returns its id. Its outputs come from ``step``.
 
         Raises:
-            InvalidInputError: an empty query, a bad token id.
+            InvalidInputError: not a ``pic.Request`` (a text, say), an empty query, a bad token id.
         """
-        new = self._prepare.new_request(request, sink=self._outputs, sampling=request.sampling, paced=True)
+        new = self._prepare.new_request(request, sink=self._outputs, paced=True)
         self._open.add(new.request_id)
         self._channel.send(Submit((new,)))
         return new.request_id
@@ -121,9 +121,9 @@ class RunMethods:
         for an event loop); returns its id.
 
         Raises:
-            InvalidInputError: an empty query, a bad token id.
+            InvalidInputError: not a ``pic.Request`` (a text, say), an empty query, a bad token id.
         """
-        new = self._prepare.new_request(request, sink=sink, sampling=request.sampling)
+        new = self._prepare.new_request(request, sink=sink)
         self._channel.send(Submit((new,)))
         return new.request_id
 

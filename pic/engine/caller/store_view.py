@@ -87,8 +87,8 @@ class StoreView:
         """Raises: InvalidInputError: a bad namespace, or a name used in this engine with another salt."""
         return self._names.check(access_of(namespace))
 
-    def lookup(self, cache_id: str) -> list[str]:
-        """Names of the tiers that hold ``cache_id``, fastest first."""
+    def lookup(self, cache_id: str) -> tuple[str, ...]:
+        """Names of the tiers that hold ``cache_id``, fastest first (as ``CompileReport.tiers`` holds them)."""
         return self._store.lookup(self._id(cache_id))
 
     def describe(self, cache_id: str, *, namespace: str | Namespace | Access | None = None) -> ChunkDescription:

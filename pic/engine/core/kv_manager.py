@@ -178,7 +178,8 @@ class KVManager:
         owner = job.options.namespace
         hold_all = not self.store.lower_can_fit(num_bytes, keep=list(job.tokens), namespace=owner)  # (the only copy)
         num_needed = (sum(c for c, _ in sizes) if hold_all else max(c for c, _ in sizes)) + max(n for _, n in sizes)
-        self.pool.check_available(num_needed, what=f"the {len(new)} new chunks of this compile call", owner=owner)
+        chunks = f"{len(new)} new chunk" + ("" if len(new) == 1 else "s")
+        self.pool.check_available(num_needed, what=f"this compile call ({chunks})", owner=owner)
 
     def start(self, prefill: ChunkPrefill) -> None:
         """Take a chunk prefill's blocks (``KVPoolExhaustedError``: the pool cannot hold them; nothing is taken)."""

@@ -27,7 +27,7 @@ from pic.engine.core.kv_manager import KVManager
 from pic.engine.core.sequence import Queues, Sequence, Status, Transition
 from pic.engine.generation import FinishReason
 from pic.engine.request import RequestOutput
-from pic.errors import PicError, SequenceStateError
+from pic.errors import CALLER_ERRORS, PicError, SequenceStateError
 from pic.link.linker import Linker
 
 log = logging.getLogger("pic")
@@ -214,7 +214,9 @@ class Scheduler:
         queue and blocks together. A sequence that ended already is left."""
         if seq.is_finished:
             return
-        if not quiet:  # (a bug, or a policy's own error: with its traceback)
+        if isinstance(error, CALLER_ERRORS):  # (the caller's to handle: printing it too is noise)
+            log.debug("pic: request %d failed: %s", seq.request_id, error)
+        elif not quiet:  # (a bug, or a policy's own error: with its traceback)
             trace = None if isinstance(error, PicError) else error
             log.error("pic: request %d failed: %s", seq.request_id, error, exc_info=trace)
         self.finish(seq, error)
