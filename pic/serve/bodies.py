@@ -19,6 +19,8 @@ from typing import Any
 from fastapi import Request, Response
 from fastapi.routing import APIRoute
 
+from pic.errors import InvalidInputError
+
 OFF_LOOP_BYTES = 64 << 10
 """Bodies longer than this are parsed on a thread (a 64 KiB body parses in well under a millisecond)."""
 
@@ -42,8 +44,24 @@ class OffLoopRequest(Request):
 
 
 def parse(body: bytes) -> Any:
-    """A request body's JSON (``json.loads``, as FastAPI parses it)."""
-    return json.loads(body)
+    """A request body's JSON (``json.loads``, as FastAPI parses it).
+
+    Raises:
+        InvalidInputError: the body's bytes are not text in the encoding ``json.loads`` found (UTF-8, unless the
+            body starts with another's mark), naming where they stop being it (FastAPI answers any other error of a
+            parse with a 400 "There was an error parsing the body", raised from this one: ``handlers`` says this).
+    """
+    try:
+        return json.loads(body)
+    except UnicodeDecodeError as exc:
+        raise InvalidInputError(_not_text(exc)) from None
+
+
+def _not_text(exc: UnicodeDecodeError) -> str:
+    """``the request body is not valid UTF-8 at byte 17 (0xff)``."""
+    encoding = exc.encoding.upper().replace("_", "-")
+    byte = exc.object[exc.start]
+    return f"the request body is not valid {encoding} at byte {exc.start} (0x{byte:02x}): send JSON as UTF-8 text"
 
 
 class OffLoopRoute(APIRoute):

@@ -1,9 +1,10 @@
 """The app's exception handlers: every error the app answers is OpenAI's error body.
 
 A validation error is a 422 naming each bad field by its path (``pic.documents[0]``) and its value (cut short),
-or a 400 for malformed JSON (where the parser stopped: line, column, character), a body that is not a JSON object
-(naming the content-type it came with, when that was not read as JSON), an unknown field or an unsupported
-parameter; Starlette's own errors (an unknown route, a wrong method:
+or a 400 for malformed JSON (where the parser stopped: line, column, character), a body that is not UTF-8 (at which
+byte), a body that is not a JSON object (naming the content-type it came with, when that was not read as JSON), an
+unknown field, an unsupported parameter or a message's content part of another type than text (naming its type and
+path: ``messages[1].content[0]``); Starlette's own errors (an unknown route, a wrong method:
 405 with its ``Allow`` header) and an unexpected exception (a 500) keep their status in the same shape, so a
 client parses one error format whatever went wrong.
 """
@@ -23,7 +24,7 @@ from starlette.routing import BaseRoute, Match
 
 from pic.errors import PicError
 from pic.serve.http import error_response, exception_error, pic_error_response, read_as_json, sent_content_type
-from pic.serve.schemas import ChunksBody, PicOptions
+from pic.serve.schemas import UNSUPPORTED_PART, ChunksBody, PicOptions
 
 # Pydantic error types that are a 400 (the request is wrong as a whole), not a 422 (a value is).
 _BAD_REQUEST = ("unknown_parameter", "unsupported_parameter")
@@ -45,7 +46,10 @@ def _server_error(_request: Request, exc: Exception) -> JSONResponse:
 
 
 def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    """Starlette's own errors (an unknown route, a wrong method) in OpenAI's error shape."""
+    """Starlette's own errors (an unknown route, a wrong method) in OpenAI's error shape; FastAPI's 400 for a
+    body whose parse failed by a ``PicError`` of ours (``bodies.parse``: not UTF-8) answers that error's words."""
+    if isinstance(exc.__cause__, PicError):
+        return pic_error_response(exc.__cause__)
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
     message = f"{exc.detail}: {_request.method} {_request.url.path}"
     if exc.status_code == 404:
@@ -88,6 +92,10 @@ def _validation_error(_request: Request, exc: RequestValidationError) -> JSONRes
     refused = [e for e in errors if e.get("type") in _BAD_REQUEST]
     if refused:
         return error_response(400, refused[0]["msg"], param=refused[0].get("ctx", {}).get("param"))
+    part = next((e for e in errors if e.get("type") == UNSUPPORTED_PART), None)
+    if part is not None:  # an image (or other) part in a message: the request asks for what this server lacks
+        where = f"{field_path(part['loc'])}[{part['ctx']['index']}]"
+        return error_response(400, f"{where} {part['msg']}", param=where)
     malformed = next((e for e in errors if e.get("type") == "json_invalid"), None)
     if malformed is not None:
         return error_response(400, _malformed(malformed, exc.body))

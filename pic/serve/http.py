@@ -225,7 +225,11 @@ class Guard:
         return None
 
     def _too_large(self, num_bytes: int) -> str:
-        return f"request body of {num_bytes} bytes is over the limit of {self.max_body_bytes} bytes"
+        """The 413's words: the limit and the flag that sets it (an operator raises it; a client sends less)."""
+        return (
+            f"request body of {num_bytes} bytes is over the limit of {self.max_body_bytes} bytes that pic serve's "
+            "--max-body-bytes sets: send a smaller body, or start the server with a larger one"
+        )
 
     def _stalled(self, num_bytes: int) -> str:
         return f"the request body stalled: nothing more came for {self.body_timeout_s:g} s after {num_bytes} bytes"

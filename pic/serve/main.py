@@ -20,6 +20,7 @@ from pic.cli_args import (
     share,
 )
 from pic.serve.hosts import allowed_host
+from pic.serve.model_flags import CHECK_NEW_TOKENS, check_model_flags
 from pic.serve.secret_flags import STORE_KEY_ENV, add_secret_flags, resolve_secrets
 
 
@@ -130,9 +131,10 @@ def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         given, needed = ("--disk-path", "--disk-bytes") if args.disk_bytes is None else ("--disk-bytes", "--disk-path")
         parser.error(f"{given} needs {needed}: the disk tier's folder and its size (--disk-path DIR --disk-bytes 200G)")
     try:
-        engine_config(args), store_config(args)
+        config, _store = engine_config(args), store_config(args)
     except InvalidInputError as exc:
         parser.error(str(exc))
+    check_model_flags(parser, args, block_size=config.block_size)  # what the load and the start-up check need
 
 
 def run(args: argparse.Namespace) -> int:
@@ -185,7 +187,6 @@ def _checked_app(args: argparse.Namespace, config, store):
     """The app over the model ``args`` name (with ``config`` and ``store``), once it passes ``pic check``;
     ``None`` (said on stderr) when it fails it and ``--skip-check`` is not given."""
     import pic
-    from pic.check import check
     from pic.serve.app import build_app
 
     model = args.model or pic.EMBEDDED_MODEL
@@ -193,7 +194,7 @@ def _checked_app(args: argparse.Namespace, config, store):
     if args.chat_template is not None:
         _use_chat_template(engine, args.chat_template)
     name = str(args.model) if args.model else engine.model_name
-    result = check(engine)  # pic must reproduce the model's own outputs before it serves them
+    result = _check(engine, args)  # pic must reproduce the model's own outputs before it serves them
     print(result.message, flush=True)
     if not result.passed and not args.skip_check:
         print("pic: error: refusing to serve a model that fails the check (--skip-check overrides)", file=sys.stderr)
@@ -202,6 +203,22 @@ def _checked_app(args: argparse.Namespace, config, store):
         engine, model_name=name, api_key=args.api_key, tenants=args.tenant_set, max_body_bytes=args.max_body_bytes,
         body_timeout_s=args.body_timeout, allowed_hosts=allowed_hosts(args.host, args.port, args.allowed_host),
     )  # fmt: skip
+
+
+def _check(engine, args: argparse.Namespace):
+    """``pic check`` of ``engine`` (``CHECK_NEW_TOKENS`` tokens, as ``check_pool_tokens`` counts them); a pool too
+    small for it (``check_flags`` refuses a ``--kv-pool-tokens`` under what any model needs; a tokenizer that splits
+    the check's ASCII text finer than bytes would need more) is said naming the flag, not ``PICConfig``'s field."""
+    from pic.check import check
+    from pic.errors import KVPoolExhaustedError
+
+    try:
+        return check(engine, num_new_tokens=CHECK_NEW_TOKENS)
+    except KVPoolExhaustedError as exc:
+        pool = "the default KV pool" if args.kv_pool_tokens is None else f"--kv-pool-tokens {args.kv_pool_tokens}"
+        raise KVPoolExhaustedError(
+            f"{pool}: the start-up check does not fit ({exc}); pass a larger --kv-pool-tokens"
+        ) from None
 
 
 def allowed_hosts(host: str, port: int, names: list[str]):

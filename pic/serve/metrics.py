@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+from starlette.routing import BaseRoute, Match
 
 from pic.kv import KVStats
 from pic.store.tier import TierStats
@@ -174,5 +175,16 @@ class RequestCounter:
         try:
             await self.app(scope, receive, watch)
         finally:
-            route = scope.get("route")
-            self.metrics.request(getattr(route, "path", "unmatched"), status)
+            self.metrics.request(route_label(scope), status)
+
+
+def route_label(scope: dict) -> str:
+    """The route template a request was answered by (``/v1/chunks/{cache_id}``), ``"unmatched"`` when none: the
+    route routing recorded, else the app's route that matches the request (FastAPI records only its API routes,
+    not the plain routes of ``/openapi.json``, ``/docs`` and ``/redoc``, which then counted as unmatched)."""
+    route = scope.get("route")
+    if route is None and "app" in scope:
+        routes = getattr(getattr(scope["app"], "router", None), "routes", ())
+        matches = [(r.matches(scope)[0], r) for r in routes if isinstance(r, BaseRoute)]
+        route = next((r for match in (Match.FULL, Match.PARTIAL) for m, r in matches if m is match), None)
+    return getattr(route, "path", "unmatched")

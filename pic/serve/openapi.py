@@ -17,8 +17,8 @@ from pydantic import BaseModel
 from pic.serve.shapes import ErrorBody
 
 _WHY: dict[int, str] = {
-    400: "malformed JSON; an unknown field or an unsupported OpenAI parameter; a bad policy; a prompt over the "
-    "context; text that is not valid Unicode",
+    400: "malformed JSON, or a body that is not UTF-8; an unknown field or an unsupported OpenAI parameter; a chat "
+    "message's content part other than text; a bad policy; a prompt over the context; text that is not valid Unicode",
     401: "a missing or wrong API key (a server started with an API key or --tenants)",
     403: "a server without an API key: a Host naming none of its addresses, or another site's Origin",
     404: "an unknown cache id, or a model this server does not serve",

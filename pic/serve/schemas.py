@@ -150,9 +150,65 @@ class ChunksBody(_Body):
         return value
 
 
+# A text content part, as OpenAI's clients send a message's content (``[{"type": "text", "text": "hi"}]``).
+_TEXT_PART = {
+    "type": "object",
+    "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+    "required": ["type", "text"],
+}
+# The text of a message sent as parts: its text parts joined by a newline, as vLLM joins them
+# (``vllm/entrypoints/chat_utils.py``: ``"\n".join(texts)``), so a chat gets the same prompt from both servers.
+PART_SEPARATOR = "\n"
+
+
 class ChatMessage(_Body):
+    """A chat message of any role; ``content`` a string or a list of text parts (``message_text``)."""
+
     role: str
-    content: str
+    content: str = Field(json_schema_extra=lambda schema: _content_schema(schema))
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_of_parts(cls, value: Any) -> Any:
+        return message_text(value)
+
+
+def message_text(content: Any) -> Any:
+    """The text of a message's ``content``: a list of text parts joined by ``PART_SEPARATOR``; anything else as it
+    is (a string, or a value the string field then refuses by its path).
+
+    Raises:
+        PydanticCustomError: a part of another type (``image_url``, ``input_audio`` ...: a 400 naming it, this server
+            reads text only), or a part that is not a text part's object (a 422 naming the part).
+    """
+    if not isinstance(content, list):
+        return content
+    texts = []
+    for index, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if isinstance(kind, str) and kind != "text":
+            message = (
+                f"is a content part of type {kind!r:.80}: this server reads text parts only "
+                '({"type": "text", "text": "..."}); leave the other parts out, or send them to a server for that input'
+            )
+            raise PydanticCustomError(UNSUPPORTED_PART, "{message}", {"message": message, "index": index})
+        if kind is None or not isinstance(part.get("text"), str):
+            raise PydanticCustomError(
+                "content_part", "content part {index} is not a text part: {example}",
+                {"index": index, "example": '{"type": "text", "text": "..."}'},
+            )  # fmt: skip
+        texts.append(part["text"])
+    return PART_SEPARATOR.join(texts)
+
+
+# The pydantic error type of a content part of a type other than text (a 400: ``handlers``).
+UNSUPPORTED_PART = "unsupported_content_part"
+
+
+def _content_schema(schema: dict) -> None:
+    """``content``: a string, or a list of text parts (what ``ChatMessage`` reads)."""
+    schema.pop("type", None)
+    schema["anyOf"] = [{"type": "string"}, {"type": "array", "items": _TEXT_PART}]
 
 
 class ChatBody(Sampling):
