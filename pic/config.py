@@ -174,9 +174,9 @@ class PICConfig(_Frozen):
             then recompute passes and chunk-prefill pieces (a compile's chunks run in pieces of what is left,
             so running streams wait at most a step's worth), and so does a static policy's recompute pass; one
             that cannot be split (a dynamic policy's, a probe) runs in a step with no other prefill work.
-            ``None``: 8192 on CUDA, 256 on the CPU, where a step's time grows with its tokens (on the
-            embedded model a 200-document compile then keeps 16 streams' p99 gap within 2x of their gap
-            alone: docs/engine.md). ``PIC.config`` holds the resolved value.
+            ``None``: 8192 on CUDA, 256 on the CPU, where a step's time grows with its tokens (what a budget does
+            to streams' gaps during a compile: docs/engine.md#scheduling-compiles-and-store-io). ``PIC.config``
+            holds the resolved value.
         prefill_order: ``"interactive"`` (the default): each step's budget goes to the recompute passes of links
             and generations first, and compile prefills take what they leave, so a request that arrives during
             a bulk compile waits a step, not the compile (docs/engine.md). ``"arrival"``: first come first
@@ -195,7 +195,7 @@ class PICConfig(_Frozen):
         cuda_graphs: replay the forwards of few rows (decode steps, a link's query pass: 64 rows at most) from CUDA
             graphs captured per bucket of rows and slots (``pic.model.graphs``). ``None`` (the default): on for a CUDA
             model on the Triton backend, off elsewhere; ``True``: on, and an error where they cannot run; ``False``:
-            off. On an H200 they made a naive 16K link 1.4x and decode at batch 16 2.5x faster (docs/gpu.md).
+            off. What they gained on an H200: docs/gpu.md#the-third-run-an-nvidia-h200-2026-11-28.
         quotas: namespace name -> its ``Quota`` (``pic.namespaces``; a namespace without one has none): shares of
             the KV pool and the CPU tier its chunks keep, and the requests it runs at once. Waiting requests of
             different namespaces are admitted in turn (round robin), so one namespace's many requests cannot hold
@@ -260,7 +260,8 @@ class StoreConfig(_Frozen):
 
     Attributes:
         cpu_bytes: capacity of the CPU tier (page-locked when CUDA is available, so copies to the
-            GPU are asynchronous); ``0`` (default): no CPU tier; ``None``: unbounded.
+            GPU are asynchronous); ``0`` (default): no CPU tier; ``None``: unbounded. More than the physical
+            memory of the machine that loads the engine is refused there (``InvalidInputError``).
         disk_path: a directory on a local disk where compiled chunks are kept as files (under a folder per
             model), so they survive a restart and are shared by the processes of one machine that name the
             same directory; ``None`` (default): no disk tier. Set ``disk_bytes`` with it.
@@ -279,8 +280,8 @@ class StoreConfig(_Frozen):
         on_redis_error: ``"raise"``: an unreachable Redis is a ``StoreUnavailableError`` naming the
             URL; ``"miss"``: it is logged and the chunk is looked for in the upper tiers only.
         part_bytes: the KV payload is stored in parts of at most this many bytes (Redis refuses
-            values over 512 MiB; redis-py reads 8 MiB values several times faster per byte than
-            values of hundreds of MiB, see ``benchmarks/store.py``).
+            values over 512 MiB; redis-py reads 8 MiB values faster per byte than values of
+            hundreds of MiB: ``benchmarks/store.py``, docs/store.md#a-fleet-on-one-redis-a-redis-cluster-or-sentinel).
         redis_timeout_s: socket timeout of Redis calls.
         tier_retry_s: a lower tier that failed (Redis timing out or refusing connections; a disk tier whose
             writes fail: full, read-only) is not called again for this many seconds: its calls fail at once

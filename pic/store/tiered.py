@@ -33,6 +33,7 @@ from pic.store.device import DeviceTier
 from pic.store.disk import DiskTier
 from pic.store.guard import failed_here
 from pic.store.lease import FleetLeases
+from pic.store.limits import check_cpu_tier
 from pic.store.lru import LruTier
 from pic.store.recheck import SharedRechecks
 from pic.store.redis_tier import RedisTier
@@ -357,8 +358,10 @@ def lower_tiers(
         store_shares: namespace -> the share of the CPU tier's bytes its chunks keep (``Quota.store_share``).
 
     Raises:
+        InvalidInputError: a CPU tier larger than this machine's physical memory (``check_cpu_tier``).
         StoreUnavailableError: an unreachable Redis (``on_redis_error="raise"``).
     """
+    check_cpu_tier(config.cpu_bytes)
     lower: list[LowerTier] = []
     if config.cpu_bytes != 0:
         lower.append(LruTier(capacity_bytes=config.cpu_bytes, pin=pin, shares=store_shares))
