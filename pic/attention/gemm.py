@@ -1,18 +1,17 @@
 """Attention of a pass's many query rows through bfloat16 matrix products, for the CPU.
 
-Why: on a CPU with AVX512-BF16 (this project's 2-core EPYC; no AMX), oneDNN's bfloat16 products run about 4x faster
-than float32 ones, but torch's fused CPU attention (``scaled_dot_product_attention``'s flash kernel) runs bfloat16 no
-faster than float32: a 2,048-row causal pass over 8 query / 2 KV heads of 64 took 58 ms in either dtype on one
-thread, so in a bfloat16 Full Recompute attention was ~60% of the forward. Here each small tile of query rows takes
-its scores from one bfloat16 ``bmm`` per KV head (its query heads as rows), masked only past the slots every row of
-the tile sees, softmax while the tile's scores are still in the cache, then one ``bmm`` with V: 33-38 ms for that pass
-(1.6-2x SDPA at 2K rows, 1.2-1.4x at 8K, micro-benchmarks on one thread; docs/cpu.md has the engine's figures).
+Why: on a CPU with AVX512-BF16 (this project's 2-core EPYC; no AMX), oneDNN's bfloat16 products run several times
+faster than float32 ones, but torch's fused CPU attention (``scaled_dot_product_attention``'s flash kernel) runs
+bfloat16 no faster than float32, so in a bfloat16 Full Recompute attention took most of the forward. Here each small
+tile of query rows takes its scores from one bfloat16 ``bmm`` per KV head (its query heads as rows), masked only past
+the slots every row of the tile sees, softmax while the tile's scores are still in the cache, then one ``bmm`` with V,
+faster than SDPA for such passes (the figures: docs/cpu.md#float32-or-bfloat16).
 
 Numerics are transformers' eager attention in bfloat16: the product rounds the scores to bfloat16 (the scale is
 applied to the queries first), the softmax computes in float32 (torch's CPU softmax of bfloat16 equals softmax of the
-scores widened, bit for bit) and returns bfloat16 weights for the product with V. Its error against float64 is about
-twice SDPA's, which keeps the scores in float32: 0.011-0.018 against 0.005-0.007 at most on unit-normal inputs, 2K
-rows; ``tests/test_gemm_attention.py`` holds it within 0.03.
+scores widened, bit for bit) and returns bfloat16 weights for the product with V. Its error against float64 is larger
+than SDPA's, which keeps the scores in float32; ``tests/test_gemm_attention.py`` holds it within 0.03 on unit-normal
+inputs.
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 # Scores of one tile (query heads x rows x keys) kept under this many, so a tile's scores stay in the cache: larger
-# tiles ran slower (2K rows, 8 heads: 37.8 ms in tiles of 64 rows, 67.0 ms in tiles of 256).
+# tiles ran slower in a micro-benchmark of a 2K-row pass on one thread.
 TILE_SCORES = 1 << 20
 # Rows per tile at least (short of it the products are too thin) and at most.
 MIN_TILE_ROWS, MAX_TILE_ROWS = 16, 128

@@ -5,8 +5,7 @@ position. A decoding sequence's slots keep their positions from step to step, so
 step and layer repeats the same work: at 4K slots it was the largest cost of a decode step after the matrix
 products. And its slots lie in blocks scattered over the pool (the chunks' shared blocks), so attention gathered
 every slot's V at every step and layer too, then read K and V with the slot-major strides of the pool, which
-SDPA reads at half the speed of a head-major tensor (SmolLM2's 2.9K slots, 30 layers, one thread: 39 ms a step
-gathered and strided, 19 ms kept head-major, ``docs/cpu.md``).
+SDPA reads more slowly than a head-major tensor (the figures: docs/cpu.md#what-changed).
 
 ``KeptKV`` keeps, per layer, the sequence's K gathered and rotated once and its V gathered once, head-major
 (``[Hkv, capacity, D]``, as SDPA reads them), and each step adds only the slots written since. It is bit for bit

@@ -48,8 +48,9 @@ def rotate(x: torch.Tensor, pair: torch.Tensor, *, out: torch.Tensor | None = No
     ``[x2, x1] * signed_sin`` in place of ``rotate_half``'s negation, then ``+ x * cos`` in place.
 
     Three would do (``[x, x2, x1] * [cos, signed_sin]``, then the two halves summed: also bit for bit), but on the
-    CPU the sum over a dimension of two ran 1.8x (float32) and 3-4x (bfloat16) slower than these four over 1,800 slots
-    (one thread); ``torch.addcmul`` fuses a multiply-add and so rounds once where transformers rounds twice.
+    CPU the sum over a dimension of two ran slower than these four, in float32 and more so in bfloat16
+    (docs/gpu.md#fewer-operations-a-layer-graphs-k-rotated-once-built-without-a-gpu); ``torch.addcmul`` fuses a
+    multiply-add and so rounds once where transformers rounds twice.
 
     Args:
         x: ``[..., num_heads, head_dim]``.

@@ -29,9 +29,8 @@ from pic.config import AttentionBackendName
 # The key of a sequence's KeptKV in its scratch (AttentionBatch.scratch).
 _KEPT_KV = "torch.kept_kv"
 # Several decoding sequences read their kept K and V when the longest has this many slots: below it, a few small
-# operations per sequence and layer cost more than gathering every slot (A/B on a 2-core CPU, tokens/s kept
-# over gathered, when only K was kept: 0.89x at 144 slots and batch 16, 1.08x at 528 and batch 16, 1.14x at 2K
-# and batch 4).
+# operations per sequence and layer cost more than gathering every slot (an A/B on a 2-core CPU when only K was
+# kept: docs/cpu.md#what-made-it-faster).
 _KEEP_MIN_SLOTS = 512
 
 

@@ -243,7 +243,8 @@ class TritonBackend(AttentionBackend[TritonPlan]):
         """One half of each rotary table, cos and sin, in the model's dtype (transformers rounds cos and sin to it
         too: half the bytes per slot of the float32 table, for the loops that rotate K per tile), then in float32
         (what K rotated once per layer and its launch's queries are rotated with: read once, so the bytes do not
-        count, and the rounding of the table, which made the in-loop kernel's error 1.17x SDPA's on an H100, goes).
+        count, and the rounding of the table, which made the in-loop kernel's error larger than SDPA's on an H100, goes:
+        docs/gpu.md#the-first-run-an-nvidia-h100-2026-11-26).
         A static table is the same tensor every forward: kept."""
         cos, sin = batch.rope_cos, batch.rope_sin
         assert cos.shape[1] == self.shape.head_dim, (self.shape.head_dim, cos.shape)

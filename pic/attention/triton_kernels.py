@@ -32,7 +32,8 @@ would rotate each KV tile once per query tile visiting it (16 times for a 512-ro
 them with ``ROTATE_K=False`` and ``K_SEQ_ROWS``: no rotation and no block-table lookup for K in its loop (V is still
 paged). The table is read once per slot there, so it is not rounded to the model's dtype: the rotated rows are
 what SDPA is given in ``benchmarks/attention.py`` (bit for bit in the interpreter), and the kernel's error against
-float64 is flash attention's (the in-loop table in the model's dtype made it 1.17x SDPA's on the H100 run).
+float64 is flash attention's (the in-loop table in the model's dtype made it larger than SDPA's on the H100 run:
+docs/gpu.md#the-first-run-an-nvidia-h100-2026-11-26).
 
 Every kernel is the one the CUDA path runs; the CPU tests run the same source in Triton's interpreter.
 Offsets that scale with the pool or the batch (cache rows, query rows, partials) are int64.

@@ -120,8 +120,8 @@ def profile_workload(
     people; every paragraph states that kind of fact about its own person (the values differ), among
     ``min_details`` to ``max_details`` detail sentences, shuffled after an opening with the name: 150 to 500
     tokens with SmolLM2's tokenizer (measured over the 200 default cases: 150-490, mean 305). One fact per
-    paragraph, not five: with five, Full Recompute on SmolLM2 answered 53-62% of 100 cases (the model mixes
-    up one person's facts); with one, above 70% in both layouts (docs/policies.md).
+    paragraph, not five: with five, Full Recompute on SmolLM2 answered far fewer cases (the model mixes up one
+    person's facts) than with one (docs/policies.md#paragraph-documents---workload-profiles-120-cases-per-layout).
 
     Raises:
         InvalidInputError: fewer than 2 documents, more than the names or values allow, or a bad range.

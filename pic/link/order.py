@@ -1,8 +1,8 @@
 """The order a link's chunks take in its prompt: the caller's, or by relevance to the query.
 
 A retriever hands pic its documents in *some* order, and the order moves answers: on SmolLM2-135M, Full Recompute
-of paragraphs asked about after them answers 8 points more often with the most relevant paragraph next to the
-question than in the retriever's order (docs/policies.md). pic's chunks are position independent, so reordering
+of paragraphs asked about after them answers more often with the most relevant paragraph next to the question than
+in the retriever's order (docs/policies.md#the-documents-order). pic's chunks are position independent, so reordering
 them costs nothing: the same cached KV is linked at other positions. But the order is part of the prompt the
 model reads, so a link that reorders is no longer the caller's prompt; the link reports the order it ran
 (``ChunkOrder``), and ``Order.GIVEN`` keeps the caller's order token for token.

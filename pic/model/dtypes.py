@@ -1,9 +1,9 @@
 """Which dtype a model runs in: the names ``pic.load(dtype=...)`` takes, and ``"auto"``'s choice per device and CPU.
 
 Why the CPU's flags decide: oneDNN runs bfloat16 products on AMX-BF16 or AVX512-BF16 units. On this project's 2-core
-EPYC (AVX512-BF16, no AMX) a product of 64 to 2,048 rows by a 576x1536 matrix, one thread, ran ~4x faster in
-bfloat16 than in float32, and with ``pic.attention.gemm`` a bfloat16 link ~2.6x faster (``docs/cpu.md``). Without
-those units torch computes bfloat16 through float32 conversions, slower than float32 itself. On CUDA, bfloat16.
+EPYC (AVX512-BF16, no AMX) products of many rows, and with ``pic.attention.gemm`` a link, ran several times faster in
+bfloat16 than in float32 (the figures: docs/cpu.md#float32-or-bfloat16). Without those units torch computes bfloat16
+through float32 conversions, slower than float32 itself. On CUDA, bfloat16.
 
 ``"auto"`` is what ``PIC.from_pretrained`` runs when no dtype is given on a GPU; on the CPU the default stays float32
 (exact against transformers; with two threads bfloat16's Full Recompute was not ahead of transformers': see

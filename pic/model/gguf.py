@@ -143,8 +143,8 @@ def file_sha256(path: Path) -> str:
 
 def _convert(path: Path, out: Path) -> None:
     """Dequantize ``path`` with transformers and save it to ``out`` as a plain float32 checkpoint, a progress bar
-    naming each step (SmolLM2's 98 MB on a 2-core CPU: about 10 s reading the metadata, 20 s the weights, 4 s
-    the tokenizer, 1 s saving; transformers says nothing during them but the 2 s of its dequantizing bar)."""
+    naming each step (reading the metadata, the weights, the tokenizer, saving: transformers says nothing during
+    them but its own short dequantizing bar)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 

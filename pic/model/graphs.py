@@ -1,13 +1,14 @@
 """CUDA graphs for the forwards of few rows: decode steps and a link's query pass, one graph per bucket.
 
-A forward of few rows is bound by the host: issue 50's H100 run took 36.9 ms of wall time for a naive 16K link whose
-GPU work was 10.6 ms, in 1,343 launches. A CUDA graph replays a forward's launches in one call. As vLLM captures its
-decode batches, each graph here serves one *bucket*: a number of rows (decode sequences, or a pass's query tokens)
-and of slots, each padded up to the next bucket. Everything a graph reads lives in its static buffers, rewritten
-before each replay: the token ids, positions and cache rows of the padded rows; the block tables and slot positions;
-and the attention plan, which is built eagerly for every forward (``AttentionBackend.plan``: a few small operations,
-some on the host) and copied into the plan the graph was captured with (``copy_into``: same shapes by construction
-of the bucket; a plan that differs anyway runs eagerly, counted in ``num_eager``).
+A forward of few rows is bound by the host: on the H100 runs a naive 16K link's wall time was several times its GPU
+work, spent launching over a thousand kernels (docs/gpu.md#the-second-run-the-fixes-and-split-kv-the-same-day). A CUDA
+graph replays a forward's launches in one call. As vLLM captures its decode batches, each graph here serves one
+*bucket*: a number of rows (decode sequences, or a pass's query tokens) and of slots, each padded up to the next bucket.
+Everything a graph reads lives in its static buffers, rewritten before each replay: the token ids, positions and cache
+rows of the padded rows; the block tables and slot positions; and the attention plan, which is built eagerly for every
+forward (``AttentionBackend.plan``: a few small operations, some on the host) and copied into the plan the graph was
+captured with (``copy_into``: same shapes by construction of the bucket; a plan that differs anyway runs eagerly,
+counted in ``num_eager``).
 
 Padding: a padded decode row is a sequence of its own with no slot written (it attends nothing, writes nothing);
 a padded pass row belongs to the pass at position 0 and writes nothing (cache row ``-1``: the Triton store kernel

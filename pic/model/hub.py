@@ -2,7 +2,7 @@
 
 Without a network, huggingface_hub asks the Hub for each of a model's files five times with back-off before
 transformers reads its cache: on a machine without a route out, ``pic.load("nonexistent-model-xyz")`` took
-24 s to fail, and a model in the cache 95 s to load.
+tens of seconds to fail, and a model in the cache longer to load (docs/models.md#offline).
 pic asks the operating system first whether the Hub's host answers a TCP connection (at most
 ``HUB_CHECK_TIMEOUT_S``); when it does not, or ``HF_HUB_OFFLINE`` is set, transformers reads only the cache,
 which answers in well under a second. ``PIC_HUB_CHECK=0`` skips the check (for a network where a direct

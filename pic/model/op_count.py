@@ -1,10 +1,10 @@
 """Count the operations a runner's forwards dispatch, per layer: on a GPU each is about one kernel launch.
 
-A link on an H100 was host-bound (issue 50: 1,343 launches for a naive 16K link, 36.9 ms of wall time for 10.6 ms of
-GPU work), so the operations a layer dispatches are a cost of their own, and a number a test can pin on the CPU.
-``count_ops`` observes a ``ModelRunner``'s forwards (``ModelRunner.observe_forwards``, in whatever thread runs them:
-the engine's core thread) and records, per forward, the operations each layer dispatched (views and metadata left
-out: they launch nothing).
+A link on an H100 was host-bound (a naive 16K link's launches took several times its GPU work:
+docs/gpu.md#the-second-run-the-fixes-and-split-kv-the-same-day), so the operations a layer dispatches are a cost of
+their own, and a number a test can pin on the CPU. ``count_ops`` observes a ``ModelRunner``'s forwards
+(``ModelRunner.observe_forwards``, in whatever thread runs them: the engine's core thread) and records, per forward, the
+operations each layer dispatched (views and metadata left out: they launch nothing).
 
 Two counts: ``ops``, what the layer dispatches (``pic::rms_norm`` one: one kernel on CUDA), and ``kernels``, with
 pic's own operators counted as the operations their CPU implementation runs (transformers' six for an RMSNorm).

@@ -1,11 +1,12 @@
 """The matrix products of a decode step: the model's own float weights, or int8 copies of the large ones.
 
-One token's decode step on a CPU is bound by streaming the weights through matrix-vector products (SmolLM2-135M:
-540 MB of float32 per token, ~38 ms of an ~85 ms step on one thread; ``docs/cpu.md``). fbgemm's int8 products with
-dynamic activation quantization (``torch.ops.quantized.linear_dynamic``) read a quarter of the bytes and ran one
-token's products 3.3x faster on this machine's CPU (``benchmarks/cpu_matmul.py``): 2.5x on 576x576 matrices, 3.4-3.7x
-on the MLP's, 7.1x on the LM head, but 0.66x on 576x192 ones alone; packed with q (one 960x576 product) k and v
-gain too. A packed matrix with fewer than ``INT8_MIN_WEIGHTS`` weights keeps its float products.
+One token's decode step on a CPU is bound by streaming the weights through matrix-vector products (SmolLM2-135M: 540 MB
+of float32 per token, much of a step on one thread). fbgemm's int8 products with dynamic activation quantization
+(``torch.ops.quantized.linear_dynamic``) read a quarter of the bytes and ran one token's products several times faster
+on this machine's CPU, on every matrix but the smallest (576x192 alone lost); packed with q (one 960x576 product) k and
+v gain too (``benchmarks/cpu_matmul.py``; the figures:
+docs/cpu.md#decode-on-smollm2-what-a-step-spends-and-what-made-it-faster). A packed matrix with fewer than
+``INT8_MIN_WEIGHTS`` weights keeps its float products.
 
 ``DecodeWeights.INT8`` is an optional mode, not exact: weights are quantized per output channel (symmetric), and
 each product quantizes its input per tensor, over the step's rows, at run time; so a sequence's tokens depend a
@@ -28,11 +29,10 @@ from pic.config import DecodeWeights
 from pic.errors import InvalidInputError, UnsupportedModelError
 from pic.model.stacked import Stacked, is_gated
 
-# Packed matrices with fewer weights keep their float products in int8 mode (576x192 alone: int8 was 0.66x float32).
+# Packed matrices with fewer weights keep their float products in int8 mode (576x192 alone: int8 was slower).
 INT8_MIN_WEIGHTS = 1 << 18
 # Decode steps of more sequences read the model's own weights in int8 mode: fbgemm's dynamic int8 products lost there
-# (SmolLM2 at 2K tokens, one thread, benchmarks/cpu_dtype.py: 26 tokens/s at batches 8 and 16 where float32 ran 49
-# and 57, bfloat16 64 and 61; at batch 1 int8 20.4, float32 20.0).
+# to float32 and bfloat16 (SmolLM2 at 2K tokens, one thread, benchmarks/cpu_dtype.py: docs/cpu.md#float32-or-bfloat16).
 INT8_MAX_ROWS = 4
 
 
@@ -152,9 +152,9 @@ class PackedProducts(FloatProducts):
     """A bfloat16 CPU model's linear layers through oneDNN with weights packed once (``mkldnn._reorder_linear_weight``).
 
     ``F.linear`` on a bfloat16 CPU tensor reorders the weight into oneDNN's blocked layout on every call; packed once,
-    the same products (bit for bit: the same kernel, measured equal at 1 to 2,048 rows) ran 1.7-1.8x faster for one
-    row (a decode step: 0.036 against 0.063 ms for 576x1536) and 1.05x for 256, on this AVX512-BF16 CPU, one thread.
-    float32 gained nothing (0.90x at one row), so float32 models keep ``FloatProducts``. The packed copies add the
+    the same products (bit for bit: the same kernel, measured equal at 1 to 2,048 rows) ran faster, most for one row
+    (a decode step), on this AVX512-BF16 CPU, one thread (docs/cpu.md#float32-or-bfloat16). float32 gained nothing,
+    so float32 models keep ``FloatProducts``. The packed copies add the
     bfloat16 weights' bytes once more (the model's own stay: transformers' forward, ``pic check``, reads them).
 
     Args:

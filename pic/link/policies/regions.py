@@ -45,8 +45,8 @@ class Regions(Policy):
     chunk tokens the query attends to most, averaged over the layers) after the regions take the rest; the
     probe reruns the query, so its tokens are paid from the budget too. ``auto`` uses it when the question
     comes before the chunks: the regions let the question's document read the question, the picks repair
-    the cached tokens the query leans on elsewhere (on Qwen2.5-Coder-0.5B, regions alone lose 46 points
-    there and the probe's picks none: docs/policies.md)."""
+    the cached tokens the query leans on elsewhere (on Qwen2.5-Coder-0.5B, regions alone lose answers there
+    that the probe's picks keep: docs/policies.md#the-default-auto-what-it-does-and-why)."""
 
     name = "regions"
     budget: float = Field(default=0.2, ge=0.0, le=1.0)
