@@ -31,7 +31,7 @@ from pic.vllm.jobs import PicConnectorMetadata
 from pic.vllm.kv_io import model_rope
 from pic.vllm.scheduler_side import SchedulerSide
 from pic.vllm.setup import build_setup
-from pic.vllm.worker_side import WorkerSide
+from pic.vllm.worker_side import Ranks, WorkerSide
 
 # The vLLM release this connector is written and tested against; ``check_vllm_api`` names what changed.
 TESTED_VLLM = "0.32.0"
@@ -54,7 +54,7 @@ class PicConnector(KVConnectorBase_V1):
                 vllm_config.model_config.hf_config, max_positions=vllm_config.model_config.max_model_len,
                 dtype=setup.expected.dtype, device=torch.device(vllm_config.device_config.device),
             )  # fmt: skip
-            self._worker = WorkerSide(setup, rope, _local_heads(setup.expected.num_kv_heads))
+            self._worker = WorkerSide(setup, rope, _ranks(setup.expected.num_kv_heads, rope.device))
 
     # Scheduler side.
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -96,15 +96,35 @@ class PicConnector(KVConnectorBase_V1):
             self._scheduler.close()
 
 
-def _local_heads(num_kv_heads: int) -> slice:
-    """This tensor-parallel rank's KV heads of a chunk (all of them without tensor parallelism)."""
-    from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+def _ranks(num_kv_heads: int, device: torch.device) -> Ranks:
+    """This tensor-parallel rank's KV heads of a chunk, and the gather that gives its saves every rank's heads."""
+    from vllm.distributed import (
+        get_tensor_model_parallel_rank,
+        get_tensor_model_parallel_world_size,
+        tensor_model_parallel_all_gather,
+    )
 
     size, rank = get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
+    if size == 1:
+        return Ranks(slice(0, num_kv_heads))
+    heads = local_heads(num_kv_heads, size, rank)
+    firsts = [local_heads(num_kv_heads, size, r).start for r in range(size)]
+    keep = [r for r in range(size) if r == 0 or firsts[r] != firsts[r - 1]]  # (copies: one rank's of each head)
+
+    def gather(local: torch.Tensor) -> torch.Tensor:
+        every = tensor_model_parallel_all_gather(local.to(device), dim=2).cpu()  # [L, T, size * len(heads), D]
+        return every if len(keep) == size else every[:, :, keep]
+
+    return Ranks(heads, gather, stores=rank == 0)
+
+
+def local_heads(num_kv_heads: int, size: int, rank: int) -> slice:
+    """Rank ``rank``'s KV heads of ``size`` ranks: an equal share, or a copy of one when there are fewer heads than
+    ranks (vLLM's split: rank ``r`` holds head ``r * num_kv_heads // size``)."""
     if num_kv_heads >= size:
         per_rank = num_kv_heads // size
         return slice(rank * per_rank, (rank + 1) * per_rank)
-    first = rank * num_kv_heads // size  # fewer KV heads than ranks: vLLM gives each rank a copy of one
+    first = rank * num_kv_heads // size
     return slice(first, first + 1)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -62,17 +63,36 @@ class _Save:
     vs: list[torch.Tensor | None]
 
 
+@dataclass(frozen=True)
+class Ranks:
+    """This worker's place among vLLM's tensor-parallel ranks.
+
+    Attributes:
+        heads: the chunk's KV heads this rank holds in vLLM's cache (all of them without tensor parallelism; a
+            copy of one where there are fewer KV heads than ranks, as vLLM gives it).
+        gather: every rank's heads from this rank's ``[num_layers, T, len(heads), head_dim]``:
+            ``[num_layers, T, num_kv_heads, head_dim]``, in the chunk's head order. A collective, called by every
+            rank in the same order (each rank runs the same saves in the same step); ``None`` with one rank.
+        stores: whether this rank writes the chunks it saves (rank 0: one writer per chunk; the others read it from
+            the shared tier the setup always has, disk or Redis, when they link it).
+    """
+
+    heads: slice
+    gather: Callable[[torch.Tensor], torch.Tensor] | None = None
+    stores: bool = True
+
+
 class WorkerSide:
     """One per vLLM worker (per tensor-parallel rank): a step's loads and saves.
 
     Args:
         setup: the connector's setup.
         rope: the model's rotary table (``kv_io.model_rope``), on the cache's device.
-        heads: this rank's KV heads (tensor parallel: a slice of the chunk's heads).
+        ranks: this rank's KV heads, and how its saves gather the other ranks' heads.
     """
 
-    def __init__(self, setup: Setup, rope: object, heads: slice) -> None:
-        self.setup, self.rope, self.heads = setup, rope, heads
+    def __init__(self, setup: Setup, rope: object, ranks: Ranks) -> None:
+        self.setup, self.rope, self.ranks, self.heads = setup, rope, ranks, ranks.heads
         self._layers: dict[str, object] = {}
         self._loads: list[_Load] = []
         self._saves: list[_Save] = []
@@ -152,9 +172,14 @@ class WorkerSide:
                     "pic: chunk %s not stored: %d of its layers were not read", job.cache_id, save.ks.count(None)
                 )
                 continue
+            k, v = torch.stack(save.ks), torch.stack(save.vs)
+            if self.ranks.gather is not None:  # tensor parallel: this rank read its heads; the chunk holds them all
+                k, v = self.ranks.gather(k), self.ranks.gather(v)
+            if not self.ranks.stores:
+                continue
             chunk = ChunkKV(
-                cache_id=job.cache_id, token_ids=torch.tensor(job.token_ids, dtype=torch.long),
-                k=torch.stack(save.ks), v=torch.stack(save.vs), options=job.options,
+                cache_id=job.cache_id, token_ids=torch.tensor(job.token_ids, dtype=torch.long), k=k, v=v,
+                options=job.options,
             )  # fmt: skip
             _put(self.setup.tiers, chunk)
         self._saves = []
