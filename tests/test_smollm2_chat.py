@@ -242,6 +242,29 @@ def test_chat_example(smollm2):
     assert [times(line) for line in shown] == [times(line) for line in lines]  # the page shows what it prints
 
 
+def test_chat_pages_words_on_the_unfloored_link_are_what_it_runs(smollm2):
+    """docs/chat.md names the document the link without the floor recomputes whole (by name and caller's index) and
+    how many tokens it recomputes: each read off the page and checked against ``Linked.recomputed_whole`` and
+    ``Linked``'s counts on the example's own documents, in both orders."""
+    page = (EXAMPLES.parent / "docs" / "chat.md").read_text().replace("\n", " ")
+    named = re.search(r"policy=\"(auto:[^\"]+)\"`?\).*?the (\w+) document in both orders \(`whole \[(\d)\]`", page)
+    counts = re.search(r"the most relevant document whole, (\d+) of the (\d+) tokens", page)
+    assert named and counts, "docs/chat.md no longer says which document the unfloored link recomputes"
+    policy, name, index = named.group(1), named.group(2), int(named.group(3))
+    head = (EXAMPLES / "chat.py").read_text().split("for order in", 1)[0].replace('pic.load("smollm2")', "engine")
+    scope = {"engine": smollm2}
+    exec(compile(head, "examples/chat.py", "exec"), scope)  # (the example's documents, messages and ids)
+    docs, ids, messages = scope["docs"], scope["ids"], scope["messages"]
+    assert docs[index].startswith(name), (name, docs[index])
+    for order in (ids, ids[::-1]):
+        linked = smollm2.link_chat(order, messages, policy=policy)
+        try:
+            assert list(linked.recomputed_whole) == [index], (order, linked.recomputed_whole)
+            assert (linked.num_recomputed, len(linked.input_ids)) == tuple(map(int, counts.groups()))
+        finally:
+            linked.release()
+
+
 def test_serve_chat_example(server):
     content, usage = run_example("serve_chat.py", PIC_BASE_URL=f"{server}/v1")
     assert "North Sea" in content and "reused_tokens=" in usage and "recomputed_tokens=" in usage
