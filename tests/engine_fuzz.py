@@ -295,7 +295,7 @@ class Fuzz:
         """Whether another thread held links between ``start`` and ``end``."""
         return any(t != thread and s < end and start < e for t, s, e in self.parked)
 
-    def check_rest(self, *, timeout_s: float = 20.0) -> None:
+    def check_rest(self, *, timeout_s: float = 30.0) -> None:
         """The pool at rest (aborts from closed connections may still be on their way: waited for)."""
         gc.collect()  # (a Linked dropped unreleased: its finalizer releases it)
         deadline = time.monotonic() + timeout_s

@@ -87,7 +87,7 @@ class LocalRedis:
     def client(self) -> redis.Redis:
         return redis.Redis(host="127.0.0.1", port=self.port, password=self.password)
 
-    def start(self, *, timeout_s: float = 20.0) -> LocalRedis:
+    def start(self, *, timeout_s: float = 30.0) -> LocalRedis:
         """Start the server and wait until it answers PING.
 
         Raises:
@@ -111,7 +111,7 @@ class LocalRedis:
     def stop(self) -> None:
         if self._proc is not None:
             self._proc.terminate()
-            self._proc.wait(timeout=20)
+            self._proc.wait(timeout=30)
             self._proc = None
 
     def __enter__(self) -> LocalRedis:
@@ -193,7 +193,7 @@ class RedisProcesses:
     def kill(self, port: int) -> None:
         proc = self.procs.pop(port)
         proc.kill()
-        proc.wait(timeout=10)
+        proc.wait(timeout=30)
 
     def stop(self) -> None:
         for port in list(self.procs):

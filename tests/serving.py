@@ -38,7 +38,7 @@ def serving(app, *, headers_timeout_s: float = 10.0, body_timeout_s: float = 30.
         yield f"http://127.0.0.1:{port}"
     finally:
         srv.should_exit = True
-        thread.join(10)
+        thread.join(30)
 
 
 def wait_healthy(proc, port: int, *, timeout_s: float = 180.0) -> None:

@@ -32,7 +32,7 @@ from pic.store.disk_file import SUFFIX
 from tests.full_disk import fill, remount
 from tests.test_disk import EXPECTED, assert_same, files, make_chunk, tier
 
-HANG_S = 20.0  # a generous guard: these calls take milliseconds, a hang takes forever
+HANG_S = 30.0  # a generous guard on a wait, not a speed: these calls take milliseconds, a hang takes forever
 
 
 def prompt(fn: Callable[[], Any], *, unblock: Callable[[], None] | None = None) -> Any:
@@ -97,7 +97,7 @@ def put_when_writable(t: DiskTier, chunk, *, timeout_s: float = HANG_S) -> None:
 
 SPARSE = textwrap.dedent(
     """
-    import json, resource, struct, sys, time
+    import json, resource, struct, sys
     sys.path.insert(0, {root!r})
     from pathlib import Path
     from pic.store import disk_file
@@ -109,14 +109,13 @@ SPARSE = textwrap.dedent(
         f.write(disk_file.MAGIC + struct.pack("<Q", 3 * 2**30))
         f.truncate(4 * 2**30)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    start = time.monotonic()
     extent = t.extent(chunk.cache_id)
     contains = t.contains(chunk.cache_id)
     got = t.get(chunk.cache_id)
     print(json.dumps({{
         "extent": repr(extent), "got": repr(got), "contains": contains, "exists": path.exists(),
         "errors": t.stats().errors,
-        "grew_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before, "took_s": time.monotonic() - start,
+        "grew_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before,
     }}))
     """
 )
@@ -132,7 +131,6 @@ def test_a_sparse_file_claiming_gigabytes_is_a_miss_refused_before_it_is_read(tm
     assert out["extent"] == "None" and out["got"] == "None" and out["contains"] is True  # a miss (a file is there)
     assert not out["exists"] and out["errors"] == 1  # removed as damaged, counted
     assert out["grew_kib"] < 256 * 1024, f"peak memory grew by {out['grew_kib'] // 1024} MiB reading it"
-    assert out["took_s"] < HANG_S
 
 
 def test_the_size_bound_admits_the_largest_chunk_of_the_model(tmp_path):

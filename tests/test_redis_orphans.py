@@ -33,9 +33,10 @@ def generate(engine: pic.PIC, ids: list[str]) -> list[int]:
     return engine.link(ids, QUERY, policy="legolink:16").generate(max_new_tokens=8).token_ids
 
 
-def wait_until_gone(client, pattern: str, timeout_s: float = 6.0) -> list[bytes]:
+def wait_until_gone(client, pattern: str, timeout_s: float = 30.0) -> list[bytes]:
     """The keys matching ``pattern`` once none are left or ``timeout_s`` passed (Redis expires lazily
-    and in a sampled background cycle, so a key may outlive its TTL by a little)."""
+    and in a sampled background cycle, so a key may outlive its TTL by a little; ``timeout_s``: a bound on the
+    wait, generous for a loaded machine, not a speed)."""
     deadline = time.monotonic() + timeout_s
     while (keys := chunk_keys(client, pattern)) and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 
 import schemathesis  # noqa: F401  (imported so that a missing schemathesis fails the collection)
 
@@ -42,10 +41,8 @@ def test_schemathesis_finds_nothing(tmp_path):
             "--max-examples", str(_MAX_EXAMPLES), "--seed", "1", "--workers", "1",
             "--generation-database", "none", "--request-timeout", "60",
         ]  # fmt: skip
-        start = time.monotonic()
+        # (300 s: a bound on a hang, not on speed; ``--request-timeout`` bounds each request of the run)
         run = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
-        elapsed = time.monotonic() - start
     output = run.stdout + run.stderr
     assert run.returncode == 0, output[-8000:]
     assert "No issues found" in output or "passed" in output, output[-2000:]
-    assert elapsed < 240, elapsed

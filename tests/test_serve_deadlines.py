@@ -1,5 +1,10 @@
 """The server's read deadlines (``--header-timeout``, ``--body-timeout``): a stalled or trickled header or body
-gets a 408 and the connection closed; a slow but progressing request is served."""
+gets a 408 and the connection closed; a slow but progressing request is served.
+
+No limit on how soon the server acts is asserted (issue 67: a loaded machine delays it): a stalled request is
+closed, not before its deadline, with a 408 naming the deadline it was given; a trickled one is closed while the
+client is still sending (so at its deadline, not when the trickle ends).
+"""
 
 from __future__ import annotations
 
@@ -17,6 +22,8 @@ from tests.test_serve_strict import COMPLETION, KEY, served_app
 
 # The read deadlines of the server below, short so that the tests are fast.
 DEADLINE_S = 1.0
+# How long a test waits for the server to close a connection it must close (at DEADLINE_S): a bound on a hang.
+WAIT_S = 30.0
 
 
 @pytest.fixture(scope="module")
@@ -33,18 +40,19 @@ def _connect(url: str) -> socket.socket:
 
 
 def _exchange(
-    sock: socket.socket, pieces: list[bytes], interval_s: float, limit_s: float, *, until_answered: bool = False
-) -> tuple[bytes, float | None]:
+    sock: socket.socket, pieces: list[bytes], interval_s: float, *, until_answered: bool = False
+) -> tuple[bytes, float | None, int]:
     """Send ``pieces``, one each ``interval_s``, reading what comes back, until the server closes the connection,
-    ``limit_s`` passes or (``until_answered``) a whole response came; returns what came back and when the server
-    closed the connection (seconds; ``None``: open)."""
+    ``WAIT_S`` passes or (``until_answered``) a whole response came; returns what came back, when the server closed
+    the connection (seconds; ``None``: open) and how many pieces were still to send then."""
     start, received, pending, next_send = time.monotonic(), bytearray(), list(pieces), time.monotonic()
-    while (now := time.monotonic()) - start < limit_s:
+    while (now := time.monotonic()) - start < WAIT_S:
         if pending and now >= next_send:
             try:
-                sock.sendall(pending.pop(0))
+                sock.sendall(pending[0])
             except OSError:  # closed under us
-                return bytes(received), now - start
+                return bytes(received), now - start, len(pending)
+            pending.pop(0)
             next_send = now + interval_s
         if select.select([sock], [], [], 0.02)[0]:
             try:
@@ -52,11 +60,11 @@ def _exchange(
             except ConnectionResetError:
                 data = b""
             if not data:
-                return bytes(received), time.monotonic() - start
+                return bytes(received), time.monotonic() - start, len(pending)
             received += data
             if until_answered and not pending and _answered(bytes(received)):
                 break
-    return bytes(received), None
+    return bytes(received), None, len(pending)
 
 
 def _answered(received: bytes) -> bool:
@@ -73,22 +81,24 @@ def _request(method: str, path: str, body: bytes = b"", *, auth: bool = True, le
     return "\r\n".join(headers).encode() + body
 
 
-def _closed_in_time(closed_after: float | None) -> bool:
-    return closed_after is not None and DEADLINE_S * 0.9 <= closed_after <= DEADLINE_S + 3
+def _closed_at_deadline(closed_after: float | None) -> bool:
+    """Closed, and not before its deadline (a lower bound: how soon after it is the loaded machine's affair)."""
+    return closed_after is not None and closed_after >= DEADLINE_S * 0.9
 
 
 def test_a_stalled_or_trickled_header_gets_a_408_and_the_connection_closed(quick):
     """Half a header then nothing, nothing at all, or 20 connections trickling a byte each 0.2 s: each is
-    closed at the header deadline (uvicorn alone held them as long as they trickled)."""
+    closed at the header deadline (uvicorn alone held them as long as they trickled): the trickled ones while
+    their header was still coming (121 bytes: 24 s)."""
     with _connect(quick) as sock:
-        received, closed_after = _exchange(sock, [_request("GET", "/health")[:30]], 0.0, 6)
-    assert _closed_in_time(closed_after), closed_after
+        received, closed_after, _ = _exchange(sock, [_request("GET", "/health")[:30]], 0.0)
+    assert _closed_at_deadline(closed_after), closed_after
     assert received.startswith(b"HTTP/1.1 408 ") and b"did not arrive within 1 s" in received, received
     with _connect(quick) as sock:
-        assert _closed_in_time(_exchange(sock, [], 0.0, 6)[1])
+        assert _closed_at_deadline(_exchange(sock, [], 0.0)[1])
     socks, header = [_connect(quick) for _ in range(20)], _request("GET", "/health")
-    start, open_, step = time.monotonic(), set(range(20)), 0
-    while open_ and time.monotonic() - start < 6:
+    open_, step = set(range(20)), 0
+    while open_ and step < len(header):  # until every header is closed, or sent whole
         for i in list(open_):
             try:
                 socks[i].sendall(header[step : step + 1])
@@ -100,18 +110,17 @@ def test_a_stalled_or_trickled_header_gets_a_408_and_the_connection_closed(quick
                 open_.discard(i)
         step += 1
         time.sleep(0.2)
-    elapsed = time.monotonic() - start
     for sock in socks:
         sock.close()
-    assert not open_ and elapsed <= DEADLINE_S + 3, (open_, elapsed)
+    assert not open_, f"{len(open_)} connections were open when their whole header had come"
 
 
 def test_a_stalled_body_gets_a_408_and_is_counted(quick):
     """A body that stops coming: 408 in OpenAI's error shape at the body deadline, the connection closed."""
     with _connect(quick) as sock:
         request = _request("POST", "/v1/completions", json.dumps(COMPLETION).encode())
-        received, closed_after = _exchange(sock, [request[:-10]], 0.0, 6)
-    assert _closed_in_time(closed_after), closed_after
+        received, closed_after, _ = _exchange(sock, [request[:-10]], 0.0)
+    assert _closed_at_deadline(closed_after), closed_after
     head, _, body = received.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 408 ") and b"connection: close" in head.lower(), head
     assert json.loads(body)["error"]["message"].startswith("the request body stalled: nothing more came for 1 s")
@@ -130,24 +139,25 @@ def test_a_slow_but_progressing_request_is_served(quick):
         request[i : i + len(body) // 8 + 1] for i in range(split * 2, len(request), len(body) // 8 + 1)
     ]
     with _connect(quick) as sock:
-        received, closed_after = _exchange(sock, pieces, 0.25, len(pieces) * 0.25 + 5, until_answered=True)
+        received, closed_after, _ = _exchange(sock, pieces, 0.25, until_answered=True)
         assert received.startswith(b"HTTP/1.1 200 "), received[:300]
         assert closed_after is None  # kept alive
         time.sleep(DEADLINE_S * 1.2)  # idle longer than the header deadline: the keep-alive (KEEP_ALIVE_S) allows it
-        received, closed_after = _exchange(sock, [_request("GET", "/health")], 0.0, 5, until_answered=True)
+        received, closed_after, _ = _exchange(sock, [_request("GET", "/health")], 0.0, until_answered=True)
         assert received.startswith(b"HTTP/1.1 200 "), received[:300]
-        received, closed_after = _exchange(sock, [_request("GET", "/health")[:20]], 0.0, 6)  # and stalls
-        assert received.startswith(b"HTTP/1.1 408 ") and _closed_in_time(closed_after), (received, closed_after)
+        received, closed_after, _ = _exchange(sock, [_request("GET", "/health")[:20]], 0.0)  # and stalls
+        assert received.startswith(b"HTTP/1.1 408 ") and _closed_at_deadline(closed_after), (received, closed_after)
 
 
 def test_a_body_nobody_reads_is_not_drained_forever(quick):
     """An early answer (a 401 before the body is read) while the client trickles the rest of a large body:
-    uvicorn reads on for as long as bytes come; the connection is closed at the body deadline."""
+    uvicorn reads on for as long as bytes come; the connection is closed at the body deadline, while the client is
+    still sending (40 bytes, one each 0.2 s: 8 s)."""
     request = _request("POST", "/v1/completions", auth=False, length=100_000)
     with _connect(quick) as sock:
-        received, closed_after = _exchange(sock, [request] + [b"x"] * 40, 0.2, 8)
+        received, closed_after, unsent = _exchange(sock, [request] + [b"x"] * 40, 0.2)
     assert received.startswith(b"HTTP/1.1 401 "), received[:300]
-    assert _closed_in_time(closed_after), closed_after
+    assert _closed_at_deadline(closed_after) and unsent > 0, (closed_after, unsent)
 
 
 def test_serve_flags_set_the_read_deadlines(monkeypatch):

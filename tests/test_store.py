@@ -155,7 +155,8 @@ def test_compile_keeps_every_id_it_returns():
     assert engine.store.ids() == sorted(old)  # nothing compiled, nothing evicted
     ids = engine.compile(docs(0, 1) + docs(2, 2))  # one cached, two new: 3 chunks fit
     assert all(engine.store.contains(i) for i in ids) and not engine.store.contains(old[1])
-    with pytest.raises(pic.KVPoolExhaustedError, match=r"this compile call \(2 new chunks\)"):  # 3 held by this call + 2 new > 7 blocks
+    # 3 held by this call + 2 new > 7 blocks
+    with pytest.raises(pic.KVPoolExhaustedError, match=r"this compile call \(2 new chunks\)"):
         engine.compile(docs(0, 1) + docs(2, 2) + docs(4, 2))
     assert engine.link(ids, QUERY, policy="naive").generate(max_new_tokens=2).token_ids
 
