@@ -215,7 +215,7 @@ class Soak:
                 else:
                     assert chunk.key == cid, (side.name, cid, block, chunk.key)
         for cid in touched:
-            expected = ["device"] * (cid in side.pool.chunks) + ["redis"] * (cid in self.redis)
+            expected = ("device",) * (cid in side.pool.chunks) + ("redis",) * (cid in self.redis)
             assert side.engine.store.lookup(cid) == expected, (side.name, cid, expected)
         if side.pool.chunks:  # a resident chunk's canonical blocks still hold its KV
             cid = self.rng.choice(sorted(side.pool.chunks))

@@ -125,7 +125,7 @@ def test_the_store_answers_another_namespace_s_chunk_as_one_nobody_stored(shared
         assert str(caught.value).replace(cid, "ID") == str(_unknown(store, never, a)).replace(never, "ID")
         assert store.get(cid, readable=a) is None and store.load(cid, readable=a) is None
         assert store.expire(cid, readable=a) is False
-    assert store.lookup(other.cache_id) == ["device", "cpu", store.lower[-1].name]  # still everywhere
+    assert store.lookup(other.cache_id) == ("device", "cpu", store.lower[-1].name)  # still everywhere
     assert store.get(other.cache_id, readable=b) is not None
     assert store.expire(other.cache_id, readable=b) is True and store.lookup(other.cache_id) == ()
     assert store.expire(mine.cache_id) is True  # readable=None: as before, whoever's it is

@@ -4,7 +4,8 @@
 The job names the model folder, the connector's store, ``tensor_parallel_size`` and the requests, each a
 ``{"prompt": ..., "extra_args": ...}`` or ``{"link_compiled": ...}`` (a naive link of the chunk the last compile
 request stored, built here: its id is known only once vLLM returns it). The output: per request its greedy
-tokens, its first token's top log-probabilities and the connector's report. vLLM's multiprocessing starts its
+tokens, its first token's top log-probabilities, the connector's report and the seconds ``generate`` took
+(with ``"max_tokens": 1``, the request's time to its first token). vLLM's multiprocessing starts its
 workers by spawning, so this module runs under ``if __name__ == "__main__"``.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 
@@ -39,12 +41,14 @@ def run(job: dict) -> list[dict]:
         llm.reset_prefix_cache()  # what a request gets, it got from pic (or computed)
         params = SamplingParams(max_tokens=request.get("max_tokens", 6), temperature=0.0, logprobs=5,
                                 extra_args=request.get("extra_args"))  # fmt: skip
+        start = time.perf_counter()
         out = llm.generate(request["prompt"], params, use_tqdm=False)[0]
+        seconds = time.perf_counter() - start
         report = (out.kv_transfer_params or {}).get("pic", {})
         compiled = report.get("cache_id", compiled)
         first = out.outputs[0].logprobs[0]
         outputs.append({
-            "tokens": list(out.outputs[0].token_ids), "report": report,
+            "tokens": list(out.outputs[0].token_ids), "report": report, "seconds": seconds,
             "first": {str(token): top.logprob for token, top in first.items()},
         })  # fmt: skip
     return outputs
