@@ -243,13 +243,15 @@ def _ratio(ratio: float) -> str:
 
 @figure
 def suite_run() -> str:
-    """README's and docs/testing.md's test sections: what the last recorded ``bash .ci/run`` counted and took (suite_run.json)."""
+    """README's and docs/testing.md's test sections: what the last recorded ``bash .ci/run`` counted and took
+    (suite_run.json)."""
     run = results("suite_run.json")
     suite, vllm = run["suite"], run["vllm"]
     return (
         f"{suite['passed']} tests passed and {suite.get('skipped', 0)} were skipped, each with its reason (CUDA only, "
         f"or a case that does not apply: no lower tier to fail) in {suite['seconds']:.0f} s, and the vLLM "
-        f"connector's {vllm['passed']} passed in {vllm['seconds']:.0f} s after them ({run['machine']}, {run['load']}; commit {run['commit']})"
+        f"connector's {vllm['passed']} passed in {vllm['seconds']:.0f} s after them ({run['machine']}, {run['load']}; "
+        f"commit {run['commit']})"
     )
 
 
