@@ -242,6 +242,23 @@ def _ratio(ratio: float) -> str:
 
 
 @figure
+def vllm_parallel_sentence() -> str:
+    """docs/vllm.md's tensor-parallel run on a real model (vllm_parallel.json)."""
+    run = results("vllm_parallel.json")
+    two, one = run["sizes"]["2"], run["sizes"]["1"]
+    return (
+        f"{run['identical_replies']} of {run['num_cases']} replies identical at one and two ranks, the connector's "
+        f"report on every link ({two['num_linked']} and {one['num_linked']}); the link's time to first token "
+        f"{two['link_ttft_s']:.2f} s at "
+        f"two ranks against {one['link_ttft_s']:.2f} s at one ({run['ttft_two_over_one']:.2f}x), and "
+        f"{_x(two['link_over_prefill'])} / {_x(one['link_over_prefill'])} of vLLM's own prefill of the same prompts, "
+        f"which are {run['prompt_tokens'][0]}-{run['prompt_tokens'][1]} tokens: too short for `auto` to link their "
+        f"documents (its floor), each link loads only the chats' common prefix ({two['num_loaded'][0]} tokens) and "
+        "prefills the rest"
+    )
+
+
+@figure
 def suite_run() -> str:
     """README's and docs/testing.md's test sections: what the last recorded ``bash .ci/run`` counted and took
     (suite_run.json)."""

@@ -48,6 +48,31 @@ def _requests(engine, cases, policy: str, reply_tokens: int) -> list[dict]:
     return [out[0][0] | {"role": "warm-up"}] + [r for case in out for r in case]
 
 
+def summarize(requests: list[dict], outs: dict[int, list[dict]]) -> dict:
+    """Per size the median TTFT of the links and of the prefills and their ratio, the links the connector linked;
+    the prompts' and loaded tokens' ranges; the replies identical at both sizes."""
+    roles = [r["role"] for r in requests]
+    links = [r for r in requests if r["role"] == "link"]
+    report: dict = {"sizes": {}}
+    for size, out in outs.items():
+        of = lambda role, out=out: [o for o, r in zip(out, roles, strict=True) if r == role]  # noqa: E731
+        link, plain = [o["seconds"] for o in of("link")], [o["seconds"] for o in of("prefill")]
+        report["sizes"][size] = {
+            "link_ttft_s": statistics.median(link), "prefill_ttft_s": statistics.median(plain),
+            "link_over_prefill": statistics.median(a / b for a, b in zip(link, plain, strict=True)),
+            "num_linked": sum(o["report"].get("linked", False) for o in of("link")),
+            "num_loaded": [min(o["report"].get("num_loaded", 0) for o in of("link")),
+                           max(o["report"].get("num_loaded", 0) for o in of("link"))],
+        }  # fmt: skip
+    lengths = [len(r["prompt"]["prompt_token_ids"]) for r in links]
+    report["prompt_tokens"] = [min(lengths), max(lengths)]
+    both = zip(outs[2], outs[1], roles, strict=True)
+    replies = [(a["tokens"], b["tokens"]) for a, b, role in both if role == "reply"]
+    report["identical_replies"] = sum(a == b for a, b in replies)
+    report["ttft_two_over_one"] = report["sizes"][2]["link_ttft_s"] / report["sizes"][1]["link_ttft_s"]
+    return report
+
+
 def _run(job: dict, folder: Path) -> list[dict]:
     size = job["tensor_parallel_size"]
     job_file, out_file = folder / f"job{size}.json", folder / f"out{size}.json"
@@ -89,21 +114,7 @@ def main() -> None:
     plain = [{k: v for k, v in r.items() if k != "role"} for r in requests]
     job = {"model": str(folder), "store": store, "requests": plain}
     outs = {size: _run(job | {"tensor_parallel_size": size}, root) for size in (2, 1)}
-    roles = [r["role"] for r in requests]
-    report = {"model": args.model, "policy": args.policy, "num_cases": len(cases), "sizes": {}}
-    for size, out in outs.items():
-        link = [o["seconds"] for o, role in zip(out, roles, strict=True) if role == "link"]
-        plain = [o["seconds"] for o, role in zip(out, roles, strict=True) if role == "prefill"]
-        linked = [o["report"].get("linked", False) for o, role in zip(out, roles, strict=True) if role == "link"]
-        report["sizes"][size] = {
-            "link_ttft_s": statistics.median(link), "prefill_ttft_s": statistics.median(plain),
-            "link_over_prefill": statistics.median(a / b for a, b in zip(link, plain, strict=True)),
-            "num_linked": sum(linked),
-        }  # fmt: skip
-    both = zip(outs[2], outs[1], roles, strict=True)
-    replies = [(a["tokens"], b["tokens"]) for a, b, role in both if role == "reply"]
-    report["identical_replies"] = sum(a == b for a, b in replies)
-    report["ttft_two_over_one"] = report["sizes"][2]["link_ttft_s"] / report["sizes"][1]["link_ttft_s"]
+    report = {"model": args.model, "policy": args.policy, "num_cases": len(cases)} | summarize(requests, outs)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
     print(json.dumps(report, indent=1))
 
