@@ -243,16 +243,16 @@ class Fuzz:
             f"{f.op.kind.value}: {type(f.error).__name__}: {str(f.error)[:200]}" for f in wrong[:6]
         )
         alone: dict[tuple, pic.Generation | None] = {}
+        num_compared = 0
         for out in self.outcomes:
             key = (out.ids, out.ask.query, out.ask.policy, out.ask.max_new_tokens)
             if key not in alone:
                 alone[key] = self._alone(out)
             if alone[key] is not None:
                 self._same(out, alone[key])
-        compared = [
-            out for out in self.outcomes if alone[(out.ids, out.ask.query, out.ask.policy, out.ask.max_new_tokens)]
-        ]
-        assert len(compared) >= 0.8 * len(self.outcomes), f"seed {self.seed}: {len(compared)} of {len(self.outcomes)}"
+                num_compared += 1
+        # (a reference the quota refuses is not compared; most must be, or the check proves little)
+        assert num_compared >= 0.8 * len(self.outcomes), f"seed {self.seed}: {num_compared} of {len(self.outcomes)}"
         self.check_rest()
         assert self.engine.link(self.ids, "The end").generate(4).stats.num_generated_tokens >= 1
 

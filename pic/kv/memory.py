@@ -76,6 +76,14 @@ def _cpu_available_bytes() -> int | None:
         return None
 
 
+def physical_memory_bytes() -> int | None:
+    """This machine's physical memory in bytes, free or not (``None`` where the system does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # no such sysconf name on this system
+        return None
+
+
 def format_bytes(num_bytes: int) -> str:
     """``"1.5 GiB"``."""
     value, unit = float(num_bytes), "B"

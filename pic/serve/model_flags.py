@@ -2,7 +2,7 @@
 before either runs: ``--device`` and ``--dtype`` as ``pic.load`` resolves them, ``--decode-weights int8``'s needs of
 both, a ``--kv-pool-tokens`` too small for the start-up check (``pic check``) on any model, and a ``--disk-path``
 that cannot be a folder. Each is known without the model, so a bad value is an argparse error naming its flag (exit
-2), not an error after a load of seconds to minutes (issue 67, item 6)."""
+2), not an error after a load of seconds to minutes."""
 
 from __future__ import annotations
 

@@ -3,18 +3,8 @@ may be written on one machine for another)."""
 
 from __future__ import annotations
 
-import os
-
 from pic.errors import InvalidInputError
-from pic.kv.memory import format_bytes
-
-
-def physical_memory_bytes() -> int | None:
-    """This machine's physical memory in bytes (``None`` where the system does not say)."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):  # no such sysconf name on this system
-        return None
+from pic.kv.memory import format_bytes, physical_memory_bytes
 
 
 def check_cpu_tier(cpu_bytes: int | None) -> None:

@@ -92,7 +92,7 @@ class WorkerSide:
     """
 
     def __init__(self, setup: Setup, rope: object, ranks: Ranks) -> None:
-        self.setup, self.rope, self.ranks, self.heads = setup, rope, ranks, ranks.heads
+        self.setup, self.rope, self.ranks = setup, rope, ranks
         self._layers: dict[str, object] = {}
         self._loads: list[_Load] = []
         self._saves: list[_Save] = []
@@ -127,8 +127,9 @@ class WorkerSide:
         layer, index = self._layers[layer_name], layer_index(layer_name)
         device, dtype = layer.kv_cache.device, self.setup.expected.dtype
         for load in self._loads:
-            k = load.chunk.k[index, load.part, self.heads].to(device=device, dtype=dtype)
-            v = load.chunk.v[index, load.part, self.heads].to(device=device, dtype=dtype)
+            heads = self.ranks.heads
+            k = load.chunk.k[index, load.part, heads].to(device=device, dtype=dtype)
+            v = load.chunk.v[index, load.part, heads].to(device=device, dtype=dtype)
             k = apply_rope(k, load.cos, load.sin)
             kv_io.write_cache(layer, k.contiguous(), v.contiguous(), layer.kv_cache, load.slots)
 
