@@ -1519,6 +1519,20 @@ def dtype_answers_table() -> str:
     return "\n".join(lines).replace("|  |", "| |")
 
 
+@figure
+def cpu_default_dtype() -> str:
+    """docs/cpu.md: why the CPU's default dtype is what it is, from the grid in both dtypes (dtype_answers.json)."""
+    cells = results("dtype_answers.json")["cells"]
+    diffs = [(r["diff"], name, row) for name, cell in cells.items() for row, r in cell["rows"].items()]
+    worst, name, row = min(diffs)
+    model, _, rest = name.partition("_")
+    num_within = sum(diff >= -0.02 for diff, _, _ in diffs)
+    return (
+        f"{num_within} of the grid's {len(diffs)} rows hold within 2 points in bfloat16; the largest loss is "
+        f"{100 * worst:+.1f} points ({_MODEL_NAMES.get(model, model)}, {rest.replace('_', ', asked ')}, {row})"
+    ).replace("loss is -", "loss is −")
+
+
 _MODEL_NAMES = {"smollm2": "SmolLM2-135M", "qwen0.5b": "Qwen2.5-Coder-0.5B", "qwen1.5b": "Qwen2.5-Coder-1.5B"}
 
 

@@ -3,6 +3,9 @@ can give; the reason ``pic check`` and ``pic demo`` print; bfloat16 chunks under
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -11,6 +14,7 @@ from pic.model import dtypes
 from pic.model.dtypes import Bf16Unit, choose_dtype, cpu_bf16_unit
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 
 
 @pytest.mark.parametrize(
@@ -29,8 +33,22 @@ def test_auto_on_the_cpu_follows_its_bfloat16_unit(unit, expected):
 def test_the_default_stays_float32_on_the_cpu_and_names_what_auto_would_run():
     assert choose_dtype(None, CPU, unit=Bf16Unit.AVX512).dtype == torch.float32
     assert "dtype='auto' would run bfloat16 (AVX512-BF16)" in choose_dtype(None, CPU, unit=Bf16Unit.AVX512).reason
-    assert choose_dtype(None, CPU, unit=Bf16Unit.NONE).reason == "the CPU's default"
+    assert choose_dtype(None, CPU, unit=Bf16Unit.NONE).reason == dtypes.CPU_DEFAULT_REASON
+    assert dtypes.CPU_DEFAULT_REASON.startswith("the CPU's default: ")
     assert choose_dtype(None, CUDA).dtype == choose_dtype("auto", CUDA).dtype == torch.bfloat16
+
+
+def test_the_cpu_default_is_what_the_grid_in_bfloat16_says():
+    """bfloat16 becomes the CPU's default only where every grid cell's answers hold within ``CPU_BF16_MAX_LOSS`` of
+    float32's (issue 66's rule), as ``benchmarks/results/dtype_answers.json`` measured them, paired case by case. A
+    new run of ``benchmarks/dtype_answers.py`` that holds everywhere fails this test until the default follows it."""
+    cells = json.loads((RESULTS / "dtype_answers.json").read_text())["cells"]
+    diffs = {(name, row): r["diff"] for name, cell in cells.items() for row, r in cell["rows"].items()}
+    assert len(cells) >= 8 and {row for _, row in diffs} >= {"full"}, "the grid's cells in both dtypes"
+    holds = min(diffs.values()) >= -dtypes.CPU_BF16_MAX_LOSS
+    losing = {key: round(diff, 3) for key, diff in diffs.items() if diff < -dtypes.CPU_BF16_MAX_LOSS}
+    assert holds == (dtypes.CPU_DEFAULT == torch.bfloat16), f"cells losing more than the bar in bfloat16: {losing}"
+    assert holds or "not within 2 points" in dtypes.CPU_DEFAULT_REASON
 
 
 def test_names_and_dtypes_asked_for_are_taken_as_they_are():
