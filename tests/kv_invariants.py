@@ -8,9 +8,10 @@ from pic.kv import BlockPool
 def check_pool(pool: BlockPool, expected_refs: dict[int, int] | None = None) -> None:
     """Assert every invariant of ``pool``'s bookkeeping; O(num_blocks).
 
-    * The free queue is a well-formed doubly-linked list of distinct blocks and ``len`` counts them.
-    * A block is in the queue exactly when it is a plain block with no reference (``chunk is None``
-      and ``ref_cnt == 0``) or a block of an evictable chunk (no reference, not pinned).
+    * The plain free queue is a well-formed doubly-linked list of distinct blocks and ``len`` counts them; a block
+      is linked into it exactly when it is a plain block with no reference (``chunk is None`` and ``ref_cnt == 0``).
+    * ``free_queue`` (the plain queue, then the evictable chunks' blocks) holds a block exactly when it is a plain
+      block with no reference or a block of an evictable chunk (no reference, not pinned).
     * A resident chunk's blocks point back at it, and its ``num_refs`` is the sum of their ``ref_cnt``.
     * Plain free blocks precede every chunk block in the queue; each evictable chunk's blocks sit
       together, in the chunk's order.
@@ -26,12 +27,14 @@ def check_pool(pool: BlockPool, expected_refs: dict[int, int] | None = None) -> 
         expected_refs: block id -> the references the caller's live mappings (block tables, holds)
             account for; every block's ``ref_cnt`` must equal ``expected_refs.get(block_id, 0)``.
     """
-    queue = list(pool.free_queue)
-    assert len(queue) == len(pool.free_queue), (len(queue), len(pool.free_queue))
+    plain = list(pool._plain)
+    assert len(plain) == len(pool._plain), (len(plain), len(pool._plain))
+    queue = pool.free_queue
     queued_ids = [b.block_id for b in queue]
     assert len(set(queued_ids)) == len(queued_ids), f"a block is queued twice: {queued_ids}"
     assert all(pool.blocks[i] is b for i, b in zip(queued_ids, queue, strict=True)), "a foreign block in the queue"
-    for before, block, after in zip([None, *queue], queue, [*queue[1:], None], strict=False):  # [None] when empty
+    assert queue[: len(plain)] == plain, "the plain free blocks are not first"
+    for before, block, after in zip([None, *plain], plain, [*plain[1:], None], strict=False):  # [None] when empty
         assert block.prev is not None and block.next is not None, block
         assert before is None or block.prev is before, f"{block}.prev is not {before}"
         assert after is None or block.next is after, f"{block}.next is not {after}"
@@ -42,7 +45,7 @@ def check_pool(pool: BlockPool, expected_refs: dict[int, int] | None = None) -> 
     for block in pool.blocks:
         assert block.ref_cnt >= 0, block
         assert (block.prev is None) == (block.next is None), f"{block} is half linked"
-        assert block.is_queued == (block.block_id in queued), f"{block} is linked but not reachable from the queue"
+        assert block.is_queued == (block in plain), f"{block} is linked but not reachable from the plain queue"
         chunk = block.chunk
         if chunk is None:
             should_queue = block.ref_cnt == 0
@@ -50,7 +53,9 @@ def check_pool(pool: BlockPool, expected_refs: dict[int, int] | None = None) -> 
             assert pool.chunks.get(chunk.key) is chunk, f"{block} belongs to a chunk that is not resident"
             assert any(b is block for b in chunk.blocks), f"{block} is not among its chunk's blocks"
             should_queue = chunk.is_evictable
-        assert block.is_queued == should_queue, f"{block}: queued {block.is_queued}, should be {should_queue}"
+            assert not block.is_queued, f"{block}: a chunk block in the plain queue"
+        queued_here = block.block_id in queued
+        assert queued_here == should_queue, f"{block}: queued {queued_here}, should be {should_queue}"
         if expected_refs is not None:
             assert block.ref_cnt == expected_refs.get(block.block_id, 0), (block, expected_refs.get(block.block_id, 0))
     if expected_refs is not None:

@@ -68,7 +68,7 @@ def test_released_request_kv_drops_its_scratch():
                     dtype=torch.float32, device=torch.device("cpu"))  # fmt: skip
     kv = RequestKV(cache, [0], num_slots=2)
     kv.scratch["x"] = torch.zeros(3)
-    assert kv.release() == [0] and kv.release() == []  # (its blocks, to free, once)
+    assert kv.release().tolist() == [0] and kv.release().tolist() == []  # (its blocks, to free, once)
     assert kv.scratch == {}
 
 

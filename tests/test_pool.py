@@ -162,7 +162,7 @@ def test_a_released_chunk_stays_resident_and_evictable():
     assert pool.num_available_blocks == 8 and ids(pool.free_queue)[-3:] == blocks  # at the tail, in order
     check_pool(pool)
 
-    assert pool.hold("c") == blocks  # holding takes it back out of the queue
+    assert pool.hold("c").tolist() == blocks  # holding takes it back out of the queue
     assert chunk.num_refs == 3 and pool.num_available_blocks == 5 and not chunk.is_evictable
     check_pool(pool, {i: 1 for i in blocks})
     pool.incref(blocks[1:])  # a request maps two of its blocks
@@ -226,7 +226,7 @@ def test_eviction_takes_whole_chunks_least_recently_released_first():
 
 def test_held_and_pinned_chunks_are_never_evicted():
     pool, (c0, c1) = chunk_pool(8, 2, 2)
-    held = pool.hold("c0")
+    held = pool.hold("c0").tolist()
     assert pool.pin("c1") and pool.chunks["c1"].pinned
     assert pool.num_available_blocks == 4 and pool.stats().num_used_blocks == 4
     check_pool(pool, {i: 1 for i in held})
@@ -254,7 +254,7 @@ def test_pin_and_unpin():
     assert pool.pin("c0") and pool.pin("c0")  # twice is once
     assert pool.num_available_blocks == 2 and pool.stats().num_used_blocks == 2 and pool.stats().peak_used_blocks == 2
     check_pool(pool)
-    held = pool.hold("c0")  # a pinned chunk can be held, and stays out of the queue when released
+    held = pool.hold("c0").tolist()  # a pinned chunk can be held, and stays out of the queue when released
     pool.free(held)
     assert pool.num_available_blocks == 2
     check_pool(pool)
@@ -269,7 +269,7 @@ def test_pin_and_unpin():
 
 def test_drop_keeps_a_held_chunks_blocks_until_released():
     pool, (c0, c1, c2) = chunk_pool(8, 2, 2, 2)
-    held = pool.hold("c1")
+    held = pool.hold("c1").tolist()
     assert pool.drop("c1") and "c1" not in pool.chunks
     assert all(pool.blocks[i].chunk is None and pool.blocks[i].ref_cnt == 1 for i in held)
     assert pool.num_available_blocks == 6 and pool.stats().num_private_blocks == 2  # the holder's now
@@ -287,7 +287,7 @@ def test_drop_keeps_a_held_chunks_blocks_until_released():
 
 def test_num_available_counts_what_holding_takes():
     pool, (c0, c1, c2) = chunk_pool(10, 2, 3, 1)  # 4 plain free blocks
-    held = pool.hold("c1")
+    held = pool.hold("c1").tolist()
     assert pool.num_available() == 7  # 4 plain + c0's 2 + c2's 1
     assert pool.num_available(holding=["c0"]) == 5
     assert pool.num_available(holding=["c0", "c0", "c2"]) == 4  # each chunk counted once
@@ -315,7 +315,7 @@ def test_stats():
         peak_used_blocks=5,  # while they were compiled
     )
     # A request: holds c1, maps two of its blocks, owns 2 private blocks, then drops the hold.
-    held = pool.hold("c1")
+    held = pool.hold("c1").tolist()
     pool.incref(c1[1:])
     private = pool.allocate(2)
     assert pool.stats().peak_used_blocks == 5
@@ -447,7 +447,7 @@ def test_random_operations_keep_the_invariants(seed):
             pool.free(pick(model.private))
         elif op == "hold" and model.chunks:
             key = rng.choice(sorted(model.chunks))
-            model.holds.append(pool.hold(key))
+            model.holds.append(pool.hold(key).tolist())
             assert model.holds[-1] == model.chunks[key]
         elif op == "release" and model.holds:
             pool.free(pick(model.holds))

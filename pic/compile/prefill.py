@@ -112,15 +112,14 @@ class ChunkPrefill:
     def finish(self) -> tuple[ChunkInfo, list[int], list[int]]:
         """After the last piece: the chunk's info, its canonical blocks and its lead blocks (the caller frees those)."""
         assert self.is_done and self.kv is not None
-        blocks, self.kv.blocks = self.kv.blocks, []
-        self.kv.release()
+        blocks = self.kv.release().tolist()  # (it holds no chunk blocks: its own, in order)
         kept = torch.tensor(self.token_ids[self.num_dropped :], dtype=torch.long)
         info = ChunkInfo(cache_id=self.cache_id, token_ids=kept, options=self.options)
         return info, blocks[self._num_lead :], blocks[: self._num_lead]
 
     def abort(self) -> list[int]:
         """The blocks it took, to free (once; then ``[]``)."""
-        return [] if self.kv is None else self.kv.release()
+        return [] if self.kv is None else self.kv.release().tolist()
 
     def __repr__(self) -> str:
         return f"ChunkPrefill({self.cache_id[:12]}, {self.num_done}/{len(self.token_ids)} tokens)"

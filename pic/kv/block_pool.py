@@ -2,10 +2,15 @@
 
 A compiled chunk lives in the pool as *canonical blocks* registered under its cache id. Requests map
 a chunk's clean blocks into their block tables (a reference each, no copy) and own private blocks for
-everything they write. A chunk no request references stays resident: its blocks wait at the back of
-the free queue, still holding its KV, and are only reused when plain free blocks run out, least
+everything they write. A chunk no request references stays resident: it waits among its owner's evictable
+chunks, still holding its KV, and its blocks are only reused when plain free blocks run out, least
 recently used chunk first and a whole chunk at a time (a chunk missing one block is useless, so its
-other blocks are freed with it). Pinned chunks never enter the queue, so they are never evicted.
+other blocks are freed with it). Pinned chunks are never evictable.
+
+References are counted in an array by block id, a whole block table in a few array operations, and a chunk's
+count moves once per chunk (a 32K-token link maps 2,048 blocks of 64 chunks): the work of holding, mapping and
+freeing a link's blocks does not grow per block in Python. Per block in Python is only what is per block anyway:
+allocating private blocks, making a chunk resident, evicting or dropping one.
 
 Owners: every block in use or resident is charged to a namespace (``pic.namespaces``): a private block to whoever
 allocated it, a chunk's blocks to the chunk's namespace. An owner's *share* (``floor(kv_share * num_blocks)``,
@@ -29,6 +34,8 @@ import math
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+
+import numpy as np
 
 from pic.errors import KVPoolExhaustedError
 from pic.kv.blocks import Block, FreeBlockQueue, Owner, ResidentChunk
@@ -81,8 +88,10 @@ class BlockPool:
     def __init__(self, num_blocks: int, *, block_size: int, kv_shares: Mapping[str, float] | None = None) -> None:
         assert num_blocks > 0, num_blocks
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_queue = FreeBlockQueue(self.blocks)
+        self._refs = np.zeros(num_blocks, dtype=np.int64)  # block id -> references (``Block.ref_cnt``)
+        self._chunk_of = np.full(num_blocks, -1, dtype=np.int64)  # block id -> its chunk's first block (-1: none)
+        self.blocks = [Block(i, self._refs) for i in range(num_blocks)]
+        self._plain = FreeBlockQueue(self.blocks)  # free blocks of no chunk; evictable chunks are their owners'
         self.chunks: dict[str, ResidentChunk] = {}  # cache id -> resident chunk
         # name -> Owner: every owner charged a block now, and every owner with a share (read-only outside the pool)
         self.owners: dict[str, Owner] = {}
@@ -90,15 +99,22 @@ class BlockPool:
             blocks = math.floor(share * num_blocks + 1e-9)  # (0.29 * 100 is 28.999...)
             if blocks > 0:
                 self.owners[name] = Owner(name, share=blocks)
-        self._num_evictable = 0  # blocks of evictable chunks (the queue's tail); the rest of the queue is plain
+        self._num_evictable = 0  # blocks of evictable chunks
         self._clock = 0  # counts chunks becoming evictable: their ``released`` order
         self._peak_used = 0
         self.num_evicted_chunks = 0  # chunks evicted to make room
 
     @property
     def num_available_blocks(self) -> int:
-        """Empty and evictable chunk blocks (the free queue), whoever's."""
-        return len(self.free_queue)
+        """Empty and evictable chunk blocks, whoever's."""
+        return len(self._plain) + self._num_evictable
+
+    @property
+    def free_queue(self) -> list[Block]:
+        """The unreferenced blocks in the order the pool reuses them when no owner has a share: plain free blocks,
+        then evictable chunks' blocks, least recently released chunk first (for checks and tests; O(blocks))."""
+        evictable = sorted((c for o in self.owners.values() for c in o.evictable.values()), key=lambda c: c.released)
+        return [*self._plain, *(b for chunk in evictable for b in chunk.blocks)]
 
     def is_resident(self, key: str) -> bool:
         return key in self.chunks
@@ -150,7 +166,7 @@ class BlockPool:
         raise KVPoolExhaustedError(
             f"KV pool exhausted: {what} needs {num_blocks} blocks of {self.block_size} tokens but "
             f"{available} of {self.num_blocks} are available{whose} (empty or evictable; "
-            f"{self.num_blocks - len(self.free_queue)} are held by live requests and pinned chunks{shares}); "
+            f"{self.num_blocks - self.num_available_blocks} are held by live requests and pinned chunks{shares}); "
             f"raise PICConfig.kv_pool_tokens, or generate from / release pending Linked requests"
         )
 
@@ -167,40 +183,61 @@ class BlockPool:
         for _ in range(num_blocks):
             if self._num_plain == 0:
                 self._evict(self._victim(owner))
-            block = self.free_queue.popleft()
-            assert block.chunk is None, f"{block}: a chunk block in front of the plain free ones"
-            block.ref_cnt, block.owner = 1, owner
+            block = self._plain.popleft()
+            block.owner = owner
             self._owner(owner).usage += 1  # (looked up again: evicting its last chunk may have forgotten it)
             taken.append(block.block_id)
+        self._refs[taken] = 1
         self._note_used()
         return taken
 
-    def free(self, block_ids: Iterable[int]) -> None:
-        """Drop one reference to each block. A private block with none left is free at once (no longer charged to its
-        owner); a chunk with none left becomes evictable, most recently used."""
-        blocks = self.blocks
-        for block_id in block_ids:
-            block = blocks[block_id]
-            assert block.ref_cnt > 0, f"{block} freed twice"
-            block.ref_cnt -= 1
-            chunk = block.chunk
-            if chunk is None:
-                if block.ref_cnt == 0:
-                    self.free_queue.appendleft(block)  # before every chunk block: reused first
-                    self._uncharge(block.owner, 1)
-                continue
-            chunk.num_refs -= 1
-            if chunk.num_refs == 0 and not chunk.pinned:  # (is_evictable, inline: once per block freed)
+    def free(self, block_ids: Iterable[int] | np.ndarray) -> None:
+        """Drop one reference to each block (an id listed twice loses two). A private block with none left is free at
+        once (no longer charged to its owner), the last freed reused first; a chunk with none left becomes
+        evictable, most recently used (chunks freed together: in the order of their last block here)."""
+        ids = _as_ids(block_ids)
+        if not ids.size:
+            return
+        refs = self._refs
+        np.subtract.at(refs, ids, 1)
+        if refs[ids].min() < 0:
+            np.add.at(refs, ids, 1)
+            raise AssertionError(f"blocks freed twice among {ids.tolist()}")
+        firsts = self._chunk_of[ids]
+        private = ids[firsts < 0]
+        for block_id in dict.fromkeys(private[refs[private] == 0].tolist()):  # (once each, in the order given)
+            block = self.blocks[block_id]
+            self._plain.appendleft(block)
+            self._uncharge(block.owner, 1)
+        for chunk, num_refs in self._by_chunk(firsts[firsts >= 0], ordered=True):
+            chunk.num_refs -= num_refs
+            if chunk.is_evictable:
                 self._enqueue(chunk)
 
-    def incref(self, block_ids: Iterable[int]) -> None:
+    def incref(self, block_ids: Iterable[int] | np.ndarray) -> None:
         """One more reference to blocks of chunks the caller holds (mapping them into a block table)."""
+        ids = _as_ids(block_ids)
+        firsts = self._chunk_of[ids]
+        assert (firsts >= 0).all(), f"not a held chunk block among {ids.tolist()}: of no chunk"
+        for chunk, num_refs in self._by_chunk(firsts, ordered=False):
+            assert chunk.num_refs > 0, f"not a held chunk block among {ids.tolist()}: chunk {chunk.key} is not held"
+            chunk.num_refs += num_refs
+        np.add.at(self._refs, ids, 1)
+
+    def _by_chunk(self, firsts: np.ndarray, *, ordered: bool) -> list[tuple[ResidentChunk, int]]:
+        """The chunks named by ``firsts`` (blocks' chunks, by first block), each with the times it is named;
+        ``ordered``: in the order of each one's last place in ``firsts`` (where a loop over the blocks would be done
+        with it), else in any order."""
+        if not firsts.size:
+            return []
+        if not ordered:
+            keys, counts = np.unique(firsts, return_counts=True)
+        else:
+            keys, where, counts = np.unique(firsts[::-1], return_index=True, return_counts=True)
+            order = np.argsort(-where, kind="stable")
+            keys, counts = keys[order], counts[order]
         blocks = self.blocks
-        for block_id in block_ids:
-            block = blocks[block_id]
-            assert block.chunk is not None and block.chunk.num_refs > 0, f"{block} is not a held chunk block"
-            block.ref_cnt += 1
-            block.chunk.num_refs += 1
+        return [(blocks[k].chunk, n) for k, n in zip(keys.tolist(), counts.tolist(), strict=True)]
 
     def add_chunk(self, key: str, block_ids: list[int], info: object, *, owner: str | None = None) -> None:
         """Make freshly allocated blocks the resident chunk ``key`` of ``owner`` (``None``: the namespace of
@@ -217,19 +254,19 @@ class BlockPool:
                 self._owner(owner).usage += 1
                 block.owner = owner
             block.chunk = chunk
+        self._chunk_of[chunk.ids] = chunk.ids[0]
         self.chunks[key] = chunk
 
-    def hold(self, key: str) -> list[int]:
-        """A reference to every block of the resident chunk ``key`` (taking it out of the free queue,
-        so nothing evicts it); returns its block ids. Release with ``free``."""
+    def hold(self, key: str) -> np.ndarray:
+        """A reference to every block of the resident chunk ``key`` (no longer evictable, so nothing evicts it);
+        returns its block ids (``ResidentChunk.ids``, read-only). Release with ``free``."""
         chunk = self.chunks[key]
         if chunk.is_evictable:
             self._dequeue(chunk)
-        for block in chunk.blocks:
-            block.ref_cnt += 1
+        self._refs[chunk.ids] += 1
         chunk.num_refs += len(chunk.blocks)
         self._note_used()
-        return chunk.block_ids
+        return chunk.ids
 
     def pin(self, key: str) -> bool:
         """Never evict chunk ``key``; ``False`` if it is not resident."""
@@ -258,17 +295,18 @@ class BlockPool:
         if chunk.is_evictable:
             self._dequeue(chunk)
         del self.chunks[key]
+        self._chunk_of[chunk.ids] = -1
         for block in chunk.blocks:
             block.chunk = None
             if block.ref_cnt == 0:
-                self.free_queue.appendleft(block)
+                self._plain.appendleft(block)
                 self._uncharge(block.owner, 1)
         return True
 
     @property
     def _num_plain(self) -> int:
-        """Free blocks of no chunk (the front of the queue)."""
-        return len(self.free_queue) - self._num_evictable
+        """Free blocks of no chunk."""
+        return len(self._plain)
 
     def _owner(self, name: str) -> Owner:
         entry = self.owners.get(name)
@@ -333,9 +371,7 @@ class BlockPool:
         return victim
 
     def _enqueue(self, chunk: ResidentChunk) -> None:
-        """A chunk just became evictable: its blocks go to the back, most recently used, together; and to the back of
-        its owner's evictable chunks."""
-        self.free_queue.extend(chunk.blocks)
+        """A chunk just became evictable: to the back of its owner's evictable chunks, most recently used."""
         self._clock += 1
         chunk.released = self._clock
         entry = self.owners[chunk.owner]
@@ -344,8 +380,7 @@ class BlockPool:
         self._num_evictable += len(chunk.blocks)
 
     def _dequeue(self, chunk: ResidentChunk) -> None:
-        """An evictable chunk is held, pinned or dropped: its blocks leave the queue, wherever they are."""
-        self.free_queue.remove_run(chunk.blocks)  # (queued together by _enqueue, taken out together)
+        """An evictable chunk is held, pinned or dropped: it leaves its owner's evictable chunks, wherever it is."""
         entry = self.owners[chunk.owner]
         del entry.evictable[chunk.key]
         entry.num_evictable -= len(chunk.blocks)
@@ -357,24 +392,26 @@ class BlockPool:
         assert chunk.is_evictable, f"evicting chunk {chunk.key} that is in use or pinned"
         self._dequeue(chunk)
         del self.chunks[chunk.key]
+        self._chunk_of[chunk.ids] = -1
         for block in reversed(chunk.blocks):
             block.chunk = None
-            self.free_queue.appendleft(block)
+            self._plain.appendleft(block)
         self._uncharge(chunk.owner, len(chunk.blocks))
         self.num_evicted_chunks += 1
 
     def _note_used(self) -> None:
-        self._peak_used = max(self._peak_used, self.num_blocks - len(self.free_queue))
+        self._peak_used = max(self._peak_used, self.num_blocks - self.num_available_blocks)
 
     def reset_peak(self) -> None:
         """Start ``peak_used_blocks`` again from the blocks in use now."""
-        self._peak_used = self.num_blocks - len(self.free_queue)
+        self._peak_used = self.num_blocks - self.num_available_blocks
 
     def audit(self, references: Counter[int]) -> str | None:
         """Whether the pool adds up with ``references`` (block id -> the references its holders know of: block
         tables, holds, blocks set aside, prefills): every block's count equal to them, every chunk's ``num_refs`` the
-        sum of its blocks', the free queue exactly the unreferenced blocks, each owner charged its blocks. ``None``
-        when it does, else the first thing that does not (a failed step's check: ``EngineCore``). O(blocks)."""
+        sum of its blocks', the plain free queue exactly the unreferenced blocks of no chunk and the owners'
+        evictable chunks exactly the unreferenced unpinned ones, each owner charged its blocks. ``None`` when it
+        does, else the first thing that does not (a failed step's check: ``EngineCore``). O(blocks)."""
         charged: Counter[str] = Counter()
         for block in self.blocks:
             if block.ref_cnt != (known := references[block.block_id]):
@@ -382,15 +419,18 @@ class BlockPool:
             chunk = block.chunk
             if chunk is not None and self.chunks.get(chunk.key) is not chunk:
                 return f"block {block.block_id} belongs to chunk {chunk.key[:12]}, which is not resident"
-            unused = block.ref_cnt == 0 and (chunk is None or chunk.is_evictable)
-            if unused != block.is_queued:
-                state = ("unused", "not queued") if unused else ("in use", "queued")
+            if (block.ref_cnt == 0 and chunk is None) != block.is_queued:
+                state = ("unused", "not queued") if not block.is_queued else ("in use", "queued")
                 return f"block {block.block_id} is {state[0]} but {state[1]}"
             if block.ref_cnt or chunk is not None:
                 charged[block.owner] += 1
+        evictable = {key for entry in self.owners.values() for key in entry.evictable}
         for chunk in self.chunks.values():
             if chunk.num_refs != sum(b.ref_cnt for b in chunk.blocks):
                 return f"chunk {chunk.key[:12]} counts {chunk.num_refs} references, its blocks others"
+            if chunk.is_evictable != (chunk.key in evictable):
+                state = "" if chunk.is_evictable else "not "
+                return f"chunk {chunk.key[:12]} is {state}evictable, its owner's list not"
         usage = Counter({name: entry.usage for name, entry in self.owners.items() if entry.usage})
         return None if usage == charged else f"owners are charged {dict(usage)}, their blocks {dict(charged)}"
 
@@ -401,15 +441,22 @@ class BlockPool:
         num_held_chunk = sum(len(c.blocks) for c in chunks if not c.is_evictable)
         return KVStats(
             num_blocks=self.num_blocks,
-            num_empty_blocks=len(self.free_queue) - num_evictable,
+            num_empty_blocks=len(self._plain),
             num_evictable_blocks=num_evictable,
             num_held_chunk_blocks=num_held_chunk,
-            num_private_blocks=self.num_blocks - len(self.free_queue) - num_held_chunk,
+            num_private_blocks=self.num_blocks - len(self._plain) - num_evictable - num_held_chunk,
             num_shared_block_refs=sum(c.num_refs for c in chunks),
             num_resident_chunks=len(self.chunks),
             num_evicted_chunks=self.num_evicted_chunks,
             peak_used_blocks=self._peak_used,
         )
+
+
+def _as_ids(block_ids: Iterable[int] | np.ndarray) -> np.ndarray:
+    """``[n]`` int64 block ids: an array as it is, any other iterable of ints copied into one."""
+    if isinstance(block_ids, np.ndarray):
+        return block_ids
+    return np.fromiter(block_ids, dtype=np.int64)
 
 
 def namespace_of(info: object) -> str:

@@ -2,11 +2,11 @@
 them for reuse.
 
 The four are one idea: a block points at its chunk, a chunk lists its blocks, an owner (a namespace) keeps its
-evictable chunks in the order they were released, and the queue links blocks through fields of their own. The free
-queue is an intrusive doubly-linked list (vLLM v1's ``FreeKVCacheBlockQueue``): a ``deque`` cannot remove an element
-from its middle in O(1); this list can, because every block carries its own ``prev`` / ``next`` links. That is what
-lazy eviction needs: an unreferenced chunk's blocks wait in the queue, still holding the chunk's KV, and a request
-that links the chunk takes them back out, wherever they are, before anyone overwrites them.
+evictable chunks in the order they were released, and the queue links plain free blocks through fields of their own
+(an intrusive doubly-linked list, vLLM v1's ``FreeKVCacheBlockQueue``). An unreferenced chunk's blocks are in no
+queue: they wait, still holding the chunk's KV, among their owner's evictable chunks, so a request that links the
+chunk takes it back with one operation on the chunk, not one per block. A block's reference count lives in its
+pool's array (``BlockPool``: counted in bulk over a block table), read here.
 """
 
 from __future__ import annotations
@@ -14,26 +14,33 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterator
 
+import numpy as np
+
 
 class Block:
     """One physical KV block's bookkeeping (the KV itself lives in ``KVCache``). ``ref_cnt``: block tables that
-    map it (a shared chunk block: the requests aliasing it, plus holds taken while a request is assembled);
-    ``chunk``: the resident chunk it belongs to; ``owner``: the namespace it is charged to while in use or resident
-    (who allocated it; a chunk block's is its chunk's); ``prev``, ``next``: the free queue's links (``None``: not
-    in it).
+    map it (a shared chunk block: the requests aliasing it, plus holds taken while a request is assembled), read
+    from ``refs``, the pool's counts by block id (a block of no pool, a queue's test, counts none); ``chunk``: the
+    resident chunk it belongs to; ``owner``: the namespace it is charged to while in use or resident (who allocated
+    it; a chunk block's is its chunk's); ``prev``, ``next``: the plain free queue's links (``None``: not in it).
     """
 
-    __slots__ = ("block_id", "ref_cnt", "chunk", "owner", "prev", "next")
+    __slots__ = ("block_id", "chunk", "owner", "prev", "next", "_refs")
 
-    def __init__(self, block_id: int) -> None:
-        self.block_id, self.ref_cnt = block_id, 0
+    def __init__(self, block_id: int, refs: np.ndarray | None = None) -> None:
+        self.block_id, self._refs = block_id, refs
         self.chunk: ResidentChunk | None = None
         self.owner = ""
         self.prev: Block | None = None
         self.next: Block | None = None
 
     @property
+    def ref_cnt(self) -> int:
+        return 0 if self._refs is None else int(self._refs[self.block_id])
+
+    @property
     def is_queued(self) -> bool:
+        """Whether it is in a plain free queue (a chunk's blocks never are)."""
         return self.prev is not None
 
     def __repr__(self) -> str:
@@ -42,23 +49,25 @@ class Block:
 
 
 class ResidentChunk:
-    """A chunk's canonical blocks, in order. ``num_refs`` is the sum of its blocks' ``ref_cnt``: the
-    chunk is evictable exactly when it is 0 and the chunk is not pinned. ``info`` is the caller's
-    description of the chunk (tokens, options), kept alongside; ``owner``: its namespace, charged for its blocks;
-    ``released``: when it last became evictable (the pool's clock: least recently used first across owners)."""
+    """A chunk's canonical blocks, in order (``ids``: their ids, a read-only int64 array, what a hold hands out).
+    ``num_refs`` is the sum of its blocks' ``ref_cnt``: the chunk is evictable exactly when it is 0 and the chunk is
+    not pinned. ``info`` is the caller's description of the chunk (tokens, options), kept alongside; ``owner``: its
+    namespace, charged for its blocks; ``released``: when it last became evictable (the pool's clock: least recently
+    used first across owners)."""
 
-    __slots__ = ("key", "blocks", "num_refs", "pinned", "info", "owner", "released", "_ids")
+    __slots__ = ("key", "blocks", "ids", "num_refs", "pinned", "info", "owner", "released")
 
     def __init__(self, key: str, blocks: list[Block], info: object, *, owner: str = "") -> None:
         self.key, self.blocks, self.info, self.owner = key, blocks, info, owner
-        self._ids = [b.block_id for b in blocks]  # (its blocks never change)
+        self.ids = np.array([b.block_id for b in blocks], dtype=np.int64)  # (its blocks never change)
+        self.ids.flags.writeable = False
         self.num_refs = sum(b.ref_cnt for b in blocks)
         self.pinned = False
         self.released = 0
 
     @property
     def block_ids(self) -> list[int]:
-        return list(self._ids)
+        return self.ids.tolist()
 
     @property
     def is_evictable(self) -> bool:
@@ -94,9 +103,8 @@ class Owner:
 
 
 class FreeBlockQueue:
-    """Blocks no request references, in the order they are handed out (``popleft``). The pool keeps plain free
-    blocks at the front and the blocks of evictable chunks behind them, least recently used chunk first, so a
-    chunk is evicted only when no plain free block is left. Every operation is O(1)."""
+    """Plain free blocks (of no chunk, no reference), in the order they are handed out (``popleft``): a block freed
+    goes to the front, reused first, and so do an evicted chunk's. Every operation is O(1)."""
 
     def __init__(self, blocks: list[Block]) -> None:
         self._head, self._tail = Block(-1), Block(-1)  # sentinels: the list is never empty, no end is special
@@ -123,30 +131,6 @@ class FreeBlockQueue:
 
     def append(self, block: Block) -> None:
         self._insert(block, after=self._tail.prev)
-
-    def extend(self, blocks: list[Block]) -> None:
-        """``append`` each of ``blocks`` (not queued), in order: one pass."""
-        if not blocks:
-            return
-        prev = self._tail.prev
-        for block in blocks:
-            assert block.prev is None, f"{block} queued twice"
-            block.prev, prev.next = prev, block
-            prev = block
-        prev.next, self._tail.prev = self._tail, prev
-        self._len += len(blocks)
-
-    def remove_run(self, blocks: list[Block]) -> None:
-        """``remove`` each of ``blocks``, which are queued one after another in this order (a chunk's): unlinked
-        at both ends at once."""
-        if not blocks:
-            return
-        first, last = blocks[0], blocks[-1]
-        assert first.prev is not None and last.next is not None, f"{first} is not in the free queue"
-        first.prev.next, last.next.prev = last.next, first.prev
-        for block in blocks:
-            block.prev = block.next = None
-        self._len -= len(blocks)
 
     def appendleft(self, block: Block) -> None:
         self._insert(block, after=self._head)

@@ -7,6 +7,7 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pic.attention.ape import ContextScaling
@@ -84,20 +85,28 @@ class RequestKV:
     """The blocks a request maps, in slot order, and what each slot holds: ``kv_positions[s]``, the logical position
     of the token in request slot ``s`` (-1: padding, or not yet written: masked in attention); ``physical(slots)``
     maps slots to rows of the cache's flattened K/V. The request owns one reference to every block of its table
-    (``block_ids``) and, while it is being linked, ``held`` references to its chunks' canonical blocks, which a
-    dynamic policy reads in the recompute pass (``release_held`` hands them back after it). ``num_slots``: slots in
-    use (written or padding); decoding appends after them. It keeps no pool: the KV manager takes and frees its
-    blocks (``pic.engine.core.kv_manager``), and every method here that lets references go returns them to free."""
+    (``blocks``: int64 on the host, in slot order) and, while it is being linked, ``held`` references to its chunks'
+    canonical blocks, which a dynamic policy reads in the recompute pass (``release_held`` hands them back after it).
+    ``num_slots``: slots in use (written or padding); decoding appends after them. It keeps no pool: the KV manager
+    takes and frees its blocks (``pic.engine.core.kv_manager``), and every method here that lets references go
+    returns them to free (arrays: the pool counts them in bulk)."""
 
-    def __init__(self, cache: KVCache, block_ids: list[int], *, num_slots: int, held: Sequence[int] = ()) -> None:
+    def __init__(
+        self,
+        cache: KVCache,
+        block_ids: Sequence[int] | np.ndarray,
+        *,
+        num_slots: int,
+        held: Sequence[int] | np.ndarray = (),
+    ) -> None:
         assert len(block_ids) * cache.block_size >= num_slots, (len(block_ids), num_slots)
         self.cache = cache
-        self.blocks: list[int] = list(block_ids)
+        self.blocks = np.array(block_ids, dtype=np.int64)  # (a copy: the caller's is not written)
         device = cache.device
-        self.block_table = long_tensor(self.blocks, device)  # [num_blocks], no host sync
+        self.block_table = _table(self.blocks, device)  # [num_blocks], no host sync
         self.kv_positions = torch.full((len(self.blocks) * cache.block_size,), -1, dtype=torch.long, device=device)
         self.num_slots = num_slots
-        self._held = list(held)
+        self._held = np.asarray(held, dtype=np.int64)
         self._released = False
         # What an attention backend derives from this KV and keeps between forwards (AttentionBatch.scratch).
         self.scratch: dict = {}
@@ -107,7 +116,7 @@ class RequestKV:
     @property
     def references(self) -> list[int]:
         """The blocks it holds a reference to, once per reference (its table's and its held chunk blocks)."""
-        return [] if self._released else self.blocks + self._held
+        return [] if self._released else np.concatenate((self.blocks, self._held)).tolist()
 
     def physical(self, slots: torch.Tensor) -> torch.Tensor:
         """Request slots ``[n]`` int64 -> rows of the cache's ``[num_blocks * block_size, ...]`` views."""
@@ -122,7 +131,7 @@ class RequestKV:
     def add_block(self, block: int) -> None:
         """Append a private block (taken for this request) to the table."""
         bs, device = self.cache.block_size, self.block_table.device
-        self.blocks.append(block)
+        self.blocks = np.append(self.blocks, block)
         self.block_table = torch.cat((self.block_table, long_tensor([block], device)))
         self.kv_positions = torch.cat((self.kv_positions, torch.full((bs,), -1, dtype=torch.long, device=device)))
         if self.context is not None:
@@ -139,29 +148,35 @@ class RequestKV:
         """Give the request private copies of the blocks at table ``indices``: each block's KV is copied into
         the matching ``fresh`` block (taken for this request), which takes its place in the table; returns the old
         blocks, whose references the request let go (the caller frees them)."""
-        if not indices:
+        if not len(indices):
             return []
-        old = [self.blocks[i] for i in indices]
+        assert len(indices) == len(fresh), (len(indices), len(fresh))
+        old = self.blocks[indices].tolist()
         self.cache.copy_blocks(old, list(fresh))
-        for i, block in zip(indices, fresh, strict=True):
-            self.blocks[i] = block
-        self.block_table = long_tensor(self.blocks, self.block_table.device)
+        self.blocks[indices] = fresh
+        self.block_table = _table(self.blocks, self.block_table.device)
         self.scratch.clear()  # whatever a backend derived from the old blocks
         return old
 
-    def release_held(self) -> list[int]:
+    def release_held(self) -> np.ndarray:
         """Let the references to chunk blocks the request does not map go (after the recompute pass); returns them."""
-        held, self._held = self._held, []
+        held, self._held = self._held, self._held[:0]
         return held
 
-    def release(self) -> list[int]:
-        """Let every reference the request owns go; returns them, once (then ``[]``): freed, private blocks become
+    def release(self) -> np.ndarray:
+        """Let every reference the request owns go; returns them, once (then none): freed, private blocks become
         free and shared chunk blocks lose one reference and stay resident."""
         if self._released:
-            return []
+            return self.blocks[:0]
         self._released = True
         self.scratch.clear()
-        return self.release_held() + self.blocks
+        return np.concatenate((self.release_held(), self.blocks))
+
+
+def _table(blocks: np.ndarray, device: torch.device) -> torch.Tensor:
+    """``blocks`` as an int64 tensor on ``device`` (a copy: later writes to ``blocks`` do not reach it), no host
+    sync."""
+    return to_device(torch.from_numpy(blocks.copy()), device)
 
 
 @dataclass(frozen=True)

@@ -15,10 +15,10 @@ manager's (``KVManager.allocate``), the pool's one owner.
 from __future__ import annotations
 
 import functools
-from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pic.kv import ChunkInfo, ChunkKV, KVCache, RequestKV, blocks_for
@@ -29,12 +29,12 @@ from pic.link.layout import Layout
 @dataclass(frozen=True)
 class Assembly:
     """A linked request's KV, ready for the recompute pass: ``req`` (the caller releases it), and ``canonical``, each
-    chunk's canonical blocks in prompt order (read by ``source_rows``). ``num_shared_blocks`` map a chunk's block
-    without a copy; the request owns the others."""
+    chunk's canonical blocks in prompt order (int64 arrays, read by ``source_rows``). ``num_shared_blocks`` map a
+    chunk's block without a copy; the request owns the others."""
 
     req: RequestKV
     layout: Layout
-    canonical: list[list[int]]
+    canonical: list[np.ndarray]
     num_shared_blocks: int
     num_private_blocks: int
 
@@ -66,8 +66,8 @@ class AssemblyPlan:
     Attributes:
         chunks: what ``ChunkSources.fetch`` found for the layout's chunks.
         chunk_blocks: the request blocks of every chunk block (``ChunkBlocks``).
-        shared: the request blocks (indices into its table, increasing) mapped as they are: chunk blocks with no
-            recomputed token in them.
+        shared: the request blocks (indices into its table, increasing, int64) mapped as they are: chunk blocks with
+            no recomputed token in them.
         to_promote: chunks to load from a lower tier into fresh canonical blocks.
         resident: resident chunks the request holds while it links, in prompt order.
         num_private: blocks the request owns (prefix, query, copy-on-write chunk blocks).
@@ -76,7 +76,7 @@ class AssemblyPlan:
     layout: Layout
     chunks: tuple[ChunkInfo | ChunkKV, ...]
     chunk_blocks: ChunkBlocks
-    shared: tuple[int, ...]
+    shared: np.ndarray
     to_promote: dict[str, ChunkKV]
     resident: tuple[str, ...]
     num_private: int
@@ -105,7 +105,7 @@ def plan_assembly(
     clean = torch.zeros(num_blocks, dtype=torch.bool)
     clean[chunk_blocks.index] = True
     clean[layout.slots[dirty & layout.cached] // layout.block_size] = False
-    shared = tuple(clean.nonzero().squeeze(1).tolist())
+    shared = clean.nonzero().squeeze(1).numpy()
     to_promote = {c.cache_id: c for c in chunks if isinstance(c, ChunkKV) and not is_resident(c.cache_id)}
     resident = tuple(cid for cid in dict.fromkeys(c.cache_id for c in chunks) if cid not in to_promote)
     return AssemblyPlan(
@@ -122,25 +122,24 @@ def plan_assembly(
 
 def block_table(
     num_blocks: int,
-    shared: Sequence[int],
+    shared: np.ndarray,
     chunk_blocks: ChunkBlocks,
-    canonical: list[list[int]],
+    canonical: list[np.ndarray],
     private: list[int],
-) -> tuple[list[int], list[tuple[int, int]]]:
-    """The block table, and the (canonical, private) block pairs to copy for dirty chunk blocks: the ``shared``
-    request blocks name their chunk's canonical block, the others take the ``private`` blocks in table order, and
-    a chunk block among those copies its canonical block in. ``canonical``: each chunk segment's blocks."""
-    table = torch.full((num_blocks,), -1, dtype=torch.long)
-    table[chunk_blocks.index] = _flat(canonical, chunk_blocks)
-    is_shared = torch.zeros(num_blocks, dtype=torch.bool)
-    is_shared[_longs(shared)] = True
-    source = table[~is_shared]  # each private block's canonical block (-1: prefix, query)
-    fresh = _longs(private)
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The block table (int64), and the canonical and the private blocks of the copies dirty chunk blocks take: the
+    ``shared`` request blocks name their chunk's canonical block, the others take the ``private`` blocks in table
+    order, and a chunk block among those copies its canonical block in. ``canonical``: each chunk segment's blocks."""
+    table = np.full(num_blocks, -1, dtype=np.int64)
+    table[chunk_blocks.index.numpy()] = _flat(canonical, chunk_blocks)
+    is_private = np.ones(num_blocks, dtype=bool)
+    is_private[shared] = False
+    source = table[is_private]  # each private block's canonical block (-1: prefix, query)
+    fresh = np.array(private, dtype=np.int64)
     assert fresh.shape == source.shape, (len(private), source.shape)
-    table[~is_shared] = fresh
+    table[is_private] = fresh
     copied = source >= 0
-    copies = list(zip(source[copied].tolist(), fresh[copied].tolist(), strict=True))
-    return table.tolist(), copies
+    return table, source[copied], fresh[copied]
 
 
 def _chunk_blocks(layout: Layout) -> ChunkBlocks:
@@ -154,27 +153,18 @@ def _chunk_blocks(layout: Layout) -> ChunkBlocks:
     return ChunkBlocks(index, tuple(sizes))
 
 
-def _flat(canonical: list[list[int]], chunk_blocks: ChunkBlocks) -> torch.Tensor:
-    """``[n]`` int64 (CPU), every chunk segment's canonical blocks in ``chunk_blocks``' order."""
+def _flat(canonical: list[np.ndarray], chunk_blocks: ChunkBlocks) -> np.ndarray:
+    """``[n]`` int64, every chunk segment's canonical blocks in ``chunk_blocks``' order."""
     assert tuple(map(len, canonical)) == chunk_blocks.sizes, (tuple(map(len, canonical)), chunk_blocks.sizes)
-    flat = array("q")
-    for blocks in canonical:
-        flat.extend(blocks)
-    return _longs(flat)
+    return np.concatenate(canonical) if canonical else np.empty(0, dtype=np.int64)
 
 
-def _longs(values: Sequence[int]) -> torch.Tensor:
-    """``[n]`` int64 (CPU) of Python ints: through an ``array`` (C ints), a quarter of ``torch.tensor``'s time on a
-    list of thousands."""
-    values = values if isinstance(values, array) else array("q", values)
-    return torch.frombuffer(values, dtype=torch.long) if values else torch.empty(0, dtype=torch.long)
-
-
-def source_rows(layout: Layout, canonical: list[list[int]], cache: KVCache) -> torch.Tensor:
+def source_rows(layout: Layout, canonical: list[np.ndarray], cache: KVCache) -> torch.Tensor:
     """``[T]`` int64 on the cache's device: each prompt token's row in its chunk's canonical blocks (-1: prefix and
     query): a table of every request slot's canonical row, built per block, read at the tokens' slots."""
     bs = layout.block_size
     chunk_blocks = _chunk_blocks(layout)
     rows = torch.full((blocks_for(layout.num_slots, bs), bs), -1, dtype=torch.long)  # [num_blocks, block_size]
-    rows.index_copy_(0, chunk_blocks.index, _flat(canonical, chunk_blocks)[:, None] * bs + torch.arange(bs))
+    flat = torch.from_numpy(_flat(canonical, chunk_blocks))
+    rows.index_copy_(0, chunk_blocks.index, flat[:, None] * bs + torch.arange(bs))
     return to_device(rows.view(-1).index_select(0, layout.slots), cache.device)

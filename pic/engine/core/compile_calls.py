@@ -14,6 +14,8 @@ from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import Future
 
+import numpy as np
+
 from pic.compile import ChunkPrefill
 from pic.engine.core.chunk_sources import ChunkSources
 from pic.engine.core.kv_manager import KVManager
@@ -32,7 +34,7 @@ class CompileCall:
         self.new: list[str] = []  # the ids no tier holds, to prefill (known once every check is answered)
         self.prefilling: set[str] = set()  # ids whose prefill is queued or under way
         self.writes: dict[str, Future] = {}  # cache id -> the loader's write of it to the lower tiers
-        self.held: dict[str, list[int]] = {}  # cache id -> the blocks the call holds of it
+        self.held: dict[str, np.ndarray] = {}  # cache id -> the blocks the call holds of it
         self.compiled: list[str] = []  # the ids it prefilled, in order
         self.lower: defaultdict[str, set[str]] = defaultdict(set)  # cache id -> lower tiers known to hold it
         self.error: Exception | None = None

@@ -73,8 +73,8 @@ def link_output(seq: Sequence) -> LinkOutput:
     return LinkOutput(
         request_id=seq.request_id, layout=link.layout, recomputed=result.recomputed,
         recomputed_by_layer=result.recomputed_by_layer, num_shared_blocks=blocks.num_shared,
-        num_private_blocks=blocks.num_private, block_ids=tuple(blocks.kv.blocks), query_hidden=seq.query_hidden,
-        probe=result.probe, policy=link.policy, order=link.chunk_order,
+        num_private_blocks=blocks.num_private, block_ids=tuple(blocks.kv.blocks.tolist()),
+        query_hidden=seq.query_hidden, probe=result.probe, policy=link.policy, order=link.chunk_order,
     )  # fmt: skip
 
 

@@ -12,9 +12,10 @@ chunks (``options.namespace``): the pool charges them their blocks and evicts th
 
 from __future__ import annotations
 
-import itertools
 from collections import Counter
 from collections.abc import Callable, Iterable
+
+import numpy as np
 
 from pic.compile import ChunkPrefill, lead_tokens, prefill_blocks
 from pic.engine.core.sequence import SeqBlocks, Sequence
@@ -67,50 +68,51 @@ class KVManager:
         self.pool.check_available(needed, holding=to_hold, what=plan.assembly.describe(), owner=owner)
         blocks = seq.blocks
         assembly = self._assemble(plan.assembly, held=blocks.held, to_hold=to_hold, owner=owner)
-        blocks.held, blocks.kv, blocks.shared = {}, assembly.req, set(plan.assembly.shared)
+        blocks.held, blocks.kv, blocks.shared = {}, assembly.req, plan.assembly.shared
         blocks.reserved = self.pool.allocate(plan.num_reserved, owner=owner)
         if seq.link.first_pass is None:  # (the figures of its first pass: a link's, reported by LinkOutput)
             blocks.num_shared, blocks.num_private = assembly.num_shared_blocks, assembly.num_private_blocks
         return assembly
 
-    def _assemble(self, plan: AssemblyPlan, *, held: dict[str, list[int]], to_hold: list[str], owner: str) -> Assembly:
+    def _assemble(self, plan: AssemblyPlan, *, held: dict[str, np.ndarray], to_hold: list[str], owner: str) -> Assembly:
         """Hold or promote the chunks, then build the block table (``pic.link.assemble``): ``held`` are the chunks
         the sequence holds already (it keeps them resident while it waits), whose references its table takes over;
-        ``owner``: the request's namespace; nothing is taken if this raises."""
+        ``owner``: the request's namespace; nothing is taken if this raises. The table's references are taken in
+        bulk, per chunk and in arrays, not per block."""
         layout, pool = plan.layout, self.pool
-        held, taken, private, mapped = dict(held), {}, [], []
+        held, taken, private, mapped = dict(held), {}, [], _NO_BLOCKS
         try:
             for cid in to_hold:
                 taken[cid] = pool.hold(cid)
             for cid, chunk in plan.to_promote.items():
-                taken[cid] = self.store.promote(chunk, owner=owner)  # (charged to the chunk's namespace)
+                taken[cid] = np.array(self.store.promote(chunk, owner=owner))  # (charged to the chunk's namespace)
             held |= taken
             private = pool.allocate(plan.num_private, owner=owner)
             canonical = [held[c.cache_id] for c in plan.chunks]
             num_blocks = blocks_for(layout.num_slots, layout.block_size)
-            table, copies = block_table(num_blocks, plan.shared, plan.chunk_blocks, canonical, private)
-            mapped = list(map(table.__getitem__, plan.shared))
+            table, sources, copies = block_table(num_blocks, plan.shared, plan.chunk_blocks, canonical, private)
+            mapped = table[plan.shared]
             pool.incref(mapped)
-            self.cache.copy_blocks([src for src, _ in copies], [dst for _, dst in copies])
+            self.cache.copy_blocks(sources.tolist(), copies.tolist())
         except BaseException:
             pool.free(mapped)
             pool.free(private)
-            pool.free(b for blocks in taken.values() for b in blocks)
+            pool.free(_joined(taken.values()))
             raise
-        all_held = list(itertools.chain.from_iterable(held.values()))
-        req = RequestKV(self.cache, table, num_slots=layout.num_slots, held=all_held)
+        req = RequestKV(self.cache, table, num_slots=layout.num_slots, held=_joined(held.values()))
         return Assembly(req, layout, canonical, num_shared_blocks=len(plan.shared), num_private_blocks=plan.num_private)
 
     def copy_written(self, seq: Sequence, written: list[int]) -> None:
         """A probe's second pass will write into the request's blocks ``written``: those it maps shared become
         private copies, in the blocks set aside at admission; the rest of those go back to the pool."""
         blocks = seq.blocks
-        shared = [i for i in written if i in blocks.shared]
+        written_ids = np.array(written, dtype=np.int64)
+        shared = written_ids[np.isin(written_ids, blocks.shared)]
         fresh, rest = blocks.reserved[: len(shared)], blocks.reserved[len(shared) :]
         blocks.reserved = []
         self.pool.free(rest)
         self.pool.free(blocks.kv.copy_on_write(shared, fresh))
-        blocks.shared -= set(shared)
+        blocks.shared = np.setdiff1d(blocks.shared, shared)
         blocks.num_shared -= len(shared)
         blocks.num_private += len(shared)
 
@@ -159,7 +161,7 @@ class KVManager:
         """Let the chunks a waiting sequence keeps resident go (when evicted, they are loaded from a lower tier or
         compiled again before it is admitted: ``ChunkSources``); whether it held any."""
         held, seq.blocks.held = seq.blocks.held, {}
-        self.pool.free(b for blocks in held.values() for b in blocks)
+        self.pool.free(_joined(held.values()))
         return bool(held)
 
     def can_start(self, prefill: ChunkPrefill) -> bool:
@@ -226,7 +228,7 @@ class KVManager:
     def unpin(self, cache_id: str) -> None:
         self.pool.unpin(cache_id)
 
-    def hold_chunk(self, cache_id: str) -> list[int]:
+    def hold_chunk(self, cache_id: str) -> np.ndarray:
         """A reference to every block of a resident chunk (nothing evicts it until ``free_blocks``)."""
         return self.pool.hold(cache_id)
 
@@ -243,7 +245,7 @@ class KVManager:
         references: Counter[int] = Counter()
         for seq in seqs:
             blocks = seq.blocks
-            references.update(b for held in blocks.held.values() for b in held)
+            references.update(_joined(blocks.held.values()).tolist())
             references.update(blocks.reserved)
             if blocks.kv is not None:
                 references.update(blocks.kv.references)
@@ -251,6 +253,15 @@ class KVManager:
             if prefill.kv is not None:
                 references.update(prefill.kv.references)
         return self.pool.audit(references)
+
+
+_NO_BLOCKS = np.empty(0, dtype=np.int64)
+
+
+def _joined(block_ids: Iterable[np.ndarray]) -> np.ndarray:
+    """Arrays of block ids, one after another."""
+    arrays = list(block_ids)
+    return np.concatenate(arrays) if arrays else _NO_BLOCKS
 
 
 def owner_of(seq: Sequence) -> str:

@@ -26,6 +26,7 @@ from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from pic.compile import ChunkPrefill
@@ -94,8 +95,9 @@ class SeqBlocks:
     of the shared chunk blocks it may write); those it does not write go back once the policy has chosen."""
 
     kv: RequestKV | None = None  # its block table and references once admitted (``None``: waiting, or preempted)
-    held: dict[str, list[int]] = field(default_factory=dict)  # cache id -> chunk blocks kept resident while it waits
-    shared: set[int] = field(default_factory=set)  # table entries mapping a chunk's canonical block (no copy)
+    held: dict[str, np.ndarray] = field(default_factory=dict)  # cache id -> chunk blocks kept resident while it waits
+    shared: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))  # table entries (increasing)
+    # mapping a chunk's canonical block (no copy)
     reserved: list[int] = field(default_factory=list)
     num_shared: int = 0  # of its first admission (its statistics); copies after a probe count private
     num_private: int = 0
