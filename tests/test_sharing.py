@@ -198,7 +198,10 @@ def non_chunk_blocks(engine: pic.PIC) -> set[int]:
     return set(range(engine.kv_stats().num_blocks)) - in_chunks
 
 
-@pytest.mark.parametrize("policy", ["mepic", "cacheblend:0.15", "naive", "full"])
+WHOLE = "suffix:0.05,whole=true"  # the last document recomputed whole: its blocks rewritten, not copied
+
+
+@pytest.mark.parametrize("policy", ["mepic", "cacheblend:0.15", "naive", "full", WHOLE])
 @pytest.mark.parametrize("family", ["stories260K", "mistral"])
 def test_nan_in_free_blocks_never_reaches_the_outputs(family, policy):
     clean = engine_for(family)  # another engine, never poisoned
@@ -223,6 +226,37 @@ def test_nan_in_free_blocks_never_reaches_the_outputs(family, policy):
         if other is not None:
             other.release()
     assert_at_rest(engine)
+
+
+@pytest.mark.parametrize("policy", [WHOLE, "suffix:0.3"])
+def test_a_block_recomputed_whole_takes_no_copy(family, policy):
+    """A static policy's pass writes every token it selects in every layer before anything reads the slot: a
+    dirty block all of whose chunk tokens it recomputes is private but takes no copy of the canonical KV (the
+    outputs with free blocks poisoned: the test above); a block recomputed in part is copied."""
+    engine = engine_for(family)
+    ids = engine.compile(list(DOCS))
+    copied: list[int] = []
+    with engine.paused() as core:
+        copy = core.cache.copy_blocks
+        core.cache.copy_blocks = lambda src, dst: (copied.extend(src), copy(src, dst))[1]
+    linked = link_first(engine, ids, policy)
+    layout, bs = linked.layout, linked.layout.block_size
+    cached = layout.slots[layout.cached] // bs
+    recomputed = layout.slots[linked.recomputed & layout.cached] // bs
+    tokens, rewritten = Counter(cached.tolist()), Counter(recomputed.tolist())
+    whole = {b for b, n in rewritten.items() if n == tokens[b]}
+    partial = dirty_blocks(linked) - whole
+    assert whole if policy == WHOLE else partial  # (each case has the kind it tests)
+    assert sorted(copied) == sorted(c for b, c in enumerate(canonical_of(linked, engine)) if b in partial)
+    linked.release()
+    assert_at_rest(engine)
+
+
+def canonical_of(linked: pic.Linked, engine: pic.PIC) -> list[int]:
+    """Each request block's canonical block (-1: not a chunk block)."""
+    blocks, chunks = chunk_blocks(linked), canonical(engine)
+    num = max(blocks) + 1
+    return [chunks[blocks[b][0]][blocks[b][1]] if b in blocks else -1 for b in range(num)]
 
 
 def test_nan_in_the_padding_of_canonical_blocks_is_never_read(family):

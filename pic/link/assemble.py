@@ -5,8 +5,10 @@ holding exactly what block ``j`` of the chunk's canonical copy holds. A block th
 nothing into is mapped as it is: the request's table names the chunk's physical block and takes a
 reference, no copy. A block holding a token the request recomputes is *dirty*: the request gets a
 private block with the canonical block's KV copied in, then the recompute pass overwrites the
-recomputed tokens' slots. Prefix and query blocks are private (nothing is cached for them), and
-so are decode blocks, appended later.
+recomputed tokens' slots; a dirty block every chunk token of which the pass rewrites in every layer
+(a static policy's document recomputed whole) is not copied: nothing reads a slot before its token is
+written (``KVCache``), so the copy would only be overwritten. Prefix and query blocks are private (nothing is
+cached for them), and so are decode blocks, appended later.
 
 Here the plan is counted and the table laid out (pure functions); the pool work, admission first, is the KV
 manager's (``KVManager.allocate``), the pool's one owner.
@@ -68,6 +70,8 @@ class AssemblyPlan:
         chunk_blocks: the request blocks of every chunk block (``ChunkBlocks``).
         shared: the request blocks (indices into its table, increasing, int64) mapped as they are: chunk blocks with
             no recomputed token in them.
+        rewritten: the request blocks (increasing, int64) whose every chunk token the pass rewrites in every layer:
+            private, and no canonical KV copied in.
         to_promote: chunks to load from a lower tier into fresh canonical blocks.
         resident: resident chunks the request holds while it links, in prompt order.
         num_private: blocks the request owns (prefix, query, copy-on-write chunk blocks).
@@ -77,6 +81,7 @@ class AssemblyPlan:
     chunks: tuple[ChunkInfo | ChunkKV, ...]
     chunk_blocks: ChunkBlocks
     shared: np.ndarray
+    rewritten: np.ndarray
     to_promote: dict[str, ChunkKV]
     resident: tuple[str, ...]
     num_private: int
@@ -94,18 +99,32 @@ class AssemblyPlan:
 
 
 def plan_assembly(
-    layout: Layout, chunks: Sequence[ChunkInfo | ChunkKV], dirty: torch.Tensor, *, is_resident: Callable[[str], bool]
+    layout: Layout,
+    chunks: Sequence[ChunkInfo | ChunkKV],
+    dirty: torch.Tensor,
+    *,
+    rewritten: torch.Tensor | None = None,
+    is_resident: Callable[[str], bool],
 ) -> AssemblyPlan:
     """Count what the KV manager will take (the module docstring). ``chunks``: what ``ChunkSources.fetch``
     found for each chunk segment of ``layout``, in order (a resident one must still be resident). ``dirty``:
     ``[T]`` bool (CPU), tokens whose KV the request writes: the blocks holding a dirty chunk token are private
-    copies (all True: every request its own copy of everything). Per chunk and in tensors, not per block."""
-    num_blocks = blocks_for(layout.num_slots, layout.block_size)
+    copies (all True: every request its own copy of everything). ``rewritten``: ``[T]`` bool (CPU), the dirty
+    tokens the pass writes in every layer before anything reads their slots (a static policy's selection; ``None``:
+    none known, as for a dynamic policy, which drops tokens layer by layer): a private block of nothing else takes
+    no copy. Per chunk and in tensors, not per block."""
+    num_blocks, bs = blocks_for(layout.num_slots, layout.block_size), layout.block_size
     chunk_blocks = _chunk_blocks(layout)
     clean = torch.zeros(num_blocks, dtype=torch.bool)
     clean[chunk_blocks.index] = True
-    clean[layout.slots[dirty & layout.cached] // layout.block_size] = False
+    clean[layout.slots[dirty & layout.cached] // bs] = False
     shared = clean.nonzero().squeeze(1).numpy()
+    if rewritten is None:
+        whole = np.empty(0, dtype=np.int64)
+    else:  # chunk blocks whose chunk tokens are all rewritten (a block's count of them equal to its count of any)
+        tokens = torch.bincount(layout.slots[layout.cached] // bs, minlength=num_blocks)
+        written = torch.bincount(layout.slots[rewritten & dirty & layout.cached] // bs, minlength=num_blocks)
+        whole = ((tokens > 0) & (written == tokens)).nonzero().squeeze(1).numpy()
     to_promote = {c.cache_id: c for c in chunks if isinstance(c, ChunkKV) and not is_resident(c.cache_id)}
     resident = tuple(cid for cid in dict.fromkeys(c.cache_id for c in chunks) if cid not in to_promote)
     return AssemblyPlan(
@@ -113,6 +132,7 @@ def plan_assembly(
         chunks=tuple(chunks),
         chunk_blocks=chunk_blocks,
         shared=shared,
+        rewritten=whole,
         to_promote=to_promote,
         resident=resident,
         num_private=num_blocks - len(shared),
@@ -126,15 +146,22 @@ def block_table(
     chunk_blocks: ChunkBlocks,
     canonical: list[np.ndarray],
     private: list[int],
+    rewritten: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The block table (int64), and the canonical and the private blocks of the copies dirty chunk blocks take: the
     ``shared`` request blocks name their chunk's canonical block, the others take the ``private`` blocks in table
-    order, and a chunk block among those copies its canonical block in. ``canonical``: each chunk segment's blocks."""
+    order, and a chunk block among those copies its canonical block in, unless it is ``rewritten`` (request blocks
+    the pass rewrites whole). ``canonical``: each chunk segment's blocks."""
     table = np.full(num_blocks, -1, dtype=np.int64)
     table[chunk_blocks.index.numpy()] = _flat(canonical, chunk_blocks)
+    if rewritten is not None and len(rewritten):
+        source_of = table.copy()
+        source_of[rewritten] = -1  # (taken private, nothing copied in)
+    else:
+        source_of = table
     is_private = np.ones(num_blocks, dtype=bool)
     is_private[shared] = False
-    source = table[is_private]  # each private block's canonical block (-1: prefix, query)
+    source = source_of[is_private]  # each private block's canonical block (-1: prefix, query, rewritten whole)
     fresh = np.array(private, dtype=np.int64)
     assert fresh.shape == source.shape, (len(private), source.shape)
     table[is_private] = fresh

@@ -118,8 +118,12 @@ class Linker:
         """
         if link.laid_out is None or link.laid_out[0] is not chunks or link.laid_out[1] != len(query):
             self._lay_out(link, prefix, chunks, query, num_generated, relevance)
-        dirty = link.selected if self._share and not link.policy.is_dynamic else torch.ones_like(link.selected)
-        assembly = plan_assembly(link.layout, link.chunk_order.apply(chunks), dirty, is_resident=self.is_resident)
+        static = not link.policy.is_dynamic  # (its selection is what the pass writes in every layer)
+        dirty = link.selected if self._share and static else torch.ones_like(link.selected)
+        assembly = plan_assembly(
+            link.layout, link.chunk_order.apply(chunks), dirty, rewritten=link.selected if static else None,
+            is_resident=self.is_resident,
+        )  # fmt: skip
         reserved = len(assembly.shared) if link.probes else 0
         return LinkPlan(assembly, int(link.selected.sum()), reserved, self._chunkable(link))
 

@@ -90,7 +90,9 @@ class KVManager:
             private = pool.allocate(plan.num_private, owner=owner)
             canonical = [held[c.cache_id] for c in plan.chunks]
             num_blocks = blocks_for(layout.num_slots, layout.block_size)
-            table, sources, copies = block_table(num_blocks, plan.shared, plan.chunk_blocks, canonical, private)
+            table, sources, copies = block_table(
+                num_blocks, plan.shared, plan.chunk_blocks, canonical, private, plan.rewritten
+            )
             mapped = table[plan.shared]
             pool.incref(mapped)
             self.cache.copy_blocks(sources.tolist(), copies.tolist())
