@@ -359,6 +359,23 @@ def order_grid_table() -> str:
 
 
 @figure
+def musique_qwen() -> str:
+    """docs/policies.md: the default on MuSiQue with Qwen2.5-Coder-0.5B, its F1 against Full Recompute's, paired
+    (qwen0.5b_musique_bf16.json, a ``pic eval accuracy`` report)."""
+    report = results("qwen0.5b_musique_bf16.json")
+    full, auto = report["scores"][0], report["scores"][1]
+    num, total = report["num_cases_evaluated"], report["workload"]["num_cases"]
+    return (
+        f"{report['model_name']} in {report['dtype']}, {num} questions (the file's first; the run was asked for "
+        f"{total}), all passages, prompts of {full['mean_recomputed']:,.0f} tokens on average: Full Recompute's "
+        f"mean F1 {full['f1']:.3f}, the default's ({auto['policy']}) {auto['f1']:.3f}, a "
+        f"paired difference of {auto['f1_diff_vs_full']:+.3f} ({auto['f1_diff_low']:+.3f} to "
+        f"{auto['f1_diff_high']:+.3f}), linked {auto['median_speedup_vs_full']:.1f}x faster (median of the cases), "
+        f"{auto['recompute_fraction']:.0%} of the prompt's token-layers recomputed"
+    )
+
+
+@figure
 def two_document_table() -> str:
     """docs/policies.md: every row of issue 65's cells (twohop, MuSiQue, and the short documents again under the
     floor on the gain), as benchmarks/order_grid.py prints them (order_grid_65/order_grid.json)."""
