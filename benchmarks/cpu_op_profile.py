@@ -24,7 +24,7 @@ paths) counts as ``other ops``; ``python`` is the profiled wall time less every 
 the profiler's own cost included: compare ``profiled_wall_s`` with ``wall_s``). ``gflops``: the prompt's linear and
 attention FLOPs (``prefill_flops``) over ``wall_s`` (for ``auto``, Full Recompute's FLOPs: what it saves is in
 its time); ``cpu_gemm_gflops``: the fastest ``torch.mm`` of a ``[2048, hidden] x [hidden, intermediate]`` product
-in the same dtype and threads, measured before the engine loads: this CPU's product rate as torch reaches it.
+in the same dtype and threads, measured while the engine is idle: this CPU's product rate as torch reaches it.
 """
 
 from __future__ import annotations
@@ -50,7 +50,6 @@ CLASSES = (
     ("rotation", r"rotary|rope|rotate"),
     ("activation", r"silu|gelu|act_and_mul"),
 )
-OP_PREFIXES = ("aten::", "_C::", "_C_cpu::", "pic::", "vllm::", "_vllm_fa", "torch_sdpa")
 
 
 def op_class(name: str) -> str:
@@ -62,7 +61,7 @@ def op_class(name: str) -> str:
 
 def is_op(name: str) -> bool:
     """A dispatched operator (its self time is compute), not a Python range or a profiler annotation."""
-    return name.startswith(OP_PREFIXES) or "::" in name
+    return "::" in name  # (aten::, _C::, pic::, vllm::: a namespace; ranges and Python frames have none)
 
 
 def classes_ms(prof, profiled_wall_s: float) -> tuple[dict[str, float], list[dict]]:
@@ -89,8 +88,7 @@ def prefill_flops(config, num_tokens: int) -> float:
 
 
 def gemm_gflops(config, dtype, threads: int, rounds: int = 7) -> float:
-    """The fastest of ``rounds`` products after three warm-ups (measured before the engine loads: nothing else of
-    this process runs beside it)."""
+    """The fastest of ``rounds`` products after three warm-ups (measured while the engine is idle)."""
     import torch
 
     torch.set_num_threads(threads)
@@ -117,14 +115,11 @@ def run_pic(args: argparse.Namespace) -> dict:
 
     rows, prompts = [], {}
     for dtype in args.dtypes:
-        from transformers import AutoConfig
-
-        folder = pic.load(args.model, dtype="float32").model.name_or_path  # (the converted folder, cached)
-        rates = {n: gemm_gflops(AutoConfig.from_pretrained(folder), getattr(torch, dtype), n) for n in args.threads}
         engine = pic.load(args.model, dtype=dtype)
         on_core = lambda fn, e=engine: e._channel.call(lambda reply: OnCoreThread(fn, reply))  # noqa: E731
         docs = documents(engine.tokenizer, max(args.contexts) // args.doc_tokens + 1, args.doc_tokens)
         config = engine.model.config
+        rates = {n: gemm_gflops(config, getattr(torch, dtype), n) for n in args.threads}  # (the engine idle)
         for context in args.contexts:
             ids = engine.compile(docs[: max(1, context // args.doc_tokens)], progress=False)
             prompt = engine.link(ids, QUESTION, policy="full").input_ids.tolist()
@@ -177,7 +172,9 @@ def run_vllm(args: argparse.Namespace) -> dict:
 
     source = json.loads(args.prompts.read_text())
     prompts = {int(c): [int(t) for t in ids.split()] for c, ids in source["prompt_ids"].items()}
-    folder = str(pic.load(args.model, dtype="float32").model.name_or_path)
+    loaded = pic.load(args.model, dtype="float32")  # (for the folder it converted the model into)
+    folder = str(loaded.model.name_or_path)
+    loaded.close()
     config = AutoConfig.from_pretrained(folder)
     longest = max(map(len, prompts.values())) + 16
     params = SamplingParams(max_tokens=1, temperature=0.0)

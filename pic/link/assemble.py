@@ -146,7 +146,7 @@ def block_table(
     chunk_blocks: ChunkBlocks,
     canonical: list[np.ndarray],
     private: list[int],
-    rewritten: np.ndarray | None = None,
+    rewritten: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The block table (int64), and the canonical and the private blocks of the copies dirty chunk blocks take: the
     ``shared`` request blocks name their chunk's canonical block, the others take the ``private`` blocks in table
@@ -154,18 +154,14 @@ def block_table(
     the pass rewrites whole). ``canonical``: each chunk segment's blocks."""
     table = np.full(num_blocks, -1, dtype=np.int64)
     table[chunk_blocks.index.numpy()] = _flat(canonical, chunk_blocks)
-    if rewritten is not None and len(rewritten):
-        source_of = table.copy()
-        source_of[rewritten] = -1  # (taken private, nothing copied in)
-    else:
-        source_of = table
     is_private = np.ones(num_blocks, dtype=bool)
     is_private[shared] = False
-    source = source_of[is_private]  # each private block's canonical block (-1: prefix, query, rewritten whole)
+    is_copied = table >= 0  # a private chunk block copies its canonical block in, unless the pass rewrites it whole
+    is_copied[rewritten] = False
+    source, copied = table[is_private], is_copied[is_private]  # (source -1: prefix, query)
     fresh = np.array(private, dtype=np.int64)
     assert fresh.shape == source.shape, (len(private), source.shape)
     table[is_private] = fresh
-    copied = source >= 0
     return table, source[copied], fresh[copied]
 
 
